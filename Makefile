@@ -1,0 +1,40 @@
+# Two commands a newcomer needs: `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.installed-stamp
+
+.PHONY: setup demo test lint bench sample clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Enrich the bundled sample on an embedded Prefect server (no server to start).
+demo: setup
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/rollout-capture enrich examples/sample/rollouts.jsonl \
+		--capture-dir examples/sample/captures --output out/sample.enriched.jsonl
+
+test: setup
+	$(BIN)/pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+bench: setup
+	$(BIN)/python benchmarks/bench_merge.py
+	$(BIN)/python benchmarks/bench_flow.py
+	$(BIN)/python benchmarks/bench_s3.py
+
+# Regenerate examples/sample/ from the shared corpus (deterministic).
+sample: setup
+	$(BIN)/python examples/build_sample.py
+
+clean:
+	rm -rf out benchmarks/_corpus benchmarks/results .pytest_cache .ruff_cache .mypy_cache

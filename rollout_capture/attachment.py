@@ -1,0 +1,114 @@
+"""The ``ng_model_call_capture`` attachment of one rollout, and putting it on the record.
+
+Every gap in the evidence is stated with its code (spec section 7), never papered over;
+the ownership join runs last so its failure is a gap too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from pydantic import ValidationError
+
+from rollout_capture.evidence import Evidence
+from rollout_capture.metrics import aggregate_call_dicts
+from rollout_capture.ownership import join_ownership
+from rollout_capture.records import call_record_dict, verifier_invocation_dict
+
+logger = logging.getLogger(__name__)
+
+ATTACHMENT_KEY = "ng_model_call_capture"
+OBSERVATIONS_KEY = "ng_agent_observations"
+
+GAP_NO_RECORDS = "model_call_capture_no_records"
+GAP_RECORDS_UNREADABLE = "model_call_capture_records_unreadable"
+GAP_INCOMPLETE = "model_call_capture_incomplete"
+GAP_UNREADABLE = "model_call_capture_unreadable"
+GAP_PENDING = "model_call_capture_pending"
+GAP_CLAIM_ABANDONED = "model_call_capture_claim_abandoned"
+GAP_JOIN_FAILED = "agent_observation_join_failed"
+
+
+def _gap(code: str, detail: str | None = None) -> dict[str, str]:
+    return {"code": code} if detail is None else {"code": code, "detail": detail}
+
+
+def build_attachment(
+    rollout_id: str,
+    evidence: Evidence,
+    *,
+    include_payloads: bool = False,
+    now: float | None = None,
+) -> dict[str, Any]:
+    """The ``ng_model_call_capture`` value for one rollout (before the ownership join)."""
+    gaps: list[dict[str, str]] = []
+    calls: list[dict[str, Any]] = []
+    verifiers: dict[str, dict[str, Any]] = {}
+    snap = evidence.snapshot
+    if evidence.unreadable:
+        gaps.append(_gap(GAP_UNREADABLE))
+    elif snap is None:
+        gaps.append(_gap(GAP_NO_RECORDS))
+    else:
+        damaged = len(snap.damaged)
+        for call_index, row in snap.rows:
+            kind = row.get("kind")
+            try:
+                if kind is None or kind == "model_call":
+                    calls.append(call_record_dict(row, call_index, include_payloads=include_payloads))
+                elif kind == "verifier_invocation":
+                    invocation = verifier_invocation_dict(row, call_index, include_payloads=include_payloads)
+                    verifiers.pop(invocation["verifier_invocation_id"], None)  # a retried verify wins
+                    verifiers[invocation["verifier_invocation_id"]] = invocation
+                else:
+                    damaged += 1  # a row kind this reader does not know: evidence it cannot use
+            except ValidationError:
+                damaged += 1
+        if damaged:
+            gaps.append(_gap(GAP_RECORDS_UNREADABLE, f"count={damaged}"))
+        if snap.incomplete:
+            gaps.append(_gap(GAP_INCOMPLETE))
+        elif not calls and not damaged:
+            gaps.append(_gap(GAP_NO_RECORDS))
+        moment = time.time() if now is None else now
+        live = len(snap.live_claims(moment))
+        expired = len(snap.claims) - live
+        if live:
+            gaps.append(_gap(GAP_PENDING, f"count={live}"))
+        elif expired:
+            gaps.append(_gap(GAP_CLAIM_ABANDONED, f"count={expired}"))
+    for call in calls:
+        owner = verifiers.get(call.get("verifier_invocation_id") or "")
+        if owner is not None and call.get("model_call_id"):
+            owner["model_call_ids"].append(call["model_call_id"])
+    attachment: dict[str, Any] = {
+        "rollout_id": rollout_id,
+        "metrics": aggregate_call_dicts(calls),
+        "calls": calls,
+    }
+    if gaps:
+        attachment["gaps"] = gaps
+    if verifiers:
+        attachment["verifier_invocations"] = list(verifiers.values())
+    return attachment
+
+
+def attach(record: dict[str, Any], attachment: dict[str, Any]) -> dict[str, Any]:
+    """Put the attachment on the record and run the ownership join; returns the record."""
+    observations = record.get(OBSERVATIONS_KEY)
+    if observations is not None:
+        try:
+            record[OBSERVATIONS_KEY] = join_ownership(observations, attachment["calls"])
+        except Exception as exc:
+            logger.warning("could not join agent observations of %s: %s", attachment["rollout_id"], exc)
+            gaps = attachment.pop("gaps", [])
+            gaps.append(_gap(GAP_JOIN_FAILED))
+            # Keep key order stable: gaps come before verifier invocations.
+            verifiers = attachment.pop("verifier_invocations", None)
+            attachment["gaps"] = gaps
+            if verifiers is not None:
+                attachment["verifier_invocations"] = verifiers
+    record[ATTACHMENT_KEY] = attachment
+    return record

@@ -1,0 +1,76 @@
+"""Claims (spec section 3): "a row for this rollout is being produced right now".
+
+A claim is live until its expiry; past it, the producer is presumed dead and the claim
+is abandoned. On object stores expiry counts from the object's own modification time,
+because the writer's clock may be on another host.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+
+import orjson
+from pydantic import BaseModel, ValidationError
+
+DEFAULT_CLAIM_TTL_S = 300.0
+
+
+class Claim(BaseModel):
+    """The body of one claim file, plus when it stops counting as live."""
+
+    claim_id: str
+    model_call_id: str | None = None
+    host: str = ""
+    pid: int = -1
+    claimed_at: float
+    ttl_s: float = DEFAULT_CLAIM_TTL_S
+    expires_at: float | None = None
+
+    def is_live(self, now: float) -> bool:
+        """Live until ``expires_at`` (or ``claimed_at + ttl_s`` when not set)."""
+        deadline = self.expires_at if self.expires_at is not None else self.claimed_at + self.ttl_s
+        return now < deadline
+
+
+def new_claim(model_call_id: str | None, ttl_s: float) -> Claim:
+    """A fresh claim for this process."""
+    if ttl_s <= 0:
+        raise ValueError(f"ttl_s must be positive; got {ttl_s!r}")
+    return Claim(
+        claim_id=uuid.uuid4().hex,
+        model_call_id=model_call_id,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        claimed_at=time.time(),
+        ttl_s=float(ttl_s),
+    )
+
+
+def claim_body(claim: Claim) -> bytes:
+    """Serialized claim, without the derived ``expires_at``."""
+    return orjson.dumps(claim.model_dump(exclude={"expires_at"}))
+
+
+def read_claim(claim_id: str, body: bytes | None, mtime: float | None, *, trust_mtime: bool) -> Claim:
+    """Interpret a claim file; an unreadable body still counts, from its mtime.
+
+    ``trust_mtime`` is set for object stores, whose modification time comes from the
+    store's clock rather than the writer's.
+    """
+    claim: Claim | None = None
+    if body:
+        try:
+            claim = Claim.model_validate(orjson.loads(body))
+        except (orjson.JSONDecodeError, ValidationError):
+            claim = None
+    if claim is None:
+        basis = mtime if mtime is not None else time.time()
+        claim = Claim(claim_id=claim_id, claimed_at=basis)
+    if trust_mtime and mtime is not None:
+        claim.expires_at = mtime + claim.ttl_s
+    else:
+        claim.expires_at = claim.claimed_at + claim.ttl_s
+    return claim

@@ -1,0 +1,58 @@
+"""Which storage errors are worth retrying.
+
+Transient faults (connections, timeouts, throttling, 5xx, s3fs giving up after its own
+retries) heal by themselves; bad input and missing or forbidden files never do, and
+retrying them only delays the error the user needs to see.
+"""
+
+from __future__ import annotations
+
+import errno
+
+try:  # s3fs depends on both; other stores simply never raise these types.
+    from aiohttp import ClientConnectionError, ClientPayloadError
+    from botocore.exceptions import ClientError, HTTPClientError
+except ImportError:  # pragma: no cover
+    ClientConnectionError = ClientPayloadError = ClientError = HTTPClientError = ()  # type: ignore[assignment,misc]
+
+from fsspec.exceptions import FSTimeoutError
+
+# s3fs maps 503/SlowDown/409 to EBUSY, 500 to EREMOTEIO and unknown codes (502, 504) to EIO.
+_TRANSIENT_ERRNOS = {errno.EBUSY, errno.EREMOTEIO, errno.EIO, errno.EAGAIN, errno.ETIMEDOUT}
+_THROTTLING_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "TooManyRequests",
+}
+_NEVER = (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)
+
+
+def _transient_alone(exc: BaseException) -> bool:
+    if isinstance(exc, _NEVER):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError, FSTimeoutError, HTTPClientError)):
+        return True
+    if isinstance(exc, (ClientConnectionError, ClientPayloadError)):
+        return True
+    if isinstance(exc, ClientError):
+        response = getattr(exc, "response", None) or {}
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        code = response.get("Error", {}).get("Code", "")
+        return status >= 500 or status == 429 or code in _THROTTLING_CODES
+    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
+
+
+def is_transient_storage_error(exc: BaseException) -> bool:
+    """True when ``exc`` (or what caused it) is a storage fault that may heal on retry."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (*_NEVER, ValueError)):
+            return False
+        if _transient_alone(current):
+            return True
+        current = current.__cause__ or current.__context__
+    return False

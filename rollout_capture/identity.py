@@ -1,0 +1,80 @@
+"""Rollout identity: which capture key a rollout record owns (spec section 1).
+
+The id is also the only user-controlled part of a capture file name, so validation
+here is the single gate that keeps every store operation inside the capture root.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+ROLLOUT_ID_KEY = "_ng_rollout_id"
+TASK_INDEX_KEY = "_ng_task_index"
+ROLLOUT_INDEX_KEY = "_ng_rollout_index"
+ATTEMPT_INDEX_KEY = "_ng_attempt_index"
+
+# fullmatch, never match(): "$" would accept a trailing newline.
+_ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def validate_rollout_id(rollout_id: object) -> str:
+    """Return the id unchanged if it is a safe capture key, else raise ``ValueError``.
+
+    Safe means non-empty ASCII letters, digits, ``.``, ``_``, ``-`` with an alphanumeric
+    first character: no separators, no ``..`` escape, no hidden files, no NUL.
+    """
+    if not isinstance(rollout_id, str) or _ROLLOUT_ID_RE.fullmatch(rollout_id) is None:
+        raise ValueError(
+            f"invalid rollout id {rollout_id!r}: use ASCII letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return rollout_id
+
+
+def _attempt_number(value: Any) -> int:
+    """``int(value)``, refusing what only truncation or a bool would make an integer."""
+    error = ValueError(f"{ATTEMPT_INDEX_KEY} must be an integer; got {value!r}")
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise error
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise error from None
+
+
+def maybe_rollout_id_from_run_body(record: Mapping[str, Any] | None) -> str | None:
+    """Derive the capture key of a rollout record, or ``None`` when it has none.
+
+    An explicit ``_ng_rollout_id`` wins; otherwise ``"{task}-{rollout}"``; a positive
+    ``_ng_attempt_index`` appends ``-a{n}`` so each retry gets its own capture.
+    Malformed explicit ids raise instead of being rewritten (a rewritten id could not
+    be looked up). Derived ids are validated by every store operation.
+    """
+    if not isinstance(record, Mapping):
+        return None
+    explicit = record.get(ROLLOUT_ID_KEY)
+    if explicit is not None:
+        rollout_id = validate_rollout_id(explicit)
+    else:
+        task = record.get(TASK_INDEX_KEY)
+        rollout = record.get(ROLLOUT_INDEX_KEY)
+        if task is None or rollout is None:
+            return None
+        rollout_id = f"{task}-{rollout}"
+    attempt = record.get(ATTEMPT_INDEX_KEY)
+    if attempt is not None:
+        number = _attempt_number(attempt)
+        if number > 0:
+            rollout_id = f"{rollout_id}-a{number}"
+    return rollout_id
+
+
+def rollout_id_of(record: Mapping[str, Any] | None) -> str | None:
+    """Like :func:`maybe_rollout_id_from_run_body`, but also validates derived ids.
+
+    Used wherever the id is about to become a file name.
+    """
+    rollout_id = maybe_rollout_id_from_run_body(record)
+    return None if rollout_id is None else validate_rollout_id(rollout_id)

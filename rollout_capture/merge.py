@@ -1,0 +1,33 @@
+"""Merging captures into rollout records (spec section 7): the one-record entry point.
+
+A merge adds exactly one key, ``ng_model_call_capture`` (and may update
+``ng_agent_observations``), and merging twice gives the same record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rollout_capture.attachment import attach, build_attachment
+from rollout_capture.evidence import gather_evidence
+from rollout_capture.identity import rollout_id_of
+from rollout_capture.store import CaptureDir, as_store
+
+
+def merge_model_call_capture_into_record(
+    record: dict[str, Any], capture_dirs: Sequence[CaptureDir], include_payloads: bool = False
+) -> dict[str, Any]:
+    """Attach the rollout's captured calls to ``record`` in place and return it.
+
+    A record without an id, or no capture dirs, is returned as is. Merging twice gives
+    the same record.
+    """
+    if not capture_dirs:
+        return record
+    rollout_id = rollout_id_of(record)
+    if rollout_id is None:
+        return record
+    stores = [as_store(d) for d in capture_dirs]
+    evidence = gather_evidence([rollout_id], stores)[rollout_id]
+    return attach(record, build_attachment(rollout_id, evidence, include_payloads=include_payloads))

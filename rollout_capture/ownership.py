@@ -1,0 +1,195 @@
+"""Which agent invocation made which captured call (spec section 8).
+
+References are resolved by identity only (``model_call_id``, or the exact
+``(model_ref, response_id)`` pair); timestamps and list positions never decide, so a
+wrong guess is impossible and every doubt becomes an explicit gap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+JOIN_CODES = frozenset(
+    {"model_call_reference_unmatched", "model_call_reference_ambiguous", "model_call_reference_conflict"}
+)
+UNOWNED_CODE = "model_call_ownership_unavailable"
+
+
+class ObservationError(ValueError):
+    """The record's ``ng_agent_observations`` does not have the shape the join needs."""
+
+
+def _ref_key(ref: Any) -> tuple[str, str] | None:
+    if ref is None:
+        return None
+    if not (
+        isinstance(ref, Mapping) and isinstance(ref.get("type"), str) and isinstance(ref.get("name"), str)
+    ):
+        raise ObservationError(f"model_ref must be {{type, name}}; got {ref!r}")
+    return ref["type"], ref["name"]
+
+
+def _check_ref(ref: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(ref, Mapping):
+        raise ObservationError(f"{where}: a model call reference must be an object")
+    call_id, response_id = ref.get("model_call_id"), ref.get("response_id")
+    for name, value in (("model_call_id", call_id), ("response_id", response_id)):
+        if value is not None and not isinstance(value, str):
+            raise ObservationError(f"{where}.{name} must be a string")
+    key = _ref_key(ref.get("model_ref"))
+    if not call_id and not (key is not None and response_id):
+        raise ObservationError(f"{where}: needs model_call_id, or both model_ref and response_id")
+    return ref
+
+
+def _invocations(observations: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Invocations in the spec's ``invocations`` list, or NeMo Gym's typed ``records``."""
+    found: list[dict[str, Any]] = []
+    listed = observations.get("invocations", [])
+    if not isinstance(listed, list):
+        raise ObservationError("ng_agent_observations.invocations must be a list")
+    found.extend(listed)
+    records = observations.get("records", [])
+    if not isinstance(records, list):
+        raise ObservationError("ng_agent_observations.records must be a list")
+    found.extend(r for r in records if isinstance(r, dict) and r.get("kind") == "agent_invocation")
+    seen: set[str] = set()
+    for index, invocation in enumerate(found):
+        if not isinstance(invocation, dict) or not isinstance(invocation.get("invocation_id"), str):
+            raise ObservationError(f"invocation #{index} needs a string invocation_id")
+        if invocation["invocation_id"] in seen:
+            raise ObservationError(f"invocation_id {invocation['invocation_id']!r} is not unique")
+        seen.add(invocation["invocation_id"])
+        if not isinstance(invocation.get("model_calls", []), list):
+            raise ObservationError(f"invocation {invocation['invocation_id']!r}: model_calls must be a list")
+    return found
+
+
+def _gap(code: str, invocation_id: str | None, detail: str | None) -> dict[str, Any]:
+    gap: dict[str, Any] = {"code": code}
+    if invocation_id is not None:
+        gap["invocation_id"] = invocation_id
+    if detail is not None:
+        gap["detail"] = detail
+    return gap
+
+
+def _written_by_join(gap: Any) -> bool:
+    if not isinstance(gap, Mapping):
+        return False
+    code = gap.get("code")
+    if code in JOIN_CODES:
+        return True
+    detail = gap.get("detail")
+    return (
+        code == UNOWNED_CODE
+        and gap.get("invocation_id") is None
+        and (detail is None or (isinstance(detail, str) and detail.startswith("capture:")))
+    )
+
+
+def join_ownership(observations: Any, calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A new ``ng_agent_observations`` with refs resolved against ``calls`` and gaps updated.
+
+    ``calls`` are dumped call records. Calls made by a verifier (they carry a
+    ``verifier_invocation_id``) are owned by it and never reported as unowned.
+    Raises :class:`ObservationError` when the observations are malformed.
+    """
+    if not isinstance(observations, Mapping):
+        raise ObservationError("ng_agent_observations must be an object")
+    gaps_in = observations.get("gaps", [])
+    if not isinstance(gaps_in, list):
+        raise ObservationError("ng_agent_observations.gaps must be a list")
+    result = dict(observations)
+    invocations = _invocations(observations)
+
+    by_call_id: dict[str, list[int]] = {}
+    by_response: dict[tuple[str, str, str], list[int]] = {}
+    for position, call in enumerate(calls):
+        call_id = call.get("model_call_id")
+        if call_id:
+            by_call_id.setdefault(call_id, []).append(position)
+        ref = call.get("model_ref")
+        response_id = call.get("response_id")
+        if ref is not None and response_id:
+            by_response.setdefault((ref["type"], ref["name"], response_id), []).append(position)
+
+    def matches(ref: Mapping[str, Any]) -> list[int]:
+        key = _ref_key(ref.get("model_ref"))
+        if ref.get("model_call_id"):
+            return [
+                p
+                for p in by_call_id.get(ref["model_call_id"], [])
+                if (key is None or key == _ref_key(calls[p].get("model_ref")))
+                and (ref.get("response_id") is None or ref["response_id"] == calls[p].get("response_id"))
+            ]
+        assert key is not None
+        return by_response.get((*key, ref["response_id"]), [])
+
+    owned: set[int] = set()
+    join_gaps: list[dict[str, Any]] = []
+    new_invocations: dict[int, dict[str, Any]] = {}
+    for invocation in invocations:
+        resolved: list[Any] = []
+        invocation_id = invocation["invocation_id"]
+        for index, ref in enumerate(invocation.get("model_calls", [])):
+            _check_ref(ref, f"invocation {invocation_id!r} model_calls[{index}]")
+            candidates = matches(ref)
+            if len(candidates) != 1:
+                code = "model_call_reference_ambiguous" if candidates else "model_call_reference_unmatched"
+                join_gaps.append(
+                    _gap(code, invocation_id, ref.get("model_call_id") or ref.get("response_id"))
+                )
+                resolved.append(ref)
+                continue
+            position = candidates[0]
+            call = calls[position]
+            if position in owned:
+                detail = call.get("model_call_id") or call.get("response_id")
+                join_gaps.append(_gap("model_call_reference_conflict", invocation_id, detail))
+                resolved.append(ref)
+                continue
+            owned.add(position)
+            resolved.append(
+                {
+                    **ref,
+                    "model_call_id": call.get("model_call_id"),
+                    "model_ref": call.get("model_ref"),
+                    "response_id": call.get("response_id"),
+                }
+            )
+        new_invocations[id(invocation)] = {**invocation, "model_calls": resolved}
+
+    for key in ("invocations", "records"):
+        if key in observations:
+            result[key] = [new_invocations.get(id(item), item) for item in observations[key]]
+
+    gaps = [gap for gap in gaps_in if not _written_by_join(gap)]
+    gaps.extend(join_gaps)
+    for position, call in enumerate(calls):
+        if position in owned or call.get("verifier_invocation_id"):
+            continue
+        label = call.get("model_call_id") or call.get("response_id") or "unknown"
+        gaps.append(_gap(UNOWNED_CODE, None, f"capture:{label}:call_index={call['call_index']}"))
+    result["gaps"] = _dedupe(gaps)
+    return result
+
+
+def _dedupe(gaps: list[Any]) -> list[Any]:
+    seen: set[Any] = set()
+    out = []
+    for gap in gaps:
+        key: Any = (
+            (gap.get("code"), gap.get("invocation_id"), gap.get("detail"))
+            if isinstance(gap, Mapping)
+            else repr(gap)
+        )
+        try:
+            hash(key)
+        except TypeError:
+            key = repr(gap)
+        if key not in seen:
+            seen.add(key)
+            out.append(gap)
+    return out

@@ -1,0 +1,68 @@
+"""Waiting until no claimed capture write is outstanding (spec section 3).
+
+Cancelled model calls finish their rows after the rollout result was handed on, so
+enrichment first waits, bounded, for their claims to go. One deadline covers a whole
+batch: a batch of stuck rollouts costs one timeout, not one each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Sequence
+
+from rollout_capture.identity import validate_rollout_id
+from rollout_capture.listing import RolloutListing
+from rollout_capture.store import CaptureDir, CaptureStore, as_store
+
+CAPTURE_DRAIN_TIMEOUT_S = 10.0
+DEFAULT_POLL_S = 0.05
+
+
+def live_claimed(store: CaptureStore, listings: dict[str, RolloutListing], now: float) -> set[str]:
+    """Ids among the listed ones that still have a live claim in this store."""
+    claimed = {r: listing for r, listing in listings.items() if listing.claims}
+    if not claimed:
+        return set()
+    return {r for r, claims in store.read_claims(claimed).items() if any(c.is_live(now) for c in claims)}
+
+
+async def await_quiescence_many(
+    rollout_ids: Iterable[str],
+    capture_dirs: Sequence[CaptureDir],
+    timeout_s: float = CAPTURE_DRAIN_TIMEOUT_S,
+    poll_s: float = DEFAULT_POLL_S,
+) -> set[str]:
+    """Wait until none of the ids has a live claim in any dir; return those still pending.
+
+    The first check lists the whole batch at once; later polls look only at the ids
+    that were still claimed.
+    """
+    pending = {validate_rollout_id(r) for r in rollout_ids}
+    stores = [as_store(d) for d in capture_dirs]
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    while True:
+        still: set[str] = set()
+        for store in stores:
+            listings = await asyncio.to_thread(store.listings, sorted(pending))
+            still |= await asyncio.to_thread(live_claimed, store, listings, time.time())
+        pending = still
+        if not pending:
+            return set()
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return pending
+        await asyncio.sleep(min(poll_s, remaining))
+
+
+async def await_model_call_capture_quiescence(
+    rollout_id: str,
+    capture_dirs: Sequence[CaptureDir],
+    timeout_s: float = CAPTURE_DRAIN_TIMEOUT_S,
+    poll_s: float = DEFAULT_POLL_S,
+) -> bool:
+    """True as soon as no live claim exists for the id, False when ``timeout_s`` passes first.
+
+    An id with no capture at all is quiescent at once.
+    """
+    return not await await_quiescence_many([rollout_id], capture_dirs, timeout_s, poll_s)

@@ -1,0 +1,97 @@
+"""Capture bytes to rows (spec section 2, "Readers").
+
+A damaged row is reported with where it came from and never hides the others; every
+row, damaged or not, takes one position so ``call_index`` stays stable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+Row = dict[str, Any]
+
+# Object-layout writers tag each body so a retried PUT can recognise its own landed write.
+NONCE_KEY = "_capture_nonce"
+
+
+@dataclass(frozen=True, slots=True)
+class Damage:
+    """One unreadable row: the file it sits in, its line (JSONL only) and why."""
+
+    source: str
+    line: int | None
+    reason: str
+
+    def describe(self) -> str:
+        where = self.source if self.line is None else f"{self.source}:{self.line}"
+        return f"{where}: {self.reason}"
+
+
+class CaptureRowError(ValueError):
+    """Raised by strict readers on the first damaged row; names file and line."""
+
+    def __init__(self, damage: Damage) -> None:
+        super().__init__(damage.describe())
+        self.damage = damage
+
+
+@dataclass(slots=True)
+class ParsedRows:
+    """Rows in read order with their positions, plus what could not be read."""
+
+    rows: list[tuple[int, Row]]
+    damaged: list[Damage]
+    positions: int = 0
+
+    def add_row(self, row: Row) -> None:
+        self.rows.append((self.positions, row))
+        self.positions += 1
+
+    def add_damage(self, damage: Damage) -> None:
+        self.damaged.append(damage)
+        self.positions += 1
+
+
+def new_parsed_rows() -> ParsedRows:
+    """An empty accumulator; JSONL rows go in first, then object rows by seq."""
+    return ParsedRows(rows=[], damaged=[])
+
+
+def add_jsonl(parsed: ParsedRows, data: bytes, source: str) -> None:
+    """Append the rows of a JSONL capture: file order, blank lines skipped."""
+    lines = data.split(b"\n")
+    last = len(lines) - 1
+    loads = orjson.loads
+    for number, line in enumerate(lines, start=1):
+        if not line or line.isspace():
+            continue
+        try:
+            row = loads(line)
+        except orjson.JSONDecodeError:
+            torn = number - 1 == last
+            parsed.add_damage(Damage(source, number, "torn final line" if torn else "not JSON"))
+            continue
+        if type(row) is dict:
+            parsed.add_row(row)
+        else:
+            parsed.add_damage(Damage(source, number, f"not a JSON object ({type(row).__name__})"))
+
+
+def add_object(parsed: ParsedRows, data: bytes, source: str) -> None:
+    """Append the single row held by one object-layout file."""
+    if not data.strip():
+        parsed.add_damage(Damage(source, None, "empty object"))
+        return
+    try:
+        row = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        parsed.add_damage(Damage(source, None, "not JSON"))
+        return
+    if type(row) is dict:
+        row.pop(NONCE_KEY, None)
+        parsed.add_row(row)
+    else:
+        parsed.add_damage(Damage(source, None, f"not a JSON object ({type(row).__name__})"))

@@ -1,0 +1,63 @@
+"""URL to filesystem, with the defaults object stores need to be read correctly and fast.
+
+s3fs caches listings (stale reads of a capture being written) and botocore pools only
+10 connections (concurrent reads queue behind them); both are fixed here, once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from rollout_capture.config import refuse_secret_options
+
+DEFAULT_READ_CONCURRENCY = 32
+_S3_PROTOCOLS = {"s3", "s3a"}
+
+
+def protocol_of(fs: fsspec.AbstractFileSystem) -> str:
+    """The filesystem's main protocol name (``file``, ``s3``, ``memory``...)."""
+    proto = fs.protocol
+    return proto if isinstance(proto, str) else proto[0]
+
+
+def is_s3(fs: fsspec.AbstractFileSystem) -> bool:
+    """True for s3fs, whose calls take S3-specific keyword arguments."""
+    return protocol_of(fs) in _S3_PROTOCOLS
+
+
+def with_defaults(url: str, storage_options: Mapping[str, Any] | None, concurrency: int) -> dict[str, Any]:
+    """Storage options plus safe defaults for the URL's scheme (never overriding the caller)."""
+    options = dict(storage_options or {})
+    scheme = url.split("://", 1)[0] if "://" in url else "file"
+    if scheme in _S3_PROTOCOLS:
+        options.setdefault("use_listings_cache", False)
+        config_kwargs = dict(options.get("config_kwargs") or {})
+        config_kwargs.setdefault("max_pool_connections", max(10, concurrency + 8))
+        options["config_kwargs"] = config_kwargs
+    return options
+
+
+def open_filesystem(
+    url: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    concurrency: int = DEFAULT_READ_CONCURRENCY,
+) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Resolve a path or URL to ``(filesystem, root path as that filesystem names it)``."""
+    refuse_secret_options(storage_options)
+    text = os.fspath(url)
+    if "://" not in text or text.startswith("file://"):
+        local = text[len("file://") :] if text.startswith("file://") else text
+        return LocalFileSystem(), os.path.abspath(local)
+    fs, root = fsspec.core.url_to_fs(text, **with_defaults(text, storage_options, concurrency))
+    return fs, root.rstrip("/")
+
+
+def join(root: str, name: str) -> str:
+    """``root/name`` for fsspec paths (always ``/``-separated)."""
+    return f"{root}/{name}" if root else name

@@ -1,0 +1,371 @@
+"""The capture store of one root: writes, claims, markers, reads and clearing (spec 2, 3, 9).
+
+Layout follows the filesystem: JSONL appends on local POSIX disks, a put-if-absent
+sequence of objects on object stores (which have no append). Reads understand both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+
+import orjson
+from fsspec.implementations.local import LocalFileSystem
+
+from rollout_capture import layout as names
+from rollout_capture.backends import Backend, FsspecBackend, LocalBackend
+from rollout_capture.claims import DEFAULT_CLAIM_TTL_S, Claim, claim_body, new_claim, read_claim
+from rollout_capture.identity import validate_rollout_id
+from rollout_capture.listing import RolloutListing
+from rollout_capture.rows import NONCE_KEY, CaptureRowError, Row
+from rollout_capture.snapshot import RolloutSnapshot, read_snapshots
+from rollout_capture.storage import DEFAULT_READ_CONCURRENCY, open_filesystem
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Layout = Literal["auto", "jsonl", "objects"]
+
+# A flat listing of the root beats one listing per rollout while the root holds fewer
+# than this many keys per rollout asked for (a LIST page holds 1,000 keys).
+_KEYS_PER_LIST_PAGE = 1000
+# With no size hint yet, a batch this large is listed flat (and the hint learned).
+_FLAT_LISTING_MIN_IDS = 32
+_MAX_SEQ_HINTS = 10_000
+_CLEAR_ATTEMPTS = 3
+
+
+async def finish_in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn`` in a thread and wait for it even if the caller is cancelled meanwhile.
+
+    A capture write that started must land (or fail) before its claim is released;
+    cancellation is re-raised once it has.
+    """
+    future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(future)
+            break
+        except asyncio.CancelledError:
+            if future.done():
+                # The write finished with an error while we were cancelled.
+                error = None if future.cancelled() else future.exception()
+                if error is None:
+                    raise
+                raise error from None
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
+
+
+class ClaimContext:
+    """``with store.claim(...)`` / ``async with store.claim(...)``: hold a claim for one call."""
+
+    def __init__(self, store: CaptureStore, rollout_id: str, model_call_id: str | None, ttl_s: float) -> None:
+        self._store = store
+        self._rollout_id = validate_rollout_id(rollout_id)
+        self._model_call_id = model_call_id
+        self._ttl_s = ttl_s
+        self.claim: Claim | None = None
+
+    def _acquire(self) -> Claim:
+        claim = new_claim(self._model_call_id, self._ttl_s)
+        self._store._backend.put(
+            self._store._backend.path(names.claim_name(self._rollout_id, claim.claim_id)), claim_body(claim)
+        )
+        self.claim = claim
+        return claim
+
+    def _release(self) -> None:
+        if self.claim is not None:
+            self._store._backend.remove(
+                [self._store._backend.path(names.claim_name(self._rollout_id, self.claim.claim_id))]
+            )
+            self.claim = None
+
+    def __enter__(self) -> Claim:
+        return self._acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._release()
+
+    async def __aenter__(self) -> Claim:
+        try:
+            return await finish_in_thread(self._acquire)
+        except asyncio.CancelledError:
+            await finish_in_thread(self._release)
+            raise
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await finish_in_thread(self._release)
+
+
+class CaptureStore:
+    """One capture root (a local path or any fsspec URL) and the rollouts under it."""
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        layout: Layout = "auto",
+        concurrency: int = DEFAULT_READ_CONCURRENCY,
+    ) -> None:
+        self.url = os.fspath(url)
+        self.storage_options = dict(storage_options or {})
+        self.concurrency = concurrency
+        fs, root = open_filesystem(self.url, self.storage_options, concurrency=concurrency)
+        self.root = root
+        self.is_local = isinstance(fs, LocalFileSystem)
+        self._backend: Backend = LocalBackend(root) if self.is_local else FsspecBackend(fs, root, concurrency)
+        if layout == "auto":
+            layout = "jsonl" if self.is_local else "objects"
+        if layout == "jsonl" and not self.is_local:
+            raise ValueError(
+                f"{self.url}: the JSONL layout needs a local disk (object stores have no append)"
+            )
+        self.layout: Literal["jsonl", "objects"] = layout
+        self._seq_hints: dict[str, int] = {}
+        self._root_keys_hint: int | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Filesystems are not fork- or pickle-safe; a worker rebuilds its own.
+        return (_rebuild_store, (self.url, self.storage_options, self.layout, self.concurrency))
+
+    def __repr__(self) -> str:
+        return f"CaptureStore({self.url!r}, layout={self.layout!r})"
+
+    # ------------------------------------------------------------------ writing
+
+    def record(self, rollout_id: str, row: Mapping[str, Any]) -> None:
+        """Append one row for the rollout; it is durable when this returns.
+
+        If the write fails, the rollout is marked incomplete (so readers know its capture
+        is partial) and the error is raised.
+        """
+        validate_rollout_id(rollout_id)
+        if not isinstance(row, Mapping):
+            raise ValueError(f"a capture row must be a JSON object; got {type(row).__name__}")
+        try:
+            if self.layout == "jsonl":
+                line = orjson.dumps(row, default=str, option=orjson.OPT_APPEND_NEWLINE)
+                self._backend.append_line(self._backend.path(names.jsonl_name(rollout_id)), line)
+            else:
+                self._append_object(rollout_id, row)
+        except Exception:
+            logger.warning(
+                "capture write failed for rollout %s; marking it incomplete", rollout_id, exc_info=True
+            )
+            try:
+                self.mark_incomplete(rollout_id)
+            except Exception:
+                logger.warning("could not mark rollout %s incomplete", rollout_id, exc_info=True)
+            raise
+
+    async def record_async(self, rollout_id: str, row: Mapping[str, Any]) -> None:
+        """:meth:`record` off the event loop, shielded: a cancelled caller still lands its row."""
+        await finish_in_thread(self.record, rollout_id, row)
+
+    def _append_object(self, rollout_id: str, row: Mapping[str, Any]) -> None:
+        nonce = uuid.uuid4().hex
+        body = orjson.dumps({**row, NONCE_KEY: nonce}, default=str)
+        backend = self._backend
+        seq = self._seq_hints.get(rollout_id, 0)
+        while True:
+            path = backend.path(names.object_name(rollout_id, seq))
+            try:
+                backend.create(path, body)
+                break
+            except FileExistsError:
+                # Our own retried request may have landed: the nonce tells.
+                existing = backend.read_many([path])[0]
+                if existing is not None and _nonce_of(existing) == nonce:
+                    break
+                seq = self._first_free_after(rollout_id, seq)
+        if len(self._seq_hints) >= _MAX_SEQ_HINTS:
+            self._seq_hints.clear()
+        self._seq_hints[rollout_id] = seq + 1
+
+    def _first_free_after(self, rollout_id: str, taken: int) -> int:
+        """Smallest free seq above ``taken``; occupied seqs always form a prefix."""
+        exists = self._backend.exists
+        path = self._backend.path
+        low, step = taken, 1
+        while exists(path(names.object_name(rollout_id, low + step))):
+            low += step
+            step *= 2
+        high = low + step  # free; low is taken
+        while high - low > 1:
+            mid = (low + high) // 2
+            if exists(path(names.object_name(rollout_id, mid))):
+                low = mid
+            else:
+                high = mid
+        return high
+
+    def claim(
+        self, rollout_id: str, model_call_id: str | None = None, ttl_s: float = DEFAULT_CLAIM_TTL_S
+    ) -> ClaimContext:
+        """Claim the rollout for one model call; use as a sync or async context manager."""
+        return ClaimContext(self, rollout_id, model_call_id, ttl_s)
+
+    def mark_incomplete(self, rollout_id: str) -> None:
+        """Say that some row of this rollout could not be written."""
+        self._backend.put(self._backend.path(names.marker_name(rollout_id)), b"")
+
+    # ------------------------------------------------------------------ reading
+
+    def is_incomplete(self, rollout_id: str) -> bool:
+        """Whether the incomplete marker is present."""
+        return self._backend.exists(self._backend.path(names.marker_name(rollout_id)))
+
+    def listing(self, rollout_id: str) -> RolloutListing:
+        """What this store holds for one rollout, without reading it."""
+        return self._backend.list_rollout(validate_rollout_id(rollout_id))
+
+    def has_any(self, rollout_id: str) -> bool:
+        """True when rows, objects, the marker or claims exist for the rollout."""
+        return self.listing(rollout_id).found
+
+    def listings(self, rollout_ids: Iterable[str]) -> dict[str, RolloutListing]:
+        """Listings of many rollouts, from one flat listing when that is cheaper."""
+        ids = [validate_rollout_id(r) for r in rollout_ids]
+        if not ids:
+            return {}
+        backend = self._backend
+        if self._root_keys_hint is None:
+            flat = len(ids) >= _FLAT_LISTING_MIN_IDS
+        else:
+            flat = self._root_keys_hint <= _KEYS_PER_LIST_PAGE * len(ids)
+        flat = flat and not self.is_local
+        if flat:
+            everything = backend.list_all()
+            self._root_keys_hint = sum(len(v.paths()) for v in everything.values())
+            return {r: everything.get(r) or RolloutListing() for r in ids}
+        if self.is_local:
+            return {r: backend.list_rollout(r) for r in ids}
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(ids))) as pool:
+            return dict(zip(ids, pool.map(backend.list_rollout, ids), strict=True))
+
+    def read_listings(
+        self, listings: Mapping[str, RolloutListing], *, with_claims: bool = True
+    ) -> dict[str, RolloutSnapshot]:
+        """Read and parse what the listings name, concurrently."""
+        return read_snapshots(self._backend, listings, with_claims=with_claims)
+
+    def snapshot(self, rollout_id: str) -> RolloutSnapshot:
+        """Everything this store holds for one rollout."""
+        return self.read_listings({rollout_id: self.listing(rollout_id)})[rollout_id]
+
+    def snapshots(self, rollout_ids: Iterable[str]) -> dict[str, RolloutSnapshot]:
+        """Snapshots of many rollouts: one listing pass, then concurrent reads."""
+        return self.read_listings(self.listings(rollout_ids))
+
+    def read_available(self, rollout_id: str) -> tuple[list[tuple[int, Row]], int]:
+        """Readable rows with their ``call_index``, and how many rows were damaged."""
+        snap = self.snapshot(rollout_id)
+        return snap.rows, len(snap.damaged)
+
+    def read(self, rollout_id: str) -> list[Row]:
+        """All rows in order; raises :class:`CaptureRowError` naming the first damaged one."""
+        snap = self.snapshot(rollout_id)
+        if snap.damaged:
+            raise CaptureRowError(snap.damaged[0])
+        return [row for _, row in snap.rows]
+
+    def claims(self, rollout_ids: Iterable[str]) -> dict[str, list[Claim]]:
+        """The claims of each rollout that has any."""
+        listings = {r: v for r, v in self.listings(rollout_ids).items() if v.claims}
+        return self.read_claims(listings)
+
+    def read_claims(self, listings: Mapping[str, RolloutListing]) -> dict[str, list[Claim]]:
+        """Read the claim bodies the listings name."""
+        paths = [entry.path for listing in listings.values() for _, entry in listing.claims]
+        bodies = dict(zip(paths, self._backend.read_many(paths), strict=True))
+        out: dict[str, list[Claim]] = {}
+        for rollout_id, listing in listings.items():
+            found = [
+                read_claim(cid, bodies[e.path], e.mtime, trust_mtime=self._backend.trust_mtime)
+                for cid, e in listing.claims
+                if bodies[e.path] is not None
+            ]
+            if found:
+                out[rollout_id] = found
+        return out
+
+    def live_claims(self, rollout_id: str, *, now: float | None = None) -> list[Claim]:
+        """Claims of calls that may still write a row."""
+        return _split_claims(self.claims([rollout_id]).get(rollout_id, []), now)[0]
+
+    def expired_claims(self, rollout_id: str, *, now: float | None = None) -> list[Claim]:
+        """Claims whose producer outlived its TTL: presumed dead."""
+        return _split_claims(self.claims([rollout_id]).get(rollout_id, []), now)[1]
+
+    # ------------------------------------------------------------------ clearing
+
+    def clear(self, rollout_ids: Iterable[str]) -> list[str]:
+        """Remove every file of these rollouts; all ids are validated before anything is deleted.
+
+        On object stores the deletion is checked by listing again, because bulk deletes
+        can drop keys silently.
+        """
+        ids = [validate_rollout_id(r) for r in rollout_ids]
+        for rollout_id in ids:
+            self._seq_hints.pop(rollout_id, None)
+        backend = self._backend
+        if isinstance(backend, LocalBackend):
+            for rollout_id in ids:
+                backend.clear_rollout(rollout_id)
+            return ids
+        for _ in range(_CLEAR_ATTEMPTS):
+            leftover = [p for listing in self.listings(ids).values() for p in listing.paths()]
+            if not leftover:
+                return ids
+            backend.remove(leftover)
+        leftover = [p for listing in self.listings(ids).values() for p in listing.paths()]
+        if leftover:
+            raise OSError(
+                errno.EIO, f"{self.url}: {len(leftover)} capture file(s) survived deletion: {leftover[:3]}"
+            )
+        return ids
+
+
+def _split_claims(claims: list[Claim], now: float | None) -> tuple[list[Claim], list[Claim]]:
+    moment = time.time() if now is None else now
+    live = [c for c in claims if c.is_live(moment)]
+    return live, [c for c in claims if not c.is_live(moment)]
+
+
+def _nonce_of(body: bytes) -> str | None:
+    try:
+        row = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return row.get(NONCE_KEY) if isinstance(row, dict) else None
+
+
+def _rebuild_store(
+    url: str, storage_options: dict[str, Any], layout: Layout, concurrency: int
+) -> CaptureStore:
+    return CaptureStore(url, storage_options=storage_options, layout=layout, concurrency=concurrency)
+
+
+CaptureDir = CaptureStore | str | os.PathLike[str]
+"""Wherever capture dirs are taken: a path, a URL, or a store carrying its storage options."""
+
+
+def as_store(target: CaptureDir) -> CaptureStore:
+    """Accept a path, a URL or a store wherever ``capture_dirs`` are taken."""
+    return target if isinstance(target, CaptureStore) else CaptureStore(target)

@@ -1,0 +1,88 @@
+"""Shared fixtures: an isolated Prefect home, a real S3 endpoint (moto server), the corpus."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+# Before anything imports Prefect: no telemetry, no shared home (SQLite locks), no server.
+_PREFECT_HOME = tempfile.mkdtemp(prefix="rollout-capture-prefect-")
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["DO_NOT_TRACK"] = "1"
+os.environ["PREFECT_LOGGING_LEVEL"] = os.environ.get("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.pop("PREFECT_API_URL", None)
+# Dummy credentials for the local S3 endpoint; never real ones.
+for _name, _value in {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}.items():
+    os.environ[_name] = _value
+os.environ.pop("AWS_PROFILE", None)
+
+import logging  # noqa: E402
+
+import pytest  # noqa: E402
+
+logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request log
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).resolve().parent / "data"
+CORPUS = DATA / "corpus"
+SAMPLE = ROOT / "examples" / "sample"
+
+
+@pytest.fixture(scope="session")
+def corpus_dir() -> Path:
+    """A committed slice of the shared NeMo Gym corpus (real records, real bad rows)."""
+    return CORPUS
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    """A real S3 HTTP endpoint on 127.0.0.1 (moto server mode), for the whole session."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+class S3:
+    """One fresh bucket on the moto endpoint, and how to reach it."""
+
+    def __init__(self, endpoint: str, bucket: str) -> None:
+        self.endpoint = endpoint
+        self.bucket = bucket
+        self.storage_options: dict[str, Any] = {"client_kwargs": {"endpoint_url": endpoint}}
+
+    def url(self, path: str = "") -> str:
+        return f"s3://{self.bucket}/{path}".rstrip("/")
+
+    def fs(self) -> Any:
+        import fsspec
+
+        return fsspec.filesystem(
+            "s3", use_listings_cache=False, skip_instance_cache=True, **self.storage_options
+        )
+
+
+@pytest.fixture
+def s3(moto_endpoint: str) -> S3:
+    """Reset the endpoint and create an empty bucket for this test."""
+    request = urllib.request.Request(f"{moto_endpoint}/moto-api/reset", method="POST")
+    urllib.request.urlopen(request).close()
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    S3(moto_endpoint, bucket).fs().mkdir(bucket)
+    return S3(moto_endpoint, bucket)

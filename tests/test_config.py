@@ -1,0 +1,60 @@
+"""Configuration (spec 10): validation errors name the field; secrets are refused."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from rollout_capture import CaptureStore, ModelCallCaptureConfig, observability_enabled_from_config
+from rollout_capture.config import refuse_secret_options
+
+
+def test_disabled_by_default() -> None:
+    assert observability_enabled_from_config({}) is False
+    assert ModelCallCaptureConfig.model_validate({"other": 1}).model_call_capture_dir is None
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"observability_enabled": True}, "model_call_capture_dir is required"),
+        ({"observability_enabled": True, "model_call_capture_dir": "relative/dir"}, "absolute path or a URL"),
+        (
+            {"observability_enabled": True, "model_call_capture_dir": "nope://bucket"},
+            "unknown storage scheme",
+        ),
+        ({"observability_enabled": "maybe"}, "observability_enabled"),
+        (
+            {
+                "observability_enabled": True,
+                "model_call_capture_dir": "s3://b/p",
+                "model_call_capture_storage_options": {"secret": "x"},
+            },
+            "model_call_capture_storage_options.secret looks like a secret",
+        ),
+    ],
+)
+def test_bad_config_names_the_field(config: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        ModelCallCaptureConfig.model_validate(config)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"key": "AKIA"},
+        {"client_kwargs": {"aws_secret_access_key": "x"}},
+        {"token": "t"},
+        {"password": "p"},
+        {"client_kwargs": {"aws_session_token": "s"}},
+    ],
+)
+def test_secret_looking_storage_options_are_refused(options: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="looks like a secret"):
+        refuse_secret_options(options)
+    with pytest.raises(ValueError, match="looks like a secret"):
+        CaptureStore("s3://bucket/prefix", storage_options=options)
+
+
+def test_ordinary_storage_options_pass() -> None:
+    refuse_secret_options({"anon": False, "client_kwargs": {"endpoint_url": "http://x"}, "profile": "dev"})

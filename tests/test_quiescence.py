@@ -1,0 +1,119 @@
+"""Claims and quiescence (spec 3): waits are bounded, releases are seen, dead producers ignored."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from rollout_capture import (
+    CaptureStore,
+    await_model_call_capture_quiescence,
+    await_quiescence_many,
+    merge_model_call_capture_into_record,
+)
+from rollout_capture.layout import claim_name
+
+from .conftest import S3
+
+
+def gaps(root: Any, rollout_id: str = "1-0") -> list[dict[str, str]]:
+    task, rollout = rollout_id.split("-")
+    record = {"_ng_task_index": int(task), "_ng_rollout_index": int(rollout)}
+    dirs = [root]
+    return merge_model_call_capture_into_record(record, dirs)["ng_model_call_capture"].get("gaps", [])
+
+
+async def test_live_claim_blocks_until_the_deadline(tmp_path: Path) -> None:
+    store = CaptureStore(tmp_path)
+    with store.claim("1-0"):
+        assert (
+            await await_model_call_capture_quiescence("1-0", [tmp_path], timeout_s=0.2, poll_s=0.02) is False
+        )
+        assert {"code": "model_call_capture_pending", "detail": "count=1"} in gaps(tmp_path)
+
+
+async def test_release_lets_the_wait_return_true(tmp_path: Path) -> None:
+    store = CaptureStore(tmp_path)
+    claim = store.claim("1-0")
+    claim.__enter__()
+    released = threading.Event()
+
+    def release_soon() -> None:
+        time.sleep(0.15)
+        claim.__exit__(None, None, None)
+        released.set()
+
+    threading.Thread(target=release_soon).start()
+    assert await await_model_call_capture_quiescence("1-0", [tmp_path], timeout_s=30, poll_s=0.02) is True
+    assert released.is_set()
+    assert gaps(tmp_path) == [{"code": "model_call_capture_no_records"}]
+
+
+async def test_missing_id_is_quiescent_at_once(tmp_path: Path) -> None:
+    assert await await_model_call_capture_quiescence("5-5", [tmp_path / "absent"], timeout_s=5) is True
+
+
+async def test_expired_claim_does_not_block_and_is_reported(tmp_path: Path) -> None:
+    store = CaptureStore(tmp_path)
+    claim = store.claim("1-0", ttl_s=0.01)
+    claim.__enter__()  # the producer dies without releasing
+    store.record("1-0", {"model_call_id": "a"})
+    await asyncio.sleep(0.05)
+    assert await await_model_call_capture_quiescence("1-0", [tmp_path], timeout_s=30) is True
+    assert gaps(tmp_path) == [{"code": "model_call_capture_claim_abandoned", "detail": "count=1"}]
+
+
+async def test_one_deadline_for_a_whole_batch(tmp_path: Path) -> None:
+    store = CaptureStore(tmp_path)
+    held = [store.claim(f"{i}-0") for i in range(20)]
+    for claim in held:
+        claim.__enter__()
+    pending = await await_quiescence_many(
+        [f"{i}-0" for i in range(40)], [tmp_path], timeout_s=0.3, poll_s=0.05
+    )
+    assert pending == {f"{i}-0" for i in range(20)}  # the free half is not held back by the stuck half
+
+
+async def test_object_store_expiry_uses_the_store_clock(s3: S3) -> None:
+    """A writer whose clock is an hour behind must not make a fresh claim look abandoned."""
+    store = CaptureStore(s3.url("caps"), storage_options=s3.storage_options)
+    body = {"claim_id": "skewed", "host": "h", "pid": 1, "claimed_at": time.time() - 3600, "ttl_s": 300}
+    s3.fs().pipe_file(f"{s3.bucket}/caps/{claim_name('1-0', 'skewed')}", orjson.dumps(body))
+    assert len(store.live_claims("1-0")) == 1
+    assert await await_model_call_capture_quiescence("1-0", [store], timeout_s=0.2, poll_s=0.05) is False
+
+
+class SlowText:
+    """A value whose serialization takes a while, so cancellation lands mid-write."""
+
+    def __init__(self, entered: threading.Event) -> None:
+        self.entered = entered
+
+    def __str__(self) -> str:
+        self.entered.set()
+        time.sleep(0.3)
+        return "slow"
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "objects"])
+async def test_cancelled_writer_still_lands_its_row_and_releases(tmp_path: Path, layout: str) -> None:
+    store = CaptureStore(tmp_path, layout=layout)  # type: ignore[arg-type]
+    entered = threading.Event()
+
+    async def model_call() -> None:
+        async with store.claim("1-0", model_call_id="abc"):
+            await store.record_async("1-0", {"model_call_id": "abc", "note": SlowText(entered)})
+
+    task = asyncio.create_task(model_call())
+    await asyncio.to_thread(entered.wait, 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert store.read("1-0") == [{"model_call_id": "abc", "note": "slow"}]
+    assert store.live_claims("1-0") == [] and not store.is_incomplete("1-0")

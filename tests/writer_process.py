@@ -1,0 +1,17 @@
+"""Entry point of the writer processes spawned by the concurrency tests."""
+
+from __future__ import annotations
+
+from multiprocessing.synchronize import Event
+from typing import Any
+
+from rollout_capture import CaptureStore
+
+
+def write_rows(url: str, options: dict[str, Any], layout: str, writer: int, count: int, go: Event) -> None:
+    """Write ``count`` rows as fast as possible once every writer is ready."""
+    store = CaptureStore(url, storage_options=options, layout=layout)  # type: ignore[arg-type]
+    go.wait(30)
+    for n in range(count):
+        # Lines far above PIPE_BUF: interleaved bytes would show as broken JSON.
+        store.record("c-0", {"writer": writer, "n": n, "pad": f"{writer}" * (5000 + 3000 * (n % 7))})
