@@ -79,10 +79,11 @@ def build_attachment(
             gaps.append(_gap(GAP_PENDING, f"count={live}"))
         elif expired:
             gaps.append(_gap(GAP_CLAIM_ABANDONED, f"count={expired}"))
-    for call in calls:
-        owner = verifiers.get(call.get("verifier_invocation_id") or "")
-        if owner is not None and call.get("model_call_id"):
-            owner["model_call_ids"].append(call["model_call_id"])
+    if verifiers:
+        for call in calls:
+            owner = verifiers.get(call["verifier_invocation_id"] or "")
+            if owner is not None and call["model_call_id"]:
+                owner["model_call_ids"].append(call["model_call_id"])
     attachment: dict[str, Any] = {
         "rollout_id": rollout_id,
         "metrics": aggregate_call_dicts(calls),

@@ -17,14 +17,25 @@ import shutil
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from datetime import datetime
 from typing import Any, Protocol
 
 import fsspec
 from fsspec.asyn import sync as fsspec_sync
 
-from rollout_capture.layout import CLAIMS_SUFFIX, OBJECTS_SUFFIX, claims_dir, objects_dir
+from rollout_capture.claims import read_claim
+from rollout_capture.layout import (
+    CLAIMS_SUFFIX,
+    JSONL_SUFFIX,
+    MARKER_SUFFIX,
+    OBJECTS_SUFFIX,
+    claims_dir,
+    objects_dir,
+)
 from rollout_capture.listing import Entry, RolloutListing, group_entries
+from rollout_capture.rows import add_jsonl, add_object
+from rollout_capture.snapshot import RolloutSnapshot
 from rollout_capture.storage import DEFAULT_READ_CONCURRENCY, is_s3, join, protocol_of
 
 
@@ -65,6 +76,26 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _read_locked(path: str) -> bytes | None:
+    """A file's bytes under a shared lock (JSONL writers hold the exclusive one); None if absent."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        size = os.fstat(fd).st_size
+        data = os.read(fd, size + 1)  # one byte more than expected: a short read means EOF
+        if len(data) <= size:
+            return data
+        chunks = [data]
+        while chunks[-1]:  # the file grew since fstat; read to the end
+            chunks.append(os.read(fd, 1 << 20))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)  # also releases the lock
+
+
 class LocalBackend:
     """A capture root on a local POSIX disk."""
 
@@ -72,6 +103,7 @@ class LocalBackend:
 
     def __init__(self, root: str) -> None:
         self.root = root
+        self._base = os.path.join(root, "")  # root with its separator, for fast concatenation
 
     def path(self, name: str) -> str:
         return os.path.join(self.root, name)
@@ -88,8 +120,8 @@ class LocalBackend:
 
     def list_rollout(self, rollout_id: str) -> RolloutListing:
         listing = RolloutListing()
-        listing.jsonl = _stat_entry(self.path(f"{rollout_id}.capture.jsonl"))
-        listing.marker = _stat_entry(self.path(f"{rollout_id}.capture.incomplete"))
+        listing.jsonl = _stat_entry(self.path(rollout_id + JSONL_SUFFIX))
+        listing.marker = _stat_entry(self.path(rollout_id + MARKER_SUFFIX))
         grouped = group_entries(
             [*self._scan(objects_dir(rollout_id)), *self._scan(claims_dir(rollout_id))], {rollout_id}
         )
@@ -115,19 +147,54 @@ class LocalBackend:
         return group_entries(pairs, wanted)
 
     def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
-        out: list[bytes | None] = []
-        for path in paths:
-            try:
-                with open(path, "rb") as handle:
-                    # Shared lock: a JSONL writer holds the exclusive one while appending.
-                    fcntl.flock(handle.fileno(), fcntl.LOCK_SH)
-                    try:
-                        out.append(handle.read())
-                    finally:
-                        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-            except (FileNotFoundError, NotADirectoryError):
-                out.append(None)
-        return out
+        return [_read_locked(path) for path in paths]
+
+    def may_have_claims(self, rollout_id: str) -> bool:
+        """Whether the rollout's claims folder exists (one syscall, no exception)."""
+        return os.access(self._base + rollout_id + CLAIMS_SUFFIX, os.F_OK)
+
+    def names(self) -> set[str]:
+        """The names directly under the root, without stat calls (cheap for a batch)."""
+        try:
+            return set(os.listdir(self.root))
+        except FileNotFoundError:
+            return set()
+
+    def snapshot(self, rollout_id: str, names: AbstractSet[str] | None = None) -> RolloutSnapshot:
+        """One rollout with the fewest syscalls.
+
+        ``names`` (from :meth:`names`) answers which parts exist; without it each absent
+        part costs one ``access`` call.
+        """
+        base = self._base + rollout_id
+        snap = RolloutSnapshot(rollout_id, found=False)
+        jsonl = base + JSONL_SUFFIX
+        if names is None:
+            has_marker = os.access(base + MARKER_SUFFIX, os.F_OK)
+            has_dirs = os.access(base + OBJECTS_SUFFIX, os.F_OK) or os.access(base + CLAIMS_SUFFIX, os.F_OK)
+            data = _read_locked(jsonl)
+        else:
+            has_marker = rollout_id + MARKER_SUFFIX in names
+            has_dirs = rollout_id + OBJECTS_SUFFIX in names or rollout_id + CLAIMS_SUFFIX in names
+            data = _read_locked(jsonl) if rollout_id + JSONL_SUFFIX in names else None
+        if data is not None:
+            snap.found = True
+            if data:
+                add_jsonl(snap.parsed, data, jsonl)
+        if has_marker:
+            snap.found = snap.incomplete = True
+        if has_dirs:
+            listing = self.list_rollout(rollout_id)
+            bodies = self.read_many([e.path for _, e in listing.objects])
+            for (_, entry), body in zip(listing.objects, bodies, strict=True):
+                if body is not None:
+                    add_object(snap.parsed, body, entry.path)
+            for claim_id, entry in listing.claims:
+                body = _read_locked(entry.path)
+                if body is not None:
+                    snap.claims.append(read_claim(claim_id, body, entry.mtime, trust_mtime=False))
+            snap.found = snap.found or bool(listing.objects or listing.claims)
+        return snap
 
     def append_line(self, path: str, line: bytes) -> None:
         os.makedirs(self.root, exist_ok=True)
@@ -180,7 +247,7 @@ class LocalBackend:
 
     def clear_rollout(self, rollout_id: str) -> None:
         """Remove the rollout's files and folders (object rows, claims) outright."""
-        self.remove([self.path(f"{rollout_id}.capture.jsonl"), self.path(f"{rollout_id}.capture.incomplete")])
+        self.remove([self.path(rollout_id + JSONL_SUFFIX), self.path(rollout_id + MARKER_SUFFIX)])
         for folder in (objects_dir(rollout_id), claims_dir(rollout_id)):
             path = self.path(folder)
             if os.path.islink(path):

@@ -1,20 +1,28 @@
 """Which store speaks for a rollout, and what it holds (spec section 7, "the store used").
 
-The first store holding anything for an id wins. Transient storage faults are raised so
-the caller can retry; a store unreadable for any other reason marks its rollouts so.
+The first store holding anything for an id wins. A batch is prefetched as bytes (one
+listing and concurrent GETs per object store, nothing on local disks) and parsed one
+rollout at a time, so memory holds one rollout's parsed rows, never the batch's.
+Transient storage faults are raised so the caller can retry; a store unreadable for any
+other reason marks its rollouts ``unreadable``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
 
+from rollout_capture.claims import Claim
 from rollout_capture.faults import is_transient_storage_error
 from rollout_capture.snapshot import RolloutSnapshot
-from rollout_capture.store import CaptureStore
+from rollout_capture.store import CaptureStore, LocalPrefetch, Prefetch
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -25,34 +33,96 @@ class Evidence:
     unreadable: bool = False
 
 
-def gather_evidence(rollout_ids: Sequence[str], stores: Sequence[CaptureStore]) -> dict[str, Evidence]:
-    """For each id, the snapshot from the first store holding anything for it.
+class _Unreadable(Exception):
+    pass
 
-    Raises transient storage faults; a store that cannot be read for another reason
-    makes its rollouts ``unreadable``.
-    """
-    out: dict[str, Evidence] = {}
-    remaining = list(dict.fromkeys(rollout_ids))
-    for store in stores:
-        if not remaining:
-            break
+
+def _guard(store: CaptureStore, action: Callable[[], T]) -> T:
+    """Run a store read; transient faults propagate, anything else marks the store unreadable."""
+    try:
+        return action()
+    except Exception as exc:
+        if is_transient_storage_error(exc):
+            raise
+        logger.warning("could not read captures in %s: %s", store.url, exc)
+        raise _Unreadable from exc
+
+
+class EvidenceReader:
+    """The evidence of a batch of rollouts across capture dirs, read rollout by rollout."""
+
+    def __init__(self, rollout_ids: Sequence[str], stores: Sequence[CaptureStore]) -> None:
+        self._stores = list(stores)
+        self._prefetched: list[Prefetch | LocalPrefetch | None] = [None] * len(self._stores)
+        self._broken: set[int] = set()
+        self._prefetch(list(dict.fromkeys(rollout_ids)))
+
+    def _prefetch(self, ids: list[str]) -> None:
+        last = len(self._stores) - 1
+        for index, store in enumerate(self._stores):
+            if not ids or index in self._broken:
+                continue
+            try:
+                fresh = _guard(store, partial(store.prefetch, ids))
+            except _Unreadable:
+                self._broken.add(index)
+                return
+            current = self._prefetched[index]
+            self._prefetched[index] = fresh if current is None else current.updated(fresh)
+            if index < last:  # what this store lacks, the next one may hold
+                ids = [r for r in ids if not fresh.found(r)]
+
+    def refresh(self, rollout_ids: Sequence[str]) -> None:
+        """Fetch these rollouts again (their rows may have landed since)."""
+        self._prefetch(list(dict.fromkeys(rollout_ids)))
+
+    def _snapshot(self, index: int, rollout_id: str) -> RolloutSnapshot:
+        store, prefetched = self._stores[index], self._prefetched[index]
         try:
-            snapshots = store.snapshots(remaining)
+            if prefetched is not None:
+                return prefetched.snapshot(rollout_id)
+            return store.snapshot(rollout_id)
         except Exception as exc:
             if is_transient_storage_error(exc):
                 raise
-            logger.warning("could not read captures in %s: %s", store.url, exc)
-            for rollout_id in remaining:
-                out[rollout_id] = Evidence(None, unreadable=True)
-            return out
-        still: list[str] = []
-        for rollout_id in remaining:
-            snap = snapshots.get(rollout_id)
-            if snap is not None and snap.found:
-                out[rollout_id] = Evidence(snap)
-            else:
-                still.append(rollout_id)
-        remaining = still
-    for rollout_id in remaining:
-        out[rollout_id] = Evidence(None)
-    return out
+            logger.warning("could not read captures of %s in %s: %s", rollout_id, store.url, exc)
+            raise _Unreadable from exc
+
+    def evidence(self, rollout_id: str) -> Evidence:
+        """The snapshot from the first store holding anything for the id."""
+        for index in range(len(self._stores)):
+            if index in self._broken:
+                return Evidence(None, unreadable=True)
+            try:
+                snap = self._snapshot(index, rollout_id)
+            except _Unreadable:
+                return Evidence(None, unreadable=True)
+            if snap.found:
+                return Evidence(snap)
+        return Evidence(None)
+
+    def live_claimed(self, rollout_ids: Sequence[str], now: float | None = None) -> set[str]:
+        """Ids holding a live claim in any of the stores (waiting on a spare claim is only slower)."""
+        moment = time.time() if now is None else now
+        wanted = set(rollout_ids)
+        out: set[str] = set()
+        for index, store in enumerate(self._stores):
+            if index in self._broken:
+                continue
+            prefetched = self._prefetched[index]
+            claims = prefetched.claims() if prefetched is not None else _guard_or_empty(store, rollout_ids)
+            out |= {r for r, found in claims.items() if r in wanted and any(c.is_live(moment) for c in found)}
+        return out
+
+
+def _guard_or_empty(store: CaptureStore, rollout_ids: Sequence[str]) -> dict[str, list[Claim]]:
+    try:
+        return _guard(store, lambda: store.claims(rollout_ids))
+    except _Unreadable:
+        return {}
+
+
+def gather_evidence(rollout_ids: Sequence[str], stores: Sequence[CaptureStore]) -> dict[str, Evidence]:
+    """Evidence for each id (parsed all at once: for small sets; batches use the reader)."""
+    reader = EvidenceReader(rollout_ids, stores)
+    return {r: reader.evidence(r) for r in dict.fromkeys(rollout_ids)}

@@ -28,6 +28,5 @@ def merge_model_call_capture_into_record(
     rollout_id = rollout_id_of(record)
     if rollout_id is None:
         return record
-    stores = [as_store(d) for d in capture_dirs]
-    evidence = gather_evidence([rollout_id], stores)[rollout_id]
+    evidence = gather_evidence([rollout_id], [as_store(d) for d in capture_dirs])[rollout_id]
     return attach(record, build_attachment(rollout_id, evidence, include_payloads=include_payloads))

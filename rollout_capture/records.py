@@ -8,6 +8,7 @@ has its canonical type, and defers to pydantic otherwise: same output, same erro
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -89,75 +90,89 @@ def _count(value: Any) -> int | None:
     return value if type(value) is int and value >= 0 else None
 
 
+def _is_object(value: Any) -> bool:
+    """``isinstance(value, Mapping)``, without the ABC machinery for the common plain dict."""
+    return type(value) is dict or (value is not None and isinstance(value, Mapping))
+
+
 def _detail_count(usage: Mapping[str, Any], groups: tuple[str, ...], names: tuple[str, ...]) -> int | None:
     for group in groups:
         details = usage.get(group)
-        if isinstance(details, Mapping):
+        if details is not None and _is_object(details):
             for name in names:
-                value = _count(details.get(name))
-                if value is not None:
+                value = details.get(name)
+                if type(value) is int and value >= 0:
                     return value
     return None
 
 
-def extract_token_stats(usage: Any) -> dict[str, int | None]:
-    """Token counts from Responses, Chat Completions or Anthropic usage.
+_NO_USAGE = (None, None, None, None, None, None, None)
+_REASONING_GROUPS = ("output_tokens_details", "completion_tokens_details")
+_CACHED_GROUPS = ("prompt_tokens_details", "input_tokens_details")
+
+
+def usage_stats(
+    usage: Any,
+) -> tuple[int | None, int | None, int | None, int | None, int | None, bool | None, int | None]:
+    """``(in, out, reasoning, total, cache_creation, cache_hit, cached)`` from any usage shape.
 
     Counts are never invented: only non-negative ints count, and null means unknown.
     Anthropic's ``input_tokens`` excludes cached tokens, so cache reads and writes are
     folded into ``tokens_in``; OpenAI usage already includes them and is left alone.
     """
-    if not isinstance(usage, Mapping):
-        return {
-            "tokens_in": None,
-            "tokens_out": None,
-            "tokens_reasoning": None,
-            "tokens_total": None,
-            "cache_creation_tokens": None,
-        }
-    tokens_in = _count(usage.get("input_tokens"))
+    if not _is_object(usage):
+        return _NO_USAGE
+    get = usage.get
+    value = get("input_tokens")
+    tokens_in = value if type(value) is int and value >= 0 else None
     if tokens_in is None:
-        tokens_in = _count(usage.get("prompt_tokens"))
-    tokens_out = _count(usage.get("output_tokens"))
+        value = get("prompt_tokens")
+        tokens_in = value if type(value) is int and value >= 0 else None
+    value = get("output_tokens")
+    tokens_out = value if type(value) is int and value >= 0 else None
     if tokens_out is None:
-        tokens_out = _count(usage.get("completion_tokens"))
-    cache_read = _count(usage.get("cache_read_input_tokens"))
-    cache_creation = _count(usage.get("cache_creation_input_tokens"))
+        value = get("completion_tokens")
+        tokens_out = value if type(value) is int and value >= 0 else None
+    value = get("cache_read_input_tokens")
+    cache_read = value if type(value) is int and value >= 0 else None
+    value = get("cache_creation_input_tokens")
+    cache_creation = value if type(value) is int and value >= 0 else None
     if cache_read is not None or cache_creation is not None:
         cached = (cache_read or 0) + (cache_creation or 0)
         if tokens_in is not None or cached > 0:
             tokens_in = (tokens_in or 0) + cached
-    tokens_total = _count(usage.get("total_tokens"))
+    value = get("total_tokens")
+    tokens_total = value if type(value) is int and value >= 0 else None
     if tokens_total is None and tokens_in is not None and tokens_out is not None:
         tokens_total = tokens_in + tokens_out
-    reasoning = _detail_count(
-        usage, ("output_tokens_details", "completion_tokens_details"), ("reasoning_tokens",)
-    )
+    reasoning = _detail_count(usage, _REASONING_GROUPS, ("reasoning_tokens",))
     if reasoning is None:
-        reasoning = _count(usage.get("reasoning_output_tokens"))
+        reasoning = _count(get("reasoning_output_tokens"))
+    cached_tokens = _detail_count(usage, _CACHED_GROUPS, ("cached_tokens", "cached_input_tokens"))
+    if cached_tokens is None:
+        cached_tokens = cache_read
+    if cached_tokens is None:
+        cached_tokens = _count(get("cached_input_tokens"))
+    hit = None if cached_tokens is None else cached_tokens > 0
+    return tokens_in, tokens_out, reasoning, tokens_total, cache_creation, hit, cached_tokens
+
+
+def extract_token_stats(usage: Any) -> dict[str, int | None]:
+    """Token counts from Responses, Chat Completions or Anthropic usage (see :func:`usage_stats`)."""
+    tokens_in, tokens_out, reasoning, total, creation, _, _ = usage_stats(usage)
     return {
         "tokens_in": tokens_in,
         "tokens_out": tokens_out,
         "tokens_reasoning": reasoning,
-        "tokens_total": tokens_total,
-        "cache_creation_tokens": cache_creation,
+        "tokens_total": total,
+        "cache_creation_tokens": creation,
     }
 
 
 def cache_signal(usage: Any) -> tuple[bool | None, int | None]:
     """``(cache_hit, cached_tokens)``; both null when the usage does not say."""
-    if not isinstance(usage, Mapping):
-        return None, None
-    cached = _detail_count(
-        usage, ("prompt_tokens_details", "input_tokens_details"), ("cached_tokens", "cached_input_tokens")
-    )
-    if cached is None:
-        cached = _count(usage.get("cache_read_input_tokens"))
-    if cached is None:
-        cached = _count(usage.get("cached_input_tokens"))
-    if cached is None:
-        return None, None
-    return cached > 0, cached
+    stats = usage_stats(usage)
+    return stats[5], stats[6]
 
 
 def parse_arguments(arguments: Any) -> Any:
@@ -244,103 +259,197 @@ def tool_calls_and_reasoning(response: Mapping[str, Any]) -> tuple[list[dict[str
 
 
 def _finish_reason(response: Mapping[str, Any]) -> str | None:
+    value = response.get("stop_reason")
+    if isinstance(value, str):
+        return value
     choices = response.get("choices")
-    first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        value = choices[0].get("finish_reason")
+        if isinstance(value, str):
+            return value
     details = response.get("incomplete_details")
-    if not isinstance(details, dict):
-        details = {}
-    for value in (response.get("stop_reason"), first.get("finish_reason"), details.get("reason")):
+    if isinstance(details, dict):
+        value = details.get("reason")
         if isinstance(value, str):
             return value
     return None
 
 
-def _str_or_none(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
+_EMPTY: dict[str, Any] = {}
+_ROW_KEYS = operator.itemgetter(
+    "response",
+    "request",
+    "model_call_id",
+    "dialect",
+    "error_category",
+    "status_code",
+    "started_at",
+    "completed_at",
+    "latency_ms",
+    "latency_ttft_ms",
+    "model_ref",
+)
+_PAYLOADS = set(PAYLOAD_FIELDS)
 
 
-def _raw_fields(row: Mapping[str, Any], call_index: int) -> dict[str, Any]:
-    """The call record's fields before typing: what pydantic would be handed."""
-    raw_response = row.get("response")
-    response = raw_response if isinstance(raw_response, dict) else {}
-    raw_request = row.get("request")
-    request = raw_request if isinstance(raw_request, dict) else {}
-    usage = response.get("usage")
-    tokens = extract_token_stats(usage)
-    cache_hit, cached_tokens = cache_signal(usage)
-    tool_calls, reasoning = tool_calls_and_reasoning(response)
-    model = response.get("model") or request.get("model")
-    return {
-        "model_call_id": row.get("model_call_id"),
-        "response_id": _str_or_none(response.get("id")),
-        "client_session_id": _str_or_none(row.get("client_session_id")),
-        "call_index": call_index,
-        "model_ref": row.get("model_ref"),
-        "model": _str_or_none(model),
-        "dialect": row.get("dialect"),
-        "status_code": row.get("status_code"),
-        "response_status": _str_or_none(response.get("status")),
-        "finish_reason": _finish_reason(response),
-        "started_at": row.get("started_at"),
-        "completed_at": row.get("completed_at"),
-        "tokens_in": tokens["tokens_in"],
-        "tokens_out": tokens["tokens_out"],
-        "tokens_reasoning": tokens["tokens_reasoning"],
-        "tokens_total": tokens["tokens_total"],
-        "request": raw_request if isinstance(raw_request, dict) else None,
-        "response": raw_response if isinstance(raw_response, dict) else None,
-        "request_raw": _str_or_none(row.get("request_raw")),
-        "response_raw": _str_or_none(row.get("response_raw")),
-        "tool_calls": tool_calls,
-        "reasoning_content": reasoning,
-        "cache_hit": cache_hit,
-        "cached_tokens": cached_tokens,
-        "cache_creation_tokens": tokens["cache_creation_tokens"],
-        "error_category": row.get("error_category"),
-        "latency_total_ms": row.get("latency_ms"),
-        "latency_ttft_ms": row.get("latency_ttft_ms"),
-        "verifier_invocation_id": row.get("verifier_invocation_id"),
-    }
+def _as_float(value: Any) -> tuple[Any, bool]:
+    """``(value as pydantic would give it, whether that needed no validation)`` for a float field."""
+    kind = type(value)
+    if value is None or kind is float:
+        return value, True
+    if kind is int:
+        return float(value), True
+    return value, False
 
 
-def build_model_call_record(row: Mapping[str, Any], *, call_index: int) -> ModelCallRecord:
-    """The typed call record of one model-call row; raises ``ValidationError`` on bad fields."""
-    return ModelCallRecord.model_validate(_raw_fields(row, call_index))
+def _raw_fields(
+    row: Mapping[str, Any], call_index: int, include_payloads: bool
+) -> tuple[dict[str, Any], bool]:
+    """The call record's fields before typing, and whether they are already canonical.
 
+    Canonical means pydantic would return every row-supplied value unchanged, so the dict
+    is the dumped record as it stands. One pass over the row: this is the merge hot path.
+    """
+    get = row.get
+    try:  # the keys every model server writes, fetched in one C call
+        (
+            raw_response,
+            raw_request,
+            call_id,
+            dialect,
+            category,
+            status_code,
+            started,
+            completed,
+            latency,
+            ttft,
+            ref,
+        ) = _ROW_KEYS(row)
+    except KeyError:
+        raw_response, raw_request, call_id, dialect, category = (
+            get("response"),
+            get("request"),
+            get("model_call_id"),
+            get("dialect"),
+            get("error_category"),
+        )
+        status_code, started, completed, latency, ttft, ref = (
+            get("status_code"),
+            get("started_at"),
+            get("completed_at"),
+            get("latency_ms"),
+            get("latency_ttft_ms"),
+            get("model_ref"),
+        )
+    response = raw_response if isinstance(raw_response, dict) else _EMPTY
+    rget = response.get
+    tokens_in, tokens_out, reasoning_tokens, tokens_total, creation, cache_hit, cached_tokens = usage_stats(
+        rget("usage")
+    )
+    if "output" in response or "choices" in response or "content" in response:
+        tool_calls, reasoning = tool_calls_and_reasoning(response)
+    else:
+        tool_calls, reasoning = [], None
+    model = rget("model") or (raw_request.get("model") if isinstance(raw_request, dict) else None)
+    response_id, status, session = rget("id"), rget("status"), get("client_session_id")
 
-# Fields whose raw value comes straight from the row, by the type pydantic would give them.
-_STR_FIELDS = ("model_call_id", "dialect", "error_category", "verifier_invocation_id")
-_FLOAT_FIELDS = ("started_at", "completed_at", "latency_total_ms", "latency_ttft_ms")
-
-
-def _canonical(fields: dict[str, Any]) -> bool:
-    """True when pydantic would return every row-supplied field unchanged (or int to float)."""
-    for name in _STR_FIELDS:
-        value = fields[name]
-        if value is not None and type(value) is not str:
-            return False
-    for name in _FLOAT_FIELDS:
-        value = fields[name]
-        if value is None or type(value) is float:
-            continue
-        if type(value) is int:
-            fields[name] = float(value)
-            continue
-        return False
-    status = fields["status_code"]
-    if status is not None and type(status) is not int:
-        return False
-    ref = fields["model_ref"]
+    verifier = get("verifier_invocation_id")
+    canonical = (
+        (call_id is None or type(call_id) is str)
+        and (dialect is None or type(dialect) is str)
+        and (category is None or type(category) is str)
+        and (verifier is None or type(verifier) is str)
+    )
+    canonical = canonical and (status_code is None or type(status_code) is int)
+    if not (
+        type(started) is float and type(completed) is float and type(latency) is float and type(ttft) is float
+    ):
+        started, ok1 = _as_float(started)
+        completed, ok2 = _as_float(completed)
+        latency, ok3 = _as_float(latency)
+        ttft, ok4 = _as_float(ttft)
+        canonical = canonical and ok1 and ok2 and ok3 and ok4
     if ref is not None:
-        if not (
+        if (
             type(ref) is dict
             and len(ref) == 2
             and ref.get("type") == "responses_api_models"
             and type(ref.get("name")) is str
         ):
-            return False
-        fields["model_ref"] = {"type": ref["type"], "name": ref["name"]}
-    return True
+            ref = {"type": "responses_api_models", "name": ref["name"]}
+        else:
+            canonical = False
+
+    if "stop_reason" in response or "choices" in response or "incomplete_details" in response:
+        finish = _finish_reason(response)
+    else:
+        finish = None
+    if not include_payloads:
+        return {
+            "model_call_id": call_id,
+            "response_id": response_id if isinstance(response_id, str) else None,
+            "client_session_id": session if isinstance(session, str) else None,
+            "call_index": call_index,
+            "model_ref": ref,
+            "model": model if isinstance(model, str) else None,
+            "dialect": dialect,
+            "status_code": status_code,
+            "response_status": status if isinstance(status, str) else None,
+            "finish_reason": finish,
+            "started_at": started,
+            "completed_at": completed,
+            "tokens_in": tokens_in,
+            "tokens_out": tokens_out,
+            "tokens_reasoning": reasoning_tokens,
+            "tokens_total": tokens_total,
+            "tool_calls": tool_calls,
+            "reasoning_content": reasoning,
+            "cache_hit": cache_hit,
+            "cached_tokens": cached_tokens,
+            "cache_creation_tokens": creation,
+            "error_category": category,
+            "latency_total_ms": latency,
+            "latency_ttft_ms": ttft,
+            "verifier_invocation_id": verifier,
+        }, canonical
+    request_raw, response_raw = get("request_raw"), get("response_raw")
+    fields: dict[str, Any] = {
+        "model_call_id": call_id,
+        "response_id": response_id if isinstance(response_id, str) else None,
+        "client_session_id": session if isinstance(session, str) else None,
+        "call_index": call_index,
+        "model_ref": ref,
+        "model": model if isinstance(model, str) else None,
+        "dialect": dialect,
+        "status_code": status_code,
+        "response_status": status if isinstance(status, str) else None,
+        "finish_reason": finish,
+        "started_at": started,
+        "completed_at": completed,
+        "tokens_in": tokens_in,
+        "tokens_out": tokens_out,
+        "tokens_reasoning": reasoning_tokens,
+        "tokens_total": tokens_total,
+        "request": raw_request if isinstance(raw_request, dict) else None,
+        "response": raw_response if isinstance(raw_response, dict) else None,
+        "request_raw": request_raw if isinstance(request_raw, str) else None,
+        "response_raw": response_raw if isinstance(response_raw, str) else None,
+        "tool_calls": tool_calls,
+        "reasoning_content": reasoning,
+        "cache_hit": cache_hit,
+        "cached_tokens": cached_tokens,
+        "cache_creation_tokens": creation,
+        "error_category": category,
+        "latency_total_ms": latency,
+        "latency_ttft_ms": ttft,
+        "verifier_invocation_id": verifier,
+    }
+    return fields, canonical
+
+
+def build_model_call_record(row: Mapping[str, Any], *, call_index: int) -> ModelCallRecord:
+    """The typed call record of one model-call row; raises ``ValidationError`` on bad fields."""
+    return ModelCallRecord.model_validate(_raw_fields(row, call_index, True)[0])
 
 
 def call_record_dict(
@@ -348,16 +457,14 @@ def call_record_dict(
 ) -> dict[str, Any]:
     """``build_model_call_record(row).model_dump()``, built directly when possible.
 
-    Payload fields are dropped unless ``include_payloads``. Raises ``ValidationError``
+    Payload fields are left out unless ``include_payloads``. Raises ``ValidationError``
     exactly when :func:`build_model_call_record` does.
     """
-    fields = _raw_fields(row, call_index)
-    if not _canonical(fields):
-        fields = ModelCallRecord.model_validate(fields).model_dump()
-    if not include_payloads:
-        for name in PAYLOAD_FIELDS:
-            del fields[name]
-    return fields
+    fields, canonical = _raw_fields(row, call_index, include_payloads)
+    if canonical:
+        return fields
+    record = ModelCallRecord.model_validate(fields)
+    return record.model_dump(exclude=None if include_payloads else _PAYLOADS)
 
 
 def verifier_invocation_dict(

@@ -63,21 +63,24 @@ def new_parsed_rows() -> ParsedRows:
 def add_jsonl(parsed: ParsedRows, data: bytes, source: str) -> None:
     """Append the rows of a JSONL capture: file order, blank lines skipped."""
     lines = data.split(b"\n")
-    last = len(lines) - 1
-    loads = orjson.loads
+    last = len(lines)
+    loads, rows, position = orjson.loads, parsed.rows, parsed.positions
     for number, line in enumerate(lines, start=1):
         if not line or line.isspace():
             continue
         try:
             row = loads(line)
         except orjson.JSONDecodeError:
-            torn = number - 1 == last
-            parsed.add_damage(Damage(source, number, "torn final line" if torn else "not JSON"))
+            reason = "torn final line" if number == last else "not JSON"
+            parsed.damaged.append(Damage(source, number, reason))
+            position += 1
             continue
         if type(row) is dict:
-            parsed.add_row(row)
+            rows.append((position, row))
         else:
-            parsed.add_damage(Damage(source, number, f"not a JSON object ({type(row).__name__})"))
+            parsed.damaged.append(Damage(source, number, f"not a JSON object ({type(row).__name__})"))
+        position += 1
+    parsed.positions = position
 
 
 def add_object(parsed: ParsedRows, data: bytes, source: str) -> None:

@@ -1,7 +1,7 @@
 """Everything a store holds for some rollouts at one moment: rows, damage, marker, claims.
 
-All the files of all the rollouts asked for are read in one concurrent pass, so a
-batch of rollouts on an object store costs its GETs in parallel, not in sequence.
+Built from a listing and the bytes read for it, so a batch can be fetched in one
+concurrent pass and parsed one rollout at a time.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from rollout_capture.backends import Backend
 from rollout_capture.claims import Claim, read_claim
 from rollout_capture.listing import RolloutListing
 from rollout_capture.rows import Damage, ParsedRows, Row, add_jsonl, add_object, new_parsed_rows
@@ -40,36 +39,29 @@ class RolloutSnapshot:
         return [c for c in self.claims if not c.is_live(now)]
 
 
-def read_snapshots(
-    backend: Backend, listings: Mapping[str, RolloutListing], *, with_claims: bool = True
-) -> dict[str, RolloutSnapshot]:
-    """Read every listed file of the given rollouts and parse them."""
-    paths: list[str] = []
-    for listing in listings.values():
-        if listing.jsonl is not None:
-            paths.append(listing.jsonl.path)
-        paths.extend(entry.path for _, entry in listing.objects)
-        if with_claims:
-            paths.extend(entry.path for _, entry in listing.claims)
-    bodies = dict(zip(paths, backend.read_many(paths), strict=True))
+def listed_paths(listing: RolloutListing) -> list[str]:
+    """The files of a listing that a snapshot reads: rows, then claims."""
+    paths = [listing.jsonl.path] if listing.jsonl is not None else []
+    paths.extend(entry.path for _, entry in listing.objects)
+    paths.extend(entry.path for _, entry in listing.claims)
+    return paths
 
-    out: dict[str, RolloutSnapshot] = {}
-    for rollout_id, listing in listings.items():
-        snap = RolloutSnapshot(rollout_id, found=listing.found, incomplete=listing.marker is not None)
-        if listing.jsonl is not None:
-            data = bodies[listing.jsonl.path]
-            if data:
-                add_jsonl(snap.parsed, data, listing.jsonl.path)
-        for _, entry in listing.objects:
-            data = bodies[entry.path]
-            if data is None:  # deleted between listing and reading: not a row any more
-                continue
+
+def parse_snapshot(
+    rollout_id: str, listing: RolloutListing, bodies: Mapping[str, bytes | None], *, trust_mtime: bool
+) -> RolloutSnapshot:
+    """Build a rollout's snapshot from its listing and the bytes read for it."""
+    snap = RolloutSnapshot(rollout_id, found=listing.found, incomplete=listing.marker is not None)
+    if listing.jsonl is not None:
+        data = bodies.get(listing.jsonl.path)
+        if data:
+            add_jsonl(snap.parsed, data, listing.jsonl.path)
+    for _, entry in listing.objects:
+        data = bodies.get(entry.path)
+        if data is not None:  # None: deleted between listing and reading, not a row any more
             add_object(snap.parsed, data, entry.path)
-        if with_claims:
-            for claim_id, entry in listing.claims:
-                body = bodies[entry.path]
-                if body is None:  # released between listing and reading
-                    continue
-                snap.claims.append(read_claim(claim_id, body, entry.mtime, trust_mtime=backend.trust_mtime))
-        out[rollout_id] = snap
-    return out
+    for claim_id, entry in listing.claims:
+        body = bodies.get(entry.path)
+        if body is not None:  # None: released between listing and reading
+            snap.claims.append(read_claim(claim_id, body, entry.mtime, trust_mtime=trust_mtime))
+    return snap

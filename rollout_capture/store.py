@@ -24,9 +24,10 @@ from rollout_capture import layout as names
 from rollout_capture.backends import Backend, FsspecBackend, LocalBackend
 from rollout_capture.claims import DEFAULT_CLAIM_TTL_S, Claim, claim_body, new_claim, read_claim
 from rollout_capture.identity import validate_rollout_id
+from rollout_capture.layout import CLAIMS_SUFFIX, JSONL_SUFFIX, MARKER_SUFFIX, OBJECTS_SUFFIX
 from rollout_capture.listing import RolloutListing
 from rollout_capture.rows import NONCE_KEY, CaptureRowError, Row
-from rollout_capture.snapshot import RolloutSnapshot, read_snapshots
+from rollout_capture.snapshot import RolloutSnapshot, listed_paths, parse_snapshot
 from rollout_capture.storage import DEFAULT_READ_CONCURRENCY, open_filesystem
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,11 @@ Layout = Literal["auto", "jsonl", "objects"]
 # A flat listing of the root beats one listing per rollout while the root holds fewer
 # than this many keys per rollout asked for (a LIST page holds 1,000 keys).
 _KEYS_PER_LIST_PAGE = 1000
+# A local name costs a fraction of the access() probes a rollout needs without the listing.
+_NAMES_PER_PROBE = 16
 # With no size hint yet, a batch this large is listed flat (and the hint learned).
 _FLAT_LISTING_MIN_IDS = 32
+_ALL_SUFFIXES = (JSONL_SUFFIX, MARKER_SUFFIX, OBJECTS_SUFFIX, CLAIMS_SUFFIX)
 _MAX_SEQ_HINTS = 10_000
 _CLEAR_ATTEMPTS = 3
 
@@ -66,6 +70,93 @@ async def finish_in_thread(fn: Callable[..., T], *args: Any) -> T:
     if cancelled:
         raise asyncio.CancelledError
     return result
+
+
+class Prefetch:
+    """A batch of rollouts fetched as bytes in one pass; parsed one rollout at a time."""
+
+    def __init__(
+        self, listings: dict[str, RolloutListing], bodies: dict[str, bytes | None], *, trust_mtime: bool
+    ) -> None:
+        self.listings = listings
+        self.bodies = bodies
+        self.trust_mtime = trust_mtime
+
+    def found(self, rollout_id: str) -> bool:
+        """Whether the store holds anything for the rollout."""
+        listing = self.listings.get(rollout_id)
+        return listing is not None and listing.found
+
+    def snapshot(self, rollout_id: str) -> RolloutSnapshot:
+        """Parse one rollout from the fetched bytes."""
+        listing = self.listings.get(rollout_id) or RolloutListing()
+        return parse_snapshot(rollout_id, listing, self.bodies, trust_mtime=self.trust_mtime)
+
+    def claims(self) -> dict[str, list[Claim]]:
+        """The claims of each fetched rollout that has any."""
+        out: dict[str, list[Claim]] = {}
+        for rollout_id, listing in self.listings.items():
+            found = [
+                read_claim(cid, body, e.mtime, trust_mtime=self.trust_mtime)
+                for cid, e in listing.claims
+                if (body := self.bodies.get(e.path)) is not None
+            ]
+            if found:
+                out[rollout_id] = found
+        return out
+
+    def updated(self, newer: Prefetch | LocalPrefetch) -> Prefetch:
+        """This prefetch with the rollouts of ``newer`` replaced by their newer state."""
+        assert isinstance(newer, Prefetch)
+        return Prefetch(
+            {**self.listings, **newer.listings}, {**self.bodies, **newer.bodies}, trust_mtime=self.trust_mtime
+        )
+
+
+class LocalPrefetch:
+    """A batch on a local disk: optionally the root's names, files read rollout by rollout."""
+
+    def __init__(self, backend: LocalBackend, ids: set[str], names: set[str] | None) -> None:
+        self._backend = backend
+        self._ids = ids
+        self._names = names
+        self._fresh: set[str] = set()  # rollouts refreshed since the names were listed
+
+    def _names_for(self, rollout_id: str) -> set[str] | None:
+        return None if self._names is None or rollout_id in self._fresh else self._names
+
+    def found(self, rollout_id: str) -> bool:
+        """Whether the store holds anything for the rollout."""
+        names = self._names_for(rollout_id)
+        if names is None:
+            return self._backend.list_rollout(rollout_id).found
+        return any(rollout_id + suffix in names for suffix in _ALL_SUFFIXES)
+
+    def snapshot(self, rollout_id: str) -> RolloutSnapshot:
+        """Read and parse one rollout."""
+        return self._backend.snapshot(validate_rollout_id(rollout_id), self._names_for(rollout_id))
+
+    def claims(self) -> dict[str, list[Claim]]:
+        """The claims of each rollout of the batch that has any."""
+        out: dict[str, list[Claim]] = {}
+        for rollout_id in self._ids:
+            names = self._names_for(rollout_id)
+            if names is None:
+                if not self._backend.may_have_claims(rollout_id):
+                    continue
+            elif rollout_id + CLAIMS_SUFFIX not in names:
+                continue
+            found = self._backend.snapshot(rollout_id, names).claims
+            if found:
+                out[rollout_id] = found
+        return out
+
+    def updated(self, newer: Prefetch | LocalPrefetch) -> LocalPrefetch:
+        """This batch with the rollouts of ``newer`` read afresh from now on."""
+        assert isinstance(newer, LocalPrefetch)
+        merged = LocalPrefetch(self._backend, self._ids | newer._ids, self._names)
+        merged._fresh = self._fresh | newer._ids
+        return merged
 
 
 class ClaimContext:
@@ -239,17 +330,22 @@ class CaptureStore:
         """True when rows, objects, the marker or claims exist for the rollout."""
         return self.listing(rollout_id).found
 
+    def _flat_listing_pays(self, wanted: int, keys_per_probe: int) -> bool:
+        """Whether listing the whole root beats probing ``wanted`` rollouts one by one."""
+        if self._root_keys_hint is None:
+            return wanted >= _FLAT_LISTING_MIN_IDS  # and the listing teaches us the root's size
+        return self._root_keys_hint <= keys_per_probe * wanted
+
+    def _names_worth_listing(self, wanted: int) -> bool:
+        return self._flat_listing_pays(wanted, _NAMES_PER_PROBE)
+
     def listings(self, rollout_ids: Iterable[str]) -> dict[str, RolloutListing]:
         """Listings of many rollouts, from one flat listing when that is cheaper."""
         ids = [validate_rollout_id(r) for r in rollout_ids]
         if not ids:
             return {}
         backend = self._backend
-        if self._root_keys_hint is None:
-            flat = len(ids) >= _FLAT_LISTING_MIN_IDS
-        else:
-            flat = self._root_keys_hint <= _KEYS_PER_LIST_PAGE * len(ids)
-        flat = flat and not self.is_local
+        flat = not self.is_local and self._flat_listing_pays(len(ids), _KEYS_PER_LIST_PAGE)
         if flat:
             everything = backend.list_all()
             self._root_keys_hint = sum(len(v.paths()) for v in everything.values())
@@ -259,19 +355,43 @@ class CaptureStore:
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(ids))) as pool:
             return dict(zip(ids, pool.map(backend.list_rollout, ids), strict=True))
 
-    def read_listings(
-        self, listings: Mapping[str, RolloutListing], *, with_claims: bool = True
-    ) -> dict[str, RolloutSnapshot]:
-        """Read and parse what the listings name, concurrently."""
-        return read_snapshots(self._backend, listings, with_claims=with_claims)
+    def prefetch(self, rollout_ids: Iterable[str]) -> Prefetch | LocalPrefetch:
+        """Get a batch ready to be read rollout by rollout.
+
+        Object stores: one listing, then every file read as bytes, concurrently. Local
+        disks: at most one listing of names (when the root is small enough for it to beat
+        per-rollout probes); files are read when each rollout is.
+        """
+        backend = self._backend
+        if isinstance(backend, LocalBackend):
+            ids = {validate_rollout_id(r) for r in rollout_ids}
+            names = None
+            if self._names_worth_listing(len(ids)):
+                names = backend.names()
+                self._root_keys_hint = len(names)
+            return LocalPrefetch(backend, ids, names)
+        return self._fetch_objects(rollout_ids)
+
+    def _fetch_objects(self, rollout_ids: Iterable[str]) -> Prefetch:
+        listings = self.listings(rollout_ids)
+        paths = [path for listing in listings.values() for path in listed_paths(listing)]
+        bodies = dict(zip(paths, self._backend.read_many(paths), strict=True))
+        return Prefetch(listings, bodies, trust_mtime=self._backend.trust_mtime)
 
     def snapshot(self, rollout_id: str) -> RolloutSnapshot:
         """Everything this store holds for one rollout."""
-        return self.read_listings({rollout_id: self.listing(rollout_id)})[rollout_id]
+        backend = self._backend
+        if isinstance(backend, LocalBackend):
+            return backend.snapshot(validate_rollout_id(rollout_id))
+        return self.snapshots([rollout_id])[rollout_id]
 
     def snapshots(self, rollout_ids: Iterable[str]) -> dict[str, RolloutSnapshot]:
         """Snapshots of many rollouts: one listing pass, then concurrent reads."""
-        return self.read_listings(self.listings(rollout_ids))
+        backend = self._backend
+        if isinstance(backend, LocalBackend):
+            return {r: backend.snapshot(validate_rollout_id(r)) for r in rollout_ids}
+        prefetched = self._fetch_objects(rollout_ids)
+        return {r: prefetched.snapshot(r) for r in prefetched.listings}
 
     def read_available(self, rollout_id: str) -> tuple[list[tuple[int, Row]], int]:
         """Readable rows with their ``call_index``, and how many rows were damaged."""
@@ -287,8 +407,14 @@ class CaptureStore:
 
     def claims(self, rollout_ids: Iterable[str]) -> dict[str, list[Claim]]:
         """The claims of each rollout that has any."""
-        listings = {r: v for r, v in self.listings(rollout_ids).items() if v.claims}
-        return self.read_claims(listings)
+        ids = [validate_rollout_id(r) for r in rollout_ids]
+        backend = self._backend
+        if isinstance(backend, LocalBackend):  # one access() per id; list only the claimed
+            ids = [r for r in ids if backend.may_have_claims(r)]
+            listings = {r: backend.list_rollout(r) for r in ids}
+        else:
+            listings = self.listings(ids)
+        return self.read_claims({r: v for r, v in listings.items() if v.claims})
 
     def read_claims(self, listings: Mapping[str, RolloutListing]) -> dict[str, list[Claim]]:
         """Read the claim bodies the listings name."""
