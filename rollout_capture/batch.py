@@ -140,7 +140,7 @@ def _identify(line: bytes, number: int, problems: list[LineProblem]) -> tuple[st
         record = orjson.loads(line)
     except orjson.JSONDecodeError as exc:
         if line.strip():
-            problems.append(LineProblem(line=number, reason=f"not JSON: {exc}"))
+            problems.append(LineProblem(line=number, reason=f"not JSON ({exc.msg} at column {exc.colno})"))
         return None
     if type(record) is not dict:
         problems.append(LineProblem(line=number, reason=f"not a JSON object ({type(record).__name__})"))

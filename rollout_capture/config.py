@@ -38,6 +38,27 @@ def refuse_secret_options(options: Mapping[str, Any] | None, *, where: str = "st
             refuse_secret_options(value, where=path)
 
 
+REDACTED = "<refused: looks like a secret>"
+
+
+def redact_secret_options(value: Any) -> Any:
+    """A copy of ``value`` with every secret-looking entry of every mapping replaced.
+
+    For what is about to be recorded (flow parameters in the Prefect API), so a secret
+    handed in by mistake is refused without being stored first.
+    """
+    if isinstance(value, Mapping):
+        return {
+            key: REDACTED
+            if _SECRET_KEY_RE.search(str(key)) and item not in (None, "", False)
+            else redact_secret_options(item)
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [redact_secret_options(item) for item in value]
+    return value
+
+
 def check_capture_url(url: str) -> str:
     """Accept an absolute local path or a URL whose scheme fsspec knows."""
     if "://" in url:

@@ -47,14 +47,25 @@ def open_filesystem(
     storage_options: Mapping[str, Any] | None = None,
     *,
     concurrency: int = DEFAULT_READ_CONCURRENCY,
+    credentials: Mapping[str, Any] | None = None,
 ) -> tuple[fsspec.AbstractFileSystem, str]:
-    """Resolve a path or URL to ``(filesystem, root path as that filesystem names it)``."""
+    """Resolve a path or URL to ``(filesystem, root path as that filesystem names it)``.
+
+    ``storage_options`` may not carry secrets; ``credentials`` (resolved at run time from
+    a Prefect block, say) are passed to the filesystem and kept nowhere else.
+    """
     refuse_secret_options(storage_options)
     text = os.fspath(url)
     if "://" not in text or text.startswith("file://"):
         local = text[len("file://") :] if text.startswith("file://") else text
         return LocalFileSystem(), os.path.abspath(local)
-    fs, root = fsspec.core.url_to_fs(text, **with_defaults(text, storage_options, concurrency))
+    options = with_defaults(text, storage_options, concurrency)
+    for name, value in (credentials or {}).items():  # nested dicts (client_kwargs) merge, not replace
+        current = options.get(name)
+        options[name] = (
+            {**current, **value} if isinstance(current, dict) and isinstance(value, dict) else value
+        )
+    fs, root = fsspec.core.url_to_fs(text, **options)
     return fs, root.rstrip("/")
 
 

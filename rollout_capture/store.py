@@ -10,6 +10,7 @@ import asyncio
 import errno
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -213,11 +214,14 @@ class CaptureStore:
         storage_options: Mapping[str, Any] | None = None,
         layout: Layout = "auto",
         concurrency: int = DEFAULT_READ_CONCURRENCY,
+        credentials: Mapping[str, Any] | None = None,
     ) -> None:
         self.url = os.fspath(url)
         self.storage_options = dict(storage_options or {})
         self.concurrency = concurrency
-        fs, root = open_filesystem(self.url, self.storage_options, concurrency=concurrency)
+        fs, root = open_filesystem(
+            self.url, self.storage_options, concurrency=concurrency, credentials=credentials
+        )
         self.root = root
         self.is_local = isinstance(fs, LocalFileSystem)
         self._backend: Backend = LocalBackend(root) if self.is_local else FsspecBackend(fs, root, concurrency)
@@ -232,7 +236,8 @@ class CaptureStore:
         self._root_keys_hint: int | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Filesystems are not fork- or pickle-safe; a worker rebuilds its own.
+        # Filesystems are not fork- or pickle-safe, and credentials never travel: a worker
+        # rebuilds its own store (resolving credentials itself, see shared_store).
         return (_rebuild_store, (self.url, self.storage_options, self.layout, self.concurrency))
 
     def __repr__(self) -> str:
@@ -490,6 +495,30 @@ def _rebuild_store(
 
 CaptureDir = CaptureStore | str | os.PathLike[str]
 """Wherever capture dirs are taken: a path, a URL, or a store carrying its storage options."""
+
+
+_shared: dict[tuple[str, bytes, str | None], CaptureStore] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_store(
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    credentials: Mapping[str, Any] | None = None,
+    credentials_name: str | None = None,
+) -> CaptureStore:
+    """One store per URL and options in this process, reused across batches.
+
+    Reuse keeps what a store learns (the size of its root, sequence hints) and its
+    filesystem's connection pool. ``credentials_name`` keys the credentials' source.
+    """
+    key = (url, orjson.dumps(dict(storage_options or {}), option=orjson.OPT_SORT_KEYS), credentials_name)
+    with _shared_lock:
+        store = _shared.get(key)
+        if store is None:
+            store = _shared[key] = CaptureStore(url, storage_options=storage_options, credentials=credentials)
+        return store
 
 
 def as_store(target: CaptureDir) -> CaptureStore:

@@ -1,0 +1,16 @@
+"""Prefect tasks: thin, batch-sized, retryable wrappers around the core."""
+
+from tasks.capture import await_quiescence, capture_store, clear_captures, merge_batch
+from tasks.io import read_rollouts, write_enriched
+from tasks.retry import retry_on_transient, storage_retries
+
+__all__ = [
+    "await_quiescence",
+    "capture_store",
+    "clear_captures",
+    "merge_batch",
+    "read_rollouts",
+    "retry_on_transient",
+    "storage_retries",
+    "write_enriched",
+]

@@ -17,6 +17,9 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["DO_NOT_TRACK"] = "1"
 os.environ["PREFECT_LOGGING_LEVEL"] = os.environ.get("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.pop("PREFECT_API_URL", None)
+# Task retries on the same policy as production, on a test-sized clock.
+os.environ["ROLLOUT_CAPTURE_RETRY_BASE_S"] = "0.3"
+os.environ["ROLLOUT_CAPTURE_TASK_RETRIES"] = "5"
 # Dummy credentials for the local S3 endpoint; never real ones.
 for _name, _value in {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -86,3 +89,39 @@ def s3(moto_endpoint: str) -> S3:
     bucket = f"test-{uuid.uuid4().hex[:12]}"
     S3(moto_endpoint, bucket).fs().mkdir(bucket)
     return S3(moto_endpoint, bucket)
+
+
+# botocore's own retries off: s3fs then gives up on a dead endpoint in about half a second,
+# so a test outage of a few seconds outlasts it and only Prefect's retries can save the run.
+FAST_FAIL = {
+    "config_kwargs": {
+        "retries": {"max_attempts": 1, "mode": "standard"},
+        "connect_timeout": 1,
+        "read_timeout": 2,
+    }
+}
+
+
+@pytest.fixture
+def flaky_s3(s3: S3) -> Iterator[tuple[S3, Any]]:
+    """The test bucket reached through a proxy that can go down on demand."""
+    from .fault_proxy import FaultProxy
+
+    host, port = s3.endpoint.removeprefix("http://").split(":")
+    proxy = FaultProxy(host, int(port))
+    via = S3(proxy.endpoint, s3.bucket)
+    via.storage_options = {**via.storage_options, **FAST_FAIL}
+    try:
+        yield via, proxy
+    finally:
+        proxy.close()
+
+
+@pytest.fixture(scope="session")
+def prefect_api() -> Iterator[str]:
+    """A real Prefect API (temporary SQLite database) for the whole session."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield str(PREFECT_API_URL.value())

@@ -15,3 +15,13 @@ def write_rows(url: str, options: dict[str, Any], layout: str, writer: int, coun
     for n in range(count):
         # Lines far above PIPE_BUF: interleaved bytes would show as broken JSON.
         store.record("c-0", {"writer": writer, "n": n, "pad": f"{writer}" * (5000 + 3000 * (n % 7))})
+
+
+def take_lease(root: str, run_name: str, go: Event, results: Any) -> None:
+    """Race for a run's lease; report whether this process got it."""
+    from rollout_capture.runs import RunFolder, RunsRoot
+
+    runs = RunsRoot(root)
+    run = RunFolder(name=run_name, url=f"{root}/{run_name}", finished=True, enriched=False)
+    go.wait(30)
+    results.put(runs.acquire(run) is not None)

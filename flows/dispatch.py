@@ -1,0 +1,73 @@
+"""``prepare_dispatch``: clear stale captures of the rollouts about to be dispatched."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+from prefect import get_run_logger
+from prefect.futures import wait
+
+from flows.enrich import DEFAULT_BATCH_SIZE
+from flows.guard import guarded_flow
+from rollout_capture.clear import rollout_ids_of
+from rollout_capture.config import check_capture_url, refuse_secret_options
+from rollout_capture.jsonl_io import iter_line_batches, remove_staged
+from tasks.capture import clear_captures
+from tasks.io import read_rollouts
+
+
+def _ids_from_file(path: str, source: str) -> list[str]:
+    """Every rollout id of a JSONL file; a line that is not a record is an error naming it."""
+    ids: list[str] = []
+    for first_line, lines in iter_line_batches(path, DEFAULT_BATCH_SIZE):
+        records = []
+        for offset, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                records.append(orjson.loads(line))
+            except orjson.JSONDecodeError as exc:
+                raise ValueError(f"{source}:{first_line + offset}: not JSON ({exc.msg})") from None
+        try:
+            ids.extend(rollout_ids_of(records))
+        except ValueError as exc:
+            raise ValueError(f"{source} (batch from line {first_line}): {exc}") from None
+    return list(dict.fromkeys(ids))
+
+
+@guarded_flow(name="prepare_dispatch")
+def prepare_dispatch(
+    rollouts: str | Sequence[dict[str, Any]],
+    capture_dir: str,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    storage_options: dict[str, Any] | None = None,
+    credentials_block: str | None = None,
+) -> int:
+    """Remove the captures of these rollouts so a retry never appends onto an old attempt.
+
+    ``rollouts`` is a JSONL URL or the records themselves. Every id is derived and
+    validated before anything is deleted; returns how many ids were cleared.
+    """
+    if "://" in capture_dir or capture_dir.startswith("/"):
+        check_capture_url(capture_dir)
+    refuse_secret_options(storage_options)
+    if isinstance(rollouts, str):
+        staged = read_rollouts(rollouts, storage_options, credentials_block)
+        try:
+            ids = _ids_from_file(staged.path, rollouts)
+        finally:
+            remove_staged(staged)
+    else:
+        ids = rollout_ids_of(rollouts)
+    futures = [
+        clear_captures.submit(
+            ids[start : start + batch_size], capture_dir, storage_options, credentials_block
+        )
+        for start in range(0, len(ids), batch_size)
+    ]
+    wait(futures)
+    cleared = sum(future.result() for future in futures)
+    get_run_logger().info("cleared captures of %d rollout id(s) in %s", cleared, capture_dir)
+    return cleared

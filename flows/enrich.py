@@ -1,0 +1,124 @@
+"""``enrich_rollouts``: stream a rollouts file, merge captures batch by batch, publish atomically."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from prefect import get_run_logger
+from prefect.futures import PrefectFuture
+from prefect.utilities.annotations import quote
+
+from flows.guard import guarded_flow
+from flows.report import EnrichSummary, advance_progress, publish_summary, start_progress
+from flows.runners import Runner, make_task_runner
+from rollout_capture.batch import BatchStats, EnrichedBatch
+from rollout_capture.config import check_capture_url, refuse_secret_options
+from rollout_capture.jsonl_io import OutputSpool, default_output, iter_line_batches, remove_staged
+from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
+from tasks.capture import merge_batch
+from tasks.io import read_rollouts, write_enriched
+
+DEFAULT_BATCH_SIZE = 1000
+
+
+def _check(capture_dir: str, batch_size: int, storage_options: dict[str, Any] | None) -> None:
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1; got {batch_size}")
+    if "://" not in capture_dir and not capture_dir.startswith("/"):
+        return  # a relative local path: fine for people at a terminal
+    check_capture_url(capture_dir)
+    refuse_secret_options(storage_options)
+
+
+@guarded_flow(name="enrich_rollouts")
+def enrich_rollouts(
+    rollouts: str,
+    capture_dir: str,
+    output: str | None = None,
+    include_payloads: bool = False,
+    quiescence_timeout_s: float = CAPTURE_DRAIN_TIMEOUT_S,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    max_workers: int = 8,
+    runner: Runner = "threads",
+    dask_address: str | None = None,
+    strict: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    credentials_block: str | None = None,
+) -> EnrichSummary:
+    """Enrich every rollout of ``rollouts`` (any fsspec URL, ``.gz`` too) with its captured calls.
+
+    Output keeps line order and line count; it defaults to ``<input stem>.enriched.jsonl``
+    beside the input and appears only once complete. Lines that are not rollout records
+    pass through unchanged and are reported (``strict`` fails instead).
+    """
+    logger = get_run_logger()
+    _check(capture_dir, batch_size, storage_options)
+    target = output or default_output(rollouts)
+    started = time.perf_counter()
+    staged = read_rollouts(rollouts, storage_options, credentials_block)
+    progress = start_progress(rollouts, staged.lines)
+    spool = OutputSpool(target, storage_options)
+    stats = BatchStats()
+    batches = 0
+    options = {
+        "capture_dir": capture_dir,
+        "storage_options": storage_options,
+        "credentials_block": credentials_block,
+        "include_payloads": include_payloads,
+        "quiescence_timeout_s": quiescence_timeout_s,
+        "source": rollouts,
+        "strict": strict,
+    }
+    try:
+        with make_task_runner(runner, max_workers, dask_address) as task_runner:
+            in_flight: deque[PrefectFuture[EnrichedBatch]] = deque()
+
+            def collect() -> None:
+                nonlocal stats, batches
+                batch = in_flight.popleft().result()
+                spool.write(batch.lines)
+                stats += batch.stats
+                batches += 1
+                advance_progress(progress, spool.lines, staged.lines)
+
+            for first_line, lines in iter_line_batches(staged.path, batch_size):
+                parameters = {"lines": quote(lines), "first_line": first_line, **options}
+                in_flight.append(task_runner.submit(merge_batch, parameters))
+                while len(in_flight) >= 2 * max_workers:  # bounded: memory stays flat
+                    collect()
+            while in_flight:
+                collect()
+        spool.close()
+        write_enriched(spool.path, target, spool.lines, storage_options, credentials_block)
+    except BaseException:
+        spool.discard()
+        raise
+    finally:
+        remove_staged(staged)
+    summary = EnrichSummary(
+        source=rollouts,
+        output=target,
+        batches=batches,
+        seconds=round(time.perf_counter() - started, 3),
+        stats=stats,
+    )
+    if stats.problems:
+        first = stats.problems[0]
+        logger.warning(
+            "%d line(s) of %s are not rollout records and were passed through (first: line %d: %s)",
+            len(stats.problems),
+            rollouts,
+            first.line,
+            first.reason,
+        )
+    logger.info(
+        "enriched %d rollout(s) with %d call(s) in %d batch(es); gaps: %s",
+        stats.rollouts,
+        stats.calls,
+        batches,
+        stats.gaps or "none",
+    )
+    publish_summary(summary)
+    return summary

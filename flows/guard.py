@@ -1,0 +1,42 @@
+"""Flows whose recorded parameters can never hold a secret.
+
+Prefect stores a run's parameters when it creates the run, before the flow can refuse
+them; this flow class redacts secret-looking storage options from what is stored, and
+the flow body then fails with an error naming the option.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+from prefect import Flow
+from prefect.client.schemas.objects import State
+from prefect.futures import PrefectFuture
+
+from rollout_capture.config import redact_secret_options
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class GuardedFlow(Flow[P, R]):
+    """A flow that redacts secret-looking values from the parameters sent to the API."""
+
+    def serialize_parameters(self, parameters: dict[str, Any | PrefectFuture[Any] | State]) -> dict[str, Any]:
+        serialized: dict[str, Any] = redact_secret_options(super().serialize_parameters(parameters))
+        return serialized
+
+    def with_options(self, *args: Any, **kwargs: Any) -> GuardedFlow[P, R]:
+        copy = super().with_options(*args, **kwargs)
+        copy.__class__ = GuardedFlow  # Flow.with_options builds a plain Flow
+        return copy  # type: ignore[return-value]
+
+
+def guarded_flow(**options: Any) -> Callable[[Callable[P, R]], GuardedFlow[P, R]]:
+    """Like ``@flow(...)``, with parameters redacted before they are recorded."""
+
+    def decorate(fn: Callable[P, R]) -> GuardedFlow[P, R]:
+        return GuardedFlow(fn, **options)
+
+    return decorate

@@ -1,0 +1,331 @@
+"""``rollout-capture``: the flows and the core from a terminal.
+
+Exit codes: 0 done; 1 the work failed (storage faults outlasting retries, rollouts still
+claimed after ``wait``); 2 bad input (missing file, malformed line under ``--strict``,
+invalid id or option), always with a message naming the input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Annotated, Any, cast
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+CaptureDirOpt = Annotated[
+    str, typer.Option("--capture-dir", "-c", help="Capture root: a path or fsspec URL.")
+]
+OptionsOpt = Annotated[
+    str | None,
+    typer.Option("--storage-options", help='fsspec options as JSON (no secrets), e.g. {"anon": false}.'),
+]
+BlockOpt = Annotated[
+    str | None, typer.Option("--credentials-block", help="Name of a prefect-aws AwsCredentials block.")
+]
+RunnerOpt = Annotated[str, typer.Option("--runner", help="threads | processes | dask")]
+
+
+if TYPE_CHECKING:
+    from flows.runners import Runner
+
+
+def _runner(value: str) -> Runner:
+    if value not in ("threads", "processes", "dask"):
+        raise InputError(f"--runner must be threads, processes or dask; got {value!r}")
+    return cast("Runner", value)
+
+
+class InputError(Exception):
+    """Bad input: exit code 2."""
+
+
+def _options(text: str | None) -> dict[str, Any] | None:
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"--storage-options is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InputError("--storage-options must be a JSON object")
+    return value
+
+
+def _prefect_env() -> None:
+    """No telemetry; an embedded temporary server unless PREFECT_API_URL names one."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+class _WithoutTraceback(logging.Formatter):
+    """Formats like ``inner`` but leaves the traceback to the API logs (the Prefect UI)."""
+
+    def __init__(self, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text
+        record.exc_info, record.exc_text = None, None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text = saved
+
+
+def _terminal_logging() -> None:
+    """At a terminal, a failed run is one line from Prefect and one ``error:`` line from us."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", ()):
+            if isinstance(handler, PrefectConsoleHandler) and not isinstance(
+                handler.formatter, _WithoutTraceback
+            ):
+                handler.setFormatter(_WithoutTraceback(handler.formatter))
+
+
+def _must_exist(url: str, storage_options: dict[str, Any] | None, what: str) -> None:
+    """Fail before any flow run starts when the input is not there."""
+    from rollout_capture.storage import open_filesystem
+
+    fs, path = open_filesystem(url, storage_options)
+    if not fs.exists(path):
+        raise InputError(f"{what} not found: {url}")
+
+
+@contextmanager
+def _exits() -> Iterator[None]:
+    """Turn errors into a one-line message and an exit code, never a bare traceback."""
+    from rollout_capture.faults import is_transient_storage_error
+
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except (InputError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except Exception as exc:
+        kind = "storage fault (after retries)" if is_transient_storage_error(exc) else type(exc).__name__
+        typer.echo(f"error: {kind}: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows
+    )
+
+
+def _num(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if isinstance(value, float) else str(value)
+
+
+@app.command()
+def enrich(
+    rollouts: Annotated[str, typer.Argument(help="Rollouts JSONL (any fsspec URL, .gz too).")],
+    capture_dir: CaptureDirOpt,
+    output: Annotated[
+        str | None, typer.Option(help="Default: <input stem>.enriched.jsonl beside the input.")
+    ] = None,
+    include_payloads: Annotated[bool, typer.Option(help="Keep requests and responses in the calls.")] = False,
+    strict: Annotated[bool, typer.Option(help="Fail on a line that is not a rollout record.")] = False,
+    batch_size: Annotated[int, typer.Option(min=1)] = 1000,
+    max_workers: Annotated[int, typer.Option(min=1)] = 8,
+    runner: RunnerOpt = "threads",
+    dask_address: Annotated[str | None, typer.Option(help="Dask scheduler; default a local cluster.")] = None,
+    quiescence_timeout: Annotated[float, typer.Option(help="Seconds to wait for claimed writes.")] = 10.0,
+    storage_options: OptionsOpt = None,
+    credentials_block: BlockOpt = None,
+) -> None:
+    """Enrich every rollout of ROLLOUTS with its captured model calls."""
+    _prefect_env()
+    with _exits():
+        options = _options(storage_options)
+        _must_exist(rollouts, options, "rollouts file")
+        from flows import enrich_rollouts
+
+        _terminal_logging()
+        summary = enrich_rollouts(
+            rollouts,
+            capture_dir,
+            output=output,
+            include_payloads=include_payloads,
+            quiescence_timeout_s=quiescence_timeout,
+            batch_size=batch_size,
+            max_workers=max_workers,
+            runner=_runner(runner),
+            dask_address=dask_address,
+            strict=strict,
+            storage_options=options,
+            credentials_block=credentials_block,
+        )
+        stats = summary.stats
+        rows = [
+            ("output", summary.output),
+            ("lines", str(stats.lines)),
+            ("rollouts enriched", str(stats.rollouts)),
+            ("model calls", str(stats.calls)),
+            ("tokens in / out / total", f"{stats.tokens_in} / {stats.tokens_out} / {stats.tokens_total}"),
+            ("lines passed through", str(len(stats.problems))),
+        ]
+        rows += [(f"gap {code}", str(count)) for code, count in stats.gaps.items()]
+        typer.echo(_table(rows))
+        for problem in stats.problems[:10]:
+            typer.echo(f"{rollouts}:{problem.line}: {problem.reason}", err=True)
+
+
+@app.command()
+def clear(
+    rollouts: Annotated[str, typer.Argument(help="Rollouts JSONL about to be dispatched.")],
+    capture_dir: CaptureDirOpt,
+    storage_options: OptionsOpt = None,
+    credentials_block: BlockOpt = None,
+) -> None:
+    """Remove the captures of the rollouts about to be dispatched."""
+    _prefect_env()
+    with _exits():
+        options = _options(storage_options)
+        _must_exist(rollouts, options, "rollouts file")
+        from flows import prepare_dispatch
+
+        _terminal_logging()
+        cleared = prepare_dispatch(
+            rollouts, capture_dir, storage_options=options, credentials_block=credentials_block
+        )
+        typer.echo(f"cleared captures of {cleared} rollout id(s)")
+
+
+@app.command()
+def wait(
+    rollout_id: Annotated[str, typer.Argument(help="Rollout id, e.g. 12-3 or 12-3-a1.")],
+    capture_dir: CaptureDirOpt,
+    timeout: Annotated[float, typer.Option(help="Seconds before giving up.")] = 10.0,
+    poll: Annotated[float, typer.Option(help="Seconds between checks.")] = 0.05,
+    storage_options: OptionsOpt = None,
+) -> None:
+    """Wait until no claimed capture write of the rollout is outstanding (exit 1 on timeout)."""
+    with _exits():
+        from rollout_capture import CaptureStore, await_model_call_capture_quiescence
+
+        store = CaptureStore(capture_dir, storage_options=_options(storage_options))
+        if not asyncio.run(await_model_call_capture_quiescence(rollout_id, [store], timeout, poll)):
+            typer.echo(f"{rollout_id}: still claimed after {timeout}s", err=True)
+            raise typer.Exit(1)
+        typer.echo(f"{rollout_id}: quiescent")
+
+
+@app.command("enrich-runs")
+def enrich_runs(
+    runs_root: Annotated[
+        str, typer.Argument(help="Folder of runs: <root>/<run>/rollouts.jsonl, captures/, _SUCCESS.")
+    ],
+    capture_dir: Annotated[str | None, typer.Option(help="One capture root for all runs.")] = None,
+    runner: RunnerOpt = "threads",
+    storage_options: OptionsOpt = None,
+    credentials_block: BlockOpt = None,
+) -> None:
+    """Enrich every finished, not yet enriched run under RUNS_ROOT (what the schedule runs)."""
+    _prefect_env()
+    with _exits():
+        options = _options(storage_options)
+        _must_exist(runs_root, options, "runs root")
+        from flows import enrich_completed_runs
+
+        _terminal_logging()
+        summary = enrich_completed_runs(
+            runs_root,
+            capture_dir=capture_dir,
+            runner=_runner(runner),
+            storage_options=options,
+            credentials_block=credentials_block,
+        )
+        typer.echo(json.dumps(summary.model_dump(), indent=2))
+
+
+@app.command()
+def inspect(
+    rollout_id: Annotated[str, typer.Argument(help="Rollout id, e.g. 12-3.")],
+    capture_dir: CaptureDirOpt,
+    storage_options: OptionsOpt = None,
+) -> None:
+    """Show a rollout's captured calls: tokens, latency, status and gaps."""
+    with _exits():
+        from rollout_capture import CaptureStore
+        from rollout_capture.attachment import build_attachment
+        from rollout_capture.evidence import gather_evidence
+        from rollout_capture.identity import validate_rollout_id
+
+        store = CaptureStore(capture_dir, storage_options=_options(storage_options))
+        validate_rollout_id(rollout_id)
+        attachment = build_attachment(rollout_id, gather_evidence([rollout_id], [store])[rollout_id])
+        rows = [("#", "model", "dialect", "status", "in", "out", "total", "latency ms", "error")]
+        for call in attachment["calls"]:
+            rows.append(
+                (
+                    str(call["call_index"]),
+                    _num(call["model"]),
+                    _num(call["dialect"]),
+                    _num(call["status_code"]),
+                    _num(call["tokens_in"]),
+                    _num(call["tokens_out"]),
+                    _num(call["tokens_total"]),
+                    _num(call["latency_total_ms"]),
+                    _num(call["error_category"]),
+                )
+            )
+        metrics = attachment["metrics"]
+        rows.append(
+            (
+                "all",
+                "",
+                "",
+                "",
+                _num(metrics["tokens_in"]),
+                _num(metrics["tokens_out"]),
+                _num(metrics["tokens_total"]),
+                _num(metrics["latency_total_ms"]),
+                "",
+            )
+        )
+        typer.echo(_table(rows))
+        for invocation in attachment.get("verifier_invocations", []):
+            typer.echo(
+                f"verifier {invocation['verifier_invocation_id']}: reward {_num(invocation['reward'])}, "
+                f"judge calls {invocation['model_call_ids']}"
+            )
+        for gap in attachment.get("gaps", []):
+            typer.echo(f"gap: {gap['code']}" + (f" ({gap['detail']})" if "detail" in gap else ""))
+
+
+@app.command()
+def serve() -> None:
+    """Serve the deployments from this machine (Ctrl-C to stop)."""
+    _prefect_env()
+    with _exits():
+        from deployments.serve import main as serve_main
+
+        serve_main()
+
+
+def main() -> None:
+    """Console entry point."""
+    run: Callable[[], Any] = app
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    main()

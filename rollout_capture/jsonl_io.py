@@ -1,0 +1,167 @@
+"""Rollouts files in and enriched files out: streamed, and published atomically.
+
+Input on a local disk is read in place; remote or compressed input is first copied
+(decompressed) to a local spool in one streaming pass, so batches are cheap local
+reads and a storage fault can only hit that one retryable copy. Output goes to a
+temporary file and appears under its name only when complete: a crash never leaves a
+half file, and the output may even replace the input.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from pydantic import BaseModel
+
+from rollout_capture.storage import open_filesystem
+
+CHUNK_BYTES = 8 << 20
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+
+
+class StagedRollouts(BaseModel):
+    """A rollouts file ready to be read in batches: a local, uncompressed path."""
+
+    source: str
+    path: str
+    lines: int
+    temporary: bool
+
+
+def default_output(source: str) -> str:
+    """``<input stem>.enriched.jsonl`` beside the input (``runs/a.jsonl.gz`` -> ``runs/a.enriched.jsonl``)."""
+    head, _, name = source.rpartition("/")
+    for suffix in _COMPRESSED:
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    stem = (
+        name[: -len(".jsonl")] if name.endswith(".jsonl") else name.rsplit(".", 1)[0] if "." in name else name
+    )
+    return f"{head}/{stem}.enriched.jsonl" if head else f"{stem}.enriched.jsonl"
+
+
+def _is_plain_local(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    return isinstance(fs, LocalFileSystem) and not path.endswith(_COMPRESSED)
+
+
+def stage_rollouts(
+    source: str,
+    storage_options: Mapping[str, Any] | None = None,
+    spool_dir: str | None = None,
+    *,
+    credentials: Mapping[str, Any] | None = None,
+) -> StagedRollouts:
+    """Make ``source`` a local uncompressed file and count its lines.
+
+    Raises ``FileNotFoundError`` naming the source when it does not exist.
+    """
+    fs, path = open_filesystem(source, storage_options, credentials=credentials)
+    if not fs.exists(path):
+        raise FileNotFoundError(f"rollouts file not found: {source}")
+    if _is_plain_local(fs, path):
+        lines = 0
+        last = b"\n"
+        with open(path, "rb") as handle:
+            while chunk := handle.read(CHUNK_BYTES):
+                lines += chunk.count(b"\n")
+                last = chunk[-1:]
+        return StagedRollouts(source=source, path=path, lines=lines + (last != b"\n"), temporary=False)
+    fd, spooled = tempfile.mkstemp(prefix="rollouts-", suffix=".jsonl", dir=spool_dir)
+    lines, last = 0, b"\n"
+    try:
+        with os.fdopen(fd, "wb") as out, fs.open(path, "rb", compression="infer") as handle:
+            while chunk := handle.read(CHUNK_BYTES):
+                out.write(chunk)
+                lines += chunk.count(b"\n")
+                last = chunk[-1:]
+    except BaseException:
+        os.unlink(spooled)
+        raise
+    return StagedRollouts(source=source, path=spooled, lines=lines + (last != b"\n"), temporary=True)
+
+
+def iter_line_batches(path: str, batch_size: int) -> Iterator[tuple[int, list[bytes]]]:
+    """``(first line number, lines)`` batches of a local file; lines keep their newline."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1; got {batch_size}")
+    number = 1
+    batch: list[bytes] = []
+    with open(path, "rb") as handle:
+        for line in handle:
+            batch.append(line)
+            if len(batch) == batch_size:
+                yield number, batch
+                number += batch_size
+                batch = []
+    if batch:
+        yield number, batch
+
+
+class OutputSpool:
+    """An enriched file being written: appended batch by batch, then published at once."""
+
+    def __init__(self, target: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.target = target
+        self.storage_options = dict(storage_options or {})
+        fs, path = open_filesystem(target, self.storage_options)
+        self.local = isinstance(fs, LocalFileSystem)
+        if self.local:  # beside the target, so publishing is a rename on one filesystem
+            folder = os.path.dirname(path) or "."
+            os.makedirs(folder, exist_ok=True)
+            self.path = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+        else:
+            fd, self.path = tempfile.mkstemp(prefix="enriched-", suffix=".jsonl")
+            os.close(fd)
+        self._handle = open(self.path, "wb")  # noqa: SIM115 - held across batches, closed in close()
+        self.lines = 0
+
+    def write(self, lines: list[bytes]) -> None:
+        """Append output lines (without newlines), in order."""
+        if lines:
+            self._handle.write(b"\n".join(lines))
+            self._handle.write(b"\n")
+            self.lines += len(lines)
+
+    def close(self) -> None:
+        """Flush to disk; the spool is then ready to publish."""
+        if not self._handle.closed:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+            self._handle.close()
+
+    def discard(self) -> None:
+        """Drop the spool: nothing appears at the target."""
+        if not self._handle.closed:
+            self._handle.close()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def publish(
+    spool_path: str,
+    target: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    credentials: Mapping[str, Any] | None = None,
+) -> int:
+    """Make the spool the target, atomically; returns its size. Safe to retry."""
+    fs, path = open_filesystem(target, storage_options, credentials=credentials)
+    size = os.path.getsize(spool_path)
+    if isinstance(fs, LocalFileSystem):
+        os.replace(spool_path, path)
+        return size
+    fs.put_file(spool_path, path)  # one object: it appears only once the upload completes
+    os.unlink(spool_path)
+    return size
+
+
+def remove_staged(staged: StagedRollouts) -> None:
+    """Delete a spooled copy of the input (never the input itself)."""
+    if staged.temporary and os.path.exists(staged.path):
+        os.unlink(staged.path)

@@ -1,0 +1,111 @@
+"""Prefect tasks over capture stores: clear, wait for quiescence, merge a batch.
+
+Thin wrappers around the core: each works on a batch (never one task per rollout) and
+retries transient storage faults only. A batch task is idempotent: rerunning it after a
+crash reads the same captures and returns the same bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.utilities.asyncutils import run_coro_as_sync
+
+from rollout_capture.batch import EnrichedBatch, enrich_lines
+from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
+from rollout_capture.store import CaptureStore, shared_store
+from tasks.credentials import credentials_from_block
+from tasks.retry import storage_retries
+
+
+def capture_store(
+    capture_dir: str, storage_options: dict[str, Any] | None = None, credentials_block: str | None = None
+) -> CaptureStore:
+    """This process's store for the dir, with credentials resolved here from the named block."""
+    return shared_store(
+        capture_dir,
+        storage_options,
+        credentials=credentials_from_block(credentials_block),
+        credentials_name=credentials_block,
+    )
+
+
+@task(name="clear_captures", cache_policy=NO_CACHE, **storage_retries())
+def clear_captures(
+    rollout_ids: list[str],
+    capture_dir: str,
+    storage_options: dict[str, Any] | None = None,
+    credentials_block: str | None = None,
+) -> int:
+    """Remove the captures of a batch of (already validated) rollout ids."""
+    store = capture_store(capture_dir, storage_options, credentials_block)
+    cleared = store.clear(rollout_ids)
+    get_run_logger().info("cleared captures of %d rollout(s) in %s", len(cleared), capture_dir)
+    return len(cleared)
+
+
+@task(name="await_quiescence", cache_policy=NO_CACHE, **storage_retries())
+async def await_quiescence(
+    rollout_ids: list[str],
+    capture_dir: str,
+    storage_options: dict[str, Any] | None = None,
+    credentials_block: str | None = None,
+    timeout_s: float = CAPTURE_DRAIN_TIMEOUT_S,
+    poll_s: float = DEFAULT_POLL_S,
+) -> list[str]:
+    """Wait, under one deadline for all of them, until no id has a live claim; return those still pending.
+
+    The wait is bounded by its own deadline (not ``timeout_seconds``, which cannot
+    interrupt a sync wait), and it is async so it never holds a worker thread idle.
+    """
+    store = capture_store(capture_dir, storage_options, credentials_block)
+    pending = sorted(await await_quiescence_many(rollout_ids, [store], timeout_s, poll_s))
+    logger = get_run_logger()
+    if pending:
+        logger.warning("%d rollout(s) still claimed after %.1fs: %s", len(pending), timeout_s, pending[:5])
+    else:
+        logger.info("%d rollout(s) quiescent", len(rollout_ids))
+    return pending
+
+
+@task(name="merge_batch", cache_policy=NO_CACHE, **storage_retries())
+def merge_batch(
+    lines: list[bytes],
+    first_line: int,
+    capture_dir: str,
+    storage_options: dict[str, Any] | None = None,
+    credentials_block: str | None = None,
+    include_payloads: bool = False,
+    quiescence_timeout_s: float = CAPTURE_DRAIN_TIMEOUT_S,
+    source: str = "rollouts",
+    strict: bool = False,
+) -> EnrichedBatch:
+    """Enrich one batch of rollout lines; rollouts still claimed are awaited in a nested task."""
+    store = capture_store(capture_dir, storage_options, credentials_block)
+
+    def wait(pending: set[str]) -> set[str]:
+        still = run_coro_as_sync(
+            await_quiescence(
+                sorted(pending),
+                capture_dir,
+                storage_options,
+                credentials_block,
+                timeout_s=quiescence_timeout_s,
+            )
+        )
+        return set(still or ())
+
+    batch = enrich_lines(
+        lines,
+        [store],
+        first_line=first_line,
+        include_payloads=include_payloads,
+        quiescence_timeout_s=quiescence_timeout_s,
+        waiter=wait,
+    )
+    if strict and batch.stats.problems:
+        problem = batch.stats.problems[0]
+        raise ValueError(f"{source}:{problem.line}: {problem.reason}")
+    return batch

@@ -1,0 +1,41 @@
+"""Prefect tasks for the rollouts files: fetch the input, publish the output.
+
+Both are retryable as a whole: staging re-copies the input from the start, publishing
+re-uploads the finished spool. Neither can leave a partial file behind.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from rollout_capture.jsonl_io import StagedRollouts, publish, stage_rollouts
+from tasks.credentials import credentials_from_block
+from tasks.retry import storage_retries
+
+
+@task(name="read_rollouts", cache_policy=NO_CACHE, **storage_retries())
+def read_rollouts(
+    source: str, storage_options: dict[str, Any] | None = None, credentials_block: str | None = None
+) -> StagedRollouts:
+    """Make the rollouts file a local, uncompressed file to stream batches from."""
+    staged = stage_rollouts(source, storage_options, credentials=credentials_from_block(credentials_block))
+    how = "copied to a local spool" if staged.temporary else "read in place"
+    get_run_logger().info("read %s: %d line(s), %s", source, staged.lines, how)
+    return staged
+
+
+@task(name="write_enriched", cache_policy=NO_CACHE, **storage_retries())
+def write_enriched(
+    spool_path: str,
+    output: str,
+    lines: int,
+    storage_options: dict[str, Any] | None = None,
+    credentials_block: str | None = None,
+) -> int:
+    """Publish the finished output atomically (rename on local disk, one object on S3)."""
+    size = publish(spool_path, output, storage_options, credentials=credentials_from_block(credentials_block))
+    get_run_logger().info("wrote %s: %d line(s), %d bytes", output, lines, size)
+    return size

@@ -1,0 +1,41 @@
+"""The one retry policy of every storage-touching task.
+
+Retries back off exponentially with jitter and fire only for transient storage faults
+(connections, timeouts, throttling, 5xx, s3fs giving up); bad input fails at once, so
+the UI shows the real error instead of a string of doomed retries.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from prefect import Task
+from prefect.client.schemas.objects import State, TaskRun
+from prefect.tasks import exponential_backoff
+
+from rollout_capture.faults import is_transient_storage_error
+
+# Overridable for tests and impatient operators; the defaults ride out a minute-long outage.
+RETRIES = int(os.environ.get("ROLLOUT_CAPTURE_TASK_RETRIES", "5"))
+BASE_DELAY_S = float(os.environ.get("ROLLOUT_CAPTURE_RETRY_BASE_S", "2"))
+JITTER = 0.5
+
+
+def retry_on_transient(task: Task[Any, Any], task_run: TaskRun, state: State[Any]) -> bool:
+    """Retry only when the failure is a transient storage fault."""
+    try:
+        state.result()
+    except Exception as exc:
+        return is_transient_storage_error(exc)
+    return False
+
+
+def storage_retries() -> dict[str, Any]:
+    """Keyword arguments for ``@task``: retries, backoff, jitter and the retry condition."""
+    return {
+        "retries": RETRIES,
+        "retry_delay_seconds": exponential_backoff(backoff_factor=BASE_DELAY_S),
+        "retry_jitter_factor": JITTER,
+        "retry_condition_fn": retry_on_transient,
+    }

@@ -1,0 +1,59 @@
+"""Reading what a flow run left in the Prefect API: task runs, state history, artifacts, logs."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from uuid import UUID
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    FlowRunFilter,
+    FlowRunFilterId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
+from prefect.client.schemas.objects import FlowRun, TaskRun
+
+
+def task_runs(flow_run_id: UUID, name_prefix: str) -> list[TaskRun]:
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return [run for run in runs if run.name.startswith(name_prefix)]
+
+
+def state_history(task_run_id: UUID) -> list[str]:
+    with get_client(sync_client=True) as client:
+        states = client.read_task_run_states(task_run_id)
+    return [state.name for state in sorted(states, key=lambda s: s.timestamp)]
+
+
+def artifacts(flow_run_id: UUID) -> list[Any]:
+    only_this_run = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+    with get_client(sync_client=True) as client:
+        return list(client.read_artifacts(artifact_filter=only_this_run))
+
+
+def flow_run(flow_run_id: UUID) -> FlowRun:
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id)
+
+
+def logs(flow_run_id: UUID) -> list[str]:
+    """Every log message of the flow run and its task runs."""
+    with get_client(sync_client=True) as client:
+        found = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return [entry.message for entry in found]
+
+
+def wait_for_logs(flow_run_id: UUID, containing: str, timeout_s: float = 10.0) -> list[str]:
+    """The run's logs once one contains ``containing`` (logs are shipped in the background)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = logs(flow_run_id)
+        if any(containing in line for line in found) or time.monotonic() > deadline:
+            assert any(containing in line for line in found), f"no log containing {containing!r}: {found}"
+            return found
+        time.sleep(0.1)

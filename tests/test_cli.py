@@ -1,0 +1,103 @@
+"""The command line, as a user runs it: real processes, exit codes, messages naming the input."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from rollout_capture import CaptureStore
+
+from .conftest import SAMPLE
+
+ROW = {
+    "model_call_id": "c",
+    "dialect": "chat",
+    "status_code": 200,
+    "latency_ms": 12.5,
+    "response": {"model": "m"},
+}
+
+
+def cli(*args: str, api: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    if api:
+        env["PREFECT_API_URL"] = api
+    return subprocess.run(
+        [sys.executable, "-m", "rollout_capture.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_enrich_the_sample(prefect_api: str, tmp_path: Path) -> None:
+    out = tmp_path / "sample.enriched.jsonl"
+    captures = ["--capture-dir", str(SAMPLE / "captures")]
+    done = cli("enrich", str(SAMPLE / "rollouts.jsonl"), *captures, "--output", str(out), api=prefect_api)
+    assert done.returncode == 0, done.stderr
+    table = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in done.stdout.splitlines())
+    assert table["rollouts enriched"] == "10" and table["lines passed through"] == "1"
+    assert table["gap model_call_capture_incomplete"] == "1"
+    assert "rollouts.jsonl:11: not JSON" in done.stderr  # the placeholder row, named
+    assert len(out.read_bytes().splitlines()) == len((SAMPLE / "rollouts.jsonl").read_bytes().splitlines())
+
+
+def test_missing_input_exits_2_naming_it(prefect_api: str, tmp_path: Path) -> None:
+    done = cli("enrich", str(tmp_path / "absent.jsonl"), "--capture-dir", str(tmp_path), api=prefect_api)
+    assert done.returncode == 2
+    assert done.stderr == f"error: rollouts file not found: {tmp_path / 'absent.jsonl'}\n"
+
+
+def test_strict_names_file_and_line(prefect_api: str, tmp_path: Path) -> None:
+    rollouts = tmp_path / "r.jsonl"
+    rollouts.write_bytes(b'{"_ng_task_index": 0, "_ng_rollout_index": 0}\n[1]\n')
+    done = cli("enrich", str(rollouts), "--capture-dir", str(tmp_path), "--strict", api=prefect_api)
+    assert done.returncode == 2 and f"error: {rollouts}:2: not a JSON object (list)" in done.stderr
+    assert "Traceback" not in done.stderr  # the traceback is in the run's logs, for the UI
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--runner", "fibers"], "--runner must be threads, processes or dask"),
+        (["--storage-options", "{oops"], "--storage-options is not JSON"),
+        (["--storage-options", '{"key": "AKIA"}'], "storage_options.key looks like a secret"),
+    ],
+)
+def test_bad_options_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    (tmp_path / "r.jsonl").write_bytes(b"{}\n")
+    done = cli("enrich", str(tmp_path / "r.jsonl"), "--capture-dir", str(tmp_path), *args)
+    assert done.returncode == 2 and message in done.stderr
+
+
+def test_wait_and_inspect(tmp_path: Path) -> None:
+    store = CaptureStore(tmp_path)
+    store.record("4-2", ROW)
+    store.record("4-2", {**ROW, "model_call_id": "d", "status_code": 429, "error_category": "rate_limit"})
+    assert cli("wait", "4-2", "--capture-dir", str(tmp_path), "--timeout", "5").returncode == 0
+    with store.claim("4-2"):
+        held = cli("wait", "4-2", "--capture-dir", str(tmp_path), "--timeout", "0.2")
+    assert held.returncode == 1 and "still claimed" in held.stderr
+    shown = cli("inspect", "4-2", "--capture-dir", str(tmp_path))
+    assert shown.returncode == 0, shown.stderr
+    rows = [line.split() for line in shown.stdout.splitlines()]
+    assert rows[0][:4] == ["#", "model", "dialect", "status"]
+    assert rows[2][:4] == ["1", "m", "chat", "429"] and rows[2][-1] == "rate_limit"
+    assert cli("inspect", "../x", "--capture-dir", str(tmp_path)).returncode == 2
+
+
+def test_clear(prefect_api: str, tmp_path: Path) -> None:
+    store = CaptureStore(tmp_path / "caps")
+    store.record("0-0", ROW)
+    rollouts = tmp_path / "r.jsonl"
+    rollouts.write_bytes(orjson.dumps({"_ng_task_index": 0, "_ng_rollout_index": 0}) + b"\n")
+    done = cli("clear", str(rollouts), "--capture-dir", str(tmp_path / "caps"), api=prefect_api)
+    assert done.returncode == 0 and "cleared captures of 1 rollout id(s)" in done.stdout
+    assert not store.has_any("0-0")
