@@ -87,7 +87,7 @@ def peak_rss_mb(rollouts: int, repeat: int) -> float:
         f"import sys, resource; sys.path.insert(0, {root!r});"
         "from benchmarks import corpus, bench_merge;"
         f"p, c = corpus.build({rollouts}, repeat={repeat}); bench_merge.merge_loop(p, c);"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        "from benchmarks.corpus import peak_rss_kb; print(peak_rss_kb())"
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     return int(out.stdout.strip().splitlines()[-1]) / 1024

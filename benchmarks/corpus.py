@@ -73,3 +73,16 @@ def manifest(rollouts_path: Path) -> dict[str, int]:
     """Sizes recorded when the corpus was built."""
     data: dict[str, int] = json.loads((rollouts_path.parent / "manifest.json").read_text())
     return data
+
+
+def peak_rss_kb() -> int:
+    """This process's peak resident set (VmHWM), in KiB.
+
+    Not ``ru_maxrss``: on Linux it survives ``exec``, so a child started by a big parent
+    would report the parent's peak.
+    """
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status")

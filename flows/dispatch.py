@@ -13,7 +13,7 @@ from flows.enrich import DEFAULT_BATCH_SIZE
 from flows.guard import guarded_flow
 from rollout_capture.clear import rollout_ids_of
 from rollout_capture.config import check_capture_url, refuse_secret_options
-from rollout_capture.jsonl_io import iter_line_batches, remove_staged
+from rollout_capture.jsonl_io import iter_line_batches, remove_staged, split_lines
 from tasks.capture import clear_captures
 from tasks.io import read_rollouts
 
@@ -21,7 +21,8 @@ from tasks.io import read_rollouts
 def _ids_from_file(path: str, source: str) -> list[str]:
     """Every rollout id of a JSONL file; a line that is not a record is an error naming it."""
     ids: list[str] = []
-    for first_line, lines in iter_line_batches(path, DEFAULT_BATCH_SIZE):
+    for first_line, blob in iter_line_batches(path, DEFAULT_BATCH_SIZE):
+        lines = split_lines(blob)
         records = []
         for offset, line in enumerate(lines):
             if not line.strip():

@@ -8,16 +8,15 @@ from typing import Any
 
 from prefect import get_run_logger
 from prefect.futures import PrefectFuture
-from prefect.utilities.annotations import quote
 
 from flows.guard import guarded_flow
 from flows.report import EnrichSummary, advance_progress, publish_summary, start_progress
-from flows.runners import Runner, make_task_runner
-from rollout_capture.batch import BatchStats, EnrichedBatch
+from flows.runners import Runner, api_shared_with_workers, effective_workers, make_task_runner
+from rollout_capture.batch import BatchStats
 from rollout_capture.config import check_capture_url, refuse_secret_options
 from rollout_capture.jsonl_io import OutputSpool, default_output, iter_line_batches, remove_staged
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
-from tasks.capture import merge_batch
+from tasks.capture import BatchInput, BatchOutput, merge_batch
 from tasks.io import read_rollouts, write_enriched
 
 DEFAULT_BATCH_SIZE = 1000
@@ -71,22 +70,27 @@ def enrich_rollouts(
         "source": rollouts,
         "strict": strict,
     }
+    workers = effective_workers(runner, max_workers, capture_dir)
     try:
-        with make_task_runner(runner, max_workers, dask_address) as task_runner:
-            in_flight: deque[PrefectFuture[EnrichedBatch]] = deque()
+        with (
+            api_shared_with_workers(runner),
+            make_task_runner(runner, workers, dask_address) as task_runner,
+        ):
+            in_flight: deque[PrefectFuture[BatchOutput]] = deque()
 
             def collect() -> None:
                 nonlocal stats, batches
                 batch = in_flight.popleft().result()
-                spool.write(batch.lines)
+                spool.write(batch.blob, batch.lines)
+                batch.blob = b""  # see BatchOutput: Prefect's engine may hold the object a while
                 stats += batch.stats
                 batches += 1
                 advance_progress(progress, spool.lines, staged.lines)
 
-            for first_line, lines in iter_line_batches(staged.path, batch_size):
-                parameters = {"lines": quote(lines), "first_line": first_line, **options}
+            for first_line, blob in iter_line_batches(staged.path, batch_size):
+                parameters = {"batch": BatchInput(blob=blob, first_line=first_line), **options}
                 in_flight.append(task_runner.submit(merge_batch, parameters))
-                while len(in_flight) >= 2 * max_workers:  # bounded: memory stays flat
+                while len(in_flight) > workers:  # bounded: memory stays flat as input grows
                     collect()
             while in_flight:
                 collect()

@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
+from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
 Runner = Literal["threads", "processes", "dask"]
+
+
+LOCAL_THREADS = 2
+
+
+def effective_workers(runner: Runner, max_workers: int, capture_dir: str) -> int:
+    """How many batches to run at once.
+
+    Threads only help while batches wait on storage: on a local disk, beyond two they
+    add memory and interpreter-lock contention, never speed. Processes and Dask use
+    ``max_workers`` as given (capped at the cores by the process pool).
+    """
+    local = "://" not in capture_dir or capture_dir.startswith("file://")
+    return min(max_workers, LOCAL_THREADS) if runner == "threads" and local else max_workers
 
 
 def make_task_runner(runner: Runner, max_workers: int, dask_address: str | None = None) -> TaskRunner[Any]:
@@ -30,3 +47,30 @@ def make_task_runner(runner: Runner, max_workers: int, dask_address: str | None 
             cluster_kwargs={"n_workers": workers, "threads_per_worker": 1, "processes": True}
         )
     raise ValueError(f"runner must be 'threads', 'processes' or 'dask'; got {runner!r}")
+
+
+def current_api_url() -> str | None:
+    """The API this process talks to: the configured one, or its running temporary server."""
+    configured = PREFECT_API_URL.value()
+    if configured:
+        return str(configured)
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer._instances.get(None)
+    return server.api_url if server is not None and server.running else None
+
+
+@contextmanager
+def api_shared_with_workers(runner: Runner) -> Iterator[None]:
+    """Let batches running in other processes report to this process's API.
+
+    Workers get the settings of the submitting context; without an explicit URL there
+    (the embedded temporary server), each worker would boot a server of its own: seconds
+    lost per worker, and task runs the UI of this flow run would never show.
+    """
+    url = current_api_url() if runner != "threads" and not PREFECT_API_URL.value() else None
+    if url is None:
+        yield
+        return
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        yield

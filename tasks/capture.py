@@ -12,8 +12,10 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.utilities.asyncutils import run_coro_as_sync
+from pydantic import BaseModel
 
-from rollout_capture.batch import EnrichedBatch, enrich_lines
+from rollout_capture.batch import BatchStats, enrich_lines
+from rollout_capture.jsonl_io import split_lines
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
 from rollout_capture.store import CaptureStore, shared_store
 from tasks.credentials import credentials_from_block
@@ -70,10 +72,32 @@ async def await_quiescence(
     return pending
 
 
+class BatchInput(BaseModel):
+    """A batch of rollout lines: their raw bytes (one blob, shipped as is by every runner).
+
+    A holder rather than bare bytes so the task can let go of the bytes once it has
+    succeeded: Prefect's run engine keeps its parameters in reference cycles that only a
+    full garbage collection clears, which would otherwise hold every batch.
+    """
+
+    blob: bytes
+    first_line: int
+
+
+class BatchOutput(BaseModel):
+    """A merged batch as the flow needs it: output bytes (one blob, to write at once) and stats.
+
+    The flow empties ``blob`` once written, for the same reason.
+    """
+
+    blob: bytes
+    lines: int
+    stats: BatchStats
+
+
 @task(name="merge_batch", cache_policy=NO_CACHE, **storage_retries())
 def merge_batch(
-    lines: list[bytes],
-    first_line: int,
+    batch: BatchInput,
     capture_dir: str,
     storage_options: dict[str, Any] | None = None,
     credentials_block: str | None = None,
@@ -81,9 +105,10 @@ def merge_batch(
     quiescence_timeout_s: float = CAPTURE_DRAIN_TIMEOUT_S,
     source: str = "rollouts",
     strict: bool = False,
-) -> EnrichedBatch:
+) -> BatchOutput:
     """Enrich one batch of rollout lines; rollouts still claimed are awaited in a nested task."""
     store = capture_store(capture_dir, storage_options, credentials_block)
+    lines = split_lines(batch.blob)
 
     def wait(pending: set[str]) -> set[str]:
         still = run_coro_as_sync(
@@ -97,15 +122,20 @@ def merge_batch(
         )
         return set(still or ())
 
-    batch = enrich_lines(
+    enriched = enrich_lines(
         lines,
         [store],
-        first_line=first_line,
+        first_line=batch.first_line,
         include_payloads=include_payloads,
         quiescence_timeout_s=quiescence_timeout_s,
         waiter=wait,
     )
-    if strict and batch.stats.problems:
-        problem = batch.stats.problems[0]
+    del lines
+    if strict and enriched.stats.problems:
+        problem = enriched.stats.problems[0]
         raise ValueError(f"{source}:{problem.line}: {problem.reason}")
-    return batch
+    output = BatchOutput(
+        blob=b"\n".join(enriched.lines) + b"\n", lines=len(enriched.lines), stats=enriched.stats
+    )
+    batch.blob = b""  # done with it (see BatchInput); a retry only follows a failure
+    return output

@@ -7,22 +7,51 @@ open one, which is what an unreachable endpoint looks like to botocore and s3fs.
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import struct
 import threading
 import time
 
+_REQUEST_LINE = re.compile(rb"(?m)^(GET|HEAD|PUT|POST|DELETE) (\S+) HTTP/1\.[01]\r$")
+_SLOW_DOWN_BODY = (
+    b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
+_SLOW_DOWN = (
+    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+    + f"Content-Length: {len(_SLOW_DOWN_BODY)}\r\n\r\n".encode()
+    + _SLOW_DOWN_BODY
+)
+
+
+def request_kind(method: bytes, target: bytes) -> str:
+    """LIST, GET, HEAD, PUT, DELETE... of one S3 request line."""
+    if method == b"GET" and b"list-type=" in target:
+        return "LIST"
+    if method == b"POST" and b"?delete" in target:
+        return "DELETE"
+    return method.decode()
+
 
 class FaultProxy:
-    """Forwards 127.0.0.1:<port> to ``target``; ``outage()`` makes it unreachable for a while."""
+    """Forwards 127.0.0.1:<port> to ``target``; ``outage()`` makes it unreachable for a while.
 
-    def __init__(self, target_host: str, target_port: int) -> None:
+    It also counts the requests crossing it by kind, and can answer the next requests
+    with ``503 SlowDown`` (``throttle``), as a busy S3 prefix does.
+    """
+
+    def __init__(self, target_host: str, target_port: int, latency_s: float = 0.0) -> None:
         self.target = (target_host, target_port)
+        self.latency_s = latency_s  # added before forwarding each request, as a network would
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
         self._listener: socket.socket | None = None
         self._trigger: tuple[bytes, float] | None = None
+        self._throttle = 0
         self.outages = 0
+        self.throttled = 0
+        self.requests: dict[str, int] = {}
         self.port = self._listen(0)
 
     @property
@@ -61,8 +90,15 @@ class FaultProxy:
     def _pump(self, source: socket.socket, sink: socket.socket, from_client: bool) -> None:
         try:
             while data := source.recv(65536):
-                if from_client and self._trigger is not None and self._fire(data):
-                    return  # this request dies with the endpoint
+                if from_client:
+                    if self._trigger is not None and self._fire(data):
+                        return  # this request dies with the endpoint
+                    throttled, requests = self._count(data)
+                    if throttled:
+                        source.sendall(_SLOW_DOWN)
+                        return
+                    if requests and self.latency_s:
+                        time.sleep(self.latency_s)
                 sink.sendall(data)
         except OSError:
             pass
@@ -72,6 +108,29 @@ class FaultProxy:
                     sock.close()
             with self._lock:
                 self._sockets -= {source, sink}
+
+    def _count(self, data: bytes) -> tuple[bool, int]:
+        """Count the requests in ``data``: (whether to throttle the first, how many there are)."""
+        kinds = [request_kind(m.group(1), m.group(2)) for m in _REQUEST_LINE.finditer(data)]
+        with self._lock:
+            if kinds and self._throttle > 0:
+                self._throttle -= 1
+                self.throttled += 1
+                return True, len(kinds)
+            for kind in kinds:
+                self.requests[kind] = self.requests.get(kind, 0) + 1
+        return False, len(kinds)
+
+    def throttle(self, requests: int) -> None:
+        """Answer the next ``requests`` requests with 503 SlowDown."""
+        with self._lock:
+            self._throttle = requests
+
+    def reset_counts(self) -> dict[str, int]:
+        """The counts so far, then start again from zero."""
+        with self._lock:
+            counts, self.requests = self.requests, {}
+        return counts
 
     def _fire(self, data: bytes) -> bool:
         """Start the planned outage if ``data`` carries its pattern (once, whoever sees it first)."""

@@ -1,0 +1,191 @@
+"""The whole Prefect flow versus the core merge loop alone, measured in one run.
+
+    python benchmarks/bench_flow.py [--rollouts 10000] [--big 1000000] [--skip-big]
+
+Reports: the flow's overhead over the core loop (threads runner); 1 worker versus all
+cores (process pool); threads / processes / Dask on the same corpus with the hash of
+each output; peak RSS of the flow process for a small and a large rollouts input.
+Runs on Prefect's temporary local server, started once before anything is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import orjson
+
+from benchmarks import corpus
+from rollout_capture import CaptureStore
+from rollout_capture.batch import enrich_lines
+
+CORES = os.cpu_count() or 1
+
+
+def core_loop(rollouts: Path, captures: Path, output: Path, batch_size: int = 1000) -> float:
+    """The core alone: batches through ``enrich_lines``, written to a file."""
+    store = CaptureStore(captures)
+    started = time.perf_counter()
+    first = 1
+    with rollouts.open("rb") as handle, output.open("wb") as out:
+        while lines := list(itertools.islice(handle, batch_size)):
+            batch = enrich_lines(lines, [store], first_line=first)
+            out.write(b"\n".join(batch.lines) + b"\n")
+            first += len(lines)
+    return time.perf_counter() - started
+
+
+def flow_run(
+    rollouts: Path, captures: Path, output: Path, *, heartbeats: bool = True, **options: object
+) -> float:
+    """Wall time of one ``enrich_rollouts`` run (Prefect defaults, or without flow heartbeats).
+
+    Prefect >= 3.9 joins a heartbeat thread that sleeps in whole seconds when a flow run
+    ends, which pads every run to the next second; ``heartbeats=False`` shows the rest.
+    """
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    from flows import enrich_rollouts
+
+    updates = {} if heartbeats else {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
+    with temporary_settings(updates=updates):
+        started = time.perf_counter()
+        enrich_rollouts(str(rollouts), str(captures), output=str(output), **options)
+        return time.perf_counter() - started
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def big_input(lines: int) -> tuple[Path, Path]:
+    """``lines`` compact rollout records, one in a hundred with a capture."""
+    root = corpus.CACHE / f"big-{lines}"
+    rollouts, captures = root / "rollouts.jsonl", root / "captures"
+    if rollouts.exists():
+        return rollouts, captures
+    captures.mkdir(parents=True, exist_ok=True)
+    row = orjson.dumps(
+        {
+            "model_call_id": "c",
+            "dialect": "chat",
+            "latency_ms": 10.0,
+            "response": {"usage": {"prompt_tokens": 5}},
+        }
+    )
+    with rollouts.open("wb") as out:
+        for index in range(lines):
+            record = {
+                "_ng_task_index": index,
+                "_ng_rollout_index": 0,
+                "reward": index % 2,
+                "answer": "x" * 200,
+            }
+            out.write(orjson.dumps(record) + b"\n")
+            if index % 100 == 0:
+                (captures / f"{index}-0.capture.jsonl").write_bytes(row + b"\n")
+    return rollouts, captures
+
+
+def peak_rss_mb(lines: int) -> float:
+    """Peak RSS of a fresh process running the flow on a ``lines``-line input."""
+    root = str(Path(__file__).resolve().parent.parent)
+    code = (
+        f"import sys, resource; sys.path.insert(0, {root!r});"
+        "from benchmarks import bench_flow;"
+        f"r, c = bench_flow.big_input({lines});"
+        "import tempfile, pathlib;"
+        "out = pathlib.Path(tempfile.mkdtemp()) / 'out.jsonl';"
+        "bench_flow.flow_run(r, c, out);"
+        "from benchmarks.corpus import peak_rss_kb; print(peak_rss_kb())"
+    )
+    env = {**os.environ, "PREFECT_HOME": tempfile.mkdtemp()}
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env)
+    return int(done.stdout.strip().splitlines()[-1]) / 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rollouts", type=int, default=10_000)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--big", type=int, default=1_000_000, help="lines of the large RSS input")
+    parser.add_argument("--skip-big", action="store_true")
+    parser.add_argument("--skip-dask", action="store_true")
+    args = parser.parse_args()
+
+    rollouts, captures = corpus.build(args.rollouts, repeat=args.repeat)
+    work = Path(tempfile.mkdtemp(prefix="bench-flow-"))
+    flow_run(rollouts, captures, work / "warm.jsonl", batch_size=1000)  # starts the server: not timed
+    results: dict[str, object] = {"rollouts": args.rollouts, "cores": CORES}
+
+    cores, flows, quiet = [], [], []
+    for _ in range(3):
+        cores.append(core_loop(rollouts, captures, work / "core.jsonl"))
+        flows.append(flow_run(rollouts, captures, work / "threads.jsonl", runner="threads"))
+        quiet.append(flow_run(rollouts, captures, work / "quiet.jsonl", runner="threads", heartbeats=False))
+    results["core_loop_s"] = round(min(cores), 3)
+    results["flow_threads_s"] = round(min(flows), 3)
+    results["flow_threads_no_heartbeat_s"] = round(min(quiet), 3)
+    results["prefect_overhead"] = f"{100 * (min(flows) / min(cores) - 1):.1f}%"
+    results["prefect_overhead_no_heartbeat"] = f"{100 * (min(quiet) / min(cores) - 1):.1f}%"
+    results["same_bytes_as_core"] = digest(work / "core.jsonl") == digest(work / "threads.jsonl")
+
+    def processes(workers: int, source: Path, caps: Path, name: str) -> float:
+        return min(
+            flow_run(source, caps, work / name, runner="processes", max_workers=workers, heartbeats=False)
+            for _ in range(2)
+        )
+
+    one, every = (
+        processes(1, rollouts, captures, "p1.jsonl"),
+        processes(CORES, rollouts, captures, "pn.jsonl"),
+    )
+    results["processes_1_worker_s"] = round(one, 3)
+    results[f"processes_{CORES}_workers_s"] = round(every, 3)
+    results["all_cores_speedup"] = round(one / every, 2)
+    big_rollouts, big_captures = corpus.build(args.rollouts * 4, repeat=args.repeat)
+    big_one = processes(1, big_rollouts, big_captures, "b1.jsonl")
+    big_every = processes(CORES, big_rollouts, big_captures, "bn.jsonl")
+    results[f"all_cores_speedup_{args.rollouts * 4}_rollouts"] = round(big_one / big_every, 2)
+
+    runners = {"threads": min(flows), "processes": every}
+    if not args.skip_dask:
+        from distributed import LocalCluster
+
+        with LocalCluster(
+            n_workers=CORES, threads_per_worker=1, processes=True, dashboard_address=None
+        ) as cluster:
+            address = cluster.scheduler_address
+            runners["dask"] = min(
+                flow_run(rollouts, captures, work / "dask.jsonl", runner="dask", dask_address=address)
+                for _ in range(2)
+            )
+    results["runner_seconds"] = {name: round(seconds, 3) for name, seconds in runners.items()}
+    outputs = {"threads": "threads.jsonl", "processes": "pn.jsonl", "dask": "dask.jsonl"}
+    results["runner_output_sha256"] = {name: digest(work / outputs[name]) for name in runners}
+
+    if not args.skip_big:
+        small = max(1, args.big // 10)
+        results[f"peak_rss_mb_{small}_lines"] = round(peak_rss_mb(small), 1)
+        results[f"peak_rss_mb_{args.big}_lines"] = round(peak_rss_mb(args.big), 1)
+    results["bench_process_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

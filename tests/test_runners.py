@@ -1,0 +1,61 @@
+"""Every runner gives the same bytes: threads (default), a process pool, Dask (a real LocalCluster)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from flows import enrich_rollouts
+from rollout_capture.layout import jsonl_name
+from rollout_capture.samples import capture_rows, corpus_records, jsonl_bytes
+
+from .prefect_api import task_runs
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path, corpus_dir: Path) -> Path:
+    captures = tmp_path / "caps"
+    captures.mkdir()
+    lines = []
+    for index, record in enumerate(corpus_records(corpus_dir)[:40]):
+        record = {**record, "_ng_task_index": index, "_ng_rollout_index": 0}
+        rows = capture_rows(record, f"{index}-0", dialect=("responses", "chat", "messages")[index % 3])
+        (captures / jsonl_name(f"{index}-0")).write_bytes(jsonl_bytes(rows))
+        lines.append(orjson.dumps(record))
+    lines.insert(7, b"<PLACEHOLDER ROW>")
+    (tmp_path / "rollouts.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    return tmp_path
+
+
+def enrich(run_dir: Path, name: str, **options: object) -> bytes:
+    output = run_dir / f"{name}.jsonl"
+    state = enrich_rollouts(
+        str(run_dir / "rollouts.jsonl"),
+        str(run_dir / "caps"),
+        output=str(output),
+        batch_size=7,
+        return_state=True,
+        **options,
+    )
+    summary = state.result()
+    assert summary.batches == 6 and [p.line for p in summary.stats.problems] == [8]
+    # Batches ran elsewhere, yet their task runs are in this flow run's API (the UI).
+    merged = task_runs(state.state_details.flow_run_id, "merge_batch")
+    assert len(merged) == 6 and all(run.state_name == "Completed" for run in merged)
+    return output.read_bytes()
+
+
+def test_process_pool_matches_threads(run_dir: Path) -> None:
+    assert enrich(run_dir, "processes", runner="processes", max_workers=2) == enrich(run_dir, "threads")
+
+
+def test_dask_local_cluster_matches_threads(run_dir: Path) -> None:
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        dask = enrich(run_dir, "dask", runner="dask", dask_address=cluster.scheduler_address)
+    assert dask == enrich(run_dir, "threads")
