@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed-stamp
 
-.PHONY: setup demo test lint bench sample clean
+.PHONY: setup demo test lint bench sample deploy serve clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,15 @@ bench: setup
 	$(BIN)/python benchmarks/bench_merge.py
 	$(BIN)/python benchmarks/bench_flow.py
 	$(BIN)/python benchmarks/bench_s3.py
+
+# Register the deployments on the server PREFECT_API_URL names (a fresh one needs the pool).
+deploy: setup
+	$(BIN)/prefect work-pool create rollout-capture --type process --overwrite
+	$(BIN)/prefect --no-prompt deploy --all --prefect-file deployments/prefect.yaml
+
+# Serve the flows from this machine (no work pool or worker needed).
+serve: setup
+	$(BIN)/rollout-capture serve
 
 # Regenerate examples/sample/ from the shared corpus (deterministic).
 sample: setup

@@ -57,10 +57,11 @@ def enrich_rollouts(
     target = output or default_output(rollouts)
     started = time.perf_counter()
     staged = read_rollouts(rollouts, storage_options, credentials_block)
-    progress = start_progress(rollouts, staged.lines)
+    progress = start_progress(rollouts, staged.size)
     spool = OutputSpool(target, storage_options)
     stats = BatchStats()
-    batches = 0
+    batches = done_bytes = 0
+    workers = effective_workers(runner, max_workers, capture_dir)
     options = {
         "capture_dir": capture_dir,
         "storage_options": storage_options,
@@ -69,27 +70,29 @@ def enrich_rollouts(
         "quiescence_timeout_s": quiescence_timeout_s,
         "source": rollouts,
         "strict": strict,
+        "worker_processes": workers if runner == "processes" else 0,
     }
-    workers = effective_workers(runner, max_workers, capture_dir)
     try:
         with (
             api_shared_with_workers(runner),
             make_task_runner(runner, workers, dask_address) as task_runner,
         ):
-            in_flight: deque[PrefectFuture[BatchOutput]] = deque()
+            in_flight: deque[tuple[int, PrefectFuture[BatchOutput]]] = deque()
 
             def collect() -> None:
-                nonlocal stats, batches
-                batch = in_flight.popleft().result()
+                nonlocal stats, batches, done_bytes
+                size, future = in_flight.popleft()
+                batch = future.result()
                 spool.write(batch.blob, batch.lines)
                 batch.blob = b""  # see BatchOutput: Prefect's engine may hold the object a while
                 stats += batch.stats
                 batches += 1
-                advance_progress(progress, spool.lines, staged.lines)
+                done_bytes += size
+                advance_progress(progress, done_bytes, staged.size)
 
             for first_line, blob in iter_line_batches(staged.path, batch_size):
                 parameters = {"batch": BatchInput(blob=blob, first_line=first_line), **options}
-                in_flight.append(task_runner.submit(merge_batch, parameters))
+                in_flight.append((len(blob), task_runner.submit(merge_batch, parameters)))
                 while len(in_flight) > workers:  # bounded: memory stays flat as input grows
                     collect()
             while in_flight:

@@ -31,9 +31,9 @@ class EnrichSummary(BaseModel):
     stats: BatchStats = Field(default_factory=BatchStats)
 
 
-def start_progress(source: str, lines: int) -> UUID:
-    """A progress artifact that advances per batch."""
-    artifact_id = create_progress_artifact(progress=0.0, description=f"Enriching {lines} line(s) of {source}")
+def start_progress(source: str, size: int) -> UUID:
+    """A progress artifact that advances per batch (by bytes read: no pass to count lines)."""
+    artifact_id = create_progress_artifact(progress=0.0, description=f"Enriching {source} ({size:,} bytes)")
     assert isinstance(artifact_id, UUID)  # the sync variant, as this runs in a sync flow
     return artifact_id
 

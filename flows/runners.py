@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 from prefect.settings import PREFECT_API_URL, temporary_settings
-from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
+from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 Runner = Literal["threads", "processes", "dask"]
 
@@ -20,10 +20,12 @@ def effective_workers(runner: Runner, max_workers: int, capture_dir: str) -> int
     """How many batches to run at once.
 
     Threads only help while batches wait on storage: on a local disk, beyond two they
-    add memory and interpreter-lock contention, never speed. Processes and Dask use
-    ``max_workers`` as given (capped at the cores by the process pool).
+    add memory and interpreter-lock contention, never speed. The process pool gets one
+    worker per core at most; Dask takes ``max_workers`` as given.
     """
     local = "://" not in capture_dir or capture_dir.startswith("file://")
+    if runner == "processes":
+        return min(max_workers, os.cpu_count() or 1)
     return min(max_workers, LOCAL_THREADS) if runner == "threads" and local else max_workers
 
 
@@ -33,8 +35,8 @@ def make_task_runner(runner: Runner, max_workers: int, dask_address: str | None 
         raise ValueError(f"max_workers must be at least 1; got {max_workers}")
     if runner == "threads":
         return ThreadPoolTaskRunner(max_workers=max_workers)
-    if runner == "processes":
-        return ProcessPoolTaskRunner(max_workers=min(max_workers, os.cpu_count() or 1))
+    if runner == "processes":  # task runs in threads here; their merges in a worker pool
+        return ThreadPoolTaskRunner(max_workers=max_workers)
     if runner == "dask":
         try:
             from prefect_dask.task_runners import DaskTaskRunner
@@ -68,7 +70,7 @@ def api_shared_with_workers(runner: Runner) -> Iterator[None]:
     (the embedded temporary server), each worker would boot a server of its own: seconds
     lost per worker, and task runs the UI of this flow run would never show.
     """
-    url = current_api_url() if runner != "threads" and not PREFECT_API_URL.value() else None
+    url = current_api_url() if runner == "dask" and not PREFECT_API_URL.value() else None
     if url is None:
         yield
         return

@@ -26,11 +26,11 @@ _COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 
 
 class StagedRollouts(BaseModel):
-    """A rollouts file ready to be read in batches: a local, uncompressed path."""
+    """A rollouts file ready to be read in batches: a local, uncompressed path and its size."""
 
     source: str
     path: str
-    lines: int
+    size: int
     temporary: bool
 
 
@@ -57,7 +57,7 @@ def stage_rollouts(
     *,
     credentials: Mapping[str, Any] | None = None,
 ) -> StagedRollouts:
-    """Make ``source`` a local uncompressed file and count its lines.
+    """Make ``source`` a local uncompressed file (in place when it already is one).
 
     Raises ``FileNotFoundError`` naming the source when it does not exist.
     """
@@ -65,25 +65,18 @@ def stage_rollouts(
     if not fs.exists(path):
         raise FileNotFoundError(f"rollouts file not found: {source}")
     if _is_plain_local(fs, path):
-        lines = 0
-        last = b"\n"
-        with open(path, "rb") as handle:
-            while chunk := handle.read(CHUNK_BYTES):
-                lines += chunk.count(b"\n")
-                last = chunk[-1:]
-        return StagedRollouts(source=source, path=path, lines=lines + (last != b"\n"), temporary=False)
+        return StagedRollouts(source=source, path=path, size=os.path.getsize(path), temporary=False)
     fd, spooled = tempfile.mkstemp(prefix="rollouts-", suffix=".jsonl", dir=spool_dir)
-    lines, last = 0, b"\n"
+    size = 0
     try:
         with os.fdopen(fd, "wb") as out, fs.open(path, "rb", compression="infer") as handle:
             while chunk := handle.read(CHUNK_BYTES):
                 out.write(chunk)
-                lines += chunk.count(b"\n")
-                last = chunk[-1:]
+                size += len(chunk)
     except BaseException:
         os.unlink(spooled)
         raise
-    return StagedRollouts(source=source, path=spooled, lines=lines + (last != b"\n"), temporary=True)
+    return StagedRollouts(source=source, path=spooled, size=size, temporary=True)
 
 
 def iter_line_batches(path: str, batch_size: int) -> Iterator[tuple[int, bytes]]:

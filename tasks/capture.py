@@ -7,6 +7,7 @@ crash reads the same captures and returns the same bytes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -16,6 +17,7 @@ from pydantic import BaseModel
 
 from rollout_capture.batch import BatchStats, enrich_lines
 from rollout_capture.jsonl_io import split_lines
+from rollout_capture.parallel import ClaimsPending, enrich_blob, worker_pool
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
 from rollout_capture.store import CaptureStore, shared_store
 from tasks.credentials import credentials_from_block
@@ -105,10 +107,13 @@ def merge_batch(
     quiescence_timeout_s: float = CAPTURE_DRAIN_TIMEOUT_S,
     source: str = "rollouts",
     strict: bool = False,
+    worker_processes: int = 0,
 ) -> BatchOutput:
-    """Enrich one batch of rollout lines; rollouts still claimed are awaited in a nested task."""
-    store = capture_store(capture_dir, storage_options, credentials_block)
-    lines = split_lines(batch.blob)
+    """Enrich one batch of rollout lines; rollouts still claimed are awaited in a nested task.
+
+    With ``worker_processes``, the CPU-bound merge runs in this process's pool of that
+    many workers; the task run (its retries, its nested wait) stays here, in the UI.
+    """
 
     def wait(pending: set[str]) -> set[str]:
         still = run_coro_as_sync(
@@ -122,20 +127,50 @@ def merge_batch(
         )
         return set(still or ())
 
-    enriched = enrich_lines(
-        lines,
-        [store],
-        first_line=batch.first_line,
-        include_payloads=include_payloads,
-        quiescence_timeout_s=quiescence_timeout_s,
-        waiter=wait,
-    )
-    del lines
-    if strict and enriched.stats.problems:
-        problem = enriched.stats.problems[0]
+    if worker_processes:
+        settings = (capture_dir, storage_options, credentials_block, include_payloads)
+        output = _merge_in_pool(batch, *settings, wait, quiescence_timeout_s > 0, worker_processes)
+    else:
+        store = capture_store(capture_dir, storage_options, credentials_block)
+        lines = split_lines(batch.blob)
+        enriched = enrich_lines(
+            lines,
+            [store],
+            first_line=batch.first_line,
+            include_payloads=include_payloads,
+            quiescence_timeout_s=quiescence_timeout_s,
+            waiter=wait,
+        )
+        del lines
+        blob = b"\n".join(enriched.lines) + b"\n"
+        output = BatchOutput(blob=blob, lines=len(enriched.lines), stats=enriched.stats)
+    if strict and output.stats.problems:
+        problem = output.stats.problems[0]
         raise ValueError(f"{source}:{problem.line}: {problem.reason}")
-    output = BatchOutput(
-        blob=b"\n".join(enriched.lines) + b"\n", lines=len(enriched.lines), stats=enriched.stats
-    )
     batch.blob = b""  # done with it (see BatchInput); a retry only follows a failure
     return output
+
+
+def _merge_in_pool(
+    batch: BatchInput,
+    capture_dir: str,
+    storage_options: dict[str, Any] | None,
+    credentials_block: str | None,
+    include_payloads: bool,
+    wait: Callable[[set[str]], set[str]],
+    wait_for_claims: bool,
+    workers: int,
+) -> BatchOutput:
+    """The merge in a worker process; claimed rollouts send the batch back for a wait here."""
+    pool = worker_pool(workers)
+    credentials = credentials_from_block(credentials_block)
+    arguments = (batch.blob, batch.first_line, capture_dir, storage_options, credentials, include_payloads)
+    waited = 0
+    try:
+        blob, lines, stats = pool.submit(enrich_blob, *arguments, wait_for_claims).result()
+    except ClaimsPending as pending:
+        waited = len(pending.rollout_ids)
+        wait(set(pending.rollout_ids))  # visible as a nested task run
+        blob, lines, stats = pool.submit(enrich_blob, *arguments, False).result()
+    stats.waited_for = waited
+    return BatchOutput(blob=blob, lines=lines, stats=stats)

@@ -23,7 +23,7 @@ def read_rollouts(
     """Make the rollouts file a local, uncompressed file to stream batches from."""
     staged = stage_rollouts(source, storage_options, credentials=credentials_from_block(credentials_block))
     how = "copied to a local spool" if staged.temporary else "read in place"
-    get_run_logger().info("read %s: %d line(s), %s", source, staged.lines, how)
+    get_run_logger().info("read %s: %d bytes, %s", source, staged.size, how)
     return staged
 
 

@@ -54,7 +54,7 @@ def test_gzip_input_is_staged_uncompressed_and_counted(tmp_path: Path) -> None:
     source = tmp_path / "r.jsonl.gz"
     source.write_bytes(gzip.compress(b'{"a": 1}\n{"a": 2}\n{"a": 3}'))
     staged = stage_rollouts(str(source))
-    assert staged.temporary and staged.lines == 3
+    assert staged.temporary and staged.size == len(b'{"a": 1}\n{"a": 2}\n{"a": 3}')
     assert Path(staged.path).read_bytes() == b'{"a": 1}\n{"a": 2}\n{"a": 3}'
     jsonl_io.remove_staged(staged)
     assert not Path(staged.path).exists() and source.exists()

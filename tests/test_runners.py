@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import orjson
 import pytest
 
 from flows import enrich_rollouts
+from rollout_capture import CaptureStore
 from rollout_capture.layout import jsonl_name
 from rollout_capture.samples import capture_rows, corpus_records, jsonl_bytes
 
@@ -59,3 +62,30 @@ def test_dask_local_cluster_matches_threads(run_dir: Path) -> None:
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
         dask = enrich(run_dir, "dask", runner="dask", dask_address=cluster.scheduler_address)
     assert dask == enrich(run_dir, "threads")
+
+
+def test_process_pool_waits_for_claims_in_a_visible_task(run_dir: Path) -> None:
+    store = CaptureStore(run_dir / "caps")
+    claim = store.claim("3-0")
+    claim.__enter__()
+
+    def late_write() -> None:
+        time.sleep(0.5)
+        store.record("3-0", {"model_call_id": "late", "dialect": "chat"})
+        claim.__exit__(None, None, None)
+
+    threading.Thread(target=late_write).start()
+    state = enrich_rollouts(
+        str(run_dir / "rollouts.jsonl"),
+        str(run_dir / "caps"),
+        output=str(run_dir / "out.jsonl"),
+        runner="processes",
+        max_workers=2,
+        return_state=True,
+    )
+    summary = state.result()
+    assert summary.stats.waited_for == 1 and "model_call_capture_pending" not in summary.stats.gaps
+    (waited,) = task_runs(state.state_details.flow_run_id, "await_quiescence")
+    assert waited.state_name == "Completed"
+    record = orjson.loads((run_dir / "out.jsonl").read_bytes().splitlines()[3])
+    assert record["ng_model_call_capture"]["calls"][-1]["model_call_id"] == "late"

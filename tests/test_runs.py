@@ -120,3 +120,41 @@ def test_deployment_file_deploys(prefect_api: str, tmp_path: Path) -> None:
     assert scheduled.work_pool_name == "rollout-capture"
     assert scheduled.parameters["runs_root"] == "/data/runs"
     assert [s.schedule.cron for s in scheduled.schedules] == ["*/15 * * * *"]  # type: ignore[union-attr]
+
+
+def test_s3_deployment_variant_pushes_code_and_deploys(prefect_api: str, s3: S3) -> None:
+    """deployments/prefect-s3.yaml: code pushed to S3 with a credentials block, pulled back by workers."""
+    from prefect.client.orchestration import get_client
+    from prefect_aws import AwsClientParameters, AwsCredentials
+
+    AwsCredentials(
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+        aws_client_parameters=AwsClientParameters(endpoint_url=s3.endpoint),
+    ).save("rollout-capture", overwrite=True)
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": prefect_api,
+        "ROLLOUT_CAPTURE_CODE_BUCKET": s3.bucket,
+        "ROLLOUT_CAPTURE_RUNS_BUCKET": "runs-bucket",
+    }
+    command = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file"]
+    done = subprocess.run(
+        [*command, "deployments/prefect-s3.yaml"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    pushed = {p.split("/rollout-capture/", 1)[1] for p in s3.fs().find(f"{s3.bucket}/rollout-capture")}
+    assert {"flows/runs.py", "rollout_capture/store.py", "pyproject.toml"} <= pushed
+    assert not any(p.startswith((".venv/", ".git/", "tests/")) for p in pushed)
+    with get_client(sync_client=True) as client:
+        deployment = next(d for d in client.read_deployments() if d.name == "enrich-completed-runs-s3")
+    (pull,) = deployment.pull_steps or []
+    assert "prefect_aws.deployments.steps.pull_from_s3" in pull
+    assert deployment.parameters["runs_root"] == "s3://runs-bucket/runs"
+    assert "testing" not in str(deployment.pull_steps)  # the block is referenced, not inlined

@@ -1,0 +1,107 @@
+"""Batch merging on all cores: a persistent pool of worker processes.
+
+Parsing and normalizing rows is CPU-bound, so threads cannot use more than one core.
+Workers are spawned once per process (filesystems are not fork-safe, and each worker
+opens its own) and import only the core, so they start in a fraction of a second and a
+batch costs its bytes in and out, nothing more. Orchestration (retries, the UI) stays
+with the caller.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import multiprocessing
+import os
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+import orjson
+
+from rollout_capture.batch import BatchStats, enrich_lines
+from rollout_capture.faults import is_transient_storage_error
+from rollout_capture.jsonl_io import split_lines
+from rollout_capture.store import shared_store
+
+_pools: dict[int, ProcessPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+class ClaimsPending(Exception):
+    """A batch holds rollouts with live claims: the caller waits, then submits it again."""
+
+    def __init__(self, rollout_ids: list[str]) -> None:
+        super().__init__(rollout_ids)
+        self.rollout_ids = rollout_ids
+
+
+class TransientStorageFault(ConnectionError):
+    """A transient storage fault raised in a worker, carried back in a picklable form."""
+
+
+def worker_pool(workers: int) -> ProcessPoolExecutor:
+    """This process's pool of ``workers`` spawned processes (created once, then reused)."""
+    workers = max(1, min(workers, os.cpu_count() or 1))
+    with _pools_lock:
+        pool = _pools.get(workers)
+        if pool is None:
+            pool = _pools[workers] = ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("spawn")
+            )
+        return pool
+
+
+@atexit.register
+def _shutdown_pools() -> None:
+    for pool in _pools.values():
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _raise_pending(pending: set[str]) -> set[str]:
+    raise ClaimsPending(sorted(pending))
+
+
+def enrich_blob(
+    blob: bytes,
+    first_line: int,
+    capture_dir: str,
+    storage_options: Mapping[str, Any] | None,
+    credentials: Mapping[str, Any] | None,
+    include_payloads: bool,
+    stop_on_claims: bool,
+) -> tuple[bytes, int, BatchStats]:
+    """In a worker: enrich the newline-terminated lines of ``blob``; returns (output, lines, stats).
+
+    With ``stop_on_claims``, rollouts holding live claims raise :class:`ClaimsPending`
+    instead of being waited for here; otherwise they are not waited for at all (the
+    caller already did). Errors come back picklable, transient ones as
+    :class:`TransientStorageFault`.
+    """
+    try:
+        key = (
+            hashlib.sha256(orjson.dumps(credentials, option=orjson.OPT_SORT_KEYS)).hexdigest()
+            if credentials
+            else None
+        )
+        store = shared_store(capture_dir, storage_options, credentials=credentials, credentials_name=key)
+        lines = split_lines(blob)
+        enriched = enrich_lines(
+            lines,
+            [store],
+            first_line=first_line,
+            include_payloads=include_payloads,
+            # Any positive timeout makes claimed rollouts reach the waiter, which stops here.
+            quiescence_timeout_s=1.0 if stop_on_claims else 0.0,
+            waiter=_raise_pending,
+        )
+    except ClaimsPending:
+        raise
+    except Exception as exc:
+        if is_transient_storage_error(exc):
+            raise TransientStorageFault(f"{type(exc).__name__}: {exc}") from None
+        if type(exc).__module__ == "builtins":
+            raise
+        raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
+    return b"\n".join(enriched.lines) + b"\n", len(enriched.lines), enriched.stats
