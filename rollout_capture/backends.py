@@ -24,7 +24,6 @@ from typing import Any, Protocol
 import fsspec
 from fsspec.asyn import sync as fsspec_sync
 
-from rollout_capture.claims import read_claim
 from rollout_capture.layout import (
     CLAIMS_SUFFIX,
     JSONL_SUFFIX,
@@ -34,8 +33,8 @@ from rollout_capture.layout import (
     objects_dir,
 )
 from rollout_capture.listing import Entry, RolloutListing, group_entries
-from rollout_capture.rows import add_jsonl, add_object
-from rollout_capture.snapshot import RolloutSnapshot
+from rollout_capture.rows import add_jsonl
+from rollout_capture.snapshot import RolloutSnapshot, listed_paths, parse_snapshot
 from rollout_capture.storage import DEFAULT_READ_CONCURRENCY, is_s3, join, protocol_of
 
 
@@ -164,36 +163,29 @@ class LocalBackend:
         """One rollout with the fewest syscalls.
 
         ``names`` (from :meth:`names`) answers which parts exist; without it each absent
-        part costs one ``access`` call.
+        part costs one ``access`` call. Rollouts with object rows or claims (rare on a local
+        disk) are listed and parsed like any store's.
         """
         base = self._base + rollout_id
-        snap = RolloutSnapshot(rollout_id, found=False)
         jsonl = base + JSONL_SUFFIX
         if names is None:
-            has_marker = os.access(base + MARKER_SUFFIX, os.F_OK)
             has_dirs = os.access(base + OBJECTS_SUFFIX, os.F_OK) or os.access(base + CLAIMS_SUFFIX, os.F_OK)
+        else:
+            has_dirs = rollout_id + OBJECTS_SUFFIX in names or rollout_id + CLAIMS_SUFFIX in names
+        if has_dirs:
+            listing = self.list_rollout(rollout_id)
+            paths = listed_paths(listing)
+            bodies = dict(zip(paths, self.read_many(paths), strict=True))
+            return parse_snapshot(rollout_id, listing, bodies, trust_mtime=False)
+        if names is None:
+            has_marker = os.access(base + MARKER_SUFFIX, os.F_OK)
             data = _read_locked(jsonl)
         else:
             has_marker = rollout_id + MARKER_SUFFIX in names
-            has_dirs = rollout_id + OBJECTS_SUFFIX in names or rollout_id + CLAIMS_SUFFIX in names
             data = _read_locked(jsonl) if rollout_id + JSONL_SUFFIX in names else None
-        if data is not None:
-            snap.found = True
-            if data:
-                add_jsonl(snap.parsed, data, jsonl)
-        if has_marker:
-            snap.found = snap.incomplete = True
-        if has_dirs:
-            listing = self.list_rollout(rollout_id)
-            bodies = self.read_many([e.path for _, e in listing.objects])
-            for (_, entry), body in zip(listing.objects, bodies, strict=True):
-                if body is not None:
-                    add_object(snap.parsed, body, entry.path)
-            for claim_id, entry in listing.claims:
-                body = _read_locked(entry.path)
-                if body is not None:
-                    snap.claims.append(read_claim(claim_id, body, entry.mtime, trust_mtime=False))
-            snap.found = snap.found or bool(listing.objects or listing.claims)
+        snap = RolloutSnapshot(rollout_id, found=data is not None or has_marker, incomplete=has_marker)
+        if data:
+            add_jsonl(snap.parsed, data, jsonl)
         return snap
 
     def append_line(self, path: str, line: bytes) -> None:

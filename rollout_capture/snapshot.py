@@ -60,8 +60,25 @@ def parse_snapshot(
         data = bodies.get(entry.path)
         if data is not None:  # None: deleted between listing and reading, not a row any more
             add_object(snap.parsed, data, entry.path)
-    for claim_id, entry in listing.claims:
-        body = bodies.get(entry.path)
-        if body is not None:  # None: released between listing and reading
-            snap.claims.append(read_claim(claim_id, body, entry.mtime, trust_mtime=trust_mtime))
+    snap.claims = _claims(listing, bodies, trust_mtime)
     return snap
+
+
+def _claims(listing: RolloutListing, bodies: Mapping[str, bytes | None], trust_mtime: bool) -> list[Claim]:
+    return [
+        read_claim(claim_id, body, entry.mtime, trust_mtime=trust_mtime)
+        for claim_id, entry in listing.claims
+        if (body := bodies.get(entry.path)) is not None  # None: released between listing and reading
+    ]
+
+
+def claims_of(
+    listings: Mapping[str, RolloutListing], bodies: Mapping[str, bytes | None], *, trust_mtime: bool
+) -> dict[str, list[Claim]]:
+    """The claims of each listed rollout that has any, from the bytes read for them."""
+    out: dict[str, list[Claim]] = {}
+    for rollout_id, listing in listings.items():
+        found = _claims(listing, bodies, trust_mtime)
+        if found:
+            out[rollout_id] = found
+    return out

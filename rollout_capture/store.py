@@ -23,12 +23,12 @@ from fsspec.implementations.local import LocalFileSystem
 
 from rollout_capture import layout as names
 from rollout_capture.backends import Backend, FsspecBackend, LocalBackend
-from rollout_capture.claims import DEFAULT_CLAIM_TTL_S, Claim, claim_body, new_claim, read_claim
+from rollout_capture.claims import DEFAULT_CLAIM_TTL_S, Claim, claim_body, new_claim
 from rollout_capture.identity import validate_rollout_id
 from rollout_capture.layout import CLAIMS_SUFFIX, JSONL_SUFFIX, MARKER_SUFFIX, OBJECTS_SUFFIX
 from rollout_capture.listing import RolloutListing
 from rollout_capture.rows import NONCE_KEY, CaptureRowError, Row
-from rollout_capture.snapshot import RolloutSnapshot, listed_paths, parse_snapshot
+from rollout_capture.snapshot import RolloutSnapshot, claims_of, listed_paths, parse_snapshot
 from rollout_capture.storage import DEFAULT_READ_CONCURRENCY, open_filesystem
 
 logger = logging.getLogger(__name__)
@@ -95,16 +95,7 @@ class Prefetch:
 
     def claims(self) -> dict[str, list[Claim]]:
         """The claims of each fetched rollout that has any."""
-        out: dict[str, list[Claim]] = {}
-        for rollout_id, listing in self.listings.items():
-            found = [
-                read_claim(cid, body, e.mtime, trust_mtime=self.trust_mtime)
-                for cid, e in listing.claims
-                if (body := self.bodies.get(e.path)) is not None
-            ]
-            if found:
-                out[rollout_id] = found
-        return out
+        return claims_of(self.listings, self.bodies, trust_mtime=self.trust_mtime)
 
     def updated(self, newer: Prefetch | LocalPrefetch) -> Prefetch:
         """This prefetch with the rollouts of ``newer`` replaced by their newer state."""
@@ -425,16 +416,7 @@ class CaptureStore:
         """Read the claim bodies the listings name."""
         paths = [entry.path for listing in listings.values() for _, entry in listing.claims]
         bodies = dict(zip(paths, self._backend.read_many(paths), strict=True))
-        out: dict[str, list[Claim]] = {}
-        for rollout_id, listing in listings.items():
-            found = [
-                read_claim(cid, bodies[e.path], e.mtime, trust_mtime=self._backend.trust_mtime)
-                for cid, e in listing.claims
-                if bodies[e.path] is not None
-            ]
-            if found:
-                out[rollout_id] = found
-        return out
+        return claims_of(listings, bodies, trust_mtime=self._backend.trust_mtime)
 
     def live_claims(self, rollout_id: str, *, now: float | None = None) -> list[Claim]:
         """Claims of calls that may still write a row."""

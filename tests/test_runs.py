@@ -17,7 +17,7 @@ from rollout_capture import CaptureStore
 from rollout_capture.runs import RunsRoot
 
 from .conftest import ROOT, S3
-from .writer_process import take_lease
+from .spawned import take_lease
 
 ROW = {"model_call_id": "c", "dialect": "chat", "response": {"usage": {"prompt_tokens": 3}}}
 

@@ -1,4 +1,4 @@
-"""Entry point of the writer processes spawned by the concurrency tests."""
+"""Entry points of the processes the tests spawn (writers racing on a capture, racers for a lease)."""
 
 from __future__ import annotations
 
