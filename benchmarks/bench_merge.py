@@ -23,11 +23,14 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pydantic import ValidationError
+
 from benchmarks import corpus
-from rollout_capture import CaptureStore, merge_model_call_capture_into_record
+from rollout_capture import CaptureStore, build_model_call_record, merge_model_call_capture_into_record
 from rollout_capture.batch import enrich_lines
 from rollout_capture.identity import rollout_id_of
 from rollout_capture.layout import jsonl_name
+from rollout_capture.metrics import aggregate_call_dicts
 
 
 def floor(rollouts: Path, captures: Path) -> float:
@@ -80,6 +83,31 @@ def per_record_loop(rollouts: Path, captures: Path) -> float:
     return time.perf_counter() - started
 
 
+def pydantic_loop(rollouts: Path, captures: Path) -> float:
+    """A straightforward merge: per call a validated pydantic record, dumped; for comparison."""
+    started = time.perf_counter()
+    with rollouts.open("rb") as handle:
+        for line in handle:
+            record = orjson.loads(line)
+            path = os.path.join(captures, jsonl_name(rollout_id_of(record) or ""))
+            calls = []
+            with open(path, "rb") as capture:
+                for index, row in enumerate(capture.read().split(b"\n")):
+                    if not row:
+                        continue
+                    try:
+                        parsed = orjson.loads(row)
+                        call = build_model_call_record(parsed, call_index=index)
+                    except (orjson.JSONDecodeError, ValidationError):
+                        continue
+                    calls.append(
+                        call.model_dump(exclude={"request", "response", "request_raw", "response_raw"})
+                    )
+            record["ng_model_call_capture"] = {"calls": calls, "metrics": aggregate_call_dicts(calls)}
+            orjson.dumps(record)
+    return time.perf_counter() - started
+
+
 def peak_rss_mb(rollouts: int, repeat: int) -> float:
     """Peak RSS of a fresh process merging a corpus of this size."""
     root = str(Path(__file__).resolve().parent.parent)
@@ -105,11 +133,12 @@ def main() -> None:
     rollouts, captures = corpus.build(args.rollouts, repeat=args.repeat)
     sizes = corpus.manifest(rollouts)
     floor(rollouts, captures)  # warm the page cache for both
-    floors, merges, singles = [], [], []
+    floors, merges, singles, straightforward = [], [], [], []
     for _ in range(args.rounds):  # interleaved, so drift hits all alike
         floors.append(floor(rollouts, captures))
         merges.append(merge_loop(rollouts, captures)[0])
         singles.append(per_record_loop(rollouts, captures))
+        straightforward.append(pydantic_loop(rollouts, captures))
     best_floor, best_merge = min(floors), min(merges)
     small = max(1, args.rollouts // 4)
     corpus.build(small, repeat=args.repeat)
@@ -122,6 +151,7 @@ def main() -> None:
         "merge_rollouts_per_s": round(args.rollouts / best_merge),
         "merge_over_floor": round(best_merge / best_floor, 2),
         "per_record_api_over_floor": round(min(singles) / best_floor, 2),
+        "pydantic_per_call_over_floor": round(min(straightforward) / best_floor, 2),
         f"peak_rss_mb_{small}": round(peak_rss_mb(small, args.repeat), 1),
         f"peak_rss_mb_{args.rollouts}": round(peak_rss_mb(args.rollouts, args.repeat), 1),
         "this_process_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
