@@ -16,7 +16,6 @@ import itertools
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -102,19 +101,12 @@ def big_input(lines: int) -> tuple[Path, Path]:
 
 def peak_rss_mb(lines: int) -> float:
     """Peak RSS of a fresh process running the flow on a ``lines``-line input."""
-    root = str(Path(__file__).resolve().parent.parent)
-    code = (
-        f"import sys, resource; sys.path.insert(0, {root!r});"
-        "from benchmarks import bench_flow;"
-        f"r, c = bench_flow.big_input({lines});"
-        "import tempfile, pathlib;"
-        "out = pathlib.Path(tempfile.mkdtemp()) / 'out.jsonl';"
-        "bench_flow.flow_run(r, c, out);"
-        "from benchmarks.corpus import peak_rss_kb; print(peak_rss_kb())"
+    return corpus.peak_rss_mb_of(
+        "import pathlib, tempfile\n"
+        "from benchmarks import bench_flow\n"
+        f"r, c = bench_flow.big_input({lines})\n"
+        "bench_flow.flow_run(r, c, pathlib.Path(tempfile.mkdtemp()) / 'out.jsonl')"
     )
-    env = {**os.environ, "PREFECT_HOME": tempfile.mkdtemp()}
-    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env)
-    return int(done.stdout.strip().splitlines()[-1]) / 1024
 
 
 def main() -> None:

@@ -14,7 +14,6 @@ import itertools
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -110,15 +109,11 @@ def pydantic_loop(rollouts: Path, captures: Path) -> float:
 
 def peak_rss_mb(rollouts: int, repeat: int) -> float:
     """Peak RSS of a fresh process merging a corpus of this size."""
-    root = str(Path(__file__).resolve().parent.parent)
-    code = (
-        f"import sys, resource; sys.path.insert(0, {root!r});"
-        "from benchmarks import corpus, bench_merge;"
-        f"p, c = corpus.build({rollouts}, repeat={repeat}); bench_merge.merge_loop(p, c);"
-        "from benchmarks.corpus import peak_rss_kb; print(peak_rss_kb())"
+    return corpus.peak_rss_mb_of(
+        "from benchmarks import corpus, bench_merge\n"
+        f"p, c = corpus.build({rollouts}, repeat={repeat})\n"
+        "bench_merge.merge_loop(p, c)"
     )
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    return int(out.stdout.strip().splitlines()[-1]) / 1024
 
 
 def main() -> None:

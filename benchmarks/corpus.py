@@ -7,6 +7,10 @@ several calls per rollout, all three dialects, some verifier rows, a few damaged
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -86,3 +90,13 @@ def peak_rss_kb() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1])
     raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def peak_rss_mb_of(statements: str) -> float:
+    """Peak RSS (MiB) of a fresh interpreter running ``statements`` (benchmarks importable)."""
+    root = str(HERE.parent)
+    report = "from benchmarks.corpus import peak_rss_kb; print(peak_rss_kb())"
+    code = f"import sys; sys.path.insert(0, {root!r})\n{statements}\n{report}"
+    env = {**os.environ, "PREFECT_HOME": tempfile.mkdtemp()}
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env)
+    return int(done.stdout.strip().splitlines()[-1]) / 1024

@@ -94,13 +94,15 @@ def _terminal_logging() -> None:
                 handler.setFormatter(_WithoutTraceback(handler.formatter))
 
 
-def _must_exist(url: str, storage_options: dict[str, Any] | None, what: str) -> None:
-    """Fail before any flow run starts when the input is not there."""
+def _flow_input(url: str, storage_options: str | None, what: str) -> dict[str, Any] | None:
+    """Parse the storage options and check the input exists, before any flow run starts."""
     from rollout_capture.storage import open_filesystem
 
-    fs, path = open_filesystem(url, storage_options)
+    options = _options(storage_options)
+    fs, path = open_filesystem(url, options)
     if not fs.exists(path):
         raise InputError(f"{what} not found: {url}")
+    return options
 
 
 @contextmanager
@@ -154,11 +156,10 @@ def enrich(
     """Enrich every rollout of ROLLOUTS with its captured model calls."""
     _prefect_env()
     with _exits():
-        options = _options(storage_options)
-        _must_exist(rollouts, options, "rollouts file")
+        options = _flow_input(rollouts, storage_options, "rollouts file")
         from flows import enrich_rollouts
 
-        _terminal_logging()
+        _terminal_logging()  # after the import: Prefect sets its console handlers up then
         summary = enrich_rollouts(
             rollouts,
             capture_dir,
@@ -198,11 +199,10 @@ def clear(
     """Remove the captures of the rollouts about to be dispatched."""
     _prefect_env()
     with _exits():
-        options = _options(storage_options)
-        _must_exist(rollouts, options, "rollouts file")
+        options = _flow_input(rollouts, storage_options, "rollouts file")
         from flows import prepare_dispatch
 
-        _terminal_logging()
+        _terminal_logging()  # after the import: Prefect sets its console handlers up then
         cleared = prepare_dispatch(
             rollouts, capture_dir, storage_options=options, credentials_block=credentials_block
         )
@@ -241,11 +241,10 @@ def enrich_runs(
     """Enrich every finished, not yet enriched run under RUNS_ROOT (what the schedule runs)."""
     _prefect_env()
     with _exits():
-        options = _options(storage_options)
-        _must_exist(runs_root, options, "runs root")
+        options = _flow_input(runs_root, storage_options, "runs root")
         from flows import enrich_completed_runs
 
-        _terminal_logging()
+        _terminal_logging()  # after the import: Prefect sets its console handlers up then
         summary = enrich_completed_runs(
             runs_root,
             capture_dir=capture_dir,

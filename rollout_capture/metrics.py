@@ -21,34 +21,15 @@ METRIC_FIELDS = (
 
 def aggregate_call_dicts(calls: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """Metrics of dumped call records (as attached to a rollout)."""
-    tokens_in = tokens_out = reasoning = total = cached = latency = None
+    totals: list[Any] = [None] * len(METRIC_FIELDS)
     count = 0
     for call in calls:
         count += 1
-        value = call["tokens_in"]
-        if value is not None:
-            tokens_in = value if tokens_in is None else tokens_in + value
-        value = call["tokens_out"]
-        if value is not None:
-            tokens_out = value if tokens_out is None else tokens_out + value
-        value = call["tokens_reasoning"]
-        if value is not None:
-            reasoning = value if reasoning is None else reasoning + value
-        value = call["tokens_total"]
-        if value is not None:
-            total = value if total is None else total + value
-        value = call["cached_tokens"]
-        if value is not None:
-            cached = value if cached is None else cached + value
-        value = call["latency_total_ms"]
-        if value is not None:
-            latency = value if latency is None else latency + value
-    return {
-        "tokens_in": tokens_in,
-        "tokens_out": tokens_out,
-        "tokens_reasoning": reasoning,
-        "tokens_total": total,
-        "cached_tokens": cached,
-        "latency_total_ms": latency,
-        "num_calls": count,
-    }
+        for index, name in enumerate(METRIC_FIELDS):
+            value = call[name]
+            if value is not None:
+                total = totals[index]
+                totals[index] = value if total is None else total + value
+    metrics = dict(zip(METRIC_FIELDS, totals, strict=True))
+    metrics["num_calls"] = count
+    return metrics

@@ -384,35 +384,6 @@ def _raw_fields(
         finish = _finish_reason(response)
     else:
         finish = None
-    if not include_payloads:
-        return {
-            "model_call_id": call_id,
-            "response_id": response_id if isinstance(response_id, str) else None,
-            "client_session_id": session if isinstance(session, str) else None,
-            "call_index": call_index,
-            "model_ref": ref,
-            "model": model if isinstance(model, str) else None,
-            "dialect": dialect,
-            "status_code": status_code,
-            "response_status": status if isinstance(status, str) else None,
-            "finish_reason": finish,
-            "started_at": started,
-            "completed_at": completed,
-            "tokens_in": tokens_in,
-            "tokens_out": tokens_out,
-            "tokens_reasoning": reasoning_tokens,
-            "tokens_total": tokens_total,
-            "tool_calls": tool_calls,
-            "reasoning_content": reasoning,
-            "cache_hit": cache_hit,
-            "cached_tokens": cached_tokens,
-            "cache_creation_tokens": creation,
-            "error_category": category,
-            "latency_total_ms": latency,
-            "latency_ttft_ms": ttft,
-            "verifier_invocation_id": verifier,
-        }, canonical
-    request_raw, response_raw = get("request_raw"), get("response_raw")
     fields: dict[str, Any] = {
         "model_call_id": call_id,
         "response_id": response_id if isinstance(response_id, str) else None,
@@ -430,20 +401,22 @@ def _raw_fields(
         "tokens_out": tokens_out,
         "tokens_reasoning": reasoning_tokens,
         "tokens_total": tokens_total,
-        "request": raw_request if isinstance(raw_request, dict) else None,
-        "response": raw_response if isinstance(raw_response, dict) else None,
-        "request_raw": request_raw if isinstance(request_raw, str) else None,
-        "response_raw": response_raw if isinstance(response_raw, str) else None,
-        "tool_calls": tool_calls,
-        "reasoning_content": reasoning,
-        "cache_hit": cache_hit,
-        "cached_tokens": cached_tokens,
-        "cache_creation_tokens": creation,
-        "error_category": category,
-        "latency_total_ms": latency,
-        "latency_ttft_ms": ttft,
-        "verifier_invocation_id": verifier,
     }
+    if include_payloads:  # in field order: between the token counts and the tool calls
+        request_raw, response_raw = get("request_raw"), get("response_raw")
+        fields["request"] = raw_request if isinstance(raw_request, dict) else None
+        fields["response"] = raw_response if isinstance(raw_response, dict) else None
+        fields["request_raw"] = request_raw if isinstance(request_raw, str) else None
+        fields["response_raw"] = response_raw if isinstance(response_raw, str) else None
+    fields["tool_calls"] = tool_calls
+    fields["reasoning_content"] = reasoning
+    fields["cache_hit"] = cache_hit
+    fields["cached_tokens"] = cached_tokens
+    fields["cache_creation_tokens"] = creation
+    fields["error_category"] = category
+    fields["latency_total_ms"] = latency
+    fields["latency_ttft_ms"] = ttft
+    fields["verifier_invocation_id"] = verifier
     return fields, canonical
 
 
