@@ -169,12 +169,6 @@ def extract_token_stats(usage: Any) -> dict[str, int | None]:
     }
 
 
-def cache_signal(usage: Any) -> tuple[bool | None, int | None]:
-    """``(cache_hit, cached_tokens)``; both null when the usage does not say."""
-    stats = usage_stats(usage)
-    return stats[5], stats[6]
-
-
 def parse_arguments(arguments: Any) -> Any:
     """Tool-call arguments as data: JSON strings parsed, else ``{"_raw": s}``; non-objects ``{}``."""
     if isinstance(arguments, dict):

@@ -341,13 +341,12 @@ class CaptureStore:
         if not ids:
             return {}
         backend = self._backend
-        flat = not self.is_local and self._flat_listing_pays(len(ids), _KEYS_PER_LIST_PAGE)
-        if flat:
+        if isinstance(backend, LocalBackend):  # per-rollout probes are cheap on a local disk
+            return {r: backend.list_rollout(r) for r in ids}
+        if isinstance(backend, FsspecBackend) and self._flat_listing_pays(len(ids), _KEYS_PER_LIST_PAGE):
             everything = backend.list_all()
             self._root_keys_hint = sum(len(v.paths()) for v in everything.values())
             return {r: everything.get(r) or RolloutListing() for r in ids}
-        if self.is_local:
-            return {r: backend.list_rollout(r) for r in ids}
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(ids))) as pool:
             return dict(zip(ids, pool.map(backend.list_rollout, ids), strict=True))
 
