@@ -11,6 +11,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Mapping
 
 import orjson
 from pydantic import BaseModel, ValidationError
@@ -74,3 +75,8 @@ def read_claim(claim_id: str, body: bytes | None, mtime: float | None, *, trust_
     else:
         claim.expires_at = claim.claimed_at + claim.ttl_s
     return claim
+
+
+def live_ids(claims: Mapping[str, list[Claim]], now: float) -> set[str]:
+    """The rollouts among ``claims`` that still hold a live claim."""
+    return {rollout_id for rollout_id, held in claims.items() if any(c.is_live(now) for c in held)}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
-from rollout_capture.claims import Claim
+from rollout_capture.claims import live_ids
 from rollout_capture.faults import is_transient_storage_error
 from rollout_capture.snapshot import RolloutSnapshot
 from rollout_capture.store import CaptureStore, LocalPrefetch, Prefetch
@@ -78,15 +78,8 @@ class EvidenceReader:
 
     def _snapshot(self, index: int, rollout_id: str) -> RolloutSnapshot:
         store, prefetched = self._stores[index], self._prefetched[index]
-        try:
-            if prefetched is not None:
-                return prefetched.snapshot(rollout_id)
-            return store.snapshot(rollout_id)
-        except Exception as exc:
-            if is_transient_storage_error(exc):
-                raise
-            logger.warning("could not read captures of %s in %s: %s", rollout_id, store.url, exc)
-            raise _Unreadable from exc
+        read = store.snapshot if prefetched is None else prefetched.snapshot
+        return _guard(store, partial(read, rollout_id))
 
     def evidence(self, rollout_id: str) -> Evidence:
         """The snapshot from the first store holding anything for the id."""
@@ -102,24 +95,14 @@ class EvidenceReader:
         return Evidence(None)
 
     def live_claimed(self, rollout_ids: Sequence[str], now: float | None = None) -> set[str]:
-        """Ids holding a live claim in any of the stores (waiting on a spare claim is only slower)."""
+        """Ids holding a live claim in a store that was asked for them (a spare wait is only slower)."""
         moment = time.time() if now is None else now
         wanted = set(rollout_ids)
         out: set[str] = set()
-        for index, store in enumerate(self._stores):
-            if index in self._broken:
-                continue
-            prefetched = self._prefetched[index]
-            claims = prefetched.claims() if prefetched is not None else _guard_or_empty(store, rollout_ids)
-            out |= {r for r, found in claims.items() if r in wanted and any(c.is_live(moment) for c in found)}
+        for prefetched in self._prefetched:
+            if prefetched is not None:  # None: broken, or every id was found in an earlier store
+                out |= live_ids(prefetched.claims(), moment) & wanted
         return out
-
-
-def _guard_or_empty(store: CaptureStore, rollout_ids: Sequence[str]) -> dict[str, list[Claim]]:
-    try:
-        return _guard(store, lambda: store.claims(rollout_ids))
-    except _Unreadable:
-        return {}
 
 
 def gather_evidence(rollout_ids: Sequence[str], stores: Sequence[CaptureStore]) -> dict[str, Evidence]:

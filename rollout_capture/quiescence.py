@@ -11,20 +11,12 @@ import asyncio
 import time
 from collections.abc import Iterable, Sequence
 
+from rollout_capture.claims import live_ids
 from rollout_capture.identity import validate_rollout_id
-from rollout_capture.listing import RolloutListing
-from rollout_capture.store import CaptureDir, CaptureStore, as_store
+from rollout_capture.store import CaptureDir, as_store
 
 CAPTURE_DRAIN_TIMEOUT_S = 10.0
 DEFAULT_POLL_S = 0.05
-
-
-def live_claimed(store: CaptureStore, listings: dict[str, RolloutListing], now: float) -> set[str]:
-    """Ids among the listed ones that still have a live claim in this store."""
-    claimed = {r: listing for r, listing in listings.items() if listing.claims}
-    if not claimed:
-        return set()
-    return {r for r, claims in store.read_claims(claimed).items() if any(c.is_live(now) for c in claims)}
 
 
 async def await_quiescence_many(
@@ -35,8 +27,7 @@ async def await_quiescence_many(
 ) -> set[str]:
     """Wait until none of the ids has a live claim in any dir; return those still pending.
 
-    The first check lists the whole batch at once; later polls look only at the ids
-    that were still claimed.
+    Each poll looks only at the ids still claimed after the previous one.
     """
     pending = {validate_rollout_id(r) for r in rollout_ids}
     stores = [as_store(d) for d in capture_dirs]
@@ -44,8 +35,8 @@ async def await_quiescence_many(
     while True:
         still: set[str] = set()
         for store in stores:
-            listings = await asyncio.to_thread(store.listings, sorted(pending))
-            still |= await asyncio.to_thread(live_claimed, store, listings, time.time())
+            claims = await asyncio.to_thread(store.claims, sorted(pending))
+            still |= live_ids(claims, time.time())
         pending = still
         if not pending:
             return set()

@@ -375,18 +375,7 @@ class CaptureStore:
 
     def snapshot(self, rollout_id: str) -> RolloutSnapshot:
         """Everything this store holds for one rollout."""
-        backend = self._backend
-        if isinstance(backend, LocalBackend):
-            return backend.snapshot(validate_rollout_id(rollout_id))
-        return self.snapshots([rollout_id])[rollout_id]
-
-    def snapshots(self, rollout_ids: Iterable[str]) -> dict[str, RolloutSnapshot]:
-        """Snapshots of many rollouts: one listing pass, then concurrent reads."""
-        backend = self._backend
-        if isinstance(backend, LocalBackend):
-            return {r: backend.snapshot(validate_rollout_id(r)) for r in rollout_ids}
-        prefetched = self._fetch_objects(rollout_ids)
-        return {r: prefetched.snapshot(r) for r in prefetched.listings}
+        return self.prefetch([rollout_id]).snapshot(rollout_id)
 
     def read_available(self, rollout_id: str) -> tuple[list[tuple[int, Row]], int]:
         """Readable rows with their ``call_index``, and how many rows were damaged."""
@@ -404,18 +393,12 @@ class CaptureStore:
         """The claims of each rollout that has any."""
         ids = [validate_rollout_id(r) for r in rollout_ids]
         backend = self._backend
-        if isinstance(backend, LocalBackend):  # one access() per id; list only the claimed
-            ids = [r for r in ids if backend.may_have_claims(r)]
-            listings = {r: backend.list_rollout(r) for r in ids}
-        else:
-            listings = self.listings(ids)
-        return self.read_claims({r: v for r, v in listings.items() if v.claims})
-
-    def read_claims(self, listings: Mapping[str, RolloutListing]) -> dict[str, list[Claim]]:
-        """Read the claim bodies the listings name."""
+        if isinstance(backend, LocalBackend):  # one access() per id; only the claimed are listed
+            return LocalPrefetch(backend, set(ids), None).claims()
+        listings = {r: v for r, v in self.listings(ids).items() if v.claims}
         paths = [entry.path for listing in listings.values() for _, entry in listing.claims]
-        bodies = dict(zip(paths, self._backend.read_many(paths), strict=True))
-        return claims_of(listings, bodies, trust_mtime=self._backend.trust_mtime)
+        bodies = dict(zip(paths, backend.read_many(paths), strict=True))
+        return claims_of(listings, bodies, trust_mtime=backend.trust_mtime)
 
     def live_claims(self, rollout_id: str, *, now: float | None = None) -> list[Claim]:
         """Claims of calls that may still write a row."""
