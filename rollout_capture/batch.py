@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field
 from rollout_capture.attachment import ATTACHMENT_KEY, OBSERVATIONS_KEY, attach, build_attachment
 from rollout_capture.evidence import EvidenceReader
 from rollout_capture.identity import rollout_id_of
+from rollout_capture.jsonl_io import split_lines
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
 from rollout_capture.store import CaptureDir, CaptureStore, as_store
 
@@ -227,3 +228,27 @@ def _enrich(
     stats.tokens_in, stats.tokens_out, stats.tokens_total = tokens_in, tokens_out, tokens_total
     stats.gaps = dict(sorted(gaps.items()))
     return EnrichedBatch(out, stats)
+
+
+def enrich_blob(
+    blob: bytes,
+    capture_dirs: Sequence[CaptureDir],
+    *,
+    first_line: int = 1,
+    include_payloads: bool = False,
+    quiescence_timeout_s: float = CAPTURE_DRAIN_TIMEOUT_S,
+    waiter: Waiter | None = None,
+) -> tuple[bytes, int, BatchStats]:
+    """:func:`enrich_lines` over newline-terminated bytes: ``(output bytes, line count, stats)``.
+
+    The form a batch travels in between processes, and is written in: one blob.
+    """
+    enriched = enrich_lines(
+        split_lines(blob),
+        capture_dirs,
+        first_line=first_line,
+        include_payloads=include_payloads,
+        quiescence_timeout_s=quiescence_timeout_s,
+        waiter=waiter,
+    )
+    return b"\n".join(enriched.lines) + b"\n", len(enriched.lines), enriched.stats

@@ -20,9 +20,8 @@ from typing import Any
 
 import orjson
 
-from rollout_capture.batch import BatchStats, enrich_lines
+from rollout_capture.batch import BatchStats, enrich_blob
 from rollout_capture.faults import is_transient_storage_error
-from rollout_capture.jsonl_io import split_lines
 from rollout_capture.store import shared_store
 
 _pools: dict[int, ProcessPoolExecutor] = {}
@@ -63,7 +62,7 @@ def _raise_pending(pending: set[str]) -> set[str]:
     raise ClaimsPending(sorted(pending))
 
 
-def enrich_blob(
+def enrich_in_worker(
     blob: bytes,
     first_line: int,
     capture_dir: str,
@@ -86,9 +85,8 @@ def enrich_blob(
             else None
         )
         store = shared_store(capture_dir, storage_options, credentials=credentials, credentials_name=key)
-        lines = split_lines(blob)
-        enriched = enrich_lines(
-            lines,
+        return enrich_blob(
+            blob,
             [store],
             first_line=first_line,
             include_payloads=include_payloads,
@@ -104,4 +102,3 @@ def enrich_blob(
         if type(exc).__module__ == "builtins":
             raise
         raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
-    return b"\n".join(enriched.lines) + b"\n", len(enriched.lines), enriched.stats

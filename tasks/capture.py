@@ -15,9 +15,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.utilities.asyncutils import run_coro_as_sync
 from pydantic import BaseModel
 
-from rollout_capture.batch import BatchStats, enrich_lines
-from rollout_capture.jsonl_io import split_lines
-from rollout_capture.parallel import ClaimsPending, enrich_blob, worker_pool
+from rollout_capture.batch import BatchStats, enrich_blob
+from rollout_capture.parallel import ClaimsPending, enrich_in_worker, worker_pool
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
 from rollout_capture.store import CaptureStore, shared_store
 from tasks.credentials import credentials_from_block
@@ -131,19 +130,15 @@ def merge_batch(
         settings = (capture_dir, storage_options, credentials_block, include_payloads)
         output = _merge_in_pool(batch, *settings, wait, quiescence_timeout_s > 0, worker_processes)
     else:
-        store = capture_store(capture_dir, storage_options, credentials_block)
-        lines = split_lines(batch.blob)
-        enriched = enrich_lines(
-            lines,
-            [store],
+        blob, lines, stats = enrich_blob(
+            batch.blob,
+            [capture_store(capture_dir, storage_options, credentials_block)],
             first_line=batch.first_line,
             include_payloads=include_payloads,
             quiescence_timeout_s=quiescence_timeout_s,
             waiter=wait,
         )
-        del lines
-        blob = b"\n".join(enriched.lines) + b"\n"
-        output = BatchOutput(blob=blob, lines=len(enriched.lines), stats=enriched.stats)
+        output = BatchOutput(blob=blob, lines=lines, stats=stats)
     if strict and output.stats.problems:
         problem = output.stats.problems[0]
         raise ValueError(f"{source}:{problem.line}: {problem.reason}")
@@ -167,10 +162,10 @@ def _merge_in_pool(
     arguments = (batch.blob, batch.first_line, capture_dir, storage_options, credentials, include_payloads)
     waited = 0
     try:
-        blob, lines, stats = pool.submit(enrich_blob, *arguments, wait_for_claims).result()
+        blob, lines, stats = pool.submit(enrich_in_worker, *arguments, wait_for_claims).result()
     except ClaimsPending as pending:
         waited = len(pending.rollout_ids)
         wait(set(pending.rollout_ids))  # visible as a nested task run
-        blob, lines, stats = pool.submit(enrich_blob, *arguments, False).result()
+        blob, lines, stats = pool.submit(enrich_in_worker, *arguments, False).result()
     stats.waited_for = waited
     return BatchOutput(blob=blob, lines=lines, stats=stats)
