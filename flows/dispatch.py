@@ -10,9 +10,8 @@ from prefect import get_run_logger
 from prefect.futures import wait
 
 from flows.enrich import DEFAULT_BATCH_SIZE
-from flows.guard import guarded_flow
+from flows.guard import check_inputs, guarded_flow
 from rollout_capture.clear import rollout_ids_of
-from rollout_capture.config import check_capture_url, refuse_secret_options
 from rollout_capture.jsonl_io import iter_line_batches, remove_staged, split_lines
 from tasks.capture import clear_captures
 from tasks.io import read_rollouts
@@ -51,9 +50,7 @@ def prepare_dispatch(
     ``rollouts`` is a JSONL URL or the records themselves. Every id is derived and
     validated before anything is deleted; returns how many ids were cleared.
     """
-    if "://" in capture_dir or capture_dir.startswith("/"):
-        check_capture_url(capture_dir)
-    refuse_secret_options(storage_options)
+    check_inputs(capture_dir, storage_options)
     if isinstance(rollouts, str):
         staged = read_rollouts(rollouts, storage_options, credentials_block)
         try:

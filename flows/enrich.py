@@ -9,26 +9,16 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.futures import PrefectFuture
 
-from flows.guard import guarded_flow
+from flows.guard import check_inputs, guarded_flow
 from flows.report import EnrichSummary, advance_progress, publish_summary, start_progress
 from flows.runners import Runner, api_shared_with_workers, effective_workers, make_task_runner
 from rollout_capture.batch import BatchStats
-from rollout_capture.config import check_capture_url, refuse_secret_options
 from rollout_capture.jsonl_io import OutputSpool, default_output, iter_line_batches, remove_staged
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
 from tasks.capture import BatchInput, BatchOutput, merge_batch
 from tasks.io import read_rollouts, write_enriched
 
 DEFAULT_BATCH_SIZE = 1000
-
-
-def _check(capture_dir: str, batch_size: int, storage_options: dict[str, Any] | None) -> None:
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1; got {batch_size}")
-    if "://" not in capture_dir and not capture_dir.startswith("/"):
-        return  # a relative local path: fine for people at a terminal
-    check_capture_url(capture_dir)
-    refuse_secret_options(storage_options)
 
 
 @guarded_flow(name="enrich_rollouts")
@@ -53,7 +43,9 @@ def enrich_rollouts(
     pass through unchanged and are reported (``strict`` fails instead).
     """
     logger = get_run_logger()
-    _check(capture_dir, batch_size, storage_options)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1; got {batch_size}")
+    check_inputs(capture_dir, storage_options)
     target = output or default_output(rollouts)
     started = time.perf_counter()
     staged = read_rollouts(rollouts, storage_options, credentials_block)

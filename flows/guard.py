@@ -14,7 +14,7 @@ from prefect import Flow
 from prefect.client.schemas.objects import State
 from prefect.futures import PrefectFuture
 
-from rollout_capture.config import redact_secret_options
+from rollout_capture.config import check_capture_url, redact_secret_options, refuse_secret_options
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -40,3 +40,13 @@ def guarded_flow(**options: Any) -> Callable[[Callable[P, R]], GuardedFlow[P, R]
         return GuardedFlow(fn, **options)
 
     return decorate
+
+
+def check_inputs(capture_dir: str | None, storage_options: dict[str, Any] | None) -> None:
+    """Refuse secret-looking storage options and unknown URL schemes before any work starts.
+
+    Relative local capture dirs are fine (people at a terminal use them).
+    """
+    refuse_secret_options(storage_options)
+    if capture_dir and "://" in capture_dir:
+        check_capture_url(capture_dir)

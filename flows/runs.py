@@ -8,7 +8,7 @@ from prefect import get_run_logger
 from pydantic import BaseModel, Field
 
 from flows.enrich import DEFAULT_BATCH_SIZE, enrich_rollouts
-from flows.guard import guarded_flow
+from flows.guard import check_inputs, guarded_flow
 from flows.runners import Runner
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
 from rollout_capture.runs import DEFAULT_LEASE_S
@@ -47,6 +47,7 @@ def enrich_completed_runs(
     ``_ENRICHED`` is written last, so the next schedule skips the run; a lease keeps two
     overlapping schedules off the same run. One failing run does not stop the others.
     """
+    check_inputs(capture_dir, storage_options)
     logger = get_run_logger()
     summary = RunsSummary()
     for run in find_runs(runs_root, storage_options, credentials_block):
