@@ -34,9 +34,9 @@ import fsspec
 import orjson
 
 from benchmarks.corpus import source_corpus
+from examples.samples import capture_rows, corpus_records
 from rollout_capture import CaptureStore
 from rollout_capture.batch import enrich_lines
-from rollout_capture.samples import capture_rows, corpus_records
 from tests.fault_proxy import FaultProxy
 
 BUCKET = "bench-captures"

@@ -12,9 +12,9 @@ from prefect.futures import wait
 from flows.enrich import DEFAULT_BATCH_SIZE
 from flows.guard import check_inputs, guarded_flow
 from rollout_capture.clear import rollout_ids_of
-from rollout_capture.jsonl_io import iter_line_batches, remove_staged, split_lines
+from rollout_capture.rollout_files import iter_line_batches, remove_staged, split_lines
 from tasks.capture import clear_captures
-from tasks.io import read_rollouts
+from tasks.rollout_files import read_rollouts
 
 
 def _ids_from_file(path: str, source: str) -> list[str]:

@@ -13,10 +13,10 @@ from flows.guard import check_inputs, guarded_flow
 from flows.report import EnrichSummary, advance_progress, publish_summary, start_progress
 from flows.runners import Runner, api_shared_with_workers, effective_workers, make_task_runner
 from rollout_capture.batch import BatchStats
-from rollout_capture.jsonl_io import OutputSpool, default_output, iter_line_batches, remove_staged
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
+from rollout_capture.rollout_files import OutputSpool, default_output, iter_line_batches, remove_staged
 from tasks.capture import BatchInput, BatchOutput, merge_batch
-from tasks.io import read_rollouts, write_enriched
+from tasks.rollout_files import read_rollouts, write_enriched
 
 DEFAULT_BATCH_SIZE = 1000
 

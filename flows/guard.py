@@ -14,7 +14,8 @@ from prefect import Flow
 from prefect.client.schemas.objects import State
 from prefect.futures import PrefectFuture
 
-from rollout_capture.config import check_capture_url, redact_secret_options, refuse_secret_options
+from rollout_capture.config import check_capture_url
+from rollout_capture.secret_options import redact_secret_options, refuse_secret_options
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -4,6 +4,14 @@ Data flows one way: URL -> store -> rows -> call records -> attachment -> record
 """
 
 from rollout_capture.attachment import ATTACHMENT_KEY, attach, build_attachment
+from rollout_capture.call_records import (
+    ModelCallRecord,
+    ModelServerRef,
+    VerifierInvocation,
+    VerifierRef,
+    build_model_call_record,
+    extract_token_stats,
+)
 from rollout_capture.claims import Claim
 from rollout_capture.clear import clear_model_call_captures_for_rollouts, rollout_ids_of
 from rollout_capture.config import (
@@ -20,19 +28,11 @@ from rollout_capture.quiescence import (
     await_model_call_capture_quiescence,
     await_quiescence_many,
 )
-from rollout_capture.reading import (
+from rollout_capture.read_calls import (
     aggregate_model_call_metrics,
     aggregate_model_call_records,
     read_available_model_call_records,
     read_model_call_records,
-)
-from rollout_capture.records import (
-    ModelCallRecord,
-    ModelServerRef,
-    VerifierInvocation,
-    VerifierRef,
-    build_model_call_record,
-    extract_token_stats,
 )
 from rollout_capture.rows import CaptureRowError, Damage
 from rollout_capture.snapshot import RolloutSnapshot

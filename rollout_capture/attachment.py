@@ -12,10 +12,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from rollout_capture.call_records import call_record_dict, verifier_invocation_dict
 from rollout_capture.evidence import Evidence
 from rollout_capture.metrics import aggregate_call_dicts
 from rollout_capture.ownership import join_ownership
-from rollout_capture.records import call_record_dict, verifier_invocation_dict
 
 logger = logging.getLogger(__name__)
 

@@ -24,18 +24,20 @@ from typing import Any, Protocol
 import fsspec
 from fsspec.asyn import sync as fsspec_sync
 
+from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY, is_s3, join, protocol_of
 from rollout_capture.layout import (
     CLAIMS_SUFFIX,
     JSONL_SUFFIX,
     MARKER_SUFFIX,
     OBJECTS_SUFFIX,
+    Entry,
+    RolloutListing,
     claims_dir,
+    group_entries,
     objects_dir,
 )
-from rollout_capture.listing import Entry, RolloutListing, group_entries
 from rollout_capture.rows import add_jsonl
 from rollout_capture.snapshot import RolloutSnapshot, listed_paths, parse_snapshot
-from rollout_capture.storage import DEFAULT_READ_CONCURRENCY, is_s3, join, protocol_of
 
 
 class Backend(Protocol):

@@ -23,8 +23,8 @@ from pydantic import BaseModel, Field
 from rollout_capture.attachment import ATTACHMENT_KEY, OBSERVATIONS_KEY, attach, build_attachment
 from rollout_capture.evidence import EvidenceReader
 from rollout_capture.identity import rollout_id_of
-from rollout_capture.jsonl_io import split_lines
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
+from rollout_capture.rollout_files import split_lines
 from rollout_capture.store import CaptureDir, CaptureStore, as_store
 
 _KEY_PREFIX = b',"' + ATTACHMENT_KEY.encode() + b'":'

@@ -1,62 +1,19 @@
 """Run-wide capture configuration (spec section 10), validated at the boundary.
 
-Storage options travel through config files and flow parameters, which end up in logs
-and the Prefect UI, so anything that looks like a credential is refused here.
+Storage options travel through config files, which end up in logs, so anything that
+looks like a credential is refused here.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import fsspec
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-_SECRET_KEY_RE = re.compile(
-    r"secret|passw|token|credential|private|signature|api_?key|access_?key|account_?key|sas|^key$",
-    re.IGNORECASE,
-)
-
-
-def refuse_secret_options(options: Mapping[str, Any] | None, *, where: str = "storage_options") -> None:
-    """Raise ``ValueError`` naming the first option that looks like a credential.
-
-    Credentials belong to the standard provider chain (environment, profile, role) or a
-    named Prefect block, never to parameters that are logged and shown in the UI.
-    """
-    if not options:
-        return
-    for name, value in options.items():
-        path = f"{where}.{name}"
-        if _SECRET_KEY_RE.search(str(name)) and value not in (None, "", False):
-            raise ValueError(
-                f"{path} looks like a secret; pass credentials through the environment "
-                "(AWS_* variables, a profile or a role) or a Prefect block instead"
-            )
-        if isinstance(value, Mapping):
-            refuse_secret_options(value, where=path)
-
-
-REDACTED = "<refused: looks like a secret>"
-
-
-def redact_secret_options(value: Any) -> Any:
-    """A copy of ``value`` with every secret-looking entry of every mapping replaced.
-
-    For what is about to be recorded (flow parameters in the Prefect API), so a secret
-    handed in by mistake is refused without being stored first.
-    """
-    if isinstance(value, Mapping):
-        return {
-            key: REDACTED
-            if _SECRET_KEY_RE.search(str(key)) and item not in (None, "", False)
-            else redact_secret_options(item)
-            for key, item in value.items()
-        }
-    if isinstance(value, list):
-        return [redact_secret_options(item) for item in value]
-    return value
+from rollout_capture.secret_options import refuse_secret_options
+from rollout_capture.store import CaptureStore
 
 
 def check_capture_url(url: str) -> str:
@@ -109,10 +66,8 @@ def observability_enabled_from_config(global_config: Mapping[str, Any]) -> bool:
     return ModelCallCaptureConfig.model_validate(dict(global_config)).observability_enabled
 
 
-def model_call_capture_dirs_from_config(global_config: Mapping[str, Any]) -> list[Any]:
+def model_call_capture_dirs_from_config(global_config: Mapping[str, Any]) -> list[CaptureStore]:
     """Return the run-wide capture store in a list, or ``[]`` when capture is off."""
-    from rollout_capture.store import CaptureStore
-
     config = ModelCallCaptureConfig.model_validate(dict(global_config))
     if not config.observability_enabled or config.model_call_capture_dir is None:
         return []

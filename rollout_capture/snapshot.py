@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rollout_capture.claims import Claim, read_claim
-from rollout_capture.listing import RolloutListing
+from rollout_capture.layout import RolloutListing
 from rollout_capture.rows import Damage, ParsedRows, Row, add_jsonl, add_object, new_parsed_rows
 
 

@@ -24,12 +24,11 @@ from fsspec.implementations.local import LocalFileSystem
 from rollout_capture import layout as names
 from rollout_capture.backends import Backend, FsspecBackend, LocalBackend
 from rollout_capture.claims import DEFAULT_CLAIM_TTL_S, Claim, claim_body, new_claim
+from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY, open_filesystem
 from rollout_capture.identity import validate_rollout_id
-from rollout_capture.layout import CLAIMS_SUFFIX, JSONL_SUFFIX, MARKER_SUFFIX, OBJECTS_SUFFIX
-from rollout_capture.listing import RolloutListing
+from rollout_capture.layout import CLAIMS_SUFFIX, JSONL_SUFFIX, MARKER_SUFFIX, OBJECTS_SUFFIX, RolloutListing
 from rollout_capture.rows import NONCE_KEY, CaptureRowError, Row
 from rollout_capture.snapshot import RolloutSnapshot, claims_of, listed_paths, parse_snapshot
-from rollout_capture.storage import DEFAULT_READ_CONCURRENCY, open_filesystem
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Prefect tasks: thin, batch-sized, retryable wrappers around the core."""
 
 from tasks.capture import await_quiescence, capture_store, clear_captures, merge_batch
-from tasks.io import read_rollouts, write_enriched
 from tasks.retry import retry_on_transient, storage_retries
+from tasks.rollout_files import read_rollouts, write_enriched
 
 __all__ = [
     "await_quiescence",

@@ -16,9 +16,9 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 from pydantic import BaseModel
 
 from rollout_capture.batch import BatchStats, enrich_blob
-from rollout_capture.parallel import ClaimsPending, enrich_in_worker, worker_pool
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
 from rollout_capture.store import CaptureStore, shared_store
+from rollout_capture.worker_pool import ClaimsPending, enrich_in_worker, worker_pool
 from tasks.credentials import credentials_from_block
 from tasks.retry import storage_retries
 

@@ -19,7 +19,7 @@ def write_rows(url: str, options: dict[str, Any], layout: str, writer: int, coun
 
 def take_lease(root: str, run_name: str, go: Event, results: Any) -> None:
     """Race for a run's lease; report whether this process got it."""
-    from rollout_capture.runs import RunFolder, RunsRoot
+    from rollout_capture.run_folders import RunFolder, RunsRoot
 
     runs = RunsRoot(root)
     run = RunFolder(name=run_name, url=f"{root}/{run_name}", finished=True, enriched=False)

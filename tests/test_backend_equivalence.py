@@ -10,9 +10,9 @@ import fsspec
 import orjson
 import pytest
 
+from examples.samples import capture_rows, corpus_records, jsonl_bytes
 from rollout_capture import CaptureStore, merge_model_call_capture_into_record
 from rollout_capture.layout import jsonl_name
-from rollout_capture.samples import capture_rows, corpus_records, jsonl_bytes
 
 from .conftest import S3
 

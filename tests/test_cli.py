@@ -29,7 +29,7 @@ def cli(*args: str, api: str | None = None) -> subprocess.CompletedProcess[str]:
     if api:
         env["PREFECT_API_URL"] = api
     return subprocess.run(
-        [sys.executable, "-m", "rollout_capture.cli", *args],
+        [sys.executable, "-m", "flows.cli", *args],
         env=env,
         capture_output=True,
         text=True,

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from rollout_capture import CaptureStore, ModelCallCaptureConfig, observability_enabled_from_config
-from rollout_capture.config import refuse_secret_options
+from rollout_capture.secret_options import refuse_secret_options
 
 
 def test_disabled_by_default() -> None:

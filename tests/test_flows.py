@@ -10,9 +10,9 @@ from typing import Any
 import orjson
 import pytest
 
+from examples.samples import capture_rows, corpus_records, jsonl_bytes
 from flows import enrich_rollouts, prepare_dispatch
 from rollout_capture import CaptureStore
-from rollout_capture.samples import capture_rows, corpus_records, jsonl_bytes
 
 from .conftest import S3
 from .prefect_api import artifacts, flow_run, state_history, task_runs, wait_for_logs

@@ -11,9 +11,9 @@ from typing import Any
 import orjson
 import pytest
 
+from examples.samples import capture_rows, corpus_records, jsonl_bytes
 from rollout_capture import CaptureStore, merge_model_call_capture_into_record
 from rollout_capture.layout import claim_name, jsonl_name, marker_name
-from rollout_capture.samples import capture_rows, corpus_records, jsonl_bytes
 
 from .conftest import SAMPLE
 

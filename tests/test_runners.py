@@ -9,10 +9,10 @@ from pathlib import Path
 import orjson
 import pytest
 
+from examples.samples import capture_rows, corpus_records, jsonl_bytes
 from flows import enrich_rollouts
 from rollout_capture import CaptureStore
 from rollout_capture.layout import jsonl_name
-from rollout_capture.samples import capture_rows, corpus_records, jsonl_bytes
 
 from .prefect_api import task_runs
 

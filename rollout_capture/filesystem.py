@@ -13,7 +13,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from rollout_capture.config import refuse_secret_options
+from rollout_capture.secret_options import refuse_secret_options
 
 DEFAULT_READ_CONCURRENCY = 32
 _S3_PROTOCOLS = {"s3", "s3a"}

@@ -96,7 +96,7 @@ def _terminal_logging() -> None:
 
 def _flow_input(url: str, storage_options: str | None, what: str) -> dict[str, Any] | None:
     """Parse the storage options and check the input exists, before any flow run starts."""
-    from rollout_capture.storage import open_filesystem
+    from rollout_capture.filesystem import open_filesystem
 
     options = _options(storage_options)
     fs, path = open_filesystem(url, options)

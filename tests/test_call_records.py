@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from rollout_capture import ModelCallRecord, build_model_call_record, extract_token_stats
-from rollout_capture.records import call_record_dict, parse_arguments
+from rollout_capture.call_records import call_record_dict, parse_arguments
 
 SPEC_FIELDS = [
     "model_call_id", "response_id", "client_session_id", "call_index", "model_ref", "model", "dialect",

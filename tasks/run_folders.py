@@ -7,7 +7,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from rollout_capture.runs import DEFAULT_LEASE_S, Lease, RunFolder, RunsRoot
+from rollout_capture.run_folders import DEFAULT_LEASE_S, Lease, RunFolder, RunsRoot
 from tasks.credentials import credentials_from_block
 from tasks.retry import storage_retries
 

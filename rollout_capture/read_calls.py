@@ -12,9 +12,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from rollout_capture.call_records import ModelCallRecord, build_model_call_record
 from rollout_capture.evidence import gather_evidence
 from rollout_capture.metrics import aggregate_call_dicts
-from rollout_capture.records import ModelCallRecord, build_model_call_record
 from rollout_capture.rows import CaptureRowError
 from rollout_capture.snapshot import RolloutSnapshot
 from rollout_capture.store import CaptureDir, CaptureStore, as_store

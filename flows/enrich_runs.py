@@ -11,8 +11,8 @@ from flows.enrich import DEFAULT_BATCH_SIZE, enrich_rollouts
 from flows.guard import check_inputs, guarded_flow
 from flows.runners import Runner
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
-from rollout_capture.runs import DEFAULT_LEASE_S
-from tasks.runs import find_runs, finish_run, take_run
+from rollout_capture.run_folders import DEFAULT_LEASE_S
+from tasks.run_folders import find_runs, finish_run, take_run
 
 
 class RunsSummary(BaseModel):

@@ -19,7 +19,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel
 
-from rollout_capture.storage import open_filesystem
+from rollout_capture.filesystem import open_filesystem
 
 CHUNK_BYTES = 8 << 20
 _COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")

@@ -14,7 +14,7 @@ import pytest
 
 from flows import enrich_completed_runs
 from rollout_capture import CaptureStore
-from rollout_capture.runs import RunsRoot
+from rollout_capture.run_folders import RunsRoot
 
 from .conftest import ROOT, S3
 from .spawned import take_lease
@@ -150,7 +150,7 @@ def test_s3_deployment_variant_pushes_code_and_deploys(prefect_api: str, s3: S3)
     )
     assert done.returncode == 0, done.stdout + done.stderr
     pushed = {p.split("/rollout-capture/", 1)[1] for p in s3.fs().find(f"{s3.bucket}/rollout-capture")}
-    assert {"flows/runs.py", "rollout_capture/store.py", "pyproject.toml"} <= pushed
+    assert {"flows/enrich_runs.py", "rollout_capture/store.py", "pyproject.toml"} <= pushed
     assert not any(p.startswith((".venv/", ".git/", "tests/")) for p in pushed)
     with get_client(sync_client=True) as client:
         deployment = next(d for d in client.read_deployments() if d.name == "enrich-completed-runs-s3")

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_capture import jsonl_io
-from rollout_capture.jsonl_io import default_output, iter_line_batches, split_lines, stage_rollouts
+from rollout_capture import rollout_files
+from rollout_capture.rollout_files import default_output, iter_line_batches, split_lines, stage_rollouts
 
 
 @given(
@@ -26,11 +26,11 @@ def test_batches_reassemble_the_file_exactly(
     data = b"\n".join(lines) + (b"\n" if lines and last_newline else b"")
     path = tmp_path_factory.mktemp("b") / "r.jsonl"
     path.write_bytes(data)
-    original, jsonl_io.CHUNK_BYTES = jsonl_io.CHUNK_BYTES, chunk  # tiny chunks: batches span many
+    original, rollout_files.CHUNK_BYTES = rollout_files.CHUNK_BYTES, chunk  # tiny chunks: batches span many
     try:
         batches = list(iter_line_batches(str(path), batch))
     finally:
-        jsonl_io.CHUNK_BYTES = original
+        rollout_files.CHUNK_BYTES = original
     assert b"".join(blob for _, blob in batches) == data
     assert [first for first, _ in batches] == list(range(1, 1 + batch * len(batches), batch))
     assert all(len(split_lines(blob)) == batch for _, blob in batches[:-1])
@@ -56,7 +56,7 @@ def test_gzip_input_is_staged_uncompressed_and_counted(tmp_path: Path) -> None:
     staged = stage_rollouts(str(source))
     assert staged.temporary and staged.size == len(b'{"a": 1}\n{"a": 2}\n{"a": 3}')
     assert Path(staged.path).read_bytes() == b'{"a": 1}\n{"a": 2}\n{"a": 3}'
-    jsonl_io.remove_staged(staged)
+    rollout_files.remove_staged(staged)
     assert not Path(staged.path).exists() and source.exists()
 
 
@@ -68,10 +68,10 @@ def test_missing_input_is_named(tmp_path: Path) -> None:
 def test_output_may_replace_the_input_atomically(tmp_path: Path) -> None:
     target = tmp_path / "r.jsonl"
     target.write_bytes(b"old\n")
-    spool = jsonl_io.OutputSpool(str(target))
+    spool = rollout_files.OutputSpool(str(target))
     spool.write(b"new 1\nnew 2\n", 2)
     assert target.read_bytes() == b"old\n"  # untouched until published
     spool.close()
-    jsonl_io.publish(spool.path, str(target))
+    rollout_files.publish(spool.path, str(target))
     assert target.read_bytes() == b"new 1\nnew 2\n"
     assert [p.name for p in tmp_path.iterdir()] == ["r.jsonl"]

@@ -11,7 +11,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from rollout_capture.jsonl_io import StagedRollouts, publish, stage_rollouts
+from rollout_capture.rollout_files import StagedRollouts, publish, stage_rollouts
 from tasks.credentials import credentials_from_block
 from tasks.retry import storage_retries
 

@@ -20,7 +20,7 @@ from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel
 
 from rollout_capture.backends import Backend, FsspecBackend, LocalBackend
-from rollout_capture.storage import join, open_filesystem
+from rollout_capture.filesystem import join, open_filesystem
 
 ROLLOUTS = "rollouts.jsonl"
 CAPTURES = "captures"
