@@ -7,12 +7,12 @@ the ownership join runs last so its failure is a gap too.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from pydantic import ValidationError
 
 from rollout_capture.call_records import call_record_dict, verifier_invocation_dict
+from rollout_capture.claims import partition
 from rollout_capture.evidence import Evidence
 from rollout_capture.metrics import aggregate_call_dicts
 from rollout_capture.ownership import join_ownership
@@ -72,13 +72,12 @@ def build_attachment(
             gaps.append(_gap(GAP_INCOMPLETE))
         elif not calls and not damaged:
             gaps.append(_gap(GAP_NO_RECORDS))
-        moment = time.time() if now is None else now
-        live = len(snap.live_claims(moment))
-        expired = len(snap.claims) - live
-        if live:
-            gaps.append(_gap(GAP_PENDING, f"count={live}"))
-        elif expired:
-            gaps.append(_gap(GAP_CLAIM_ABANDONED, f"count={expired}"))
+        if snap.claims:
+            live, expired = partition(snap.claims, now)
+            if live:
+                gaps.append(_gap(GAP_PENDING, f"count={len(live)}"))
+            elif expired:
+                gaps.append(_gap(GAP_CLAIM_ABANDONED, f"count={len(expired)}"))
     if verifiers:
         for call in calls:
             owner = verifiers.get(call["verifier_invocation_id"] or "")

@@ -11,7 +11,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import orjson
 from pydantic import BaseModel, ValidationError
@@ -77,6 +77,16 @@ def read_claim(claim_id: str, body: bytes | None, mtime: float | None, *, trust_
     return claim
 
 
-def live_ids(claims: Mapping[str, list[Claim]], now: float) -> set[str]:
+def partition(claims: Iterable[Claim], now: float | None = None) -> tuple[list[Claim], list[Claim]]:
+    """``(live, expired)`` claims at ``now`` (default: the current time)."""
+    moment = time.time() if now is None else now
+    live: list[Claim] = []
+    expired: list[Claim] = []
+    for claim in claims:
+        (live if claim.is_live(moment) else expired).append(claim)
+    return live, expired
+
+
+def live_ids(claims: Mapping[str, list[Claim]], now: float | None = None) -> set[str]:
     """The rollouts among ``claims`` that still hold a live claim."""
-    return {rollout_id for rollout_id, held in claims.items() if any(c.is_live(now) for c in held)}
+    return {rollout_id for rollout_id, held in claims.items() if partition(held, now)[0]}

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
+from rollout_capture.backends import Fetched, ListingScope
 from rollout_capture.claims import live_ids
 from rollout_capture.faults import is_transient_storage_error
 from rollout_capture.snapshot import RolloutSnapshot
-from rollout_capture.store import CaptureStore, LocalPrefetch, Prefetch
+from rollout_capture.store import CaptureStore
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,34 +52,40 @@ def _guard(store: CaptureStore, action: Callable[[], T]) -> T:
 class EvidenceReader:
     """The evidence of a batch of rollouts across capture dirs, read rollout by rollout."""
 
-    def __init__(self, rollout_ids: Sequence[str], stores: Sequence[CaptureStore]) -> None:
+    def __init__(
+        self, rollout_ids: Sequence[str], stores: Sequence[CaptureStore], *, scope: ListingScope | None = None
+    ) -> None:
         self._stores = list(stores)
-        self._prefetched: list[Prefetch | LocalPrefetch | None] = [None] * len(self._stores)
+        self._scope = scope
+        self._fetched: list[Fetched | None] = [None] * len(self._stores)
         self._broken: set[int] = set()
-        self._prefetch(list(dict.fromkeys(rollout_ids)))
+        self._fetch(list(dict.fromkeys(rollout_ids)))
 
-    def _prefetch(self, ids: list[str]) -> None:
+    def _fetch(self, ids: list[str]) -> None:
         last = len(self._stores) - 1
         for index, store in enumerate(self._stores):
             if not ids or index in self._broken:
                 continue
+            current = self._fetched[index]
             try:
-                fresh = _guard(store, partial(store.prefetch, ids))
+                if current is None:
+                    current = _guard(store, partial(store.prefetch, ids, scope=self._scope))
+                    self._fetched[index] = current
+                else:
+                    _guard(store, partial(current.refresh, ids))
             except _Unreadable:
                 self._broken.add(index)
                 return
-            current = self._prefetched[index]
-            self._prefetched[index] = fresh if current is None else current.updated(fresh)
             if index < last:  # what this store lacks, the next one may hold
-                ids = [r for r in ids if not fresh.found(r)]
+                ids = [r for r in ids if not current.found(r)]
 
     def refresh(self, rollout_ids: Sequence[str]) -> None:
         """Fetch these rollouts again (their rows may have landed since)."""
-        self._prefetch(list(dict.fromkeys(rollout_ids)))
+        self._fetch(list(dict.fromkeys(rollout_ids)))
 
     def _snapshot(self, index: int, rollout_id: str) -> RolloutSnapshot:
-        store, prefetched = self._stores[index], self._prefetched[index]
-        read = store.snapshot if prefetched is None else prefetched.snapshot
+        store, fetched = self._stores[index], self._fetched[index]
+        read = store.snapshot if fetched is None else fetched.snapshot
         return _guard(store, partial(read, rollout_id))
 
     def evidence(self, rollout_id: str) -> Evidence:
@@ -99,9 +106,9 @@ class EvidenceReader:
         moment = time.time() if now is None else now
         wanted = set(rollout_ids)
         out: set[str] = set()
-        for prefetched in self._prefetched:
-            if prefetched is not None:  # None: broken, or every id was found in an earlier store
-                out |= live_ids(prefetched.claims(), moment) & wanted
+        for fetched in self._fetched:
+            if fetched is not None:  # None: broken, or every id was found in an earlier store
+                out |= live_ids(fetched.claims(), moment) & wanted
         return out
 
 

@@ -16,10 +16,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import orjson
-from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel
 
-from rollout_capture.backends import Backend, FsspecBackend, LocalBackend
+from rollout_capture.backends import Backend, open_backend
 from rollout_capture.filesystem import join, open_filesystem
 
 ROLLOUTS = "rollouts.jsonl"
@@ -79,9 +78,7 @@ class RunsRoot:
         fs, root = open_filesystem(url, storage_options, credentials=credentials)
         self.fs = fs
         self.root = root
-        self.backend: Backend = (
-            LocalBackend(root) if isinstance(fs, LocalFileSystem) else FsspecBackend(fs, root)
-        )
+        self.backend: Backend = open_backend(url, storage_options, credentials=credentials)
 
     def runs(self) -> list[RunFolder]:
         """Every run folder holding a rollouts file, sorted by name."""

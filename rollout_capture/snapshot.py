@@ -32,17 +32,14 @@ class RolloutSnapshot:
     def damaged(self) -> list[Damage]:
         return self.parsed.damaged
 
-    def live_claims(self, now: float) -> list[Claim]:
-        return [c for c in self.claims if c.is_live(now)]
 
-    def expired_claims(self, now: float) -> list[Claim]:
-        return [c for c in self.claims if not c.is_live(now)]
-
-
-def listed_paths(listing: RolloutListing) -> list[str]:
-    """The files of a listing that a snapshot reads: rows, then claims."""
-    paths = [listing.jsonl.path] if listing.jsonl is not None else []
-    paths.extend(entry.path for _, entry in listing.objects)
+def listed_paths(listing: RolloutListing, *, rows: bool = True) -> list[str]:
+    """The files of a listing that a snapshot reads: rows (unless ``rows=False``), then claims."""
+    paths = []
+    if rows:
+        if listing.jsonl is not None:
+            paths.append(listing.jsonl.path)
+        paths.extend(entry.path for _, entry in listing.objects)
     paths.extend(entry.path for _, entry in listing.claims)
     return paths
 

@@ -1,0 +1,114 @@
+"""The storage seam: what a capture store needs from a filesystem, declared in one place.
+
+Modelled on fsspec's ``AbstractFileSystem``: the store talks to this interface only, and
+each backend owns its strategy (per-rollout probes on a local disk, one flat listing on
+an object store), so no caller ever asks which backend it holds.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from rollout_capture.claims import Claim
+from rollout_capture.layout import RolloutListing
+from rollout_capture.snapshot import RolloutSnapshot, claims_of, listed_paths
+
+RowLayout = Literal["jsonl", "objects"]
+
+
+@dataclass(frozen=True, slots=True)
+class ListingScope:
+    """A job (a flow run) whose batches may share one listing of a capture root.
+
+    ``rollouts`` is about how many rollouts the job will look up in all, which decides
+    whether one listing of the whole root is quicker than listing each of them.
+    """
+
+    key: str
+    rollouts: int
+
+
+class Fetched(ABC):
+    """A batch of rollouts made ready to be read, parsed one rollout at a time."""
+
+    @abstractmethod
+    def found(self, rollout_id: str) -> bool:
+        """Whether the store holds anything for the rollout (rows, objects, marker or claims)."""
+
+    @abstractmethod
+    def snapshot(self, rollout_id: str) -> RolloutSnapshot:
+        """Everything the store holds for the rollout, parsed."""
+
+    @abstractmethod
+    def claims(self) -> dict[str, list[Claim]]:
+        """The claims of each rollout of the batch that has any."""
+
+    @abstractmethod
+    def refresh(self, rollout_ids: Collection[str]) -> None:
+        """Read these rollouts afresh from now on (rows may have landed since)."""
+
+
+class Backend(ABC):
+    """Byte-level access to one capture root; paths are full, as the filesystem names them."""
+
+    root: str
+    default_layout: RowLayout
+    """The row layout writers use here unless told otherwise."""
+    supports_append: bool
+    """Whether appending a line is safe (a JSONL capture can be written)."""
+    trust_mtime: bool
+    """Whether modification times come from the store's clock (object stores) rather than a writer's."""
+
+    @abstractmethod
+    def path(self, name: str) -> str:
+        """The full path of ``name`` relative to the root."""
+
+    # ------------------------------------------------------------------ reading
+
+    @abstractmethod
+    def list_rollouts(self, rollout_ids: Collection[str]) -> dict[str, RolloutListing]:
+        """What the root holds for each rollout, listed now (never from a cache)."""
+
+    @abstractmethod
+    def fetch(self, rollout_ids: Collection[str], *, scope: ListingScope | None = None) -> Fetched:
+        """A batch ready to be read rollout by rollout; a ``scope``'s batches may share a listing."""
+
+    @abstractmethod
+    def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
+        """The bytes of each path, ``None`` where it does not exist."""
+
+    @abstractmethod
+    def exists(self, path: str) -> bool:
+        """Whether the path exists."""
+
+    def claims(self, rollout_ids: Collection[str]) -> dict[str, list[Claim]]:
+        """The claims of each rollout that has any, read now."""
+        listings = {r: v for r, v in self.list_rollouts(rollout_ids).items() if v.claims}
+        paths = [path for listing in listings.values() for path in listed_paths(listing, rows=False)]
+        bodies = dict(zip(paths, self.read_many(paths), strict=True))
+        return claims_of(listings, bodies, trust_mtime=self.trust_mtime)
+
+    # ------------------------------------------------------------------ writing
+
+    @abstractmethod
+    def append_line(self, path: str, line: bytes) -> None:
+        """Append one line durably, never interleaved with another writer's."""
+
+    @abstractmethod
+    def create(self, path: str, data: bytes) -> None:
+        """Write a new file whole; ``FileExistsError`` when it already exists (put-if-absent)."""
+
+    @abstractmethod
+    def put(self, path: str, data: bytes) -> None:
+        """Write a file whole, replacing any earlier one."""
+
+    @abstractmethod
+    def remove(self, paths: Sequence[str]) -> None:
+        """Delete these files; absent ones are fine."""
+
+    @abstractmethod
+    def clear_rollouts(self, rollout_ids: Collection[str]) -> None:
+        """Delete everything of these rollouts, or raise ``OSError`` when something survives."""
