@@ -44,16 +44,34 @@ def _attempt_number(value: Any) -> int:
         raise error from None
 
 
-def maybe_rollout_id_from_run_body(record: Mapping[str, Any] | None) -> str | None:
+def _as_mapping(body: object) -> Mapping[str, Any] | None:
+    """The keys of a pydantic run request (agents receive ``extra="allow"`` models), else None.
+
+    Extra keys such as ``_ng_task_index`` live in ``__pydantic_extra__``; fields are attributes.
+    """
+    extra = getattr(body, "__pydantic_extra__", None)
+    fields = getattr(type(body), "model_fields", None)
+    if not isinstance(fields, Mapping):
+        return None
+    keys = {name: getattr(body, name, None) for name in fields}
+    if isinstance(extra, Mapping):
+        keys.update(extra)
+    return keys
+
+
+def maybe_rollout_id_from_run_body(record: Mapping[str, Any] | object | None) -> str | None:
     """Derive the capture key of a rollout record, or ``None`` when it has none.
 
     An explicit ``_ng_rollout_id`` wins; otherwise ``"{task}-{rollout}"``; a positive
     ``_ng_attempt_index`` appends ``-a{n}`` so each retry gets its own capture.
     Malformed explicit ids raise instead of being rewritten (a rewritten id could not
-    be looked up). Derived ids are validated by every store operation.
+    be looked up). Derived ids are validated by every store operation. A pydantic run
+    request is read like the mapping it was built from, as NeMo Gym's reader does.
     """
     if not isinstance(record, Mapping):
-        return None
+        record = _as_mapping(record)
+        if record is None:
+            return None
     explicit = record.get(ROLLOUT_ID_KEY)
     if explicit is not None:
         rollout_id = validate_rollout_id(explicit)

@@ -7,6 +7,7 @@ wrong guess is impossible and every doubt becomes an explicit gap.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,6 +15,8 @@ JOIN_CODES = frozenset(
     {"model_call_reference_unmatched", "model_call_reference_ambiguous", "model_call_reference_conflict"}
 )
 UNOWNED_CODE = "model_call_ownership_unavailable"
+# The detail the join writes on unowned calls; a gap without it was written by someone else.
+_UNOWNED_DETAIL = re.compile(r"capture:.+:call_index=\d+")
 
 
 class ObservationError(ValueError):
@@ -85,7 +88,8 @@ def _written_by_join(gap: Any) -> bool:
     return (
         code == UNOWNED_CODE
         and gap.get("invocation_id") is None
-        and (detail is None or (isinstance(detail, str) and detail.startswith("capture:")))
+        and isinstance(detail, str)
+        and _UNOWNED_DETAIL.fullmatch(detail) is not None
     )
 
 

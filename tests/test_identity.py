@@ -114,3 +114,18 @@ def test_merge_with_unsafe_derived_id_raises_before_io(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         merge_model_call_capture_into_record(record, [tmp_path])
     assert "ng_model_call_capture" not in record
+
+
+def test_pydantic_run_request_with_extra_keys_has_an_id() -> None:
+    """Agents receive run requests as pydantic models with ``extra="allow"``, as NeMo Gym's reader reads them."""
+    from pydantic import BaseModel, ConfigDict
+
+    class RunRequest(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        responses_create_params: dict[str, object] = {}
+
+    body = RunRequest.model_validate({"_ng_task_index": 5, "_ng_rollout_index": 2})
+    assert maybe_rollout_id_from_run_body(body) == "5-2"
+    retried = RunRequest.model_validate({"_ng_task_index": 5, "_ng_rollout_index": 2, "_ng_attempt_index": 1})
+    assert maybe_rollout_id_from_run_body(retried) == "5-2-a1"
+    assert maybe_rollout_id_from_run_body(RunRequest()) is None

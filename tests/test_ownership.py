@@ -140,8 +140,23 @@ def test_nemo_gym_typed_records_shape_is_joined_too(root: Path) -> None:
         ],
         "gaps": [],
     }
-    result = merged(root, observations)["ng_agent_observations"]
+    result = merged(root, copy.deepcopy(observations))["ng_agent_observations"]
     assert result["records"][0]["model_calls"] == [
         {"model_call_id": "c0", "model_ref": POLICY, "response_id": "r0"}
     ]
-    assert result["records"][1] == observations["records"][1]
+    assert result["records"][1] == {"kind": "tool_call", "invocation_id": "root", "tool_call_id": "t1"}
+
+
+def test_a_foreign_ownership_gap_is_kept(root: Path) -> None:
+    """Section 8: the join drops only the gaps it wrote (detail ``capture:<id>:call_index=<n>``)."""
+    foreign = [
+        {"code": "model_call_ownership_unavailable"},
+        {"code": "model_call_ownership_unavailable", "detail": "harness lost its trace"},
+    ]
+    observations = {"source": "h", "invocations": [], "gaps": copy.deepcopy(foreign)}
+    record = merged(root, observations)
+    gaps = record["ng_agent_observations"]["gaps"]
+    assert gaps[:2] == foreign
+    assert {"code": "model_call_ownership_unavailable", "detail": "capture:c0:call_index=0"} in gaps
+    merge_model_call_capture_into_record(record, [root])  # a second join keeps them too
+    assert record["ng_agent_observations"]["gaps"] == gaps
