@@ -117,7 +117,7 @@ def test_merge_with_unsafe_derived_id_raises_before_io(tmp_path: Path) -> None:
 
 
 def test_pydantic_run_request_with_extra_keys_has_an_id() -> None:
-    """Agents receive run requests as pydantic models with ``extra="allow"``, as NeMo Gym's reader reads them."""
+    """Agents receive run requests as ``extra="allow"`` pydantic models; NeMo Gym reads their keys."""
     from pydantic import BaseModel, ConfigDict
 
     class RunRequest(BaseModel):
