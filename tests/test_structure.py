@@ -1,0 +1,96 @@
+"""The shape of the code: a core without Prefect or a CLI toolkit, and no import cycles."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from .conftest import ROOT
+
+PACKAGES = ("rollout_capture", "tasks", "flows", "deployments")
+
+
+def test_the_core_imports_no_prefect_and_no_cli_toolkit() -> None:
+    probe = (
+        "import sys, rollout_capture, rollout_capture.batch, rollout_capture.worker_pool, "
+        "rollout_capture.run_folders, rollout_capture.read_calls\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'prefect', 'typer', 'flows', 'tasks', 'rich'}))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """Project modules a module imports anywhere (functions included), except for type checking."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module if is_package else module.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    anchor = anchor.rpartition(".")[0]
+                base = f"{anchor}.{base}".strip(".")
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                if target in known:
+                    found.add(target)  # a submodule
+                elif base in known:
+                    found.add(base)  # a name defined in the module (or package __init__)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    found.discard(module)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    files = {
+        _module_name(path): path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))
+    }
+    known = set(files)
+    graph = {
+        name: _imports(ast.parse(path.read_text()), name, path.name == "__init__.py", known)
+        for name, path in files.items()
+    }
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def walk(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                cycles.append([*path[path.index(target) :], target])
+            elif target not in state:
+                walk(target)
+        path.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            walk(name)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
