@@ -16,7 +16,8 @@ def test_the_core_imports_no_prefect_and_no_cli_toolkit() -> None:
     probe = (
         "import sys, rollout_capture, rollout_capture.batch, rollout_capture.worker_pool, "
         "rollout_capture.run_folders, rollout_capture.read_calls\n"
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'prefect', 'typer', 'flows', 'tasks', 'rich'}))"
+        "loaded = {m.split('.')[0] for m in sys.modules}\n"
+        "print(sorted(loaded & {'prefect', 'typer', 'flows', 'tasks', 'rich'}))"
     )
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
