@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
+import uuid
 from collections import deque
 from typing import Any
 
 from prefect import get_run_logger
 from prefect.futures import PrefectFuture
+from prefect.runtime import flow_run
 
 from flows.guard import check_inputs, guarded_flow
 from flows.report import EnrichSummary, advance_progress, publish_summary, start_progress
 from flows.runners import Runner, api_shared_with_workers, effective_workers, make_task_runner
+from rollout_capture.backends import ListingScope
 from rollout_capture.batch import BatchStats
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
-from rollout_capture.rollout_files import OutputSpool, default_output, iter_line_batches, remove_staged
+from rollout_capture.rollout_files import OutputSpool, default_output, iter_line_ranges, remove_staged
+from rollout_capture.store import end_scope
 from tasks.capture import BatchInput, BatchOutput, merge_batch
 from tasks.rollout_files import read_rollouts, write_enriched
 
@@ -51,20 +57,26 @@ def enrich_rollouts(
     staged = read_rollouts(rollouts, storage_options, credentials_block)
     progress = start_progress(rollouts, staged.size)
     spool = OutputSpool(target, storage_options)
+    parts_dir = tempfile.mkdtemp(prefix="enrich-parts-") if runner == "processes" else None
     stats = BatchStats()
     batches = done_bytes = 0
     workers = effective_workers(runner, max_workers, capture_dir)
-    options = {
-        "capture_dir": capture_dir,
-        "storage_options": storage_options,
-        "credentials_block": credentials_block,
-        "include_payloads": include_payloads,
-        "quiescence_timeout_s": quiescence_timeout_s,
-        "source": rollouts,
-        "strict": strict,
-        "worker_processes": workers if runner == "processes" else 0,
-    }
+    scope = ListingScope(key=str(flow_run.id or uuid.uuid4()), rollouts=0)
     try:
+        ranges = list(iter_line_ranges(staged.path, batch_size))
+        scope = ListingScope(key=scope.key, rollouts=sum(r.lines for r in ranges))
+        options = {
+            "capture_dir": capture_dir,
+            "storage_options": storage_options,
+            "credentials_block": credentials_block,
+            "include_payloads": include_payloads,
+            "quiescence_timeout_s": quiescence_timeout_s,
+            "source": rollouts,
+            "strict": strict,
+            "worker_processes": workers if runner == "processes" else 0,
+            "parts_dir": parts_dir,
+            "scope": scope,
+        }
         with (
             api_shared_with_workers(runner),
             make_task_runner(runner, workers, dask_address) as task_runner,
@@ -75,16 +87,21 @@ def enrich_rollouts(
                 nonlocal stats, batches, done_bytes
                 size, future = in_flight.popleft()
                 batch = future.result()
-                spool.write(batch.blob, batch.lines)
+                if batch.part is not None:
+                    spool.append_part(batch.part, batch.lines)
+                else:
+                    spool.write(batch.blob, batch.lines)
                 batch.blob = b""  # see BatchOutput: Prefect's engine may hold the object a while
                 stats += batch.stats
                 batches += 1
                 done_bytes += size
                 advance_progress(progress, done_bytes, staged.size)
 
-            for first_line, blob in iter_line_batches(staged.path, batch_size):
-                parameters = {"batch": BatchInput(blob=blob, first_line=first_line), **options}
-                in_flight.append((len(blob), task_runner.submit(merge_batch, parameters)))
+            for piece in ranges:
+                # Workers elsewhere (Dask) cannot read this machine's files: they get the bytes.
+                blob = piece.read() if runner == "dask" else None
+                parameters = {"batch": BatchInput(lines=piece, blob=blob), **options}
+                in_flight.append((piece.length, task_runner.submit(merge_batch, parameters)))
                 while len(in_flight) > workers:  # bounded: memory stays flat as input grows
                     collect()
             while in_flight:
@@ -95,7 +112,10 @@ def enrich_rollouts(
         spool.discard()
         raise
     finally:
+        end_scope(scope.key)
         remove_staged(staged)
+        if parts_dir is not None:
+            shutil.rmtree(parts_dir, ignore_errors=True)
     summary = EnrichSummary(
         source=rollouts,
         output=target,

@@ -21,6 +21,7 @@ import orjson
 from pydantic import BaseModel, Field
 
 from rollout_capture.attachment import ATTACHMENT_KEY, OBSERVATIONS_KEY, attach, build_attachment
+from rollout_capture.backends import ListingScope
 from rollout_capture.evidence import EvidenceReader
 from rollout_capture.identity import rollout_id_of
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
@@ -165,14 +166,16 @@ def enrich_lines(
     quiescence_timeout_s: float = CAPTURE_DRAIN_TIMEOUT_S,
     poll_s: float = DEFAULT_POLL_S,
     waiter: Waiter | None = None,
+    scope: ListingScope | None = None,
 ) -> EnrichedBatch:
     """Enrich rollout lines; ``first_line`` numbers them in problems.
 
-    Lines may keep their newline; output lines never carry one.
+    Lines may keep their newline; output lines never carry one. The batches of one
+    ``scope`` (a flow run) may share one listing of each capture root.
     """
     with paused_gc():
         return _enrich(
-            lines, capture_dirs, first_line, include_payloads, quiescence_timeout_s, poll_s, waiter
+            lines, capture_dirs, first_line, include_payloads, quiescence_timeout_s, poll_s, waiter, scope
         )
 
 
@@ -184,6 +187,7 @@ def _enrich(
     quiescence_timeout_s: float,
     poll_s: float,
     waiter: Waiter | None,
+    scope: ListingScope | None,
 ) -> EnrichedBatch:
     stores = [as_store(d) for d in capture_dirs]
     problems: list[LineProblem] = []
@@ -193,7 +197,7 @@ def _enrich(
         return EnrichedBatch([_bare(line) for line in lines], stats)
 
     ids = [item[0] for item in identified if item is not None]
-    reader = EvidenceReader(ids, stores)
+    reader = EvidenceReader(ids, stores, scope=scope)
     pending = reader.live_claimed(ids)
     if pending and quiescence_timeout_s > 0:
         wait = waiter or default_waiter(stores, quiescence_timeout_s, poll_s)
@@ -238,6 +242,7 @@ def enrich_blob(
     include_payloads: bool = False,
     quiescence_timeout_s: float = CAPTURE_DRAIN_TIMEOUT_S,
     waiter: Waiter | None = None,
+    scope: ListingScope | None = None,
 ) -> tuple[bytes, int, BatchStats]:
     """:func:`enrich_lines` over newline-terminated bytes: ``(output bytes, line count, stats)``.
 
@@ -250,5 +255,6 @@ def enrich_blob(
         include_payloads=include_payloads,
         quiescence_timeout_s=quiescence_timeout_s,
         waiter=waiter,
+        scope=scope,
     )
     return b"\n".join(enriched.lines) + b"\n", len(enriched.lines), enriched.stats

@@ -10,6 +10,7 @@ half file, and the output may even replace the input.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator, Mapping
@@ -79,39 +80,69 @@ def stage_rollouts(
     return StagedRollouts(source=source, path=spooled, size=size, temporary=True)
 
 
-def iter_line_batches(path: str, batch_size: int) -> Iterator[tuple[int, bytes]]:
-    """``(first line number, raw bytes of up to batch_size lines)`` of a local file.
+class LineRange(BaseModel):
+    """A batch as a slice of a local file: cheap to ship to a worker, read where it runs."""
 
-    Read in large chunks and cut at the ``batch_size``-th newline: the reading thread
-    makes few syscalls and no per-line objects, so it barely competes with the
-    CPU-bound merge for the interpreter lock.
+    path: str
+    first_line: int
+    offset: int
+    length: int
+    lines: int
+
+    @property
+    def last_line(self) -> int:
+        """The number of the slice's last line."""
+        return self.first_line + self.lines - 1
+
+    def read(self) -> bytes:
+        """The slice's bytes (newline-terminated lines, a last unterminated one too)."""
+        with open(self.path, "rb") as handle:
+            data = os.pread(handle.fileno(), self.length, self.offset)
+            while len(data) < self.length:  # a short read: keep going until the slice is whole
+                more = os.pread(handle.fileno(), self.length - len(data), self.offset + len(data))
+                if not more:
+                    raise EOFError(f"{self.path} is shorter than when it was cut into batches")
+                data += more
+        return data
+
+
+def iter_line_ranges(path: str, batch_size: int) -> Iterator[LineRange]:
+    """The file cut into slices of ``batch_size`` lines (the last may hold fewer).
+
+    Read in large chunks and cut at every ``batch_size``-th newline: few syscalls and no
+    per-line objects, so the scan barely competes with the CPU-bound merge.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1; got {batch_size}")
-    number = 1
-    parts: list[bytes] = []  # pieces of the batch being cut
-    found = 0  # newlines in those pieces
+    number, start, found, position = 1, 0, 0, 0  # position: file offset of the chunk
+    line_start = 0  # file offset just after the last newline
     with open(path, "rb") as handle:
         while chunk := handle.read(CHUNK_BYTES):
-            start = 0
+            end = 0
             while True:
-                end = start
-                while found < batch_size:
-                    position = chunk.find(b"\n", end)
-                    if position < 0:
-                        break
-                    end = position + 1
-                    found += 1
-                if found < batch_size:  # the chunk ends inside this batch
-                    if start < len(chunk):
-                        parts.append(chunk[start:])
+                newline = chunk.find(b"\n", end)
+                if newline < 0:
                     break
-                parts.append(chunk[start:end])
-                yield number, b"".join(parts)
-                number += batch_size
-                parts, found, start = [], 0, end
-    if parts:
-        yield number, b"".join(parts)
+                end = newline + 1
+                line_start = position + end
+                found += 1
+                if found == batch_size:
+                    cut = position + end
+                    yield LineRange(
+                        path=path, first_line=number, offset=start, length=cut - start, lines=found
+                    )
+                    number, start, found = number + found, cut, 0
+            position += len(chunk)
+    if position > line_start:  # a last unterminated line
+        found += 1
+    if found:
+        yield LineRange(path=path, first_line=number, offset=start, length=position - start, lines=found)
+
+
+def iter_line_batches(path: str, batch_size: int) -> Iterator[tuple[int, bytes]]:
+    """``(first line number, raw bytes of up to batch_size lines)`` of a local file."""
+    for piece in iter_line_ranges(path, batch_size):
+        yield piece.first_line, piece.read()
 
 
 def split_lines(blob: bytes) -> list[bytes]:
@@ -143,6 +174,13 @@ class OutputSpool:
     def write(self, blob: bytes, lines: int) -> None:
         """Append a batch's output: ``lines`` newline-terminated lines, in order."""
         self._handle.write(blob)
+        self.lines += lines
+
+    def append_part(self, part: str, lines: int) -> None:
+        """Append a batch's output written to a part file by a worker, then delete the part."""
+        with open(part, "rb") as source:
+            shutil.copyfileobj(source, self._handle, CHUNK_BYTES)
+        os.unlink(part)
         self.lines += lines
 
     def close(self) -> None:

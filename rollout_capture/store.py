@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Literal, TypeVar
@@ -243,6 +244,10 @@ class CaptureStore:
         """
         return self._backend.fetch([validate_rollout_id(r) for r in rollout_ids], scope=scope)
 
+    def end_scope(self, key: str) -> None:
+        """Forget the listing the batches of a finished job (``ListingScope.key``) shared."""
+        self._backend.end_scope(key)
+
     def snapshot(self, rollout_id: str) -> RolloutSnapshot:
         """Everything this store holds for one rollout."""
         return self.prefetch([rollout_id]).snapshot(rollout_id)
@@ -304,8 +309,10 @@ CaptureDir = CaptureStore | str | os.PathLike[str]
 """Wherever capture dirs are taken: a path, a URL, or a store carrying its storage options."""
 
 
-_shared: dict[tuple[str, bytes, str | None], CaptureStore] = {}
+_shared: OrderedDict[tuple[str, bytes, str | None], CaptureStore] = OrderedDict()
 _shared_lock = threading.Lock()
+# A long-lived worker enriches one run after another, each with its own capture root.
+_MAX_SHARED = 16
 
 
 def shared_store(
@@ -317,15 +324,28 @@ def shared_store(
 ) -> CaptureStore:
     """One store per URL and options in this process, reused across batches.
 
-    Reuse keeps what a store learns (the size of its root, sequence hints) and its
-    filesystem's connection pool. ``credentials_name`` keys the credentials' source.
+    Reuse keeps what a store learns (the size of its root, sequence hints, a job's shared
+    listing) and its filesystem's connection pool. ``credentials_name`` keys the
+    credentials' source. The least recently used stores are let go past a few.
     """
     key = (url, orjson.dumps(dict(storage_options or {}), option=orjson.OPT_SORT_KEYS), credentials_name)
     with _shared_lock:
         store = _shared.get(key)
         if store is None:
             store = _shared[key] = CaptureStore(url, storage_options=storage_options, credentials=credentials)
+            while len(_shared) > _MAX_SHARED:
+                _shared.popitem(last=False)
+        else:
+            _shared.move_to_end(key)
         return store
+
+
+def end_scope(key: str) -> None:
+    """Let go of what this process's stores kept for a finished job (its shared listings)."""
+    with _shared_lock:
+        stores = list(_shared.values())
+    for store in stores:
+        store.end_scope(key)
 
 
 def as_store(target: CaptureDir) -> CaptureStore:

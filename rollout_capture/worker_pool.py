@@ -2,9 +2,9 @@
 
 Parsing and normalizing rows is CPU-bound, so threads cannot use more than one core.
 Workers are spawned once per process (filesystems are not fork-safe, and each worker
-opens its own) and import only the core, so they start in a fraction of a second and a
-batch costs its bytes in and out, nothing more. Orchestration (retries, the UI) stays
-with the caller.
+opens its own) and import only the core, so they start in a fraction of a second. A
+batch travels as a slice of a local file and comes back as a part file: no batch bytes
+go through the pipes, so the parent stays free to orchestrate (retries, the UI).
 """
 
 from __future__ import annotations
@@ -14,14 +14,17 @@ import hashlib
 import multiprocessing
 import os
 import threading
+import uuid
 from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import orjson
 
+from rollout_capture.backends import ListingScope
 from rollout_capture.batch import BatchStats, enrich_blob
 from rollout_capture.faults import is_transient_storage_error
+from rollout_capture.rollout_files import LineRange
 from rollout_capture.store import shared_store
 
 _pools: dict[int, ProcessPoolExecutor] = {}
@@ -63,15 +66,16 @@ def _raise_pending(pending: set[str]) -> set[str]:
 
 
 def enrich_in_worker(
-    blob: bytes,
-    first_line: int,
+    batch: LineRange,
+    parts_dir: str,
     capture_dir: str,
     storage_options: Mapping[str, Any] | None,
     credentials: Mapping[str, Any] | None,
     include_payloads: bool,
     stop_on_claims: bool,
-) -> tuple[bytes, int, BatchStats]:
-    """In a worker: enrich the newline-terminated lines of ``blob``; returns (output, lines, stats).
+    scope: ListingScope | None = None,
+) -> tuple[str, int, BatchStats]:
+    """In a worker: enrich the lines of ``batch`` into a part file; returns (part path, lines, stats).
 
     With ``stop_on_claims``, rollouts holding live claims raise :class:`ClaimsPending`
     instead of being waited for here; otherwise they are not waited for at all (the
@@ -85,15 +89,20 @@ def enrich_in_worker(
             else None
         )
         store = shared_store(capture_dir, storage_options, credentials=credentials, credentials_name=key)
-        return enrich_blob(
-            blob,
+        blob, lines, stats = enrich_blob(
+            batch.read(),
             [store],
-            first_line=first_line,
+            first_line=batch.first_line,
             include_payloads=include_payloads,
             # Any positive timeout makes claimed rollouts reach the waiter, which stops here.
             quiescence_timeout_s=1.0 if stop_on_claims else 0.0,
             waiter=_raise_pending,
+            scope=scope,
         )
+        part = os.path.join(parts_dir, f"part-{batch.first_line:012d}-{uuid.uuid4().hex[:8]}.jsonl")
+        with open(part, "wb") as out:
+            out.write(blob)
+        return part, lines, stats
     except ClaimsPending:
         raise
     except Exception as exc:

@@ -7,6 +7,7 @@ crash reads the same captures and returns the same bytes.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -15,8 +16,10 @@ from prefect.cache_policies import NO_CACHE
 from prefect.utilities.asyncutils import run_coro_as_sync
 from pydantic import BaseModel
 
+from rollout_capture.backends import ListingScope
 from rollout_capture.batch import BatchStats, enrich_blob
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
+from rollout_capture.rollout_files import LineRange
 from rollout_capture.store import CaptureStore, shared_store
 from rollout_capture.worker_pool import ClaimsPending, enrich_in_worker, worker_pool
 from tasks.credentials import credentials_from_block
@@ -74,29 +77,41 @@ async def await_quiescence(
 
 
 class BatchInput(BaseModel):
-    """A batch of rollout lines: their raw bytes (one blob, shipped as is by every runner).
+    """A batch of rollout lines: a slice of the staged input, plus its bytes for workers elsewhere.
 
-    A holder rather than bare bytes so the task can let go of the bytes once it has
-    succeeded: Prefect's run engine keeps its parameters in reference cycles that only a
-    full garbage collection clears, which would otherwise hold every batch.
+    Workers on this machine read the slice themselves, so only its coordinates travel.
+    A holder rather than bare bytes so the task can let go of them once it has succeeded:
+    Prefect's run engine keeps its parameters in reference cycles that only a full garbage
+    collection clears, which would otherwise hold every batch.
     """
 
-    blob: bytes
-    first_line: int
+    lines: LineRange
+    blob: bytes | None = None
+
+    def data(self) -> bytes:
+        """The batch's bytes: carried along, or read from the slice."""
+        return self.blob if self.blob is not None else self.lines.read()
 
 
 class BatchOutput(BaseModel):
-    """A merged batch as the flow needs it: output bytes (one blob, to write at once) and stats.
+    """A merged batch as the flow needs it: output bytes (or a worker's part file) and stats.
 
     The flow empties ``blob`` once written, for the same reason.
     """
 
-    blob: bytes
+    blob: bytes = b""
+    part: str | None = None
     lines: int
     stats: BatchStats
 
 
-@task(name="merge_batch", cache_policy=NO_CACHE, **storage_retries())
+@task(
+    name="merge_batch",
+    task_run_name="merge_batch lines {batch.lines.first_line}-{batch.lines.last_line}",
+    cache_policy=NO_CACHE,
+    persist_result=False,
+    **storage_retries(),
+)
 def merge_batch(
     batch: BatchInput,
     capture_dir: str,
@@ -107,11 +122,15 @@ def merge_batch(
     source: str = "rollouts",
     strict: bool = False,
     worker_processes: int = 0,
+    parts_dir: str | None = None,
+    scope: ListingScope | None = None,
 ) -> BatchOutput:
     """Enrich one batch of rollout lines; rollouts still claimed are awaited in a nested task.
 
     With ``worker_processes``, the CPU-bound merge runs in this process's pool of that
-    many workers; the task run (its retries, its nested wait) stays here, in the UI.
+    many workers, which write their output to part files in ``parts_dir``; the task run
+    (its retries, its nested wait) stays here, in the UI. The batches of one ``scope``
+    (the flow run) share one listing of an object-store capture root.
     """
 
     def wait(pending: set[str]) -> set[str]:
@@ -127,31 +146,40 @@ def merge_batch(
         return set(still or ())
 
     if worker_processes:
-        settings = (capture_dir, storage_options, credentials_block, include_payloads)
-        output = _merge_in_pool(batch, *settings, wait, quiescence_timeout_s > 0, worker_processes)
+        if parts_dir is None:
+            raise ValueError("worker_processes needs a parts_dir for the workers' output")
+        settings = (capture_dir, storage_options, credentials_block, include_payloads, scope)
+        output = _merge_in_pool(
+            batch.lines, parts_dir, *settings, wait, quiescence_timeout_s > 0, worker_processes
+        )
     else:
         blob, lines, stats = enrich_blob(
-            batch.blob,
+            batch.data(),
             [capture_store(capture_dir, storage_options, credentials_block)],
-            first_line=batch.first_line,
+            first_line=batch.lines.first_line,
             include_payloads=include_payloads,
             quiescence_timeout_s=quiescence_timeout_s,
             waiter=wait,
+            scope=scope,
         )
         output = BatchOutput(blob=blob, lines=lines, stats=stats)
     if strict and output.stats.problems:
+        if output.part is not None:
+            os.unlink(output.part)
         problem = output.stats.problems[0]
         raise ValueError(f"{source}:{problem.line}: {problem.reason}")
-    batch.blob = b""  # done with it (see BatchInput); a retry only follows a failure
+    batch.blob = None  # done with it (see BatchInput); a retry only follows a failure
     return output
 
 
 def _merge_in_pool(
-    batch: BatchInput,
+    batch: LineRange,
+    parts_dir: str,
     capture_dir: str,
     storage_options: dict[str, Any] | None,
     credentials_block: str | None,
     include_payloads: bool,
+    scope: ListingScope | None,
     wait: Callable[[set[str]], set[str]],
     wait_for_claims: bool,
     workers: int,
@@ -159,13 +187,13 @@ def _merge_in_pool(
     """The merge in a worker process; claimed rollouts send the batch back for a wait here."""
     pool = worker_pool(workers)
     credentials = credentials_from_block(credentials_block)
-    arguments = (batch.blob, batch.first_line, capture_dir, storage_options, credentials, include_payloads)
+    arguments = (batch, parts_dir, capture_dir, storage_options, credentials, include_payloads)
     waited = 0
     try:
-        blob, lines, stats = pool.submit(enrich_in_worker, *arguments, wait_for_claims).result()
+        part, lines, stats = pool.submit(enrich_in_worker, *arguments, wait_for_claims, scope).result()
     except ClaimsPending as pending:
         waited = len(pending.rollout_ids)
         wait(set(pending.rollout_ids))  # visible as a nested task run
-        blob, lines, stats = pool.submit(enrich_in_worker, *arguments, False).result()
+        part, lines, stats = pool.submit(enrich_in_worker, *arguments, False, scope).result()
     stats.waited_for = waited
-    return BatchOutput(blob=blob, lines=lines, stats=stats)
+    return BatchOutput(part=part, lines=lines, stats=stats)

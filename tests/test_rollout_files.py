@@ -29,12 +29,14 @@ def test_batches_reassemble_the_file_exactly(
     original, rollout_files.CHUNK_BYTES = rollout_files.CHUNK_BYTES, chunk  # tiny chunks: batches span many
     try:
         batches = list(iter_line_batches(str(path), batch))
+        ranges = list(rollout_files.iter_line_ranges(str(path), batch))
     finally:
         rollout_files.CHUNK_BYTES = original
     assert b"".join(blob for _, blob in batches) == data
     assert [first for first, _ in batches] == list(range(1, 1 + batch * len(batches), batch))
     assert all(len(split_lines(blob)) == batch for _, blob in batches[:-1])
     assert sum(len(split_lines(blob)) for _, blob in batches) == len(split_lines(data))
+    assert [r.lines for r in ranges] == [len(split_lines(blob)) for _, blob in batches]  # counted as cut
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 
 from rollout_capture import CaptureStore
+from rollout_capture.backends import ListingScope
 from rollout_capture.batch import enrich_lines
 
 from .conftest import S3
@@ -48,3 +49,37 @@ def test_throttling_backs_off_instead_of_failing(flaky_s3: tuple[S3, Any], s3: S
     batch = enrich_lines(lines, [store])
     assert proxy.throttled == 6
     assert batch.lines == expected.lines and batch.stats.calls == 80
+
+
+def test_listing_is_shared_by_a_job_or_done_per_rollout_whichever_is_quicker(
+    flaky_s3: tuple[S3, Any], s3: S3
+) -> None:
+    via, proxy = flaky_s3
+    lines = fill(s3, rollouts=300, rows=4)  # 1,200 keys: a flat listing is two pages
+    store = CaptureStore(via.url("caps"), storage_options=via.storage_options)
+    job = ListingScope(key="flow-run-1", rollouts=len(lines))
+    proxy.reset_counts()
+    batches = [enrich_lines(lines[i : i + 10], [store], scope=job) for i in range(0, 60, 10)]
+    assert sum(b.stats.calls for b in batches) == 240 and not any(b.stats.gaps for b in batches)
+    assert proxy.reset_counts() == {"LIST": 2, "GET": 240}  # six batches, one listing
+    enrich_lines(lines[:10], [store], scope=ListingScope(key="flow-run-2", rollouts=300))
+    assert proxy.reset_counts()["LIST"] == 2  # another job lists afresh: never a stale listing
+
+    # A job of 33 rollouts: one round of 64 concurrent per-rollout listings beats two pages,
+    # so the flat listing is abandoned after its budget, and the job remembers.
+    quick = CaptureStore(via.url("caps"), storage_options=via.storage_options, concurrency=64)
+    small = ListingScope(key="flow-run-3", rollouts=33)
+    first = enrich_lines(lines[:20], [quick], scope=small)
+    assert proxy.reset_counts() == {"LIST": 2 + 20, "GET": 80}
+    second = enrich_lines(lines[20:33], [quick], scope=small)
+    assert proxy.reset_counts() == {"LIST": 13, "GET": 52}
+    assert first.stats.calls + second.stats.calls == 132 and not first.stats.gaps and not second.stats.gaps
+
+
+def test_a_small_job_lists_each_rollout(flaky_s3: tuple[S3, Any], s3: S3) -> None:
+    via, proxy = flaky_s3
+    lines = fill(s3, rollouts=40, rows=2)[:3]
+    store = CaptureStore(via.url("caps"), storage_options=via.storage_options)
+    proxy.reset_counts()
+    assert enrich_lines(lines, [store]).stats.calls == 6
+    assert proxy.reset_counts() == {"LIST": 3, "GET": 6}

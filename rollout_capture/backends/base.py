@@ -76,6 +76,9 @@ class Backend(ABC):
     def fetch(self, rollout_ids: Collection[str], *, scope: ListingScope | None = None) -> Fetched:
         """A batch ready to be read rollout by rollout; a ``scope``'s batches may share a listing."""
 
+    def end_scope(self, key: str) -> None:  # noqa: B027 - nothing to forget unless a backend shares listings
+        """Forget what was kept for the batches of a finished job."""
+
     @abstractmethod
     def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
         """The bytes of each path, ``None`` where it does not exist."""

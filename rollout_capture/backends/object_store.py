@@ -188,6 +188,11 @@ class ObjectStoreBackend(Backend):
             return self._one_by_one(ids)
         return {r: flat.get(r) or RolloutListing() for r in ids}
 
+    def end_scope(self, key: str) -> None:
+        with self._scope_lock:
+            if self._scoped is not None and self._scoped[0] == key:
+                self._scoped = None
+
     # ------------------------------------------------------------------ reading
 
     def fetch(self, rollout_ids: Collection[str], *, scope: ListingScope | None = None) -> Fetched:
