@@ -49,6 +49,9 @@ class FaultProxy:
         self._listener: socket.socket | None = None
         self._trigger: tuple[bytes, float] | None = None
         self._throttle = 0
+        self._lose_pattern: bytes | None = None
+        self._lose: set[socket.socket] = set()  # upstream sockets whose next answer is dropped
+        self.lost = 0
         self.outages = 0
         self.throttled = 0
         self.requests: dict[str, int] = {}
@@ -90,9 +93,18 @@ class FaultProxy:
     def _pump(self, source: socket.socket, sink: socket.socket, from_client: bool) -> None:
         try:
             while data := source.recv(65536):
+                if not from_client and source in self._lose and not data.startswith(b"HTTP/1.1 100"):
+                    with self._lock:
+                        self._lose.discard(source)
+                        self.lost += 1
+                    return  # the request was served; its answer (not a 100 Continue) never arrives
                 if from_client:
                     if self._trigger is not None and self._fire(data):
                         return  # this request dies with the endpoint
+                    if self._lose_pattern is not None and self._lose_pattern in data:
+                        with self._lock:
+                            self._lose_pattern = None
+                            self._lose.add(sink)
                     throttled, requests = self._count(data)
                     if throttled:
                         source.sendall(_SLOW_DOWN)
@@ -104,6 +116,8 @@ class FaultProxy:
             pass
         finally:
             for sock in (source, sink):
+                with contextlib.suppress(OSError):  # wakes the pump blocked on the other socket
+                    sock.shutdown(socket.SHUT_RDWR)
                 with contextlib.suppress(OSError):
                     sock.close()
             with self._lock:
@@ -174,6 +188,10 @@ class FaultProxy:
         self.down()
         time.sleep(seconds)
         self.up()
+
+    def lose_answer_on(self, pattern: bytes) -> None:
+        """Forward the first request carrying ``pattern``, then cut the connection before its answer."""
+        self._lose_pattern = pattern
 
     def outage_on(self, pattern: bytes, seconds: float) -> None:
         """Go down for ``seconds`` the first time a request carrying ``pattern`` passes."""

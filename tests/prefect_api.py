@@ -14,13 +14,26 @@ from prefect.client.schemas.filters import (
     FlowRunFilterId,
     LogFilter,
     LogFilterFlowRunId,
+    TaskRunFilter,
+    TaskRunFilterState,
+    TaskRunFilterStateType,
 )
-from prefect.client.schemas.objects import FlowRun, TaskRun
+from prefect.client.schemas.objects import FlowRun, StateType, TaskRun
 
 
 def task_runs(flow_run_id: UUID, name_prefix: str) -> list[TaskRun]:
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return [run for run in runs if run.name.startswith(name_prefix)]
+
+
+def running_task_runs(name_prefix: str) -> list[TaskRun]:
+    """Task runs of any flow run that are running right now."""
+    only_running = TaskRunFilter(
+        state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.RUNNING]))
+    )
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(task_run_filter=only_running)
     return [run for run in runs if run.name.startswith(name_prefix)]
 
 

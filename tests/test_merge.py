@@ -189,3 +189,44 @@ def test_corpus_rows_in_every_dialect_give_tokens(tmp_path: Path, corpus_dir: Pa
         assert result["metrics"]["num_calls"] == len(rows)
         assert result["metrics"]["tokens_out"] == usage.get("output_tokens", usage.get("completion_tokens"))
         assert all(c["dialect"] == dialect for c in result["calls"])
+
+
+def test_rollout_metrics_sum_what_calls_report_and_stay_null_when_none_does(tmp_path: Path) -> None:
+    """Section 6: sums over the calls that report a value; null (unknown), never zero, when none does."""
+    store = CaptureStore(tmp_path)
+    store.record("1-0", call_row("a", latency_ms=100, response={"usage": {"prompt_tokens": 10}}))
+    store.record(
+        "1-0",
+        call_row(
+            "b",
+            latency_ms=50.5,
+            response={
+                "usage": {
+                    "prompt_tokens": 7,
+                    "completion_tokens": 3,
+                    "prompt_tokens_details": {"cached_tokens": 4},
+                    "completion_tokens_details": {"reasoning_tokens": 2},
+                }
+            },
+        ),
+    )
+    store.record("1-0", call_row("c", response={"usage": {"prompt_tokens": "12", "completion_tokens": -1}}))
+    assert attachment(tmp_path)["metrics"] == {
+        "tokens_in": 17,
+        "tokens_out": 3,
+        "tokens_reasoning": 2,
+        "tokens_total": 10,  # only b knows both sides
+        "cached_tokens": 4,
+        "latency_total_ms": 150.5,
+        "num_calls": 3,
+    }
+    store.record("2-0", call_row("d", response={"id": "r"}))
+    assert attachment(tmp_path, "2-0")["metrics"] == {
+        "tokens_in": None,
+        "tokens_out": None,
+        "tokens_reasoning": None,
+        "tokens_total": None,
+        "cached_tokens": None,
+        "latency_total_ms": None,
+        "num_calls": 1,
+    }

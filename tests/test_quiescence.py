@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from pathlib import Path
@@ -32,10 +33,19 @@ def gaps(root: Any, rollout_id: str = "1-0") -> list[dict[str, str]]:
 async def test_live_claim_blocks_until_the_deadline(tmp_path: Path) -> None:
     store = CaptureStore(tmp_path)
     with store.claim("1-0"):
+        started = time.monotonic()
         assert (
             await await_model_call_capture_quiescence("1-0", [tmp_path], timeout_s=0.2, poll_s=0.02) is False
         )
+        assert time.monotonic() - started >= 0.2  # it did not give up before its deadline
         assert {"code": "model_call_capture_pending", "detail": "count=1"} in gaps(tmp_path)
+
+
+async def test_the_wait_keeps_watching_until_the_claim_goes(tmp_path: Path) -> None:
+    """A claim that lapses mid-wait (its producer died) ends the wait: quiescent, not a timeout."""
+    store = CaptureStore(tmp_path)
+    store.claim("1-0", ttl_s=0.3).__enter__()  # never released
+    assert await await_model_call_capture_quiescence("1-0", [tmp_path], timeout_s=30, poll_s=0.02) is True
 
 
 async def test_release_lets_the_wait_return_true(tmp_path: Path) -> None:
@@ -70,14 +80,16 @@ async def test_expired_claim_does_not_block_and_is_reported(tmp_path: Path) -> N
 
 
 async def test_one_deadline_for_a_whole_batch(tmp_path: Path) -> None:
+    """Twenty stuck rollouts cost one deadline: waiting per rollout would outlast their claims."""
     store = CaptureStore(tmp_path)
-    held = [store.claim(f"{i}-0") for i in range(20)]
-    for claim in held:
-        claim.__enter__()
+    for i in range(20):
+        store.claim(f"{i}-0", ttl_s=4.0).__enter__()  # live for 4 s, never released
     pending = await await_quiescence_many(
-        [f"{i}-0" for i in range(40)], [tmp_path], timeout_s=0.3, poll_s=0.05
+        [f"{i}-0" for i in range(40)], [tmp_path], timeout_s=0.5, poll_s=0.05
     )
-    assert pending == {f"{i}-0" for i in range(20)}  # the free half is not held back by the stuck half
+    # All twenty still live when the one deadline passed; a wait per rollout (20 x 0.5 s)
+    # would have seen the later ones lapse. The free half is not held back either.
+    assert pending == {f"{i}-0" for i in range(20)}
 
 
 async def test_object_store_expiry_uses_the_store_clock(s3: S3) -> None:
@@ -117,3 +129,18 @@ async def test_cancelled_writer_still_lands_its_row_and_releases(tmp_path: Path,
         await task
     assert store.read("1-0") == [{"model_call_id": "abc", "note": "slow"}]
     assert store.live_claims("1-0") == [] and not store.is_incomplete("1-0")
+
+
+@pytest.mark.parametrize("age_s", [0.0, 3600.0])
+async def test_an_unreadable_claim_counts_from_its_file_time(tmp_path: Path, age_s: float) -> None:
+    """A claim whose body cannot be read still says a call was in flight: live for the default
+    TTL from the file's time, abandoned after it."""
+    path = tmp_path / claim_name("1-0", "torn")
+    path.parent.mkdir()
+    path.write_bytes(b'{"claim_id": "torn", "claimed_')
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+    expected_live = age_s == 0.0
+    assert await await_model_call_capture_quiescence("1-0", [tmp_path], timeout_s=0.1) is not expected_live
+    code = "model_call_capture_pending" if expected_live else "model_call_capture_claim_abandoned"
+    assert {"code": code, "detail": "count=1"} in gaps(tmp_path)

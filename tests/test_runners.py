@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -14,7 +14,8 @@ from flows import enrich_rollouts
 from rollout_capture import CaptureStore
 from rollout_capture.layout import jsonl_name
 
-from .prefect_api import task_runs
+from .conftest import S3
+from .prefect_api import running_task_runs, state_history, task_runs
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -68,24 +69,66 @@ def test_process_pool_waits_for_claims_in_a_visible_task(run_dir: Path) -> None:
     store = CaptureStore(run_dir / "caps")
     claim = store.claim("3-0")
     claim.__enter__()
+    stop = threading.Event()
 
-    def late_write() -> None:
-        time.sleep(0.5)
+    def write_once_the_flow_waits() -> None:
+        # The row lands only once the flow is visibly waiting: a flow that did not wait
+        # would finish first and report the rollout pending.
+        while not stop.is_set() and not running_task_runs("await_quiescence"):
+            stop.wait(0.05)
         store.record("3-0", {"model_call_id": "late", "dialect": "chat"})
         claim.__exit__(None, None, None)
 
-    threading.Thread(target=late_write).start()
-    state = enrich_rollouts(
-        str(run_dir / "rollouts.jsonl"),
-        str(run_dir / "caps"),
-        output=str(run_dir / "out.jsonl"),
-        runner="processes",
-        max_workers=2,
-        return_state=True,
-    )
+    writer = threading.Thread(target=write_once_the_flow_waits)
+    writer.start()
+    try:
+        state = enrich_rollouts(
+            str(run_dir / "rollouts.jsonl"),
+            str(run_dir / "caps"),
+            output=str(run_dir / "out.jsonl"),
+            runner="processes",
+            max_workers=2,
+            quiescence_timeout_s=120,
+            return_state=True,
+        )
+    finally:
+        stop.set()
+        writer.join(30)
     summary = state.result()
     assert summary.stats.waited_for == 1 and "model_call_capture_pending" not in summary.stats.gaps
     (waited,) = task_runs(state.state_details.flow_run_id, "await_quiescence")
     assert waited.state_name == "Completed"
     record = orjson.loads((run_dir / "out.jsonl").read_bytes().splitlines()[3])
     assert record["ng_model_call_capture"]["calls"][-1]["model_call_id"] == "late"
+
+
+def test_a_storage_outage_inside_a_worker_process_is_retried(
+    tmp_path: Path, flaky_s3: tuple[S3, Any], corpus_dir: Path
+) -> None:
+    """The worker's S3 read fails (the endpoint is down): the fault crosses the process boundary
+    as a transient one, the task retries, and nothing is lost."""
+    via, proxy = flaky_s3
+    store = CaptureStore(via.url("caps"), storage_options=via.storage_options)
+    lines = []
+    for index, record in enumerate(corpus_records(corpus_dir)[:6]):
+        record = {**record, "_ng_task_index": index, "_ng_rollout_index": 0}
+        for row in capture_rows(record, f"{index}-0", dialect="chat"):
+            store.record(f"{index}-0", row)
+        lines.append(orjson.dumps(record))
+    (tmp_path / "rollouts.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    proxy.outage_on(b"GET /" + via.bucket.encode() + b"/caps/", seconds=2.5)
+
+    state = enrich_rollouts(
+        str(tmp_path / "rollouts.jsonl"),
+        via.url("caps"),
+        output=str(tmp_path / "out.jsonl"),
+        storage_options=via.storage_options,
+        runner="processes",
+        max_workers=1,
+        return_state=True,
+    )
+
+    summary = state.result()
+    assert proxy.outages == 1 and summary.stats.rollouts == 6 and not summary.stats.gaps
+    (merge,) = task_runs(state.state_details.flow_run_id, "merge_batch")
+    assert "AwaitingRetry" in state_history(merge.id) and merge.run_count >= 2

@@ -7,6 +7,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -146,3 +147,18 @@ def test_config_builds_the_store(tmp_path: Path) -> None:
         {"observability_enabled": True, "model_call_capture_dir": str(tmp_path), "unrelated": 1}
     )
     assert isinstance(store, CaptureStore) and store.root == str(tmp_path)
+
+
+def test_a_retried_object_write_that_had_landed_is_recognised_by_its_nonce(flaky_s3: tuple[S3, Any]) -> None:
+    """The PUT lands but its answer is lost: the retry meets If-None-Match (412), and the body it
+    reads back carries this write's nonce, so the row is neither duplicated nor moved to seq 1."""
+    via, proxy = flaky_s3
+    store = CaptureStore(via.url("caps"), storage_options=via.storage_options)
+    proxy.lose_answer_on(b"PUT /" + via.bucket.encode() + b"/caps/1-0.capture/000000000000.json")
+    proxy.reset_counts()
+    store.record("1-0", {"model_call_id": "a"})
+    assert proxy.lost == 1 and proxy.reset_counts().get("PUT") == 2  # the write was sent twice
+    assert store.read("1-0") == [{"model_call_id": "a"}]
+    assert [seq for seq, _ in store.listing("1-0").objects] == [0]
+    store.record("1-0", {"model_call_id": "b"})  # and the next write goes to seq 1
+    assert [row["model_call_id"] for row in store.read("1-0")] == ["a", "b"]
