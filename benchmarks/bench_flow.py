@@ -2,10 +2,12 @@
 
     python benchmarks/bench_flow.py [--rollouts 10000] [--big 1000000] [--skip-big]
 
-Reports: the flow's overhead over the core loop (threads runner); 1 worker versus all
-cores (process pool); threads / processes / Dask on the same corpus with the hash of
-each output; peak RSS of the flow process for a small and a large rollouts input.
-Runs on Prefect's temporary local server, started once before anything is timed.
+Reports: the flow's overhead over the core loop (threads runner, with Prefect's default
+flow-run heartbeats and without); 1 worker versus all cores (process pool); threads /
+processes / Dask on the same corpus with the hash of each output, all timed alike (one
+warm-up run each, heartbeats off, best of three); peak RSS of the flow process for a small
+and a large rollouts input. Runs on Prefect's temporary local server, started once before
+anything is timed.
 """
 
 from __future__ import annotations
@@ -137,48 +139,45 @@ def main() -> None:
     results["prefect_overhead_no_heartbeat"] = f"{100 * (min(quiet) / min(cores) - 1):.1f}%"
     results["same_bytes_as_core"] = digest(work / "core.jsonl") == digest(work / "threads.jsonl")
 
-    def processes(workers: int, source: Path, caps: Path, name: str) -> float:
-        """Best of three, after one untimed run that starts the worker pool."""
-        flow_run(source, caps, work / name, runner="processes", max_workers=workers, heartbeats=False)
-        return min(
-            flow_run(source, caps, work / name, runner="processes", max_workers=workers, heartbeats=False)
-            for _ in range(3)
-        )
+    def best(source: Path, caps: Path, name: str, rounds: int = 3, **options: object) -> float:
+        """Best of ``rounds`` after one untimed warm-up run (worker pools, clusters start there).
 
-    one, every = (
-        processes(1, rollouts, captures, "p1.jsonl"),
-        processes(CORES, rollouts, captures, "pn.jsonl"),
-    )
+        Every runner is timed alike: flow-run heartbeats off, which otherwise pad each run
+        to the next whole second.
+        """
+        flow_run(source, caps, work / name, heartbeats=False, **options)
+        return min(flow_run(source, caps, work / name, heartbeats=False, **options) for _ in range(rounds))
+
+    one = best(rollouts, captures, "p1.jsonl", runner="processes", max_workers=1)
+    every = best(rollouts, captures, "pn.jsonl", runner="processes", max_workers=CORES)
     results["processes_1_worker_s"] = round(one, 3)
     results[f"processes_{CORES}_workers_s"] = round(every, 3)
     results["all_cores_speedup"] = round(one / every, 2)
     big_rollouts, big_captures = corpus.build(args.rollouts * 4, repeat=args.repeat)
-    big_one = processes(1, big_rollouts, big_captures, "b1.jsonl")
-    big_every = processes(CORES, big_rollouts, big_captures, "bn.jsonl")
+    big_one = best(big_rollouts, big_captures, "b1.jsonl", runner="processes", max_workers=1)
+    big_every = best(big_rollouts, big_captures, "bn.jsonl", runner="processes", max_workers=CORES)
     results[f"all_cores_speedup_{args.rollouts * 4}_rollouts"] = round(big_one / big_every, 2)
     big_core = min(core_loop(big_rollouts, big_captures, work / "bcore.jsonl") for _ in range(2))
-    big_flow = min(
-        flow_run(big_rollouts, big_captures, work / "bt.jsonl", runner="threads", heartbeats=False)
-        for _ in range(2)
-    )
+    big_flow = best(big_rollouts, big_captures, "bt.jsonl", rounds=2, runner="threads")
     results[f"prefect_overhead_no_heartbeat_{args.rollouts * 4}_rollouts"] = (
         f"{100 * (big_flow / big_core - 1):.1f}%"
     )
 
-    runners = {"threads": min(flows), "processes": every}
+    runners = {
+        "threads": best(rollouts, captures, "threads-quiet.jsonl", runner="threads"),
+        "processes": every,
+    }
     if not args.skip_dask:
         from distributed import LocalCluster
 
         with LocalCluster(
             n_workers=CORES, threads_per_worker=1, processes=True, dashboard_address=None
         ) as cluster:
-            address = cluster.scheduler_address
-            runners["dask"] = min(
-                flow_run(rollouts, captures, work / "dask.jsonl", runner="dask", dask_address=address)
-                for _ in range(2)
+            runners["dask"] = best(
+                rollouts, captures, "dask.jsonl", runner="dask", dask_address=cluster.scheduler_address
             )
-    results["runner_seconds"] = {name: round(seconds, 3) for name, seconds in runners.items()}
-    outputs = {"threads": "threads.jsonl", "processes": "pn.jsonl", "dask": "dask.jsonl"}
+    results["runner_seconds_no_heartbeat"] = {name: round(seconds, 3) for name, seconds in runners.items()}
+    outputs = {"threads": "threads-quiet.jsonl", "processes": "pn.jsonl", "dask": "dask.jsonl"}
     results["runner_output_sha256"] = {name: digest(work / outputs[name]) for name in runners}
 
     if not args.skip_big:
