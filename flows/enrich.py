@@ -7,39 +7,43 @@ import tempfile
 import time
 import uuid
 from collections import deque
-from typing import Any
+from typing import Annotated, Any
 
 from prefect import get_run_logger
 from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
+from pydantic import Field
 
-from flows.guard import check_inputs, guarded_flow
-from flows.report import EnrichSummary, advance_progress, publish_summary, start_progress
+from flows.events import emit_completed, emit_failed
+from flows.guard import StorageOptions, check_inputs, guarded_flow
+from flows.report import EnrichSummary, advance_progress, publish_summary, show_core_logs, start_progress
 from flows.runners import Runner, api_shared_with_workers, effective_workers, make_task_runner
 from rollout_capture.backends import ListingScope
 from rollout_capture.batch import BatchStats
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
 from rollout_capture.rollout_files import OutputSpool, default_output, iter_line_ranges, remove_staged
 from rollout_capture.store import end_scope
-from tasks.capture import BatchInput, BatchOutput, merge_batch
+from tasks.capture import BatchInput, BatchOutput, check_capture_dir, merge_batch
 from tasks.rollout_files import read_rollouts, write_enriched
 
 DEFAULT_BATCH_SIZE = 1000
 
 
-@guarded_flow(name="enrich_rollouts")
+@guarded_flow(name="enrich_rollouts", flow_run_name="enrich {rollouts}")
 def enrich_rollouts(
     rollouts: str,
     capture_dir: str,
     output: str | None = None,
     include_payloads: bool = False,
-    quiescence_timeout_s: float = CAPTURE_DRAIN_TIMEOUT_S,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    max_workers: int = 8,
+    quiescence_timeout_s: Annotated[float, Field(ge=0)] = CAPTURE_DRAIN_TIMEOUT_S,
+    batch_size: Annotated[int, Field(ge=1)] = DEFAULT_BATCH_SIZE,
+    max_workers: Annotated[int, Field(ge=1)] = 8,
     runner: Runner = "threads",
     dask_address: str | None = None,
     strict: bool = False,
-    storage_options: dict[str, Any] | None = None,
+    allow_empty: bool = False,
+    max_gap_share: Annotated[float, Field(ge=0, le=1)] | None = None,
+    storage_options: StorageOptions = None,
     credentials_block: str | None = None,
 ) -> EnrichSummary:
     """Enrich every rollout of ``rollouts`` (any fsspec URL, ``.gz`` too) with its captured calls.
@@ -47,12 +51,67 @@ def enrich_rollouts(
     Output keeps line order and line count; it defaults to ``<input stem>.enriched.jsonl``
     beside the input and appears only once complete. Lines that are not rollout records
     pass through unchanged and are reported (``strict`` fails instead).
+
+    Args:
+        rollouts: The rollouts JSONL file: a path or any fsspec URL (s3://...), gzip too.
+        capture_dir: Where the captures are: a path or fsspec URL.
+        output: Where the enriched file goes; default <input stem>.enriched.jsonl beside the input.
+        include_payloads: Keep each call's request and response in the output.
+        quiescence_timeout_s: Seconds to wait, per batch, for calls still being written (live claims).
+        batch_size: Rollout lines per batch task.
+        max_workers: Batches running at once.
+        runner: Where batches run: threads, processes (all cores) or dask.
+        dask_address: The Dask scheduler for runner=dask; default a local cluster.
+        strict: Fail on a line that is not a rollout record instead of passing it through.
+        allow_empty: Accept a capture dir that does not exist or holds nothing (else the run fails).
+        max_gap_share: Above this share of rollouts with a gap, also emit the gaps-exceeded event.
+        storage_options: fsspec options for every URL, without secrets (those come from credentials_block).
+        credentials_block: Name of a prefect-aws AwsCredentials block to read and write S3 with.
     """
-    logger = get_run_logger()
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1; got {batch_size}")
-    check_inputs(capture_dir, storage_options)
+    show_core_logs()
     target = output or default_output(rollouts)
+    try:
+        return _enrich(
+            rollouts,
+            capture_dir,
+            target,
+            include_payloads=include_payloads,
+            quiescence_timeout_s=quiescence_timeout_s,
+            batch_size=batch_size,
+            max_workers=max_workers,
+            runner=runner,
+            dask_address=dask_address,
+            strict=strict,
+            allow_empty=allow_empty,
+            max_gap_share=max_gap_share,
+            storage_options=storage_options,
+            credentials_block=credentials_block,
+        )
+    except Exception as exc:
+        emit_failed(rollouts, target, exc)
+        raise
+
+
+def _enrich(
+    rollouts: str,
+    capture_dir: str,
+    target: str,
+    *,
+    include_payloads: bool,
+    quiescence_timeout_s: float,
+    batch_size: int,
+    max_workers: int,
+    runner: Runner,
+    dask_address: str | None,
+    strict: bool,
+    allow_empty: bool,
+    max_gap_share: float | None,
+    storage_options: dict[str, Any] | None,
+    credentials_block: str | None,
+) -> EnrichSummary:
+    logger = get_run_logger()
+    check_inputs(capture_dir, storage_options)
+    check_capture_dir(capture_dir, storage_options, credentials_block, allow_empty)
     started = time.perf_counter()
     staged = read_rollouts(rollouts, storage_options, credentials_block)
     progress = start_progress(rollouts, staged.size)
@@ -140,4 +199,5 @@ def enrich_rollouts(
         stats.gaps or "none",
     )
     publish_summary(summary)
+    emit_completed(rollouts, target, stats, batches, summary.seconds, max_gap_share)
     return summary

@@ -8,17 +8,48 @@ the flow body then fails with an error naming the option.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import Annotated, Any, ParamSpec, TypeVar
 
 from prefect import Flow
 from prefect.client.schemas.objects import State
 from prefect.futures import PrefectFuture
+from pydantic import Field
 
 from rollout_capture.config import check_capture_url
-from rollout_capture.secret_options import redact_secret_options, refuse_secret_options
+from rollout_capture.secret_options import SECRET_KEY_WORDS, redact_secret_options, refuse_secret_options
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+def _any_case(word: str) -> str:
+    """A regex matching ``word`` in any case, without inline flags (JSON Schema regexes have none)."""
+    return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else c for c in word)
+
+
+_SECRET_NAME = "|".join(_any_case(word) for word in SECRET_KEY_WORDS)
+
+
+def _no_secret_names(depth: int = 4) -> dict[str, Any]:
+    """JSON Schema for a mapping whose keys (nested ``depth`` deep) never look like secrets.
+
+    Unrolled, not recursive: pydantic cannot carry a ``$ref`` in ``json_schema_extra``.
+    """
+    level: dict[str, Any] = {"propertyNames": {"not": {"pattern": _SECRET_NAME}}}
+    if depth > 1:
+        level["additionalProperties"] = {"anyOf": [{"not": {"type": "object"}}, _no_secret_names(depth - 1)]}
+    return level
+
+
+StorageOptions = Annotated[
+    dict[str, Any] | None,
+    Field(
+        description="fsspec options for every URL, without secrets (those come from credentials_block).",
+        json_schema_extra=_no_secret_names(),
+    ),
+]
+"""Storage options as a flow parameter: a deployment's schema refuses secret-looking keys, so the
+server never stores such a run; direct calls are redacted before recording (GuardedFlow)."""
 
 
 class GuardedFlow(Flow[P, R]):

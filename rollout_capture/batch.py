@@ -50,8 +50,14 @@ class BatchStats(BaseModel):
     tokens_out: int = 0
     tokens_total: int = 0
     waited_for: int = 0
+    rollouts_with_gaps: int = 0
     gaps: dict[str, int] = Field(default_factory=dict)
     problems: list[LineProblem] = Field(default_factory=list)
+
+    @property
+    def gap_share(self) -> float:
+        """The share of rollouts whose evidence has any gap (0 when there are none)."""
+        return self.rollouts_with_gaps / self.rollouts if self.rollouts else 0.0
 
     def __add__(self, other: BatchStats) -> BatchStats:
         gaps = Counter(self.gaps)
@@ -64,6 +70,7 @@ class BatchStats(BaseModel):
             tokens_out=self.tokens_out + other.tokens_out,
             tokens_total=self.tokens_total + other.tokens_total,
             waited_for=self.waited_for + other.waited_for,
+            rollouts_with_gaps=self.rollouts_with_gaps + other.rollouts_with_gaps,
             gaps=dict(sorted(gaps.items())),
             problems=[*self.problems, *other.problems],
         )
@@ -207,7 +214,7 @@ def _enrich(
 
     out: list[bytes] = []
     gaps: Counter[str] = Counter()
-    rollouts = calls = tokens_in = tokens_out = tokens_total = 0
+    rollouts = calls = tokens_in = tokens_out = tokens_total = gapped = 0
     for line, item in zip(lines, identified, strict=True):
         if item is None:
             out.append(_bare(line))
@@ -227,9 +234,11 @@ def _enrich(
         tokens_out += metrics["tokens_out"] or 0
         tokens_total += metrics["tokens_total"] or 0
         if "gaps" in attachment:
+            gapped += 1
             gaps.update(gap["code"] for gap in attachment["gaps"])
     stats.rollouts, stats.calls = rollouts, calls
     stats.tokens_in, stats.tokens_out, stats.tokens_total = tokens_in, tokens_out, tokens_total
+    stats.rollouts_with_gaps = gapped
     stats.gaps = dict(sorted(gaps.items()))
     return EnrichedBatch(out, stats)
 

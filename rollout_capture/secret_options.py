@@ -10,10 +10,21 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-_SECRET_KEY_RE = re.compile(
-    r"secret|passw|token|credential|private|signature|api_?key|access_?key|account_?key|sas|^key$",
-    re.IGNORECASE,
+SECRET_KEY_WORDS = (
+    "secret",
+    "passw",
+    "token",
+    "credential",
+    "private",
+    "signature",
+    "api_?key",
+    "access_?key",
+    "account_?key",
+    "sas",
+    "^key$",
 )
+"""Patterns of option names that hold credentials (matched in any case)."""
+_SECRET_KEY_RE = re.compile("|".join(SECRET_KEY_WORDS), re.IGNORECASE)
 
 
 def refuse_secret_options(options: Mapping[str, Any] | None, *, where: str = "storage_options") -> None:

@@ -244,6 +244,10 @@ class CaptureStore:
         """
         return self._backend.fetch([validate_rollout_id(r) for r in rollout_ids], scope=scope)
 
+    def root_found(self) -> bool:
+        """Whether the capture root is there: a folder on a local disk, any key on an object store."""
+        return self._backend.root_found()
+
     def end_scope(self, key: str) -> None:
         """Forget the listing the batches of a finished job (``ListingScope.key``) shared."""
         self._backend.end_scope(key)

@@ -22,7 +22,7 @@ from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, 
 from rollout_capture.rollout_files import LineRange
 from rollout_capture.store import CaptureStore, shared_store
 from rollout_capture.worker_pool import ClaimsPending, enrich_in_worker, worker_pool
-from tasks.credentials import credentials_from_block
+from tasks.credentials import access_denied_names, credentials_from_block
 from tasks.retry import storage_retries
 
 
@@ -38,6 +38,29 @@ def capture_store(
     )
 
 
+@task(name="check_capture_dir", cache_policy=NO_CACHE, **storage_retries())
+def check_capture_dir(
+    capture_dir: str,
+    storage_options: dict[str, Any] | None = None,
+    credentials_block: str | None = None,
+    allow_empty: bool = False,
+) -> None:
+    """Fail before any reading when the capture dir is not there (a mistyped path, a wrong prefix).
+
+    Otherwise every rollout would come out ``model_call_capture_no_records`` and the run
+    would pass. A refused request (wrong key) fails here too, at once and named.
+    """
+    with access_denied_names(credentials_block):
+        found = capture_store(capture_dir, storage_options, credentials_block).root_found()
+    if not found and not allow_empty:
+        raise FileNotFoundError(
+            f"capture dir {capture_dir} does not exist or holds no capture "
+            "(pass allow_empty=True / --allow-empty if that is expected)"
+        )
+    if not found:
+        get_run_logger().warning("capture dir %s holds no capture; every rollout will say so", capture_dir)
+
+
 @task(name="clear_captures", cache_policy=NO_CACHE, **storage_retries())
 def clear_captures(
     rollout_ids: list[str],
@@ -46,8 +69,8 @@ def clear_captures(
     credentials_block: str | None = None,
 ) -> int:
     """Remove the captures of a batch of (already validated) rollout ids."""
-    store = capture_store(capture_dir, storage_options, credentials_block)
-    cleared = store.clear(rollout_ids)
+    with access_denied_names(credentials_block):
+        cleared = capture_store(capture_dir, storage_options, credentials_block).clear(rollout_ids)
     get_run_logger().info("cleared captures of %d rollout(s) in %s", len(cleared), capture_dir)
     return len(cleared)
 
@@ -66,8 +89,9 @@ async def await_quiescence(
     The wait is bounded by its own deadline (not ``timeout_seconds``, which cannot
     interrupt a sync wait), and it is async so it never holds a worker thread idle.
     """
-    store = capture_store(capture_dir, storage_options, credentials_block)
-    pending = sorted(await await_quiescence_many(rollout_ids, [store], timeout_s, poll_s))
+    with access_denied_names(credentials_block):
+        store = capture_store(capture_dir, storage_options, credentials_block)
+        pending = sorted(await await_quiescence_many(rollout_ids, [store], timeout_s, poll_s))
     logger = get_run_logger()
     if pending:
         logger.warning("%d rollout(s) still claimed after %.1fs: %s", len(pending), timeout_s, pending[:5])
@@ -145,24 +169,25 @@ def merge_batch(
         )
         return set(still or ())
 
-    if worker_processes:
-        if parts_dir is None:
-            raise ValueError("worker_processes needs a parts_dir for the workers' output")
-        settings = (capture_dir, storage_options, credentials_block, include_payloads, scope)
-        output = _merge_in_pool(
-            batch.lines, parts_dir, *settings, wait, quiescence_timeout_s > 0, worker_processes
-        )
-    else:
-        blob, lines, stats = enrich_blob(
-            batch.data(),
-            [capture_store(capture_dir, storage_options, credentials_block)],
-            first_line=batch.lines.first_line,
-            include_payloads=include_payloads,
-            quiescence_timeout_s=quiescence_timeout_s,
-            waiter=wait,
-            scope=scope,
-        )
-        output = BatchOutput(blob=blob, lines=lines, stats=stats)
+    with access_denied_names(credentials_block):
+        if worker_processes:
+            if parts_dir is None:
+                raise ValueError("worker_processes needs a parts_dir for the workers' output")
+            settings = (capture_dir, storage_options, credentials_block, include_payloads, scope)
+            output = _merge_in_pool(
+                batch.lines, parts_dir, *settings, wait, quiescence_timeout_s > 0, worker_processes
+            )
+        else:
+            blob, lines, stats = enrich_blob(
+                batch.data(),
+                [capture_store(capture_dir, storage_options, credentials_block)],
+                first_line=batch.lines.first_line,
+                include_payloads=include_payloads,
+                quiescence_timeout_s=quiescence_timeout_s,
+                waiter=wait,
+                scope=scope,
+            )
+            output = BatchOutput(blob=blob, lines=lines, stats=stats)
     if strict and output.stats.problems:
         if output.part is not None:
             os.unlink(output.part)

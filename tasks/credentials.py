@@ -6,7 +6,43 @@ handed to the filesystem, never logged, returned, or stored in an artifact.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, cast
+
+
+def s3fs_options(block: Any) -> dict[str, Any]:
+    """s3fs options from an ``AwsCredentials`` block, through prefect-aws's own API.
+
+    ``get_boto3_session()`` resolves keys, session token, profile and assume-role;
+    ``aws_client_parameters.get_params_override()`` gives the client settings (endpoint,
+    TLS verification, SSL, API version), and the block's botocore config becomes s3fs's
+    ``config_kwargs``. s3fs takes no boto3 session, hence the frozen credentials.
+    """
+    session = block.get_boto3_session()
+    parameters = block.aws_client_parameters
+    client_kwargs: dict[str, Any] = dict(parameters.get_params_override())
+    client_kwargs.pop("config", None)  # a botocore Config object; s3fs wants the kwargs it was built from
+    verify = client_kwargs.get("verify")
+    if verify is not None and not isinstance(verify, bool):
+        client_kwargs["verify"] = str(verify)  # verify_cert_path arrives as a Path
+    if session.region_name:
+        client_kwargs["region_name"] = session.region_name
+    config_kwargs = dict(parameters.config or {})
+    options: dict[str, Any] = {"client_kwargs": client_kwargs}
+    if str(config_kwargs.get("signature_version", "")).lower() == "unsigned":
+        config_kwargs.pop("signature_version")
+        options["anon"] = True  # a public bucket, no signing
+    else:
+        credentials = session.get_credentials()  # None: nothing in the chain, s3fs will say so
+        if credentials is not None:
+            frozen = credentials.get_frozen_credentials()
+            options["key"], options["secret"] = frozen.access_key, frozen.secret_key
+            if frozen.token:
+                options["token"] = frozen.token
+    if config_kwargs:
+        options["config_kwargs"] = config_kwargs
+    return options
 
 
 def credentials_from_block(block_name: str | None) -> dict[str, Any] | None:
@@ -21,15 +57,17 @@ def credentials_from_block(block_name: str | None) -> dict[str, Any] | None:
         ) from exc
     # _sync: this also runs inside async tasks, where load() would return a coroutine.
     block = cast(AwsCredentials, AwsCredentials.load(block_name, _sync=True))  # type: ignore[call-arg]
-    options: dict[str, Any] = {}
-    if block.aws_access_key_id:
-        options["key"] = block.aws_access_key_id
-    if block.aws_secret_access_key is not None:
-        options["secret"] = block.aws_secret_access_key.get_secret_value()
-    if block.aws_session_token:
-        options["token"] = block.aws_session_token
-    if block.profile_name:
-        options["profile"] = block.profile_name
-    if block.region_name:
-        options["client_kwargs"] = {"region_name": block.region_name}
-    return options
+    return s3fs_options(block)
+
+
+@contextmanager
+def access_denied_names(block_name: str | None) -> Iterator[None]:
+    """A refused request (wrong key, expired token, no permission) says which credentials were used.
+
+    It is never retried (see tasks/retry.py): no retry storm on a bad key.
+    """
+    try:
+        yield
+    except PermissionError as exc:
+        source = f"credentials block {block_name!r}" if block_name else "the AWS credential chain"
+        raise PermissionError(f"access denied with {source}: {exc}") from exc

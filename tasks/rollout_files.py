@@ -12,7 +12,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rollout_capture.rollout_files import StagedRollouts, publish, stage_rollouts
-from tasks.credentials import credentials_from_block
+from tasks.credentials import access_denied_names, credentials_from_block
 from tasks.retry import storage_retries
 
 
@@ -21,7 +21,10 @@ def read_rollouts(
     source: str, storage_options: dict[str, Any] | None = None, credentials_block: str | None = None
 ) -> StagedRollouts:
     """Make the rollouts file a local, uncompressed file to stream batches from."""
-    staged = stage_rollouts(source, storage_options, credentials=credentials_from_block(credentials_block))
+    with access_denied_names(credentials_block):
+        staged = stage_rollouts(
+            source, storage_options, credentials=credentials_from_block(credentials_block)
+        )
     how = "copied to a local spool" if staged.temporary else "read in place"
     get_run_logger().info("read %s: %d bytes, %s", source, staged.size, how)
     return staged
@@ -36,6 +39,8 @@ def write_enriched(
     credentials_block: str | None = None,
 ) -> int:
     """Publish the finished output atomically (rename on local disk, one object on S3)."""
-    size = publish(spool_path, output, storage_options, credentials=credentials_from_block(credentials_block))
+    with access_denied_names(credentials_block):
+        credentials = credentials_from_block(credentials_block)
+        size = publish(spool_path, output, storage_options, credentials=credentials)
     get_run_logger().info("wrote %s: %d line(s), %d bytes", output, lines, size)
     return size

@@ -57,6 +57,7 @@ def test_output_keeps_order_and_count_and_reports_bad_lines(tmp_path: Path) -> N
         "tokens_out": 2,
         "tokens_total": 7,
         "waited_for": 0,
+        "rollouts_with_gaps": 1,
         "gaps": {"model_call_capture_no_records": 1},
     }
 
@@ -140,8 +141,8 @@ def test_object_store_batch_matches_local(tmp_path: Path, s3: S3, rollouts: int)
 
 
 def test_stats_add_up() -> None:
-    a = BatchStats(lines=2, rollouts=1, gaps={"x": 1})
-    b = BatchStats(lines=3, rollouts=2, gaps={"x": 2, "y": 1}, waited_for=1)
+    a = BatchStats(lines=2, rollouts=1, rollouts_with_gaps=1, gaps={"x": 1})
+    b = BatchStats(lines=3, rollouts=2, rollouts_with_gaps=1, gaps={"x": 2, "y": 1}, waited_for=1)
     assert (a + b).model_dump() == {
         "lines": 5,
         "rollouts": 3,
@@ -150,9 +151,11 @@ def test_stats_add_up() -> None:
         "tokens_out": 0,
         "tokens_total": 0,
         "waited_for": 1,
+        "rollouts_with_gaps": 2,
         "gaps": {"x": 3, "y": 1},
         "problems": [],
     }
+    assert (a + b).gap_share == 2 / 3 and BatchStats().gap_share == 0.0
 
 
 def test_no_capture_dirs_passes_everything_through() -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from examples.samples import capture_rows, corpus_records, jsonl_bytes
 from flows import enrich_rollouts, prepare_dispatch
+from flows.report import artifact_key
 from rollout_capture import CaptureStore
 
 from .conftest import S3
@@ -41,7 +42,7 @@ def test_transient_storage_fault_is_retried_and_visible_in_the_api(
         store.record(f"{task}-0", ROW)
     rollouts = tmp_path / "rollouts.jsonl"
     write_rollouts(rollouts, 3)
-    proxy.outage_on(b"list-type=2", seconds=2.5)  # the batch's first listing takes the endpoint down
+    proxy.outage_on(b"prefix=caps%2F0-0.capture", seconds=2.5)  # the batch lists rollout 0-0: down
 
     state = enrich_rollouts(
         str(rollouts), via.url("caps"), storage_options=via.storage_options, return_state=True
@@ -115,13 +116,23 @@ def test_output_order_count_report_and_artifacts(tmp_path: Path) -> None:
     assert summary.batches == 3 and summary.stats.rollouts == 7 and summary.stats.calls == 4
     assert summary.stats.gaps == {"model_call_capture_no_records": 3}
     assert [p.line for p in summary.stats.problems] == [8]
-    published = {a.type: a for a in artifacts(state.state_details.flow_run_id)}
-    assert set(published) == {"progress", "table", "markdown"}
+    run_id = state.state_details.flow_run_id
+    published = {a.key or a.type: a for a in artifacts(run_id)}
+    target = str(tmp_path / "rollouts.enriched.jsonl")
+    table_key, summary_key, link_key = (
+        artifact_key(kind, target) for kind in ("enrichment", "enrichment-summary", "enriched-output")
+    )
+    assert set(published) == {"progress", table_key, summary_key, link_key}
+    assert table_key != artifact_key("enrichment", str(tmp_path / "other.enriched.jsonl"))  # per target
     assert published["progress"].data == 100.0
-    table = {row["measure"]: row["value"] for row in orjson.loads(published["table"].data)}
+    table = {row["measure"]: row["value"] for row in orjson.loads(published[table_key].data)}
     assert table["rollouts enriched"] == 7 and table["gap: model_call_capture_no_records"] == 3
-    assert table["unparseable lines"] == 1
-    assert "line 8: not JSON" in published["markdown"].data
+    assert table["unparseable lines"] == 1 and table["rollouts with any gap"] == 3
+    assert "line 8: not JSON" in published[summary_key].data
+    assert f"file://{target}" in published[link_key].data
+    assert flow_run(run_id).name == f"enrich {rollouts}"
+    names = sorted(run.name for run in task_runs(run_id, "merge_batch"))
+    assert names == ["merge_batch lines 1-3", "merge_batch lines 4-6", "merge_batch lines 7-9"]
 
 
 def test_end_to_end_on_s3_survives_an_outage(

@@ -87,6 +87,14 @@ class Backend(ABC):
     def exists(self, path: str) -> bool:
         """Whether the path exists."""
 
+    @abstractmethod
+    def root_found(self) -> bool:
+        """Whether the root is there at all: a folder on a disk, at least one key on a store.
+
+        A mistyped capture dir would otherwise read as a run whose every rollout went
+        uncaptured.
+        """
+
     def claims(self, rollout_ids: Collection[str]) -> dict[str, list[Claim]]:
         """The claims of each rollout that has any, read now."""
         listings = {r: v for r, v in self.list_rollouts(rollout_ids).items() if v.claims}

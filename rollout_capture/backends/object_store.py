@@ -233,6 +233,12 @@ class ObjectStoreBackend(Backend):
     def exists(self, path: str) -> bool:
         return bool(self.fs.exists(path))
 
+    def root_found(self) -> bool:
+        try:  # one LIST (a delimited page of the root), never a HEAD
+            return bool(self.fs.ls(self.root, detail=False))
+        except FileNotFoundError:
+            return False
+
     # ------------------------------------------------------------------ writing
 
     def append_line(self, path: str, line: bytes) -> None:

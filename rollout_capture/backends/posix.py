@@ -182,6 +182,9 @@ class PosixBackend(Backend):
     def exists(self, path: str) -> bool:
         return os.path.lexists(path)
 
+    def root_found(self) -> bool:
+        return os.path.isdir(self.root)
+
     # ------------------------------------------------------------------ writing
 
     def append_line(self, path: str, line: bytes) -> None:

@@ -1,0 +1,73 @@
+"""Prefect events about enrichments, so automations can act on what a run found.
+
+Gaps never fail a run (evidence can be poor while the run is fine), so the counts travel
+in events instead: ``rollout-capture.enrichment.completed`` / ``.failed`` for every
+enrichment, and ``rollout-capture.enrichment.gaps-exceeded`` when the share of rollouts
+with a gap passes the run's threshold (Prefect triggers match names and labels, not
+payload numbers, so the threshold is judged here). Payloads hold counts, never secrets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect.events import emit_event
+
+from rollout_capture.batch import BatchStats
+
+COMPLETED = "rollout-capture.enrichment.completed"
+FAILED = "rollout-capture.enrichment.failed"
+GAPS_EXCEEDED = "rollout-capture.enrichment.gaps-exceeded"
+RESOURCE_PREFIX = "rollout-capture.enrichment."
+
+
+def resource(source: str, output: str) -> dict[str, str]:
+    """The enrichment as an event resource: named after its output, labelled with its input."""
+    return {
+        "prefect.resource.id": RESOURCE_PREFIX + output,
+        "prefect.resource.name": output,
+        "rollout-capture.source": source,
+        "rollout-capture.output": output,
+    }
+
+
+def counts(stats: BatchStats, batches: int, seconds: float) -> dict[str, Any]:
+    """What an enrichment found, as numbers."""
+    return {
+        "lines": stats.lines,
+        "rollouts": stats.rollouts,
+        "calls": stats.calls,
+        "tokens_in": stats.tokens_in,
+        "tokens_out": stats.tokens_out,
+        "tokens_total": stats.tokens_total,
+        "rollouts_with_gaps": stats.rollouts_with_gaps,
+        "gap_share": round(stats.gap_share, 6),
+        "gaps": dict(stats.gaps),
+        "lines_passed_through": len(stats.problems),
+        "rollouts_waited_for": stats.waited_for,
+        "batches": batches,
+        "seconds": seconds,
+    }
+
+
+def emit_completed(
+    source: str, output: str, stats: BatchStats, batches: int, seconds: float, max_gap_share: float | None
+) -> None:
+    """``completed`` for every enrichment; ``gaps-exceeded`` too when the gap share passes the threshold."""
+    payload = counts(stats, batches, seconds)
+    emit_event(COMPLETED, resource=resource(source, output), payload=payload)
+    if max_gap_share is not None and stats.gap_share > max_gap_share:
+        emit_event(
+            GAPS_EXCEEDED,
+            resource=resource(source, output),
+            payload={**payload, "max_gap_share": max_gap_share},
+        )
+
+
+def emit_failed(source: str, output: str, error: BaseException) -> None:
+    """``failed``, with the kind of error and its message (which names inputs, never credentials)."""
+    emit_event(
+        FAILED,
+        resource=resource(source, output),
+        payload={"error": type(error).__name__, "message": str(error)[:2000]},
+    )
