@@ -70,3 +70,22 @@ def wait_for_logs(flow_run_id: UUID, containing: str, timeout_s: float = 10.0) -
             assert any(containing in line for line in found), f"no log containing {containing!r}: {found}"
             return found
         time.sleep(0.1)
+
+
+def wait_for_events(name: str, resource_id: str, timeout_s: float = 30.0) -> list[Any]:
+    """Events of one name about one resource, once the server has stored at least one."""
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all()  # sent from this process in the background
+    deadline = time.monotonic() + timeout_s
+    while True:
+        wanted = EventFilter(  # built afresh: its time window ends when it is built
+            event=EventNameFilter(name=[name]), resource=EventResourceFilter(id=[resource_id])
+        )
+        with get_client(sync_client=True) as client:
+            found = list(client.read_events(filter=wanted, limit=50).events)
+        if found or time.monotonic() > deadline:
+            assert found, f"no {name} event about {resource_id}"
+            return found
+        time.sleep(0.2)

@@ -1,0 +1,172 @@
+"""The production path: credential blocks against a real S3 endpoint, events in the API's feed,
+core warnings in the run's logs, and a mistyped capture dir refused before any reading."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+from flows import enrich_rollouts
+from flows.events import COMPLETED, FAILED, GAPS_EXCEEDED, RESOURCE_PREFIX
+from rollout_capture import CaptureStore
+
+from .conftest import S3
+from .prefect_api import task_runs, wait_for_events, wait_for_logs
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+TEST_KEYS = {"key": "testing", "secret": "testing"}
+ROW = {
+    "model_call_id": "c",
+    "dialect": "chat",
+    "response": {"usage": {"prompt_tokens": 3, "completion_tokens": 2}},
+}
+
+
+def rollouts_file(path: Path, count: int) -> bytes:
+    data = b"".join(orjson.dumps({"_ng_task_index": t, "_ng_rollout_index": 0}) + b"\n" for t in range(count))
+    path.write_bytes(data)
+    return data
+
+
+@pytest.fixture
+def no_aws_environment(s3: S3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Nothing in the environment says where S3 is or who we are: only the block may."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def save_block(endpoint: str, key: str = "testing") -> str:
+    from prefect_aws import AwsClientParameters, AwsCredentials
+
+    name = f"s3-{uuid.uuid4().hex[:8]}"
+    AwsCredentials(
+        aws_access_key_id=key,
+        aws_secret_access_key="testing-secret",
+        region_name="us-east-1",
+        aws_client_parameters=AwsClientParameters(
+            endpoint_url=endpoint, config={"retries": {"max_attempts": 2}}
+        ),
+    ).save(name)
+    return name
+
+
+@pytest.mark.usefixtures("no_aws_environment")
+def test_a_block_naming_its_endpoint_is_all_a_flow_needs(s3: S3, tmp_path: Path) -> None:
+    store = CaptureStore(s3.url("caps"), storage_options=s3.storage_options, credentials=TEST_KEYS)
+    for task in range(3):
+        store.record(f"{task}-0", ROW)
+    s3.fs().pipe_file(f"{s3.bucket}/in/rollouts.jsonl", rollouts_file(tmp_path / "r.jsonl", 3))
+    block = save_block(s3.endpoint)
+
+    summary = enrich_rollouts(
+        s3.url("in/rollouts.jsonl"),
+        s3.url("caps"),
+        output=s3.url("out/enriched.jsonl"),
+        credentials_block=block,
+    )
+
+    assert summary.stats.rollouts == 3 and summary.stats.calls == 3 and not summary.stats.gaps
+    out = s3.fs().cat_file(f"{s3.bucket}/out/enriched.jsonl").splitlines()
+    assert [orjson.loads(line)["ng_model_call_capture"]["metrics"]["tokens_in"] for line in out] == [3, 3, 3]
+
+
+@pytest.fixture
+def s3_checking_keys(s3: S3) -> Iterator[S3]:
+    """The endpoint refuses keys it does not know (moto accepts any, unless told otherwise).
+
+    moto's server runs in this process (the session fixture), so its settings are set here.
+    """
+    from moto import settings
+    from moto.core.authorization import ActionAuthenticatorMixin
+
+    unchecked = settings.INITIAL_NO_AUTH_ACTION_COUNT
+    settings.INITIAL_NO_AUTH_ACTION_COUNT = 0
+    ActionAuthenticatorMixin.request_count = 0
+    try:
+        yield s3
+    finally:
+        settings.INITIAL_NO_AUTH_ACTION_COUNT = unchecked
+
+
+@pytest.mark.usefixtures("no_aws_environment")
+def test_a_wrong_key_fails_at_once_and_says_which_block(s3_checking_keys: S3, tmp_path: Path) -> None:
+    s3 = s3_checking_keys
+    block = save_block(s3.endpoint, key="AKIAWRONGWRONGWRONG0")
+    rollouts_file(tmp_path / "r.jsonl", 2)
+
+    state = enrich_rollouts(
+        str(tmp_path / "r.jsonl"), s3.url("caps"), credentials_block=block, return_state=True
+    )
+
+    assert state.is_failed()
+    with pytest.raises(PermissionError, match=rf"access denied with credentials block '{block}'"):
+        state.result()
+    (check,) = task_runs(state.state_details.flow_run_id, "check_capture_dir")
+    assert check.run_count == 1  # refused, not retried
+    assert not task_runs(state.state_details.flow_run_id, "merge_batch")  # nothing was read
+
+
+def test_a_mistyped_capture_dir_fails_before_reading_unless_empty_is_expected(tmp_path: Path) -> None:
+    rollouts_file(tmp_path / "r.jsonl", 2)
+    missing = tmp_path / "no-such-captures"
+    state = enrich_rollouts(str(tmp_path / "r.jsonl"), str(missing), return_state=True)
+    with pytest.raises(FileNotFoundError, match=f"capture dir {missing} does not exist"):
+        state.result()
+    assert not task_runs(state.state_details.flow_run_id, "read_rollouts")
+    assert not (tmp_path / "r.enriched.jsonl").exists()
+
+    summary = enrich_rollouts(str(tmp_path / "r.jsonl"), str(missing), allow_empty=True)
+    assert summary.stats.gaps == {"model_call_capture_no_records": 2}
+
+
+def test_enrichment_events_carry_the_counts(tmp_path: Path) -> None:
+    store = CaptureStore(tmp_path / "caps")
+    for task in range(3):
+        store.record(f"{task}-0", ROW)
+    rollouts_file(tmp_path / "r.jsonl", 4)  # one rollout without a capture: 1 of 4 has a gap
+    (tmp_path / "r.jsonl").write_bytes((tmp_path / "r.jsonl").read_bytes() + b"not json\n")
+    output = str(tmp_path / "r.enriched.jsonl")
+
+    enrich_rollouts(str(tmp_path / "r.jsonl"), str(tmp_path / "caps"), max_gap_share=0.2)
+
+    (completed,) = wait_for_events(COMPLETED, RESOURCE_PREFIX + output)
+    payload = completed.payload
+    assert {
+        k: payload[k] for k in ("lines", "rollouts", "calls", "tokens_in", "tokens_out", "tokens_total")
+    } == {
+        "lines": 5,
+        "rollouts": 4,
+        "calls": 3,
+        "tokens_in": 9,
+        "tokens_out": 6,
+        "tokens_total": 15,
+    }
+    assert payload["gaps"] == {"model_call_capture_no_records": 1} and payload["rollouts_with_gaps"] == 1
+    assert payload["gap_share"] == 0.25 and payload["lines_passed_through"] == 1
+    assert completed.resource["rollout-capture.source"] == str(tmp_path / "r.jsonl")
+    assert any(related.role == "flow-run" for related in completed.related)
+    (exceeded,) = wait_for_events(GAPS_EXCEEDED, RESOURCE_PREFIX + output)
+    assert exceeded.payload["gap_share"] == 0.25 and exceeded.payload["max_gap_share"] == 0.2
+
+    broken = str(tmp_path / "broken.enriched.jsonl")
+    state = enrich_rollouts(
+        str(tmp_path / "r.jsonl"), str(tmp_path / "caps"), output=broken, strict=True, return_state=True
+    )
+    assert state.is_failed()
+    (failed,) = wait_for_events(FAILED, RESOURCE_PREFIX + broken)
+    assert failed.payload["error"] == "ValueError" and ":5: not JSON" in failed.payload["message"]
+
+
+def test_core_warnings_reach_the_flow_run_logs(tmp_path: Path) -> None:
+    (tmp_path / "caps" / "0-0.capture.jsonl").mkdir(parents=True)  # a folder where a file belongs
+    rollouts_file(tmp_path / "r.jsonl", 1)
+    state = enrich_rollouts(str(tmp_path / "r.jsonl"), str(tmp_path / "caps"), return_state=True)
+    assert state.result().stats.gaps == {"model_call_capture_unreadable": 1}
+    wait_for_logs(state.state_details.flow_run_id, "could not read captures in")
