@@ -15,6 +15,7 @@ import orjson
 from rollout_capture.producer.classify import ErrorCategory, category_for_status
 from rollout_capture.producer.routing import Dialect
 from rollout_capture.producer.streams import JsonObject, StreamRelay
+from rollout_capture.store import ClaimContext
 
 MODEL_REF_TYPE = "responses_api_models"
 _RAW_STREAM_KEEP = 64 * 1024  # raw stream bytes kept for a row whose stream could not be read
@@ -65,6 +66,7 @@ class Exchange:
         self._body_size = 0
         self.finished = False  # the upstream's answer ended normally
         self.row_written = False
+        self.claim: ClaimContext | None = None  # released together with the row
 
     # ------------------------------------------------------------------ request
 

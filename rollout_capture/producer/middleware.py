@@ -124,7 +124,7 @@ class CaptureMiddleware:
             headers = replace_header(headers, b"content-length", str(len(forward)).encode())
         # The app is asked for an uncompressed answer: the row needs readable bytes.
         scope["headers"] = replace_header(headers, b"accept-encoding", b"identity")
-        claim = await self.writer.claim(exchange.rollout_id, exchange.model_call_id)
+        claim = exchange.claim = await self.writer.claim(exchange.rollout_id, exchange.model_call_id)
         replayed = False
         client_gone = False
 
@@ -191,4 +191,4 @@ class CaptureMiddleware:
 
     async def _write(self, exchange: Exchange) -> None:
         exchange.row_written = True
-        await self.writer.record(exchange.rollout_id, exchange.row)
+        await self.writer.record(exchange.rollout_id, exchange.row, release=exchange.claim)

@@ -67,7 +67,19 @@ class CaptureWriter:
             return None
         return context
 
-    def _record(self, rollout_id: str, row: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> bool:
+    def _record(
+        self,
+        rollout_id: str,
+        row: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+        claim: ClaimContext | None = None,
+    ) -> bool:
+        try:
+            return self._write_row(rollout_id, row)
+        finally:
+            if claim is not None:
+                self._release(claim)
+
+    def _write_row(self, rollout_id: str, row: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> bool:
         try:
             built = row() if callable(row) else row
             self.store.record(rollout_id, built)  # marks the rollout incomplete itself on failure
@@ -98,16 +110,23 @@ class CaptureWriter:
         """Claim the rollout for one call; None (logged, marker written) when the claim failed."""
         return await self._shielded(self._claim, rollout_id, model_call_id)
 
-    async def record(self, rollout_id: str, row: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> bool:
-        """Write the row durably; False (logged, marker written) when it could not be.
+    async def record(
+        self,
+        rollout_id: str,
+        row: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+        *,
+        release: ClaimContext | None = None,
+    ) -> bool:
+        """Write the row durably, then release ``release``; False (logged, marker written) on failure.
 
-        ``row`` may be a function building it, so the building happens off the event loop too.
+        ``row`` may be a function building it, so the building happens off the event loop
+        too; one trip to a thread writes the row and releases the claim.
         """
-        return await self._shielded(self._record, rollout_id, row)
+        return await self._shielded(self._record, rollout_id, row, release)
 
     async def release(self, context: ClaimContext | None) -> None:
         """Release a claim taken by :meth:`claim` (after the row, or after the marker)."""
-        if context is not None:
+        if context is not None and context.claim is not None:  # not released with its row yet
             await self._shielded(self._release, context)
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
