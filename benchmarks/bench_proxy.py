@@ -184,7 +184,9 @@ def main() -> None:
         direct = asyncio.run(load(upstream_url, direct_prefix, args.calls, args.concurrency))
         proxied = asyncio.run(load(proxy_url, proxied_prefix, args.calls, args.concurrency))
         rows = sum(
-            p.read_bytes().count(b"\n") for p in (work / "captures").glob("*.capture.jsonl") if "warm" not in p.name
+            p.read_bytes().count(b"\n")
+            for p in (work / "captures").glob("*.capture.jsonl")
+            if "warm" not in p.name
         )
     finally:
         for proc in (proxy, upstream):

@@ -64,6 +64,7 @@ class Exchange:
         self.relay: StreamRelay | None = None
         self._body = bytearray()
         self._body_size = 0
+        self._held = b""
         self.finished = False  # the upstream's answer ended normally
         self.row_written = False
         self.claim: ClaimContext | None = None  # released together with the row
@@ -73,10 +74,11 @@ class Exchange:
     def prepare_request(self, body: bytes, *, whole: bool) -> bytes:
         """Keep the client's request for the row; return the body to forward.
 
-        ``whole`` is False when the body outgrew the cap (the row keeps its first bytes).
-        A chat stream whose client did not ask for usage is asked for it.
+        ``whole`` is False when the producer stopped reading at the cap. A body over the
+        cap is forwarded as it is and the row keeps its first bytes. A chat stream whose
+        client did not ask for usage is asked for it.
         """
-        if not whole:
+        if not whole or len(body) > self.max_body_bytes:
             self.request_cut = True
             self.request_raw = _decode(body[: self.max_body_bytes])
             return body
@@ -128,13 +130,19 @@ class Exchange:
         room = self.max_body_bytes - len(self._body)
         if room > 0:
             self._body += chunk[:room]
-        return chunk
+        # One chunk stays behind: with a Content-Length, the client would otherwise hold
+        # the whole body before the row is written.
+        previous, self._held = self._held, chunk
+        return previous
 
     def end(self) -> bytes:
         """The upstream's answer is over; return what was held back for after the row."""
         if self._ended is None:
             self._ended = time.perf_counter()
-        return self.relay.finish() if self.relay is not None else b""
+        if self.relay is not None:
+            return self.relay.finish()
+        held, self._held = self._held, b""
+        return held
 
     def failed(self, category: ErrorCategory) -> None:
         """Something other than the upstream's status decided the call's fate."""
