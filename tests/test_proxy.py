@@ -372,3 +372,15 @@ def test_a_stopped_proxy_finishes_the_calls_in_flight(
     (row,) = store.read("8-0")
     assert (row["status_code"], row["error_category"]) == (200, None)
     assert store.claims(["8-0"]) == {}
+
+
+def test_the_cli_refuses_bad_settings_with_exit_code_2(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    runner = CliRunner()
+    bad = runner.invoke(app, ["proxy", "--upstream", "ftp://nope", "--capture-dir", str(tmp_path)])
+    assert bad.exit_code == 2 and "upstream must be an http" in bad.output
+    secret = ["proxy", "--upstream", "http://x", "-c", str(tmp_path), "--storage-options", '{"secret": "s"}']
+    assert runner.invoke(app, secret).exit_code == 2

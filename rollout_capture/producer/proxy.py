@@ -176,7 +176,13 @@ class CaptureProxy:
         """
         sent = [(k, v) for k, v in scope["headers"] if k.lower() not in _NOT_FORWARDED]
         if captured:
-            sent = [(k, v) for k, v in sent if k.lower() not in (b"accept-encoding", b"content-length")]
+            # A body read whole may have been rewritten (usage asked for): httpx sets its length.
+            dropped = (
+                (b"accept-encoding", b"content-length")
+                if isinstance(content, bytes)
+                else (b"accept-encoding",)
+            )
+            sent = [(k, v) for k, v in sent if k.lower() not in dropped]
             sent.append((b"accept-encoding", b"identity"))  # the row needs readable bytes
         return httpx.Request(
             scope["method"],
