@@ -256,3 +256,18 @@ def test_only_chat_streams_without_usage_are_asked_for_it() -> None:
         "stream_options"
     ] == {"include_usage": True}
     assert "stream_options" not in forwarded("responses", {"stream": True})
+
+
+def test_imports_stay_light() -> None:
+    """The core loads no HTTP stack; the producer loads neither Prefect nor typer."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, rollout_capture; core = {'prefect', 'typer', 'httpx', 'uvicorn'} & set(sys.modules); "
+        "import rollout_capture.producer; mw = {'prefect', 'typer', 'httpx', 'uvicorn'} & set(sys.modules); "
+        "import rollout_capture.producer.proxy; proxy = {'prefect', 'typer'} & set(sys.modules); "
+        "print(sorted(core), sorted(mw), sorted(proxy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[] [] []"
