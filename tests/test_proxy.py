@@ -247,6 +247,8 @@ def test_a_client_that_leaves_mid_stream_still_leaves_its_row(proxy: Proxy) -> N
     ):
         first = next(answer.iter_raw())
         assert first.startswith(b"data: ")
+        # Forwarded as it came: the client has it while the upstream is still answering.
+        assert proxy.rows("gone-1") == [] and proxy.store.live_claims("gone-1")
     (row,) = proxy.wait_rows("gone-1")
     assert (row["status_code"], row["error_category"]) == (200, "cancelled")
     assert row["response"]["id"] == CHAT["id"]  # what had arrived
