@@ -27,20 +27,11 @@ from rollout_capture.producer.classify import ErrorCategory
 from rollout_capture.producer.exchange import Exchange
 from rollout_capture.producer.routing import VERIFIER_HEADER, BadRolloutId, Route, header, route
 from rollout_capture.producer.settings import ProducerSettings
-from rollout_capture.producer.writer import CaptureWriter
-from rollout_capture.store import CaptureStore
+from rollout_capture.producer.writer import writer_for
 
 logger = logging.getLogger("rollout_capture.producer")
 
 _DRAIN_ON_SHUTDOWN_S = 30.0
-
-
-def make_writer(settings: ProducerSettings) -> CaptureWriter:
-    """The writer of the settings' capture root."""
-    store = CaptureStore(
-        settings.capture_dir, storage_options=settings.storage_options, layout=settings.layout
-    )
-    return CaptureWriter(store, claim_ttl_s=settings.claim_ttl_s, io_threads=settings.io_threads)
 
 
 class CaptureMiddleware:
@@ -75,7 +66,7 @@ class CaptureMiddleware:
                 io_threads=io_threads,
             )
         self.settings = settings
-        self.writer = make_writer(settings)
+        self.writer = writer_for(settings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":

@@ -21,10 +21,10 @@ import uvicorn
 from rollout_capture.producer.asgi import Headers, Message, Receive, Scope, Send, read_body, send_json_error
 from rollout_capture.producer.classify import ErrorCategory
 from rollout_capture.producer.exchange import Exchange
-from rollout_capture.producer.middleware import make_writer
 from rollout_capture.producer.routing import VERIFIER_HEADER, BadRolloutId, Route, header, route
 from rollout_capture.producer.settings import ProxySettings
 from rollout_capture.producer.upstream import upstream_client
+from rollout_capture.producer.writer import writer_for
 
 logger = logging.getLogger("rollout_capture.producer")
 
@@ -86,7 +86,7 @@ class CaptureProxy:
 
     def __init__(self, settings: ProxySettings, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.settings = settings
-        self.writer = make_writer(settings)
+        self.writer = writer_for(settings)
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self._urls: dict[bytes, httpx.URL] = {}
@@ -259,6 +259,8 @@ class CaptureProxy:
             if call in done:
                 watch.cancel()
                 call.result()
+            elif exchange.finished:  # uvicorn says "disconnect" once the answer is sent: not a leaver
+                await call
             else:  # the client went away: stop the upstream call, keep what it said so far
                 exchange.failed(ErrorCategory.CANCELLED)
                 await _cancel_and_wait(call)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from rollout_capture.producer.settings import ProducerSettings
 from rollout_capture.store import CaptureStore, ClaimContext
 
 logger = logging.getLogger("rollout_capture.producer")
@@ -137,3 +138,11 @@ class CaptureWriter:
     def close(self) -> None:
         """Finish every write already started, then stop the threads."""
         self._executor.shutdown(wait=True)
+
+
+def writer_for(settings: ProducerSettings) -> CaptureWriter:
+    """The writer of the settings' capture root (its store, claim TTL and threads)."""
+    store = CaptureStore(
+        settings.capture_dir, storage_options=settings.storage_options, layout=settings.layout
+    )
+    return CaptureWriter(store, claim_ttl_s=settings.claim_ttl_s, io_threads=settings.io_threads)
