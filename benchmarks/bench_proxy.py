@@ -37,7 +37,7 @@ def serve_upstream(delay_s: float) -> None:
 
     from tests.scripted_upstream import ScriptedUpstream
 
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so Nagle is off
     sock.bind(("127.0.0.1", 0))
     sock.listen(1024)
     print(sock.getsockname()[1], flush=True)
@@ -161,12 +161,35 @@ async def load(url: str, prefix: str, calls: int, concurrency: int) -> dict[str,
     }
 
 
+def compare(upstream_url: str, proxy_url: str, calls: int, concurrency: int, tag: str) -> dict[str, object]:
+    """Direct then proxied, same load; the proxied rollout ids are fresh for each comparison."""
+    direct = asyncio.run(load(upstream_url, "", calls, concurrency))
+    proxied = asyncio.run(load(proxy_url, "/ng-rollout/" + tag + "{n}-0", calls, concurrency))
+
+    def added(key: str) -> float:
+        return round(float(proxied[key]) - float(direct[key]), 2)  # type: ignore[arg-type]
+
+    ratio = float(proxied["calls_per_s"]) / float(direct["calls_per_s"])  # type: ignore[arg-type]
+    return {
+        "calls": calls,
+        "concurrency": concurrency,
+        "direct": direct,
+        "proxied": proxied,
+        "added_latency_p50_ms": added("p50_ms"),
+        "added_latency_p99_ms": added("p99_ms"),
+        "added_first_chunk_p50_ms": added("first_chunk_p50_ms"),
+        "added_first_chunk_p99_ms": added("first_chunk_p99_ms"),
+        "throughput_ratio": round(ratio, 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--delay-ms", type=float, default=20.0)
     parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--light-concurrency", type=int, default=4, help="a second, unsaturated load")
     parser.add_argument("--serve-upstream", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_upstream:
@@ -177,16 +200,14 @@ def main() -> None:
     upstream, upstream_url = start_upstream(args.delay_ms / 1000)
     proxy, proxy_url = start_proxy(upstream_url, str(work / "captures"))
     try:
-        # Rollout ids cycle over 500 rollouts (four calls each at the default size).
-        direct_prefix, proxied_prefix = "", "/ng-rollout/{n}-0"
-        asyncio.run(load(upstream_url, direct_prefix, args.warmup, args.concurrency))
+        asyncio.run(load(upstream_url, "", args.warmup, args.concurrency))
         asyncio.run(load(proxy_url, "/ng-rollout/warm-{n}", args.warmup, args.concurrency))
-        direct = asyncio.run(load(upstream_url, direct_prefix, args.calls, args.concurrency))
-        proxied = asyncio.run(load(proxy_url, proxied_prefix, args.calls, args.concurrency))
+        main_run = compare(upstream_url, proxy_url, args.calls, args.concurrency, "")
+        light = compare(upstream_url, proxy_url, args.calls // 4, args.light_concurrency, "light-")
         rows = sum(
             p.read_bytes().count(b"\n")
             for p in (work / "captures").glob("*.capture.jsonl")
-            if "warm" not in p.name
+            if not p.name.startswith(("warm", "light"))
         )
     finally:
         for proc in (proxy, upstream):
@@ -194,26 +215,17 @@ def main() -> None:
             proc.wait(30)
         shutil.rmtree(work, ignore_errors=True)
 
-    def added(key: str) -> float:
-        return round(float(proxied[key]) - float(direct[key]), 2)  # type: ignore[arg-type]
-
     report = {
         "machine": {"cpus": os.cpu_count(), "note": "shared with other workloads; figures as measured"},
         "setup": {
-            "calls": args.calls,
-            "concurrency": args.concurrency,
             "upstream_delay_ms": args.delay_ms,
             "streaming_share": 0.5,
-            "captures": "local disk (JSONL, flock + fsync)",
+            "captures": "local disk (JSONL, flock + fsync), claim + row + release per call",
+            "processes": "upstream, proxy and load generator each in its own process",
         },
-        "direct": direct,
-        "proxied": proxied,
+        **main_run,
         "rows_written": rows,
-        "added_latency_p50_ms": added("p50_ms"),
-        "added_latency_p99_ms": added("p99_ms"),
-        "added_first_chunk_p50_ms": added("first_chunk_p50_ms"),
-        "added_first_chunk_p99_ms": added("first_chunk_p99_ms"),
-        "throughput_ratio": round(float(proxied["calls_per_s"]) / float(direct["calls_per_s"]), 3),  # type: ignore[arg-type]
+        "light_load": light,
     }
     print(json.dumps(report, indent=2))
 

@@ -15,7 +15,8 @@ class ThreadedServer:
     """One uvicorn server in a daemon thread; ``url`` is ``http://127.0.0.1:<free port>``."""
 
     def __init__(self, app: Any, *, graceful_s: int = 1) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP: asyncio disables Nagle only on sockets that say they are TCP.
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(512)

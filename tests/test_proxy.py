@@ -386,3 +386,26 @@ def test_the_cli_refuses_bad_settings_with_exit_code_2(tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "upstream must be an http" in bad.output
     secret = ["proxy", "--upstream", "http://x", "-c", str(tmp_path), "--storage-options", '{"secret": "s"}']
     assert runner.invoke(app, secret).exit_code == 2
+
+
+async def test_the_proxys_connections_have_nagle_off() -> None:
+    """A pre-bound socket must say it is TCP, or asyncio leaves Nagle on (40 ms stalls)."""
+    import asyncio
+    import socket
+
+    from rollout_capture.producer.proxy import bind_listener
+
+    sock = bind_listener("127.0.0.1", 0)
+    nodelay: list[int] = []
+
+    async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nodelay.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        writer.close()
+
+    server = await asyncio.start_server(accepted, sock=sock)
+    async with server:
+        _, writer = await asyncio.open_connection(*sock.getsockname())
+        while not nodelay:
+            await asyncio.sleep(0.01)
+        writer.close()
+    assert nodelay == [1]
