@@ -4,7 +4,8 @@ The request's ``model`` picks the script: ``scripted`` answers normally (tool ca
 reasoning, cached-token usage), ``scripted-429`` / ``-500`` / ``-400`` answer that error,
 ``scripted-slow-<s>`` streams with ``s`` seconds between events, ``scripted-cut`` ends a
 stream without its terminal event, ``scripted-abort`` drops the connection mid-stream,
-``scripted-hang`` answers after 3 s, ``scripted-text`` answers 200 with plain text,
+``scripted-gated-<name>`` streams its first event and waits for ``gate(name)`` before the
+rest, ``scripted-hang`` answers after 3 s, ``scripted-text`` answers 200 with plain text,
 ``scripted-big`` answers a large JSON body. Streamed and plain answers carry the same
 content, so their reassembly can be compared.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import threading
 from typing import Any
 
 import orjson
@@ -372,7 +374,12 @@ class ScriptedUpstream:
     def __init__(self, delay_s: float = 0.0) -> None:
         self.delay_s = delay_s  # before the first byte of every answer (the benchmark's 20 ms)
         self.seen: list[dict[str, Any]] = []
+        self._gates: dict[str, threading.Event] = {}
         logging.getLogger("uvicorn.error").addFilter(_QuietAborts())
+
+    def gate(self, name: str) -> threading.Event:
+        """The gate a ``scripted-gated-<name>`` stream waits at after its first event."""
+        return self._gates.setdefault(name, threading.Event())
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -456,10 +463,18 @@ class ScriptedUpstream:
                 ],
             }
         )
-        for event in events:
+        gate = (
+            self.gate(model.removeprefix("scripted-gated-")) if model.startswith("scripted-gated-") else None
+        )
+        for number, event in enumerate(events):
             await send({"type": "http.response.body", "body": event, "more_body": True})
             if gap:
                 await asyncio.sleep(gap)
+            if gate is not None and number == 0:
+                for _ in range(3000):  # at most 30 s
+                    if gate.is_set():
+                        break
+                    await asyncio.sleep(0.01)
         if model == "scripted-abort":
             raise ScriptAbort("connection dropped by the script")
         await send({"type": "http.response.body", "body": b"", "more_body": False})

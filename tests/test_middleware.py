@@ -91,14 +91,15 @@ def test_a_chat_stream_without_usage_stays_without_it_for_the_client(served: Ser
 
 
 def test_events_reach_the_client_as_the_app_sends_them(served: Served) -> None:
-    request = {"model": "scripted-slow-0.05", "messages": [], "stream": True}
+    request = {"model": "scripted-gated-mw-s", "messages": [], "stream": True}
     with (
         httpx.Client(base_url=served.url) as client,
         client.stream("POST", "/ng-rollout/mw-s/v1/chat/completions", json=request) as answer,
     ):
         chunks = answer.iter_raw()
         assert next(chunks).startswith(b"data: ")
-        assert served.store.read("mw-s") == [] and served.store.live_claims("mw-s")  # still answering
+        assert served.store.read("mw-s") == [] and served.store.live_claims("mw-s")  # the app is at its gate
+        served.app.gate("mw-s").set()
         rest = b"".join(chunks)
     assert rest.endswith(b"data: [DONE]\n\n")
     (row,) = served.store.read("mw-s")

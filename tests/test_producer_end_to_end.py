@@ -67,8 +67,11 @@ def write_rollouts(path: Path, ids: list[str]) -> None:
     path.write_bytes(b"\n".join(lines) + b"\n")
 
 
-def test_a_proxied_run_enriches_as_nemo_gyms_reader_would(proxied: tuple[str, Path], tmp_path: Path) -> None:
+def test_a_proxied_run_enriches_as_nemo_gyms_reader_would(
+    proxied: tuple[str, Path], scripted_upstream: tuple[str, Any], tmp_path: Path
+) -> None:
     base, root = proxied
+    gate = scripted_upstream[1].gate("e2e")
     store = CaptureStore(root)
     agent(base, "0-0")
     # The verifier's own row (written by the resources server, not by a model server).
@@ -88,7 +91,7 @@ def test_a_proxied_run_enriches_as_nemo_gyms_reader_would(proxied: tuple[str, Pa
     streaming = threading.Thread(
         target=lambda: httpx.post(
             f"{base}/ng-rollout/3-0/v1/chat/completions",
-            json={"model": "scripted-slow-0.25", "messages": [], "stream": True},
+            json={"model": "scripted-gated-e2e", "messages": [], "stream": True},
             timeout=60,
         )
     )
@@ -97,7 +100,8 @@ def test_a_proxied_run_enriches_as_nemo_gyms_reader_would(proxied: tuple[str, Pa
     while not store.live_claims("3-0"):
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert store.read("3-0") == []
+    assert store.read("3-0") == []  # the upstream waits at its gate; it opens while the flow runs
+    threading.Timer(1.5, gate.set).start()
     rollouts = tmp_path / "rollouts.jsonl"
     write_rollouts(rollouts, ["0-0", "1-0", "2-0", "3-0"])
 

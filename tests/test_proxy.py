@@ -239,17 +239,18 @@ def test_oversized_bodies_are_forwarded_whole_and_cut_in_the_row(
         small.server.stop()
 
 
-def test_a_client_that_leaves_mid_stream_still_leaves_its_row(proxy: Proxy) -> None:
-    request = {"model": "scripted-slow-0.2", "messages": [], "stream": True}
+def test_a_client_that_leaves_mid_stream_still_leaves_its_row(proxy: Proxy, upstream_app: Any) -> None:
+    request = {"model": "scripted-gated-gone-1", "messages": [], "stream": True}
     with (
         httpx.Client(base_url=proxy.url) as client,
         client.stream("POST", "/ng-rollout/gone-1/v1/chat/completions", json=request) as answer,
     ):
         first = next(answer.iter_raw())
         assert first.startswith(b"data: ")
-        # Forwarded as it came: the client has it while the upstream is still answering.
+        # Forwarded as it came: the client has it while the upstream waits at its gate.
         assert proxy.rows("gone-1") == [] and proxy.store.live_claims("gone-1")
     (row,) = proxy.wait_rows("gone-1")
+    upstream_app.gate("gone-1").set()
     assert (row["status_code"], row["error_category"]) == (200, "cancelled")
     assert row["response"]["id"] == CHAT["id"]  # what had arrived
     assert proxy.store.claims(["gone-1"]) == {}
@@ -341,12 +342,13 @@ async def test_a_killed_proxy_leaves_claims_that_expire_as_abandoned(
     proc, url = spawn_proxy(scripted_upstream[0], tmp_path, "--claim-ttl", "1")
     store = CaptureStore(tmp_path)
     try:
-        thread, outcome = stream_in_background(url, "7-0", "scripted-slow-0.3")
+        thread, outcome = stream_in_background(url, "7-0", "scripted-gated-killed")
         wait_for(lambda: store.live_claims("7-0"))
-        proc.send_signal(signal.SIGKILL)
+        proc.send_signal(signal.SIGKILL)  # mid-stream: the upstream waits at its gate
         proc.wait(10)
         thread.join(30)
     finally:
+        scripted_upstream[1].gate("killed").set()
         if proc.poll() is None:
             proc.kill()
     assert "error" in outcome  # the client saw its connection die
@@ -362,9 +364,11 @@ def test_a_stopped_proxy_finishes_the_calls_in_flight(
     proc, url = spawn_proxy(scripted_upstream[0], tmp_path)
     store = CaptureStore(tmp_path)
     try:
-        thread, outcome = stream_in_background(url, "8-0", "scripted-slow-0.1")
+        thread, outcome = stream_in_background(url, "8-0", "scripted-gated-stopped")
         wait_for(lambda: store.live_claims("8-0"))
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # mid-stream: the upstream waits at its gate
+        time.sleep(0.3)  # the stop has begun (either way the call must finish whole)
+        scripted_upstream[1].gate("stopped").set()
         thread.join(30)
         assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once stopped
     finally:
