@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
@@ -308,6 +309,92 @@ def inspect(
             )
         for gap in attachment.get("gaps", []):
             typer.echo(f"gap: {gap['code']}" + (f" ({gap['detail']})" if "detail" in gap else ""))
+
+
+class LogLevel(StrEnum):
+    """How much the proxy logs."""
+
+    critical = "critical"
+    error = "error"
+    warning = "warning"
+    info = "info"
+    debug = "debug"
+
+
+class Layout(StrEnum):
+    """Capture layout: JSONL on local disks, objects on object stores (auto picks)."""
+
+    auto = "auto"
+    jsonl = "jsonl"
+    objects = "objects"
+
+
+@app.command()
+def proxy(
+    upstream: Annotated[
+        str,
+        typer.Option(
+            envvar="ROLLOUT_CAPTURE_UPSTREAM",
+            help="Model server base URL, e.g. http://127.0.0.1:8000 or https://api.openai.com.",
+        ),
+    ],
+    capture_dir: Annotated[
+        str,
+        typer.Option("--capture-dir", "-c", envvar="ROLLOUT_CAPTURE_DIR", help="Capture root: path or URL."),
+    ],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0 picks a free one).")] = 8100,
+    server_name: Annotated[
+        str | None, typer.Option(envvar="ROLLOUT_CAPTURE_SERVER_NAME", help="model_ref name of every row.")
+    ] = None,
+    claim_ttl: Annotated[
+        float,
+        typer.Option(min=0.001, envvar="ROLLOUT_CAPTURE_CLAIM_TTL_S", help="Seconds a claim stays live."),
+    ] = 300.0,
+    max_body_bytes: Annotated[
+        int,
+        typer.Option(
+            min=1, envvar="ROLLOUT_CAPTURE_MAX_BODY_BYTES", help="Body bytes kept per row, at most."
+        ),
+    ] = 16 * 1024 * 1024,
+    connect_timeout: Annotated[float, typer.Option(min=0.001, help="Seconds to connect upstream.")] = 10.0,
+    read_timeout: Annotated[
+        float, typer.Option(min=0.001, help="Longest upstream silence, seconds.")
+    ] = 600.0,
+    max_connections: Annotated[int, typer.Option(min=1, help="Pooled upstream connections.")] = 512,
+    shutdown_grace: Annotated[float, typer.Option(min=0, help="Seconds a stop waits for calls.")] = 30.0,
+    layout: Annotated[Layout, typer.Option(help="Capture layout.")] = Layout.auto,
+    storage_options: OptionsOpt = None,
+    log_level: Annotated[LogLevel, typer.Option(help="Log level.")] = LogLevel.info,
+    access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
+) -> None:
+    """Reverse proxy in front of a model server, capturing calls under /ng-rollout/<id>/v1/."""
+    with _exits():
+        from rollout_capture.producer.proxy import serve_proxy
+        from rollout_capture.producer.settings import ProxySettings
+
+        settings = ProxySettings(
+            upstream=upstream,
+            capture_dir=capture_dir,
+            server_name=server_name,
+            claim_ttl_s=claim_ttl,
+            max_body_bytes=max_body_bytes,
+            connect_timeout_s=connect_timeout,
+            read_timeout_s=read_timeout,
+            max_connections=max_connections,
+            shutdown_grace_s=shutdown_grace,
+            layout=layout.value,
+            storage_options=_options(storage_options) or {},
+        )
+        logging.basicConfig(level=log_level.value.upper(), format="%(levelname)s %(name)s: %(message)s")
+        serve_proxy(
+            settings,
+            host=host,
+            port=port,
+            log_level=log_level.value,
+            access_log=access_log,
+            announce=lambda line: typer.echo(line, err=True),
+        )
 
 
 @app.command()

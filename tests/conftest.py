@@ -134,3 +134,17 @@ def prefect_api() -> Iterator[str]:
 
     with prefect_test_harness(server_startup_timeout=120):
         yield str(PREFECT_API_URL.value())
+
+
+@pytest.fixture(scope="session")
+def scripted_upstream() -> Iterator[tuple[str, Any]]:
+    """The scripted model server on a loopback port, for the whole session: ``(url, app)``."""
+    from .scripted_upstream import ScriptedUpstream
+    from .servers import ThreadedServer
+
+    app = ScriptedUpstream()
+    server = ThreadedServer(app)
+    try:
+        yield server.url, app
+    finally:
+        server.stop()

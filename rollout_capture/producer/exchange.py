@@ -1,0 +1,214 @@
+"""One captured call, from the client's request to its row (spec 4 and 11).
+
+Shared by the middleware and the proxy: they move bytes, this decides what the row says.
+Bodies are kept up to a cap; past it the row keeps the first bytes and says it was cut.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import orjson
+
+from rollout_capture.producer.classify import ErrorCategory, category_for_status
+from rollout_capture.producer.routing import Dialect
+from rollout_capture.producer.streams import JsonObject, StreamRelay
+from rollout_capture.store import ClaimContext
+
+MODEL_REF_TYPE = "responses_api_models"
+_RAW_STREAM_KEEP = 64 * 1024  # raw stream bytes kept for a row whose stream could not be read
+
+
+def _decode(body: bytes) -> str:
+    return body.decode("utf-8", "replace")
+
+
+def _is_event_stream(headers: list[tuple[bytes, bytes]] | tuple[tuple[bytes, bytes], ...]) -> bool:
+    for key, value in headers:
+        if key.lower() == b"content-type":
+            return value.lower().startswith(b"text/event-stream")
+    return False
+
+
+class Exchange:
+    """What a producer learns about one call, and the row it makes of it."""
+
+    def __init__(
+        self,
+        rollout_id: str,
+        dialect: Dialect,
+        *,
+        server_name: str | None,
+        max_body_bytes: int,
+        verifier_invocation_id: str | None = None,
+    ) -> None:
+        self.rollout_id = rollout_id
+        self.dialect = dialect
+        self.server_name = server_name
+        self.max_body_bytes = max_body_bytes
+        self.verifier_invocation_id = verifier_invocation_id
+        self.model_call_id = uuid.uuid4().hex
+        self.started_at = time.time()
+        self._arrived = time.perf_counter()
+        self._forwarded: float | None = None
+        self._first_byte: float | None = None
+        self._ended: float | None = None
+        self.request: JsonObject | None = None
+        self.request_raw: str | None = None
+        self.request_cut = False
+        self.hide_usage = False  # we asked a chat stream for usage its client did not want
+        self.status_code: int | None = None
+        self.fault: ErrorCategory | None = None
+        self.relay: StreamRelay | None = None
+        self._body = bytearray()
+        self._body_size = 0
+        self._held = b""
+        self.finished = False  # the upstream's answer ended normally
+        self.row_written = False
+        self.claim: ClaimContext | None = None  # released together with the row
+
+    # ------------------------------------------------------------------ request
+
+    def prepare_request(self, body: bytes, *, whole: bool) -> bytes:
+        """Keep the client's request for the row; return the body to forward.
+
+        ``whole`` is False when the producer stopped reading at the cap. A body over the
+        cap is forwarded as it is and the row keeps its first bytes. A chat stream whose
+        client did not ask for usage is asked for it.
+        """
+        if not whole or len(body) > self.max_body_bytes:
+            self.request_cut = True
+            self.request_raw = _decode(body[: self.max_body_bytes])
+            return body
+        try:
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            self.request_raw = _decode(body)
+            return body
+        self.request = parsed
+        if self.dialect == "chat" and parsed.get("stream") is True:
+            options = parsed.get("stream_options")
+            options = options if isinstance(options, dict) else {}
+            if options.get("include_usage") is not True:
+                self.hide_usage = True
+                asked = {**parsed, "stream_options": {**options, "include_usage": True}}
+                return orjson.dumps(asked)
+        return body
+
+    # ------------------------------------------------------------------ response
+
+    def forwarding(self) -> None:
+        """The request is leaving for the upstream now (latencies count from here)."""
+        self._forwarded = time.perf_counter()
+
+    def response_started(self, status: int, headers: list[tuple[bytes, bytes]] | tuple[Any, ...]) -> None:
+        """The upstream answered with a status and headers."""
+        self.status_code = status
+        if _is_event_stream(headers):
+            self.relay = StreamRelay(self.dialect, hide_usage=self.hide_usage, max_bytes=self.max_body_bytes)
+
+    @property
+    def streaming(self) -> bool:
+        """Whether the answer is an event stream."""
+        return self.relay is not None
+
+    def body(self, chunk: bytes) -> bytes:
+        """Take upstream body bytes; return what may go to the client now."""
+        if not chunk:
+            return b""
+        if self._first_byte is None:
+            self._first_byte = time.perf_counter()
+        self._body_size += len(chunk)
+        if self.relay is not None:
+            if self.relay.bytes_seen < _RAW_STREAM_KEEP:
+                self._body += chunk[: _RAW_STREAM_KEEP - self.relay.bytes_seen]
+            return self.relay.feed(chunk)
+        room = self.max_body_bytes - len(self._body)
+        if room > 0:
+            self._body += chunk[:room]
+        # One chunk stays behind: with a Content-Length, the client would otherwise hold
+        # the whole body before the row is written.
+        previous, self._held = self._held, chunk
+        return previous
+
+    def end(self) -> bytes:
+        """The upstream's answer is over; return what was held back for after the row."""
+        if self._ended is None:
+            self._ended = time.perf_counter()
+        if self.relay is not None:
+            return self.relay.finish()
+        held, self._held = self._held, b""
+        return held
+
+    def failed(self, category: ErrorCategory) -> None:
+        """Something other than the upstream's status decided the call's fate."""
+        if self.fault is None:
+            self.fault = category
+        if self._ended is None:
+            self._ended = time.perf_counter()
+
+    # ------------------------------------------------------------------ row
+
+    def _response(self) -> tuple[JsonObject | None, str | None, bool, ErrorCategory | None]:
+        """(response, response_raw, cut, what reading it showed) from the upstream's body."""
+        if self.relay is not None:
+            response = self.relay.response()
+            raw = _decode(bytes(self._body)) if response is None and self._body else None
+            if response is None and self.relay.events:
+                return None, raw, self.relay.cut, ErrorCategory.CAPTURE_PARSE_ERROR
+            if self.relay.assembler.error is not None:
+                return response, raw, self.relay.cut, self.relay.assembler.error
+            if not self.relay.complete:
+                return response, raw, self.relay.cut, ErrorCategory.STREAM_TRUNCATED
+            return response, raw, self.relay.cut, None
+        if not self._body_size:
+            return None, None, False, None
+        if self._body_size > len(self._body):
+            return None, _decode(bytes(self._body)), True, ErrorCategory.INCOMPLETE
+        try:
+            parsed = orjson.loads(self._body)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict):
+            return parsed, None, False, None
+        return None, _decode(bytes(self._body)), False, ErrorCategory.CAPTURE_PARSE_ERROR
+
+    def row(self) -> dict[str, Any]:
+        """The row of spec 4 for this call."""
+        now = time.perf_counter()
+        ended = self._ended if self._ended is not None else now
+        forwarded = self._forwarded if self._forwarded is not None else self._arrived
+        response, response_raw, cut, reading = self._response()
+        category = self.fault or category_for_status(self.status_code) or reading
+        row: dict[str, Any] = {
+            "model_call_id": self.model_call_id,
+            "dialect": self.dialect,
+            "model_ref": (
+                {"type": MODEL_REF_TYPE, "name": self.server_name} if self.server_name is not None else None
+            ),
+            "started_at": self.started_at,
+            "completed_at": self.started_at + (ended - self._arrived),
+            "latency_ms": round((ended - forwarded) * 1000.0, 3),
+            "latency_ttft_ms": (
+                round((self._first_byte - forwarded) * 1000.0, 3) if self._first_byte is not None else None
+            ),
+            "status_code": self.status_code,
+            "error_category": None if category is None else str(category),
+            "request": self.request,
+            "response": response,
+        }
+        if self.request_raw is not None:
+            row["request_raw"] = self.request_raw
+        if response_raw is not None:
+            row["response_raw"] = response_raw
+        if self.verifier_invocation_id is not None:
+            row["verifier_invocation_id"] = self.verifier_invocation_id
+        if self.request_cut:
+            row["request_truncated"] = True
+        if cut:
+            row["response_truncated"] = True
+        return row

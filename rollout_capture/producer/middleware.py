@@ -1,0 +1,185 @@
+"""``CaptureMiddleware``: pure ASGI, mounts on any ASGI model server and writes its captures.
+
+``app.add_middleware(CaptureMiddleware, capture_dir="s3://bucket/captures")``, or with no
+arguments (vLLM's ``--middleware rollout_capture.producer.CaptureMiddleware``) configured
+from ``ROLLOUT_CAPTURE_*`` variables. Calls under ``/ng-rollout/<id>/v1/...`` reach the app
+with the prefix stripped; the three model endpoints are claimed and captured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from rollout_capture.producer.asgi import (
+    ASGIApp,
+    Headers,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    replace_header,
+    send_json_error,
+)
+from rollout_capture.producer.classify import ErrorCategory
+from rollout_capture.producer.exchange import Exchange
+from rollout_capture.producer.routing import VERIFIER_HEADER, BadRolloutId, Route, header, route
+from rollout_capture.producer.settings import ProducerSettings
+from rollout_capture.producer.writer import writer_for
+
+logger = logging.getLogger("rollout_capture.producer")
+
+_DRAIN_ON_SHUTDOWN_S = 30.0
+
+
+class CaptureMiddleware:
+    """Capture every model call under ``/ng-rollout/<rollout_id>/v1/`` of the wrapped app.
+
+    Arguments left out (None) come from the environment (see :class:`ProducerSettings`);
+    ``settings`` replaces them all. The model call itself never fails because of a capture.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        capture_dir: str | None = None,
+        *,
+        server_name: str | None = None,
+        claim_ttl_s: float | None = None,
+        max_body_bytes: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        layout: str | None = None,
+        io_threads: int | None = None,
+        settings: ProducerSettings | None = None,
+    ) -> None:
+        self.app = app
+        if settings is None:
+            settings = ProducerSettings.from_env(
+                capture_dir=capture_dir,
+                server_name=server_name,
+                claim_ttl_s=claim_ttl_s,
+                max_body_bytes=max_body_bytes,
+                storage_options=storage_options,
+                layout=layout,
+                io_threads=io_threads,
+            )
+        self.settings = settings
+        self.writer = writer_for(settings)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, self._lifespan_send(send))
+            return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            found = route(scope["method"], scope["path"], scope.get("raw_path"))
+        except BadRolloutId as exc:
+            await send_json_error(send, 400, str(exc), "invalid_rollout_id")
+            return
+        if found.rollout_id is None:
+            await self.app(scope, receive, send)
+            return
+        inner = {**scope, "path": found.path, "raw_path": found.raw_path}
+        if not found.captured:
+            await self.app(inner, receive, send)
+            return
+        await self._captured(inner, found, receive, send)
+
+    def _lifespan_send(self, send: Send) -> Send:
+        async def wrapped(message: Message) -> None:
+            if message["type"] == "lifespan.shutdown.complete":  # rows of calls cut by the stop land first
+                await asyncio.to_thread(self.writer.wait_idle, _DRAIN_ON_SHUTDOWN_S)
+            await send(message)
+
+        return wrapped
+
+    async def _captured(self, scope: Scope, found: Route, receive: Receive, send: Send) -> None:
+        assert found.rollout_id is not None and found.dialect is not None
+        exchange = Exchange(
+            found.rollout_id,
+            found.dialect,
+            server_name=self.settings.server_name,
+            max_body_bytes=self.settings.max_body_bytes,
+            verifier_invocation_id=header(scope["headers"], VERIFIER_HEADER),
+        )
+        body, whole, gone = await read_body(receive, self.settings.max_body_bytes)
+        if gone:
+            return  # the client left before its request was whole: no call was made
+        forward = exchange.prepare_request(body, whole=whole)
+        headers: Headers = list(scope["headers"])
+        if forward is not body:
+            headers = replace_header(headers, b"content-length", str(len(forward)).encode())
+        # The app is asked for an uncompressed answer: the row needs readable bytes.
+        scope["headers"] = replace_header(headers, b"accept-encoding", b"identity")
+        claim = exchange.claim = await self.writer.claim(exchange.rollout_id, exchange.model_call_id)
+        replayed = False
+        client_gone = False
+
+        async def inner_receive() -> Message:
+            nonlocal replayed, client_gone
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": forward, "more_body": not whole}
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                client_gone = True
+            return message
+
+        async def forward_send(message: Message) -> None:
+            nonlocal client_gone
+            try:
+                await send(message)
+            except OSError:
+                client_gone = True
+                raise
+
+        async def inner_send(message: Message) -> None:
+            kind = message["type"]
+            if kind == "http.response.start":
+                exchange.response_started(message["status"], message.get("headers") or [])
+                if exchange.streaming:  # events may be held or hidden: the length is not the app's
+                    message = {
+                        **message,
+                        "headers": replace_header(list(message["headers"]), b"content-length", None),
+                    }
+                await forward_send(message)
+            elif kind == "http.response.body":
+                now = exchange.body(message.get("body", b""))
+                if message.get("more_body", False):
+                    if now:
+                        await forward_send({"type": "http.response.body", "body": now, "more_body": True})
+                    return
+                held = exchange.end()
+                exchange.finished = True
+                await self._write(exchange)  # durable before the client's last byte
+                await forward_send({"type": "http.response.body", "body": now + held, "more_body": False})
+            else:
+                await forward_send(message)
+
+        try:
+            exchange.forwarding()
+            await self.app(scope, inner_receive, inner_send)
+        except asyncio.CancelledError:
+            exchange.failed(ErrorCategory.CANCELLED)
+            raise
+        except Exception:
+            exchange.failed(ErrorCategory.CANCELLED if client_gone else ErrorCategory.EXCEPTION)
+            raise
+        finally:
+            if not exchange.row_written:
+                if not exchange.finished:
+                    if client_gone:
+                        exchange.failed(ErrorCategory.CANCELLED)
+                    elif not exchange.streaming:
+                        exchange.failed(ErrorCategory.INCOMPLETE)
+                exchange.end()
+                await self._write(exchange)
+            await self.writer.release(claim)
+
+    async def _write(self, exchange: Exchange) -> None:
+        exchange.row_written = True
+        await self.writer.record(exchange.rollout_id, exchange.row, release=exchange.claim)

@@ -1,0 +1,421 @@
+"""The capture proxy: an ASGI app forwarding to one upstream with httpx, and ``serve_proxy``.
+
+For servers you cannot modify and hosted APIs. Headers, query and body pass through
+(hop-by-hop headers aside, and captured calls ask for an uncompressed answer); one pooled
+upstream client; a stop lets calls in flight finish and land their rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import socket
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import uvicorn
+
+from rollout_capture.producer.asgi import Headers, Message, Receive, Scope, Send, read_body, send_json_error
+from rollout_capture.producer.classify import ErrorCategory
+from rollout_capture.producer.exchange import Exchange
+from rollout_capture.producer.routing import VERIFIER_HEADER, BadRolloutId, Route, header, route
+from rollout_capture.producer.settings import ProxySettings
+from rollout_capture.producer.upstream import upstream_client
+from rollout_capture.producer.writer import writer_for
+
+logger = logging.getLogger("rollout_capture.producer")
+
+# RFC 9110 7.6.1 hop-by-hop headers, plus the Host of the upstream (httpx sets it).
+_HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+_NOT_FORWARDED = _HOP_BY_HOP | {b"host"}
+_URL_CACHE_SIZE = 1024
+
+
+class UpstreamBroken(Exception):
+    """The upstream failed after its answer began: the client connection is cut, as it was upstream."""
+
+
+class _QuietBrokenStreams(logging.Filter):
+    """Keeps uvicorn from logging a traceback for a cut we already logged in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, UpstreamBroken)
+
+
+def _install_log_filter() -> None:
+    target = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _QuietBrokenStreams) for f in target.filters):
+        target.addFilter(_QuietBrokenStreams())
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _cancel_and_wait(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it is really over (its row written), whatever happens here."""
+    task.cancel()
+    while not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait({task})
+
+
+def _response_headers(response: httpx.Response, *, drop: frozenset[bytes] = frozenset()) -> Headers:
+    return [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP_BY_HOP and k.lower() not in drop]
+
+
+class CaptureProxy:
+    """ASGI app: everything to the upstream; calls under ``/ng-rollout/<id>/v1/`` captured on the way."""
+
+    def __init__(self, settings: ProxySettings, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.settings = settings
+        self.writer = writer_for(settings)
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._urls: dict[bytes, httpx.URL] = {}
+        self._timeouts = httpx.Timeout(
+            connect=settings.connect_timeout_s,
+            read=settings.read_timeout_s,
+            write=settings.write_timeout_s,
+            pool=None,
+        ).as_dict()
+        _install_log_filter()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _new_client(self) -> httpx.AsyncClient:
+        s = self.settings
+        return upstream_client(
+            max_connections=s.max_connections,
+            connect_timeout_s=s.connect_timeout_s,
+            read_timeout_s=s.read_timeout_s,
+            write_timeout_s=s.write_timeout_s,
+            transport=self._transport,
+        )
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The one pooled upstream client (made on first use when no lifespan ran)."""
+        if self._client is None:
+            self._client = self._new_client()
+        return self._client
+
+    async def aclose(self) -> None:
+        """Close the upstream pool and wait for capture writes in flight."""
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+        await asyncio.to_thread(self.writer.wait_idle, self.settings.shutdown_grace_s)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self._client = self._new_client()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # ------------------------------------------------------------------ requests
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1003})
+            return
+        try:
+            found = route(scope["method"], scope["path"], scope.get("raw_path"))
+        except BadRolloutId as exc:
+            await send_json_error(send, 400, str(exc), "invalid_rollout_id")
+            return
+        if found.captured:
+            await self._captured(scope, found, receive, send)
+        else:
+            await self._passthrough(scope, found, receive, send)
+
+    def _url(self, found: Route, query: bytes) -> httpx.URL:
+        """The upstream URL of a path and query, parsed once (httpx's parser costs ~0.1 ms a call)."""
+        key = found.raw_path + b"?" + query
+        url = self._urls.get(key)
+        if url is None:
+            target = found.raw_path.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
+            url = httpx.URL(self.settings.upstream + target)
+            if len(self._urls) >= _URL_CACHE_SIZE:
+                self._urls.clear()
+            self._urls[key] = url
+        return url
+
+    def _request(
+        self, scope: Scope, found: Route, content: bytes | AsyncIterator[bytes], *, captured: bool
+    ) -> httpx.Request:
+        """The client's request for the upstream: its headers as sent, minus hop-by-hop ones.
+
+        Built directly rather than by the client, which would add headers of its own.
+        """
+        sent = [(k, v) for k, v in scope["headers"] if k.lower() not in _NOT_FORWARDED]
+        if captured:
+            # A body read whole may have been rewritten (usage asked for): httpx sets its length.
+            dropped = (
+                (b"accept-encoding", b"content-length")
+                if isinstance(content, bytes)
+                else (b"accept-encoding",)
+            )
+            sent = [(k, v) for k, v in sent if k.lower() not in dropped]
+            sent.append((b"accept-encoding", b"identity"))  # the row needs readable bytes
+        return httpx.Request(
+            scope["method"],
+            self._url(found, scope.get("query_string") or b""),
+            headers=sent,
+            content=content,
+            extensions={"timeout": self._timeouts},
+        )
+
+    async def _passthrough(self, scope: Scope, found: Route, receive: Receive, send: Send) -> None:
+        headers = scope["headers"]
+        streamed = any(k.lower() in (b"content-length", b"transfer-encoding") for k, _ in headers)
+        content: bytes | AsyncIterator[bytes]
+        if streamed:
+            content = _body_stream(b"", receive)
+        else:
+            content, _, _ = await read_body(receive, 1 << 62)
+        try:
+            response = await self.client.send(
+                self._request(scope, found, content, captured=False), stream=True
+            )
+        except httpx.TimeoutException as exc:
+            await send_json_error(send, 504, f"upstream timed out: {type(exc).__name__}", "upstream_timeout")
+            return
+        except httpx.HTTPError as exc:
+            await send_json_error(
+                send, 502, f"upstream unreachable: {type(exc).__name__}", "upstream_connection_error"
+            )
+            return
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status_code,
+                    "headers": _response_headers(response),
+                }
+            )
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except httpx.HTTPError as exc:
+            logger.warning("upstream broke off %s %s: %s", scope["method"], found.path, type(exc).__name__)
+            raise UpstreamBroken(type(exc).__name__) from None
+        finally:
+            await response.aclose()
+
+    async def _captured(self, scope: Scope, found: Route, receive: Receive, send: Send) -> None:
+        assert found.rollout_id is not None and found.dialect is not None
+        exchange = Exchange(
+            found.rollout_id,
+            found.dialect,
+            server_name=self.settings.server_name,
+            max_body_bytes=self.settings.max_body_bytes,
+            verifier_invocation_id=header(scope["headers"], VERIFIER_HEADER),
+        )
+        body, whole, gone = await read_body(receive, self.settings.max_body_bytes)
+        if gone:
+            return  # the client left before its request was whole: no call was made
+        forward = exchange.prepare_request(body, whole=whole)
+        content: bytes | AsyncIterator[bytes] = forward if whole else _body_stream(forward, receive)
+        claim = exchange.claim = await self.writer.claim(exchange.rollout_id, exchange.model_call_id)
+        try:
+            call = asyncio.ensure_future(self._forward(scope, found, exchange, content, send))
+            if not whole:  # the body is still being received: the upstream request reads it
+                await call
+                return
+            watch = asyncio.ensure_future(_until_disconnect(receive))
+            try:
+                done, _ = await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                watch.cancel()
+                await _cancel_and_wait(call)
+                raise
+            if call in done:
+                watch.cancel()
+                call.result()
+            elif exchange.finished:  # uvicorn says "disconnect" once the answer is sent: not a leaver
+                await call
+            else:  # the client went away: stop the upstream call, keep what it said so far
+                exchange.failed(ErrorCategory.CANCELLED)
+                await _cancel_and_wait(call)
+        finally:
+            await self.writer.release(claim)
+
+    async def _forward(
+        self,
+        scope: Scope,
+        found: Route,
+        exchange: Exchange,
+        content: bytes | AsyncIterator[bytes],
+        send: Send,
+    ) -> None:
+        """One upstream exchange; the row is written in every outcome, before the last byte."""
+        try:
+            request = self._request(scope, found, content, captured=True)
+            exchange.forwarding()
+            try:
+                response = await self.client.send(request, stream=True)
+            except httpx.TimeoutException as exc:
+                exchange.failed(ErrorCategory.TIMEOUT)
+                await self._write(exchange)
+                await send_json_error(
+                    send, 504, f"upstream timed out: {type(exc).__name__}", "upstream_timeout"
+                )
+                return
+            except httpx.HTTPError as exc:
+                exchange.failed(ErrorCategory.CONNECTION)
+                await self._write(exchange)
+                await send_json_error(
+                    send, 502, f"upstream unreachable: {type(exc).__name__}", "upstream_connection_error"
+                )
+                return
+            try:
+                await self._relay(exchange, response, send)
+            finally:
+                await response.aclose()
+        except asyncio.CancelledError:
+            exchange.failed(ErrorCategory.CANCELLED)
+            raise
+        except UpstreamBroken:
+            raise
+        except Exception:
+            logger.exception("capture proxy failed on a call of rollout %s", exchange.rollout_id)
+            exchange.failed(ErrorCategory.EXCEPTION)
+            raise
+        finally:
+            if not exchange.row_written:
+                exchange.end()
+                await self._write(exchange)
+
+    async def _relay(self, exchange: Exchange, response: httpx.Response, send: Send) -> None:
+        exchange.response_started(response.status_code, response.headers.raw)
+        drop = {b"content-length"} if exchange.streaming else set()
+        encoded = response.headers.get("content-encoding", "identity").lower() != "identity"
+        if encoded:  # asked for identity but compressed anyway: forwarded decoded, as captured
+            drop |= {b"content-encoding", b"content-length"}
+        await send(
+            {
+                "type": "http.response.start",
+                "status": response.status_code,
+                "headers": _response_headers(response, drop=frozenset(drop)),
+            }
+        )
+        try:
+            async for chunk in response.aiter_bytes() if encoded else response.aiter_raw():
+                now = exchange.body(chunk)
+                if now:
+                    await send({"type": "http.response.body", "body": now, "more_body": True})
+        except httpx.HTTPError as exc:
+            timed_out = isinstance(exc, httpx.TimeoutException)
+            exchange.failed(
+                ErrorCategory.TIMEOUT
+                if timed_out
+                else ErrorCategory.STREAM_TRUNCATED
+                if exchange.streaming
+                else ErrorCategory.CONNECTION
+            )
+            exchange.end()
+            await self._write(exchange)
+            logger.warning(
+                "upstream broke off a call of rollout %s: %s", exchange.rollout_id, type(exc).__name__
+            )
+            raise UpstreamBroken(type(exc).__name__) from None
+        held = exchange.end()
+        exchange.finished = True
+        await self._write(exchange)  # durable before the client's last byte
+        await send({"type": "http.response.body", "body": held, "more_body": False})
+
+    async def _write(self, exchange: Exchange) -> None:
+        exchange.row_written = True
+        await self.writer.record(exchange.rollout_id, exchange.row, release=exchange.claim)
+
+
+async def _body_stream(first: bytes, receive: Receive) -> AsyncIterator[bytes]:
+    """The request body: ``first``, then whatever the client still sends."""
+    if first:
+        yield first
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        chunk = message.get("body", b"")
+        if chunk:
+            yield chunk
+        if not message.get("more_body", False):
+            return
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket whose connections have Nagle off.
+
+    IPPROTO_TCP, not 0: asyncio disables Nagle only on sockets that say they are TCP, and
+    connections of a pre-bound socket would otherwise stall 40 ms on delayed ACKs.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def serve_proxy(
+    settings: ProxySettings,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    log_level: str = "info",
+    access_log: bool = False,
+    announce: Callable[[str], None] | None = None,
+) -> None:
+    """Run the proxy until SIGINT/SIGTERM; calls in flight get ``shutdown_grace_s`` to finish.
+
+    Port 0 picks a free port; ``announce`` is told the address actually bound.
+    """
+    app = CaptureProxy(settings)
+    sock = bind_listener(host, port)
+    bound = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app,
+        lifespan="on",
+        log_level=log_level,
+        access_log=access_log,
+        timeout_graceful_shutdown=max(1, math.ceil(settings.shutdown_grace_s)),
+        server_header=False,  # the upstream's own Server and Date headers pass through
+        date_header=False,
+    )
+    server = uvicorn.Server(config)
+    if announce is not None:
+        shown = f"[{host}]" if sock.family == socket.AF_INET6 else host
+        announce(f"rollout-capture proxy on http://{shown}:{bound} -> {settings.upstream}")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        app.writer.close()
+        sock.close()

@@ -1,0 +1,74 @@
+"""NeMo Gym's URL convention (spec 11): ``/ng-rollout/<rollout_id>/v1/...`` names the rollout.
+
+The id is read from the raw path, so an encoded ``/`` or ``..`` cannot split or escape
+it: it is validated as one segment before anything is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import unquote
+
+from rollout_capture.identity import validate_rollout_id
+
+Dialect = Literal["chat", "responses", "messages"]
+
+ROLLOUT_PREFIX = b"/ng-rollout/"
+VERIFIER_HEADER = b"x-rollout-capture-verifier-invocation-id"
+CAPTURED_PATHS: dict[str, Dialect] = {
+    "/v1/chat/completions": "chat",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+}
+
+
+class BadRolloutId(ValueError):
+    """The path names a rollout id that fails validation (answered 400, nothing written)."""
+
+    def __init__(self, rollout_id: str) -> None:
+        super().__init__(f"invalid rollout id {rollout_id!r} in the request path")
+        self.rollout_id = rollout_id
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where a request goes: the path to forward, and for captured calls whose and which dialect."""
+
+    path: str
+    raw_path: bytes
+    rollout_id: str | None = None
+    dialect: Dialect | None = None
+
+    @property
+    def captured(self) -> bool:
+        """Whether this call gets a claim and a row."""
+        return self.dialect is not None
+
+
+def route(method: str, path: str, raw_path: bytes | None) -> Route:
+    """Strip the rollout prefix, if any, and say whether the call is captured.
+
+    Raises :class:`BadRolloutId` when the prefix names an invalid id.
+    """
+    raw = raw_path if raw_path is not None else path.encode("utf-8")
+    if not raw.startswith(ROLLOUT_PREFIX):
+        return Route(path, raw)
+    segment, slash, tail = raw[len(ROLLOUT_PREFIX) :].partition(b"/")
+    text = unquote(segment.decode("latin-1"))
+    try:
+        rollout_id = validate_rollout_id(text)
+    except ValueError:
+        raise BadRolloutId(text) from None
+    forward_raw = slash + tail if slash else b"/"
+    forward_path = unquote(forward_raw.decode("latin-1"))
+    dialect = CAPTURED_PATHS.get(forward_path) if method == "POST" else None
+    return Route(forward_path, forward_raw, rollout_id, dialect)
+
+
+def header(headers: list[tuple[bytes, bytes]] | tuple[tuple[bytes, bytes], ...], name: bytes) -> str | None:
+    """The first value of a header (names compared lower-case, as ASGI gives them)."""
+    for key, value in headers:
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None

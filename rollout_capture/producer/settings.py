@@ -1,0 +1,101 @@
+"""Producer configuration (spec 11): one validated model, from arguments or the environment.
+
+Servers that load a middleware by import path (vLLM's ``--middleware``) give it no
+arguments, so every setting also has a ``ROLLOUT_CAPTURE_*`` environment variable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rollout_capture.secret_options import refuse_secret_options
+
+ENV_PREFIX = "ROLLOUT_CAPTURE_"
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_CLAIM_TTL_S = 300.0
+
+# Field name -> environment variable (spec 11 names the first three).
+ENV_NAMES: dict[str, str] = {
+    "capture_dir": "ROLLOUT_CAPTURE_DIR",
+    "server_name": "ROLLOUT_CAPTURE_SERVER_NAME",
+    "claim_ttl_s": "ROLLOUT_CAPTURE_CLAIM_TTL_S",
+    "max_body_bytes": "ROLLOUT_CAPTURE_MAX_BODY_BYTES",
+    "storage_options": "ROLLOUT_CAPTURE_STORAGE_OPTIONS",
+    "layout": "ROLLOUT_CAPTURE_LAYOUT",
+    "io_threads": "ROLLOUT_CAPTURE_IO_THREADS",
+    "upstream": "ROLLOUT_CAPTURE_UPSTREAM",
+}
+
+
+class ProducerSettings(BaseModel):
+    """What a producer needs to write rows and claims for the calls it sees."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    capture_dir: str = Field(min_length=1, description="Capture root: a local path or fsspec URL.")
+    server_name: str | None = Field(None, description="The row's model_ref name (null when unset).")
+    claim_ttl_s: float = Field(DEFAULT_CLAIM_TTL_S, gt=0, description="Seconds a claim stays live.")
+    max_body_bytes: int = Field(
+        DEFAULT_MAX_BODY_BYTES, ge=1, description="Cap on the request or response bytes kept for a row."
+    )
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options (no secrets).")
+    layout: Literal["auto", "jsonl", "objects"] = "auto"
+    io_threads: int = Field(32, ge=1, le=1024, description="Threads writing claims and rows.")
+
+    @field_validator("storage_options")
+    @classmethod
+    def _no_secrets(cls, value: dict[str, Any]) -> dict[str, Any]:
+        refuse_secret_options(value)
+        return value
+
+    @classmethod
+    def env_values(cls, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """The settings given by ``ROLLOUT_CAPTURE_*`` variables, unvalidated."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field, name in ENV_NAMES.items():
+            if field not in cls.model_fields:
+                continue
+            raw = env.get(name)
+            if raw is None or raw == "":
+                continue
+            if field == "storage_options":
+                try:
+                    values[field] = json.loads(raw)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{name} is not JSON: {exc}") from None
+            else:
+                values[field] = raw
+        return values
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ProducerSettings:
+        """Settings from the environment; explicit ``overrides`` (not None) win."""
+        values = cls.env_values(environ)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if "capture_dir" not in values:
+            raise ValueError(f"{ENV_NAMES['capture_dir']} is not set (the capture root, a path or URL)")
+        return cls.model_validate(values)
+
+
+class ProxySettings(ProducerSettings):
+    """A producer that forwards to an upstream it cannot modify."""
+
+    upstream: str = Field(description="Base URL of the model server, e.g. http://127.0.0.1:8000.")
+    connect_timeout_s: float = Field(10.0, gt=0)
+    read_timeout_s: float = Field(600.0, gt=0, description="Longest silence from the upstream mid-answer.")
+    write_timeout_s: float = Field(60.0, gt=0)
+    max_connections: int = Field(512, ge=1, description="Pooled upstream connections.")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="How long a stop waits for calls in flight.")
+
+    @field_validator("upstream")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"upstream must be an http:// or https:// URL; got {value!r}")
+        return value.rstrip("/")

@@ -1,0 +1,498 @@
+"""A scripted model server: real-shaped answers of the three dialects, errors, slow and cut streams.
+
+The request's ``model`` picks the script: ``scripted`` answers normally (tool calls,
+reasoning, cached-token usage), ``scripted-429`` / ``-500`` / ``-400`` answer that error,
+``scripted-slow-<s>`` streams with ``s`` seconds between events, ``scripted-cut`` ends a
+stream without its terminal event, ``scripted-abort`` drops the connection mid-stream,
+``scripted-gated-<name>`` streams its first event and waits for ``gate(name)`` before the
+rest, ``scripted-hang`` answers after 3 s, ``scripted-text`` answers 200 with plain text,
+``scripted-big`` answers a large JSON body. Streamed and plain answers carry the same
+content, so their reassembly can be compared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import threading
+from typing import Any
+
+import orjson
+
+CREATED = 1_700_000_000
+MODEL = "scripted-model"
+TOOL_ARGS = '{"city": "Paris", "unit": "c"}'
+
+CHAT = {
+    "id": "chatcmpl-scripted",
+    "object": "chat.completion",
+    "created": CREATED,
+    "model": MODEL,
+    "system_fingerprint": "fp_scripted",
+    "choices": [
+        {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": "Let me check the weather.",
+                "reasoning_content": "The user wants the weather, so call the tool.",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": TOOL_ARGS},
+                    }
+                ],
+            },
+            "logprobs": None,
+            "finish_reason": "tool_calls",
+        }
+    ],
+    "usage": {
+        "prompt_tokens": 120,
+        "completion_tokens": 35,
+        "total_tokens": 155,
+        "prompt_tokens_details": {"cached_tokens": 64},
+        "completion_tokens_details": {"reasoning_tokens": 12},
+    },
+}
+
+_REASONING_ITEM = {
+    "type": "reasoning",
+    "id": "rs_1",
+    "summary": [{"type": "summary_text", "text": "Need the weather tool."}],
+}
+_MESSAGE_ITEM = {
+    "type": "message",
+    "id": "msg_1",
+    "status": "completed",
+    "role": "assistant",
+    "content": [{"type": "output_text", "text": "Checking the weather.", "annotations": []}],
+}
+_CALL_ITEM = {
+    "type": "function_call",
+    "id": "fc_1",
+    "call_id": "call_1",
+    "name": "get_weather",
+    "arguments": TOOL_ARGS,
+    "status": "completed",
+}
+RESPONSE = {
+    "id": "resp_scripted",
+    "object": "response",
+    "created_at": CREATED,
+    "status": "completed",
+    "error": None,
+    "incomplete_details": None,
+    "instructions": None,
+    "model": MODEL,
+    "output": [_REASONING_ITEM, _MESSAGE_ITEM, _CALL_ITEM],
+    "parallel_tool_calls": True,
+    "tool_choice": "auto",
+    "tools": [],
+    "usage": {
+        "input_tokens": 200,
+        "input_tokens_details": {"cached_tokens": 128},
+        "output_tokens": 40,
+        "output_tokens_details": {"reasoning_tokens": 16},
+        "total_tokens": 240,
+    },
+}
+
+MESSAGE = {
+    "id": "msg_scripted",
+    "type": "message",
+    "role": "assistant",
+    "model": MODEL,
+    "content": [
+        {"type": "thinking", "thinking": "Weather needs the tool.", "signature": "sig-1"},
+        {"type": "text", "text": "Checking the weather."},
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris", "unit": "c"}},
+    ],
+    "stop_reason": "tool_use",
+    "stop_sequence": None,
+    "usage": {
+        "input_tokens": 50,
+        "cache_creation_input_tokens": 10,
+        "cache_read_input_tokens": 200,
+        "output_tokens": 30,
+    },
+}
+
+
+def _split(text: str, parts: int = 3) -> list[str]:
+    step = max(1, -(-len(text) // parts))
+    return [text[i : i + step] for i in range(0, len(text), step)]
+
+
+def chat_events(include_usage: bool) -> list[bytes]:
+    """A chat stream as OpenAI sends it (``usage: null`` on every chunk when usage is asked for)."""
+    message = CHAT["choices"][0]["message"]  # type: ignore[index]
+    head = {k: CHAT[k] for k in ("id", "created", "model", "system_fingerprint")}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        body: dict[str, Any] = {
+            "id": head["id"],
+            "object": "chat.completion.chunk",
+            "created": head["created"],
+            "model": head["model"],
+            "system_fingerprint": head["system_fingerprint"],
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+        if include_usage:
+            body["usage"] = None
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    call = message["tool_calls"][0]
+    events = [chunk({"role": "assistant", "content": "", "refusal": None})]
+    events += [chunk({"reasoning_content": part}) for part in _split(message["reasoning_content"])]
+    events += [chunk({"content": part}) for part in _split(message["content"])]
+    events.append(
+        chunk(
+            {
+                "tool_calls": [
+                    {
+                        "index": 0,
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {"name": call["function"]["name"], "arguments": ""},
+                    }
+                ]
+            }
+        )
+    )
+    events += [
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": part}}]})
+        for part in _split(call["function"]["arguments"])
+    ]
+    events.append(chunk({}, "tool_calls"))
+    if include_usage:
+        usage = {**head, "object": "chat.completion.chunk", "choices": [], "usage": CHAT["usage"]}
+        events.append(b"data: " + orjson.dumps(usage) + b"\n\n")
+    events.append(b"data: [DONE]\n\n")
+    return events
+
+
+def _event(kind: str, body: dict[str, Any]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **body}) + b"\n\n"
+
+
+def responses_events() -> list[bytes]:
+    """A Responses stream: created, items and their deltas, completed (with ``event:`` lines)."""
+    seq = iter(range(1000))
+    start = {**copy.deepcopy(RESPONSE), "status": "in_progress", "output": [], "usage": None}
+    out = [
+        _event("response.created", {"sequence_number": next(seq), "response": start}),
+        _event("response.in_progress", {"sequence_number": next(seq), "response": start}),
+    ]
+
+    def item_added(index: int, item: dict[str, Any]) -> None:
+        out.append(
+            _event(
+                "response.output_item.added",
+                {"sequence_number": next(seq), "output_index": index, "item": item},
+            )
+        )
+
+    def item_done(index: int, item: dict[str, Any]) -> None:
+        out.append(
+            _event(
+                "response.output_item.done",
+                {"sequence_number": next(seq), "output_index": index, "item": item},
+            )
+        )
+
+    item_added(0, {**_REASONING_ITEM, "summary": []})
+    part = {"item_id": "rs_1", "output_index": 0, "summary_index": 0}
+    text = _REASONING_ITEM["summary"][0]["text"]  # type: ignore[index]
+    out.append(
+        _event(
+            "response.reasoning_summary_part.added",
+            {"sequence_number": next(seq), **part, "part": {"type": "summary_text", "text": ""}},
+        )
+    )
+    for piece in _split(text):
+        out.append(
+            _event(
+                "response.reasoning_summary_text.delta",
+                {"sequence_number": next(seq), **part, "delta": piece},
+            )
+        )
+    out.append(
+        _event("response.reasoning_summary_text.done", {"sequence_number": next(seq), **part, "text": text})
+    )
+    out.append(
+        _event(
+            "response.reasoning_summary_part.done",
+            {"sequence_number": next(seq), **part, "part": {"type": "summary_text", "text": text}},
+        )
+    )
+    item_done(0, _REASONING_ITEM)
+
+    item_added(1, {**_MESSAGE_ITEM, "status": "in_progress", "content": []})
+    where = {"item_id": "msg_1", "output_index": 1, "content_index": 0}
+    answer = _MESSAGE_ITEM["content"][0]["text"]  # type: ignore[index]
+    out.append(
+        _event(
+            "response.content_part.added",
+            {
+                "sequence_number": next(seq),
+                **where,
+                "part": {"type": "output_text", "text": "", "annotations": []},
+            },
+        )
+    )
+    for piece in _split(answer):
+        out.append(
+            _event(
+                "response.output_text.delta",
+                {"sequence_number": next(seq), **where, "delta": piece, "logprobs": []},
+            )
+        )
+    out.append(
+        _event(
+            "response.output_text.done",
+            {"sequence_number": next(seq), **where, "text": answer, "logprobs": []},
+        )
+    )
+    out.append(
+        _event(
+            "response.content_part.done",
+            {"sequence_number": next(seq), **where, "part": _MESSAGE_ITEM["content"][0]},  # type: ignore[index]
+        )
+    )
+    item_done(1, _MESSAGE_ITEM)
+
+    item_added(2, {**_CALL_ITEM, "arguments": "", "status": "in_progress"})
+    for piece in _split(TOOL_ARGS):
+        out.append(
+            _event(
+                "response.function_call_arguments.delta",
+                {"sequence_number": next(seq), "item_id": "fc_1", "output_index": 2, "delta": piece},
+            )
+        )
+    out.append(
+        _event(
+            "response.function_call_arguments.done",
+            {"sequence_number": next(seq), "item_id": "fc_1", "output_index": 2, "arguments": TOOL_ARGS},
+        )
+    )
+    item_done(2, _CALL_ITEM)
+    out.append(_event("response.completed", {"sequence_number": next(seq), "response": RESPONSE}))
+    return out
+
+
+def messages_events() -> list[bytes]:
+    """An Anthropic Messages stream: message_start, blocks, a ping, message_delta, message_stop."""
+    usage = MESSAGE["usage"]
+    start = {**MESSAGE, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 1}}  # type: ignore[dict-item]
+    blocks: list[Any] = MESSAGE["content"]  # type: ignore[assignment]
+    out = [_event("message_start", {"message": start})]
+    out.append(
+        _event(
+            "content_block_start",
+            {"index": 0, "content_block": {"type": "thinking", "thinking": "", "signature": ""}},
+        )
+    )
+    for piece in _split(blocks[0]["thinking"]):
+        out.append(
+            _event(
+                "content_block_delta", {"index": 0, "delta": {"type": "thinking_delta", "thinking": piece}}
+            )
+        )
+    out.append(
+        _event(
+            "content_block_delta", {"index": 0, "delta": {"type": "signature_delta", "signature": "sig-1"}}
+        )
+    )
+    out.append(_event("content_block_stop", {"index": 0}))
+    out.append(_event("ping", {}))
+    out.append(_event("content_block_start", {"index": 1, "content_block": {"type": "text", "text": ""}}))
+    for piece in _split(blocks[1]["text"]):
+        out.append(
+            _event("content_block_delta", {"index": 1, "delta": {"type": "text_delta", "text": piece}})
+        )
+    out.append(_event("content_block_stop", {"index": 1}))
+    out.append(
+        _event(
+            "content_block_start",
+            {
+                "index": 2,
+                "content_block": {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}},
+            },
+        )
+    )
+    for piece in _split(TOOL_ARGS):
+        out.append(
+            _event(
+                "content_block_delta",
+                {"index": 2, "delta": {"type": "input_json_delta", "partial_json": piece}},
+            )
+        )
+    out.append(_event("content_block_stop", {"index": 2}))
+    out.append(
+        _event(
+            "message_delta",
+            {
+                "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+                "usage": {"output_tokens": usage["output_tokens"]},
+            },  # type: ignore[index]
+        )
+    )
+    out.append(_event("message_stop", {}))
+    return out
+
+
+def _error(dialect: str, status: int) -> bytes:
+    kinds = {400: "invalid_request_error", 429: "rate_limit_error", 500: "api_error"}
+    if dialect == "messages":
+        return orjson.dumps(
+            {"type": "error", "error": {"type": kinds[status], "message": f"scripted {status}"}}
+        )
+    return orjson.dumps(
+        {"error": {"message": f"scripted {status}", "type": kinds[status], "param": None, "code": None}}
+    )
+
+
+class ScriptAbort(Exception):
+    """Raised inside the scripted server to drop a connection mid-answer."""
+
+
+class _QuietAborts(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, ScriptAbort)
+
+
+DIALECTS = {"/v1/chat/completions": "chat", "/v1/responses": "responses", "/v1/messages": "messages"}
+
+
+class ScriptedUpstream:
+    """The ASGI app. ``seen`` holds every request it got: method, path, query, headers, JSON body."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s  # before the first byte of every answer (the benchmark's 20 ms)
+        self.seen: list[dict[str, Any]] = []
+        self._gates: dict[str, threading.Event] = {}
+        logging.getLogger("uvicorn.error").addFilter(_QuietAborts())
+
+    def gate(self, name: str) -> threading.Event:
+        """The gate a ``scripted-gated-<name>`` stream waits at after its first event."""
+        return self._gates.setdefault(name, threading.Event())
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        try:
+            request = orjson.loads(body) if body else None
+        except orjson.JSONDecodeError:
+            request = None
+        self.seen.append(
+            {
+                "method": scope["method"],
+                "path": scope["path"],
+                "query": scope["query_string"].decode(),
+                "headers": {k.decode(): v.decode() for k, v in scope["headers"]},
+                "body": request,
+                "raw": body,
+            }
+        )
+        dialect = DIALECTS.get(scope["path"])
+        if dialect is None or scope["method"] != "POST":
+            await self._json(
+                send,
+                200,
+                {"object": "list", "data": [{"id": MODEL, "object": "model"}], "path": scope["path"]},
+            )
+            return
+        model = request.get("model", "scripted") if isinstance(request, dict) else "scripted"
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        for status in (400, 429, 500):
+            if model == f"scripted-{status}":
+                await self._raw(send, status, b"application/json", _error(dialect, status))
+                return
+        if model == "scripted-hang":
+            await asyncio.sleep(3.0)
+        if model == "scripted-text":
+            await self._raw(send, 200, b"text/plain", b"upstream said something that is not JSON")
+            return
+        if model == "scripted-big":
+            big = {**copy.deepcopy(CHAT), "padding": "x" * 200_000}
+            await self._json(send, 200, big)
+            return
+        stream = isinstance(request, dict) and request.get("stream") is True
+        if not stream:
+            await self._json(send, 200, {"chat": CHAT, "responses": RESPONSE, "messages": MESSAGE}[dialect])
+            return
+        if dialect == "chat":
+            options = request.get("stream_options") or {}
+            events = chat_events(bool(options.get("include_usage")))
+        elif dialect == "responses":
+            events = responses_events()
+        else:
+            events = messages_events()
+        await self._stream(send, model, events)
+
+    async def _stream(self, send: Any, model: str, events: list[bytes]) -> None:
+        gap = float(model.rsplit("-", 1)[1]) if model.startswith("scripted-slow-") else 0.0
+        if model in ("scripted-cut", "scripted-abort"):
+            events = events[: len(events) // 2]
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                ],
+            }
+        )
+        gate = (
+            self.gate(model.removeprefix("scripted-gated-")) if model.startswith("scripted-gated-") else None
+        )
+        for number, event in enumerate(events):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+            if gap:
+                await asyncio.sleep(gap)
+            if gate is not None and number == 0:
+                for _ in range(3000):  # at most 30 s
+                    if gate.is_set():
+                        break
+                    await asyncio.sleep(0.01)
+        if model == "scripted-abort":
+            raise ScriptAbort("connection dropped by the script")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _json(self, send: Any, status: int, body: Any) -> None:
+        await self._raw(send, status, b"application/json", orjson.dumps(body))
+
+    @staticmethod
+    async def _raw(send: Any, status: int, content_type: bytes, body: bytes) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", content_type),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"x-scripted", b"1"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -1,0 +1,415 @@
+"""The capture proxy with real clients (openai, anthropic, httpx) in front of the scripted upstream:
+captures, pass-through, faults, a client that leaves, S3, a killed and a stopped proxy."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import orjson
+import pytest
+
+from rollout_capture import (
+    CaptureStore,
+    await_model_call_capture_quiescence,
+    merge_model_call_capture_into_record,
+)
+from rollout_capture.producer.proxy import CaptureProxy
+from rollout_capture.producer.settings import ProxySettings
+
+from .conftest import ROOT, S3
+from .producer_calls import DIALECTS, anthropic_client, check_row, openai_client, sdk_call
+from .scripted_upstream import CHAT, chat_events
+from .servers import ThreadedServer
+
+SERVER = "policy"
+
+
+class Proxy:
+    """A proxy served in this process, and the store it writes."""
+
+    def __init__(self, upstream: str, capture_dir: str, **settings: Any) -> None:
+        self.settings = ProxySettings(
+            upstream=upstream, capture_dir=capture_dir, server_name=SERVER, read_timeout_s=1.0, **settings
+        )
+        self.server = ThreadedServer(CaptureProxy(self.settings))
+        self.url = self.server.url
+        self.store = CaptureStore(capture_dir, storage_options=self.settings.storage_options)
+
+    def rows(self, rollout_id: str) -> list[dict[str, Any]]:
+        return self.store.read(rollout_id)
+
+    def wait_rows(self, rollout_id: str, count: int = 1, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rows = self.rows(rollout_id)
+            if len(rows) >= count or time.monotonic() > deadline:
+                return rows
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def proxy(scripted_upstream: tuple[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+    served = Proxy(scripted_upstream[0], str(tmp_path_factory.mktemp("proxy-captures")))
+    yield served
+    served.server.stop()
+
+
+@pytest.fixture
+def upstream_app(scripted_upstream: tuple[str, Any]) -> Any:
+    return scripted_upstream[1]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_sdk_calls_are_captured(proxy: Proxy, dialect: str, stream: bool) -> None:
+    rollout_id = f"sdk-{dialect}-{int(stream)}"
+    seen = sdk_call(proxy.url, rollout_id, dialect, stream)
+    assert seen["tool"] == "get_weather"
+    (row,) = proxy.rows(rollout_id)
+    check_row(row, dialect, server_name=SERVER)
+    assert proxy.store.claims([rollout_id]) == {}  # released once the row landed
+
+
+def test_headers_query_and_body_pass_through_and_secrets_stay_out(proxy: Proxy, upstream_app: Any) -> None:
+    body = b'{"model": "scripted",   "messages": [{"role": "user", "content": "caf\xc3\xa9"}]}'
+    headers = {"authorization": "Bearer sk-secret-42", "x-api-key": "ak-secret-42", "x-trace": "t-1"}
+    with httpx.Client(base_url=proxy.url) as client:
+        answer = client.post(
+            "/ng-rollout/pass-1/v1/chat/completions?api-version=7", content=body, headers=headers
+        )
+        assert answer.status_code == 200 and answer.json()["id"] == CHAT["id"]
+        assert answer.headers["x-scripted"] == "1"  # response headers come back too
+        got = upstream_app.seen[-1]
+        assert (got["path"], got["query"], got["raw"]) == ("/v1/chat/completions", "api-version=7", body)
+        assert got["headers"]["authorization"] == "Bearer sk-secret-42"
+        assert got["headers"]["x-api-key"] == "ak-secret-42" and got["headers"]["x-trace"] == "t-1"
+        models = client.get("/ng-rollout/pass-1/v1/models?x=1", headers=headers)  # not a model call
+        assert models.json()["path"] == "/v1/models" and upstream_app.seen[-1]["query"] == "x=1"
+        assert client.get("/v1/models").json()["path"] == "/v1/models"  # no rollout prefix
+    (row,) = proxy.rows("pass-1")
+    assert row["request"]["messages"][0]["content"] == "café"
+    stored = b"".join(
+        p.read_bytes() for p in Path(proxy.settings.capture_dir).rglob("pass-1*") if p.is_file()
+    )
+    for secret in (b"sk-secret-42", b"ak-secret-42", b"t-1", b"authorization"):
+        assert secret not in stored
+
+
+def test_chat_usage_is_asked_for_upstream_and_hidden_from_the_client(proxy: Proxy, upstream_app: Any) -> None:
+    request = {"model": "scripted", "messages": [], "stream": True}
+    with httpx.Client(base_url=proxy.url) as client:
+        got = client.post("/ng-rollout/usage-1/v1/chat/completions", json=request)
+    assert got.content == b"".join(chat_events(include_usage=False))  # exactly as without the proxy
+    assert upstream_app.seen[-1]["body"]["stream_options"] == {"include_usage": True}
+    (row,) = proxy.rows("usage-1")
+    assert row["request"] == request and row["response"]["usage"] == CHAT["usage"]
+
+    asked = openai_client(proxy.url, "usage-2").chat.completions.create(
+        model="scripted", messages=[], stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(asked)
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 155
+
+
+def test_a_bad_rollout_id_is_refused_and_nothing_is_written(proxy: Proxy, upstream_app: Any) -> None:
+    before = sorted(os.listdir(proxy.settings.capture_dir))
+    calls = len(upstream_app.seen)
+    with httpx.Client(base_url=proxy.url) as client:
+        for path in ("/ng-rollout/..%2F..%2Fetc/v1/chat/completions", "/ng-rollout/a%20b/v1/messages"):
+            answer = client.post(path, json={"model": "scripted"})
+            assert answer.status_code == 400
+            assert "invalid rollout id" in answer.json()["error"]["message"]
+    assert "'../../etc'" in client_error(proxy.url, "/ng-rollout/..%2F..%2Fetc/v1/responses")
+    assert sorted(os.listdir(proxy.settings.capture_dir)) == before
+    assert len(upstream_app.seen) == calls
+
+
+def client_error(base: str, path: str) -> str:
+    with httpx.Client(base_url=base) as client:
+        return str(client.post(path, json={}).json()["error"]["message"])
+
+
+def test_upstream_errors_pass_through_and_are_classified(proxy: Proxy) -> None:
+    with pytest.raises(openai.RateLimitError):
+        openai_client(proxy.url, "err-1").chat.completions.create(model="scripted-429", messages=[])
+    with pytest.raises(openai.InternalServerError):
+        openai_client(proxy.url, "err-1").responses.create(model="scripted-500", input="x")
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        anthropic_client(proxy.url, "err-1").messages.create(model="scripted-400", max_tokens=1, messages=[])
+    assert caught.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    rows = proxy.rows("err-1")
+    assert [(r["status_code"], r["error_category"]) for r in rows] == [
+        (429, "rate_limit"),
+        (500, "upstream_error"),
+        (400, "client_error"),
+    ]
+    assert rows[0]["response"]["error"]["message"] == "scripted 429"
+
+
+def test_an_unreachable_upstream_is_a_502_and_a_slow_one_a_504(proxy: Proxy, tmp_path: Path) -> None:
+    with socketless_port() as port:
+        dead = Proxy(f"http://127.0.0.1:{port}", str(tmp_path), connect_timeout_s=2.0)
+    try:
+        with pytest.raises(openai.InternalServerError) as caught:
+            openai_client(dead.url, "down-1").chat.completions.create(model="scripted", messages=[])
+        assert caught.value.status_code == 502 and "unreachable" in str(caught.value)
+        (row,) = dead.rows("down-1")
+        assert (row["status_code"], row["error_category"], row["response"]) == (None, "connection", None)
+        assert row["request"]["model"] == "scripted"
+    finally:
+        dead.server.stop()
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        answer = client.post("/ng-rollout/slow-1/v1/messages", json={"model": "scripted-hang"})
+    assert answer.status_code == 504 and answer.json()["error"]["type"] == "upstream_timeout"
+    (row,) = proxy.rows("slow-1")
+    assert (row["status_code"], row["error_category"]) == (None, "timeout")
+
+
+class socketless_port:
+    """A loopback port nothing listens on."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return int(sock.getsockname()[1])
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_streams_cut_short_are_stream_truncated(proxy: Proxy) -> None:
+    chunks = list(
+        openai_client(proxy.url, "cut-1").chat.completions.create(
+            model="scripted-cut", messages=[], stream=True
+        )
+    )
+    assert chunks  # what the upstream sent before it stopped
+    with pytest.raises((httpx.HTTPError, openai.APIError)):  # the upstream dropped the connection: so do we
+        list(
+            openai_client(proxy.url, "cut-1").responses.create(model="scripted-abort", input="x", stream=True)
+        )
+    rows = proxy.wait_rows("cut-1", 2)
+    assert [(r["status_code"], r["error_category"]) for r in rows] == [(200, "stream_truncated")] * 2
+    assert rows[0]["response"]["choices"][0]["message"]["reasoning_content"]  # what came is kept
+    assert rows[1]["response"]["id"] == "resp_scripted"
+
+
+def test_a_body_that_is_not_json_is_kept_raw(proxy: Proxy) -> None:
+    with httpx.Client(base_url=proxy.url) as client:
+        answer = client.post("/ng-rollout/text-1/v1/responses", content=b"model=scripted-text")
+        assert answer.status_code == 200
+        answer = client.post("/ng-rollout/text-1/v1/responses", json={"model": "scripted-text"})
+        assert answer.text == "upstream said something that is not JSON"
+    rows = proxy.rows("text-1")
+    assert rows[0]["request"] is None and rows[0]["request_raw"] == "model=scripted-text"
+    assert rows[1]["response"] is None and rows[1]["response_raw"] == answer.text
+    assert rows[1]["error_category"] == "capture_parse_error"
+
+
+def test_oversized_bodies_are_forwarded_whole_and_cut_in_the_row(
+    scripted_upstream: tuple[str, Any], tmp_path: Path
+) -> None:
+    url, app = scripted_upstream
+    small = Proxy(url, str(tmp_path), max_body_bytes=4096)
+    try:
+        request = {"model": "scripted-big", "messages": [{"role": "user", "content": "y" * 50_000}]}
+        body = orjson.dumps(request)
+        with httpx.Client(base_url=small.url) as client:
+            answer = client.post("/ng-rollout/big-1/v1/chat/completions", content=body)
+        assert answer.status_code == 200 and len(answer.json()["padding"]) == 200_000
+        assert app.seen[-1]["raw"] == body
+        (row,) = small.rows("big-1")
+        assert row["request_truncated"] is True and row["request_raw"] == body[:4096].decode()
+        assert row["response_truncated"] is True and row["response"] is None
+        assert row["error_category"] == "incomplete" and len(row["response_raw"]) == 4096
+    finally:
+        small.server.stop()
+
+
+def test_a_client_that_leaves_mid_stream_still_leaves_its_row(proxy: Proxy, upstream_app: Any) -> None:
+    request = {"model": "scripted-gated-gone-1", "messages": [], "stream": True}
+    with (
+        httpx.Client(base_url=proxy.url) as client,
+        client.stream("POST", "/ng-rollout/gone-1/v1/chat/completions", json=request) as answer,
+    ):
+        first = next(answer.iter_raw())
+        assert first.startswith(b"data: ")
+        # Forwarded as it came: the client has it while the upstream waits at its gate.
+        assert proxy.rows("gone-1") == [] and proxy.store.live_claims("gone-1")
+    (row,) = proxy.wait_rows("gone-1")
+    upstream_app.gate("gone-1").set()
+    assert (row["status_code"], row["error_category"]) == (200, "cancelled")
+    assert row["response"]["id"] == CHAT["id"]  # what had arrived
+    assert proxy.store.claims(["gone-1"]) == {}
+
+
+def test_a_verifier_names_its_invocation_in_a_header(proxy: Proxy) -> None:
+    judge = openai_client(
+        proxy.url, "judge-1", default_headers={"X-Rollout-Capture-Verifier-Invocation-Id": "v-7"}
+    )
+    judge.chat.completions.create(model="scripted", messages=[])
+    (row,) = proxy.rows("judge-1")
+    assert row["verifier_invocation_id"] == "v-7"
+
+
+def test_the_proxy_writes_objects_on_s3(scripted_upstream: tuple[str, Any], s3: S3) -> None:
+    on_s3 = Proxy(scripted_upstream[0], s3.url("caps"), storage_options=s3.storage_options)
+    try:
+        for dialect in DIALECTS:
+            sdk_call(on_s3.url, "s3-1", dialect, stream=True)
+        rows = on_s3.rows("s3-1")
+        assert [r["dialect"] for r in rows] == list(DIALECTS)
+        for row, dialect in zip(rows, DIALECTS, strict=True):
+            check_row(row, dialect, server_name=SERVER)
+        keys = sorted(k.rsplit("/", 1)[1] for k in s3.fs().find(f"{s3.bucket}/caps"))
+        assert keys == ["000000000000.json", "000000000001.json", "000000000002.json"]  # no claims left
+    finally:
+        on_s3.server.stop()
+
+
+# ---------------------------------------------------------------- a real proxy process
+
+
+def spawn_proxy(upstream: str, capture_dir: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "proxy",
+            "--upstream",
+            upstream,
+            "--capture-dir",
+            str(capture_dir),
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+            *extra,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    assert " on http://" in line, line
+    return proc, line.split(" on ", 1)[1].split(" ", 1)[0]
+
+
+def stream_in_background(url: str, rollout_id: str, model: str) -> tuple[threading.Thread, dict[str, Any]]:
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            with httpx.Client(base_url=url, timeout=30) as client:
+                got = client.post(
+                    f"/ng-rollout/{rollout_id}/v1/chat/completions",
+                    json={"model": model, "messages": [], "stream": True},
+                )
+                outcome["body"] = got.content
+        except httpx.HTTPError as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def wait_for(predicate: Any, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+async def test_a_killed_proxy_leaves_claims_that_expire_as_abandoned(
+    scripted_upstream: tuple[str, Any], tmp_path: Path
+) -> None:
+    proc, url = spawn_proxy(scripted_upstream[0], tmp_path, "--claim-ttl", "1")
+    store = CaptureStore(tmp_path)
+    try:
+        thread, outcome = stream_in_background(url, "7-0", "scripted-gated-killed")
+        wait_for(lambda: store.live_claims("7-0"))
+        proc.send_signal(signal.SIGKILL)  # mid-stream: the upstream waits at its gate
+        proc.wait(10)
+        thread.join(30)
+    finally:
+        scripted_upstream[1].gate("killed").set()
+        if proc.poll() is None:
+            proc.kill()
+    assert "error" in outcome  # the client saw its connection die
+    record = {"_ng_task_index": 7, "_ng_rollout_index": 0}
+    assert await await_model_call_capture_quiescence("7-0", [store], timeout_s=15, poll_s=0.05)
+    gaps = merge_model_call_capture_into_record(record, [store])["ng_model_call_capture"]["gaps"]
+    assert {"code": "model_call_capture_claim_abandoned", "detail": "count=1"} in gaps
+
+
+def test_a_stopped_proxy_finishes_the_calls_in_flight(
+    scripted_upstream: tuple[str, Any], tmp_path: Path
+) -> None:
+    proc, url = spawn_proxy(scripted_upstream[0], tmp_path)
+    store = CaptureStore(tmp_path)
+    try:
+        thread, outcome = stream_in_background(url, "8-0", "scripted-gated-stopped")
+        wait_for(lambda: store.live_claims("8-0"))
+        proc.send_signal(signal.SIGTERM)  # mid-stream: the upstream waits at its gate
+        time.sleep(0.3)  # the stop has begun (either way the call must finish whole)
+        scripted_upstream[1].gate("stopped").set()
+        thread.join(30)
+        assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert outcome.get("body") == b"".join(chat_events(include_usage=False))
+    (row,) = store.read("8-0")
+    assert (row["status_code"], row["error_category"]) == (200, None)
+    assert store.claims(["8-0"]) == {}
+
+
+def test_the_cli_refuses_bad_settings_with_exit_code_2(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    runner = CliRunner()
+    bad = runner.invoke(app, ["proxy", "--upstream", "ftp://nope", "--capture-dir", str(tmp_path)])
+    assert bad.exit_code == 2 and "upstream must be an http" in bad.output
+    secret = ["proxy", "--upstream", "http://x", "-c", str(tmp_path), "--storage-options", '{"secret": "s"}']
+    assert runner.invoke(app, secret).exit_code == 2
+
+
+async def test_the_proxys_connections_have_nagle_off() -> None:
+    """A pre-bound socket must say it is TCP, or asyncio leaves Nagle on (40 ms stalls)."""
+    import asyncio
+    import socket
+
+    from rollout_capture.producer.proxy import bind_listener
+
+    sock = bind_listener("127.0.0.1", 0)
+    nodelay: list[int] = []
+
+    async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nodelay.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        writer.close()
+
+    server = await asyncio.start_server(accepted, sock=sock)
+    async with server:
+        _, writer = await asyncio.open_connection(*sock.getsockname())
+        while not nodelay:
+            await asyncio.sleep(0.01)
+        writer.close()
+    assert nodelay == [1]
