@@ -2,7 +2,8 @@
 
 Exit codes: 0 done; 1 the work failed (storage faults outlasting retries, rollouts still
 claimed after ``wait``); 2 bad input (missing file, malformed line under ``--strict``,
-invalid id or option), always with a message naming the input.
+invalid id or option, a capture dir that is not there), always with a message naming the
+input. ``--json`` prints one machine-readable summary on stdout instead, failures included.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import StrEnum
-from typing import TYPE_CHECKING, Annotated, Any, cast
+from importlib.metadata import PackageNotFoundError, version
+from typing import Annotated, Any
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -31,21 +35,43 @@ OptionsOpt = Annotated[
 BlockOpt = Annotated[
     str | None, typer.Option("--credentials-block", help="Name of a prefect-aws AwsCredentials block.")
 ]
-RunnerOpt = Annotated[str, typer.Option("--runner", help="threads | processes | dask")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON summary on stdout instead.")]
+AllowEmptyOpt = Annotated[
+    bool, typer.Option(help="Accept a capture dir that does not exist or holds nothing.")
+]
 
 
-if TYPE_CHECKING:
-    from flows.runners import Runner
+class RunnerName(StrEnum):
+    """Where batches run."""
+
+    threads = "threads"
+    processes = "processes"
+    dask = "dask"
 
 
-def _runner(value: str) -> Runner:
-    if value not in ("threads", "processes", "dask"):
-        raise InputError(f"--runner must be threads, processes or dask; got {value!r}")
-    return cast("Runner", value)
+RunnerOpt = Annotated[RunnerName, typer.Option(help="Where batches run.")]
 
 
 class InputError(Exception):
     """Bad input: exit code 2."""
+
+
+def _version(show: bool) -> None:
+    if show:
+        try:
+            typer.echo(f"rollout-capture {version('rollout-capture')}")
+        except PackageNotFoundError:  # pragma: no cover - run from a plain checkout
+            typer.echo("rollout-capture (not installed)")
+        raise typer.Exit
+
+
+@app.callback()
+def _main(
+    show_version: Annotated[
+        bool, typer.Option("--version", is_eager=True, callback=_version, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Enrich LLM rollout records with their captured model calls."""
 
 
 def _options(text: str | None) -> dict[str, Any] | None:
@@ -61,9 +87,11 @@ def _options(text: str | None) -> dict[str, Any] | None:
 
 
 def _prefect_env() -> None:
-    """No telemetry; an embedded temporary server unless PREFECT_API_URL names one."""
+    """No telemetry; an embedded temporary server unless PREFECT_API_URL names one; core logs in the UI."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rollout_capture")
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
 
 class _WithoutTraceback(logging.Formatter):
@@ -106,8 +134,12 @@ def _flow_input(url: str, storage_options: str | None, what: str) -> dict[str, A
     return options
 
 
+def _print_json(value: Any) -> None:
+    typer.echo(json.dumps(value, indent=2, default=str))
+
+
 @contextmanager
-def _exits() -> Iterator[None]:
+def _exits(as_json: bool = False) -> Iterator[None]:
     """Turn errors into a one-line message and an exit code, never a bare traceback."""
     from rollout_capture.faults import is_transient_storage_error
 
@@ -116,25 +148,44 @@ def _exits() -> Iterator[None]:
     except typer.Exit:
         raise
     except (InputError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        code, message = 2, str(exc)
     except Exception as exc:
         kind = "storage fault (after retries)" if is_transient_storage_error(exc) else type(exc).__name__
-        typer.echo(f"error: {kind}: {exc}", err=True)
-        raise typer.Exit(1) from None
+        code, message = 1, f"{kind}: {exc}"
+    else:
+        return
+    typer.echo(f"error: {message}", err=True)
+    if as_json:
+        _print_json({"ok": False, "exit_code": code, "error": message})
+    raise typer.Exit(code) from None
 
 
-def _table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows
-    )
+def _show(rows: Sequence[Sequence[str]], header: Sequence[str] | None = None) -> None:
+    """A table for people (rich, no borders: easy to read and to grep)."""
+    table = Table(box=None, show_header=header is not None, pad_edge=False)
+    for name in header or ("",) * len(rows[0]):
+        table.add_column(name, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 
 def _num(value: Any) -> str:
     if value is None:
         return "-"
     return f"{value:.1f}" if isinstance(value, float) else str(value)
+
+
+@contextmanager
+def _progress(as_json: bool) -> Iterator[None]:
+    """Progress bars on a TTY (never with --json: stdout is for the summary)."""
+    if as_json:
+        yield
+        return
+    from flows.terminal import progress_bars
+
+    with progress_bars():
+        yield
 
 
 @app.command()
@@ -148,44 +199,56 @@ def enrich(
     strict: Annotated[bool, typer.Option(help="Fail on a line that is not a rollout record.")] = False,
     batch_size: Annotated[int, typer.Option(min=1)] = 1000,
     max_workers: Annotated[int, typer.Option(min=1)] = 8,
-    runner: RunnerOpt = "threads",
+    runner: RunnerOpt = RunnerName.threads,
     dask_address: Annotated[str | None, typer.Option(help="Dask scheduler; default a local cluster.")] = None,
     quiescence_timeout: Annotated[float, typer.Option(help="Seconds to wait for claimed writes.")] = 10.0,
+    allow_empty: AllowEmptyOpt = False,
+    max_gap_share: Annotated[
+        float | None, typer.Option(min=0, max=1, help="Emit gaps-exceeded above this share of rollouts.")
+    ] = None,
     storage_options: OptionsOpt = None,
     credentials_block: BlockOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Enrich every rollout of ROLLOUTS with its captured model calls."""
     _prefect_env()
-    with _exits():
+    with _exits(as_json):
         options = _flow_input(rollouts, storage_options, "rollouts file")
         from flows import enrich_rollouts
 
         _terminal_logging()  # after the import: Prefect sets its console handlers up then
-        summary = enrich_rollouts(
-            rollouts,
-            capture_dir,
-            output=output,
-            include_payloads=include_payloads,
-            quiescence_timeout_s=quiescence_timeout,
-            batch_size=batch_size,
-            max_workers=max_workers,
-            runner=_runner(runner),
-            dask_address=dask_address,
-            strict=strict,
-            storage_options=options,
-            credentials_block=credentials_block,
-        )
+        with _progress(as_json):
+            summary = enrich_rollouts(
+                rollouts,
+                capture_dir,
+                output=output,
+                include_payloads=include_payloads,
+                quiescence_timeout_s=quiescence_timeout,
+                batch_size=batch_size,
+                max_workers=max_workers,
+                runner=runner.value,
+                dask_address=dask_address,
+                strict=strict,
+                allow_empty=allow_empty,
+                max_gap_share=max_gap_share,
+                storage_options=options,
+                credentials_block=credentials_block,
+            )
         stats = summary.stats
+        if as_json:
+            _print_json({"ok": True, **summary.model_dump(mode="json"), "gap_share": stats.gap_share})
+            return
         rows = [
             ("output", summary.output),
             ("lines", str(stats.lines)),
             ("rollouts enriched", str(stats.rollouts)),
             ("model calls", str(stats.calls)),
             ("tokens in / out / total", f"{stats.tokens_in} / {stats.tokens_out} / {stats.tokens_total}"),
+            ("rollouts with any gap", f"{stats.rollouts_with_gaps} ({100 * stats.gap_share:.1f}%)"),
             ("lines passed through", str(len(stats.problems))),
         ]
         rows += [(f"gap {code}", str(count)) for code, count in stats.gaps.items()]
-        typer.echo(_table(rows))
+        _show(rows)
         for problem in stats.problems[:10]:
             typer.echo(f"{rollouts}:{problem.line}: {problem.reason}", err=True)
 
@@ -196,10 +259,11 @@ def clear(
     capture_dir: CaptureDirOpt,
     storage_options: OptionsOpt = None,
     credentials_block: BlockOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Remove the captures of the rollouts about to be dispatched."""
     _prefect_env()
-    with _exits():
+    with _exits(as_json):
         options = _flow_input(rollouts, storage_options, "rollouts file")
         from flows import prepare_dispatch
 
@@ -207,7 +271,10 @@ def clear(
         cleared = prepare_dispatch(
             rollouts, capture_dir, storage_options=options, credentials_block=credentials_block
         )
-        typer.echo(f"cleared captures of {cleared} rollout id(s)")
+        if as_json:
+            _print_json({"ok": True, "capture_dir": capture_dir, "rollout_ids_cleared": cleared})
+        else:
+            typer.echo(f"cleared captures of {cleared} rollout id(s)")
 
 
 @app.command()
@@ -217,16 +284,22 @@ def wait(
     timeout: Annotated[float, typer.Option(help="Seconds before giving up.")] = 10.0,
     poll: Annotated[float, typer.Option(help="Seconds between checks.")] = 0.05,
     storage_options: OptionsOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Wait until no claimed capture write of the rollout is outstanding (exit 1 on timeout)."""
-    with _exits():
+    with _exits(as_json):
         from rollout_capture import CaptureStore, await_model_call_capture_quiescence
 
         store = CaptureStore(capture_dir, storage_options=_options(storage_options))
-        if not asyncio.run(await_model_call_capture_quiescence(rollout_id, [store], timeout, poll)):
+        quiet = asyncio.run(await_model_call_capture_quiescence(rollout_id, [store], timeout, poll))
+        if as_json:
+            _print_json({"ok": quiet, "rollout_id": rollout_id, "quiescent": quiet, "timeout_s": timeout})
+        elif quiet:
+            typer.echo(f"{rollout_id}: quiescent")
+        else:
             typer.echo(f"{rollout_id}: still claimed after {timeout}s", err=True)
+        if not quiet:
             raise typer.Exit(1)
-        typer.echo(f"{rollout_id}: quiescent")
 
 
 @app.command("enrich-runs")
@@ -235,25 +308,43 @@ def enrich_runs(
         str, typer.Argument(help="Folder of runs: <root>/<run>/rollouts.jsonl, captures/, _SUCCESS.")
     ],
     capture_dir: Annotated[str | None, typer.Option(help="One capture root for all runs.")] = None,
-    runner: RunnerOpt = "threads",
+    runner: RunnerOpt = RunnerName.threads,
+    max_gap_share: Annotated[
+        float | None, typer.Option(min=0, max=1, help="Emit gaps-exceeded above this share of rollouts.")
+    ] = None,
     storage_options: OptionsOpt = None,
     credentials_block: BlockOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Enrich every finished, not yet enriched run under RUNS_ROOT (what the schedule runs)."""
     _prefect_env()
-    with _exits():
+    with _exits(as_json):
         options = _flow_input(runs_root, storage_options, "runs root")
         from flows import enrich_completed_runs
 
         _terminal_logging()  # after the import: Prefect sets its console handlers up then
-        summary = enrich_completed_runs(
-            runs_root,
-            capture_dir=capture_dir,
-            runner=_runner(runner),
-            storage_options=options,
-            credentials_block=credentials_block,
-        )
-        typer.echo(json.dumps(summary.model_dump(), indent=2))
+        with _progress(as_json):
+            summary = enrich_completed_runs(
+                runs_root,
+                capture_dir=capture_dir,
+                runner=runner.value,
+                max_gap_share=max_gap_share,
+                storage_options=options,
+                credentials_block=credentials_block,
+            )
+        if as_json:
+            _print_json({"ok": True, **summary.model_dump(mode="json")})
+            return
+        rows = [
+            (what, ", ".join(names) or "-")
+            for what, names in (
+                ("enriched", summary.enriched),
+                ("busy (another tick holds them)", summary.busy),
+                ("unfinished (no _SUCCESS)", summary.unfinished),
+                ("already enriched", summary.already_enriched),
+            )
+        ]
+        _show(rows)
 
 
 @app.command()
@@ -261,9 +352,10 @@ def inspect(
     rollout_id: Annotated[str, typer.Argument(help="Rollout id, e.g. 12-3.")],
     capture_dir: CaptureDirOpt,
     storage_options: OptionsOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Show a rollout's captured calls: tokens, latency, status and gaps."""
-    with _exits():
+    with _exits(as_json):
         from rollout_capture import CaptureStore
         from rollout_capture.attachment import build_attachment
         from rollout_capture.evidence import gather_evidence
@@ -272,7 +364,10 @@ def inspect(
         store = CaptureStore(capture_dir, storage_options=_options(storage_options))
         validate_rollout_id(rollout_id)
         attachment = build_attachment(rollout_id, gather_evidence([rollout_id], [store])[rollout_id])
-        rows = [("#", "model", "dialect", "status", "in", "out", "total", "latency ms", "error")]
+        if as_json:
+            _print_json({"ok": True, **attachment})
+            return
+        rows: list[tuple[str, ...]] = []
         for call in attachment["calls"]:
             rows.append(
                 (
@@ -301,7 +396,7 @@ def inspect(
                 "",
             )
         )
-        typer.echo(_table(rows))
+        _show(rows, ("#", "model", "dialect", "status", "in", "out", "total", "latency ms", "error"))
         for invocation in attachment.get("verifier_invocations", []):
             typer.echo(
                 f"verifier {invocation['verifier_invocation_id']}: reward {_num(invocation['reward'])}, "
@@ -367,9 +462,10 @@ def proxy(
     storage_options: OptionsOpt = None,
     log_level: Annotated[LogLevel, typer.Option(help="Log level.")] = LogLevel.info,
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Reverse proxy in front of a model server, capturing calls under /ng-rollout/<id>/v1/."""
-    with _exits():
+    with _exits(as_json):
         from rollout_capture.producer.proxy import serve_proxy
         from rollout_capture.producer.settings import ProxySettings
 
@@ -393,15 +489,17 @@ def proxy(
             port=port,
             log_level=log_level.value,
             access_log=access_log,
-            announce=lambda line: typer.echo(line, err=True),
+            announce=(lambda line: _print_json({"ok": True, "serving": line}))
+            if as_json
+            else (lambda line: typer.echo(line, err=True)),
         )
 
 
 @app.command()
-def serve() -> None:
+def serve(as_json: JsonOpt = False) -> None:
     """Serve the deployments from this machine (Ctrl-C to stop)."""
     _prefect_env()
-    with _exits():
+    with _exits(as_json):
         from deployments.serve import main as serve_main
 
         serve_main()

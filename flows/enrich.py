@@ -154,7 +154,7 @@ def _enrich(
                 stats += batch.stats
                 batches += 1
                 done_bytes += size
-                advance_progress(progress, done_bytes, staged.size)
+                advance_progress(progress, rollouts, done_bytes, staged.size)
 
             for piece in ranges:
                 # Workers elsewhere (Dask) cannot read this machine's files: they get the bytes.

@@ -39,6 +39,7 @@ def enrich_completed_runs(
     max_workers: int = 8,
     runner: Runner = "threads",
     lease_s: float = DEFAULT_LEASE_S,
+    max_gap_share: float | None = None,
     storage_options: dict[str, Any] | None = None,
     credentials_block: str | None = None,
 ) -> RunsSummary:
@@ -73,6 +74,7 @@ def enrich_completed_runs(
                 batch_size=batch_size,
                 max_workers=max_workers,
                 runner=runner,
+                max_gap_share=max_gap_share,
                 storage_options=storage_options,
                 credentials_block=credentials_block,
             )

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from uuid import UUID
 
 from prefect.artifacts import (
@@ -66,15 +68,35 @@ class EnrichSummary(BaseModel):
     stats: BatchStats = Field(default_factory=BatchStats)
 
 
+ProgressListener = Callable[[str, int, int], None]
+"""Told ``(source, bytes done, bytes in all)`` as an enrichment advances (a terminal's progress bar)."""
+_listeners: list[ProgressListener] = []
+
+
+@contextmanager
+def listening_to_progress(listener: ProgressListener) -> Iterator[None]:
+    """Tell ``listener`` about the progress of every enrichment this process runs meanwhile."""
+    _listeners.append(listener)
+    try:
+        yield
+    finally:
+        _listeners.remove(listener)
+
+
 def start_progress(source: str, size: int) -> UUID:
     """A progress artifact that advances per batch (by bytes read: no pass to count lines)."""
     artifact_id = create_progress_artifact(progress=0.0, description=f"Enriching {source} ({size:,} bytes)")
     assert isinstance(artifact_id, UUID)  # the sync variant, as this runs in a sync flow
+    for listener in list(_listeners):
+        listener(source, 0, size)
     return artifact_id
 
 
-def advance_progress(artifact_id: UUID, done: int, total: int) -> None:
+def advance_progress(artifact_id: UUID, source: str, done: int, total: int) -> None:
+    """Move the artifact (and any terminal listening) to ``done`` of ``total`` bytes."""
     update_progress_artifact(artifact_id=artifact_id, progress=100.0 * done / max(total, 1))
+    for listener in list(_listeners):
+        listener(source, done, total)
 
 
 def publish_summary(summary: EnrichSummary) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -42,11 +43,102 @@ def test_enrich_the_sample(prefect_api: str, tmp_path: Path) -> None:
     captures = ["--capture-dir", str(SAMPLE / "captures")]
     done = cli("enrich", str(SAMPLE / "rollouts.jsonl"), *captures, "--output", str(out), api=prefect_api)
     assert done.returncode == 0, done.stderr
-    table = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in done.stdout.splitlines())
+    table = dict(re.split(r"\s+(?=\S+$)", line.strip(), maxsplit=1) for line in done.stdout.splitlines()[1:])
     assert table["rollouts enriched"] == "10" and table["lines passed through"] == "1"
     assert table["gap model_call_capture_incomplete"] == "1"
+    assert done.stdout.splitlines()[0].split() == ["output", str(out)]
     assert "rollouts.jsonl:11: not JSON" in done.stderr  # the placeholder row, named
+    assert "━" not in done.stderr  # no progress bar when not at a terminal
     assert len(out.read_bytes().splitlines()) == len((SAMPLE / "rollouts.jsonl").read_bytes().splitlines())
+
+
+def test_json_summaries(prefect_api: str, tmp_path: Path) -> None:
+    """``--json``: one machine-readable summary on stdout, for success and failure alike."""
+    out = tmp_path / "sample.enriched.jsonl"
+    captures = ["--capture-dir", str(SAMPLE / "captures")]
+    done = cli(
+        "enrich", str(SAMPLE / "rollouts.jsonl"), *captures, "--output", str(out), "--json", api=prefect_api
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["ok"] and summary["output"] == str(out) and summary["stats"]["rollouts"] == 10
+    assert summary["stats"]["gaps"]["model_call_capture_incomplete"] == 1
+    assert [p["line"] for p in summary["stats"]["problems"]] == [11]
+
+    shown = json.loads(cli("inspect", "0-0", *captures, "--json").stdout)
+    assert shown["rollout_id"] == "0-0" and shown["metrics"]["num_calls"] == len(shown["calls"]) > 0
+    waited = json.loads(cli("wait", "0-0", *captures, "--json").stdout)
+    assert waited == {"ok": True, "rollout_id": "0-0", "quiescent": True, "timeout_s": 10.0}
+
+    failed = cli("enrich", str(tmp_path / "absent.jsonl"), *captures, "--json")
+    assert failed.returncode == 2 and json.loads(failed.stdout) == {
+        "ok": False,
+        "exit_code": 2,
+        "error": f"rollouts file not found: {tmp_path / 'absent.jsonl'}",
+    }
+
+
+def test_version() -> None:
+    from importlib.metadata import version
+
+    done = cli("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"rollout-capture {version('rollout-capture')}"
+
+
+def test_a_mistyped_capture_dir_exits_2_unless_empty_is_allowed(prefect_api: str, tmp_path: Path) -> None:
+    rollouts = tmp_path / "r.jsonl"
+    rollouts.write_bytes(b'{"_ng_task_index": 0, "_ng_rollout_index": 0}\n')
+    wrong = tmp_path / "nonexistent" / "dir"
+    done = cli("enrich", str(rollouts), "--capture-dir", str(wrong), api=prefect_api)
+    assert done.returncode == 2 and f"error: capture dir {wrong} does not exist" in done.stderr
+    assert not (tmp_path / "r.enriched.jsonl").exists()
+    allowed = cli(
+        "enrich", str(rollouts), "--capture-dir", str(wrong), "--allow-empty", "--json", api=prefect_api
+    )
+    assert allowed.returncode == 0 and json.loads(allowed.stdout)["stats"]["gaps"] == {
+        "model_call_capture_no_records": 1
+    }
+
+
+def test_a_progress_bar_on_a_terminal(prefect_api: str, tmp_path: Path) -> None:
+    """At a TTY the enrichment shows a bar (rich); piped, it stays quiet (the test above)."""
+    import pty
+
+    primary, secondary = pty.openpty()
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": prefect_api}
+    env["COLUMNS"] = "120"
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "enrich",
+            str(SAMPLE / "rollouts.jsonl"),
+            "--capture-dir",
+            str(SAMPLE / "captures"),
+            "--output",
+            str(tmp_path / "out.jsonl"),
+        ],
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+        env=env,
+    )
+    os.close(secondary)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:  # the other side closed: the process is done
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(primary)
+    assert process.wait(120) == 0, seen.decode(errors="replace")[-2000:]
+    text = seen.decode(errors="replace")
+    assert "━" in text and "sample/rollouts.jsonl" in text  # the bar, labelled by its input
+    assert "rollouts enriched" in text
 
 
 def test_missing_input_exits_2_naming_it(prefect_api: str, tmp_path: Path) -> None:
@@ -66,7 +158,7 @@ def test_strict_names_file_and_line(prefect_api: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--runner", "fibers"], "--runner must be threads, processes or dask"),
+        (["--runner", "fibers"], "'fibers' is not one of"),
         (["--storage-options", "{oops"], "--storage-options is not JSON"),
         (["--storage-options", '{"key": "AKIA"}'], "storage_options.key looks like a secret"),
     ],
