@@ -39,8 +39,9 @@ class Proxy:
     """A proxy served in this process, and the store it writes."""
 
     def __init__(self, upstream: str, capture_dir: str, **settings: Any) -> None:
+        settings.setdefault("read_timeout_s", 1.0)  # the timeout tests' upstream falls silent
         self.settings = ProxySettings(
-            upstream=upstream, capture_dir=capture_dir, server_name=SERVER, read_timeout_s=1.0, **settings
+            upstream=upstream, capture_dir=capture_dir, server_name=SERVER, **settings
         )
         self.server = ThreadedServer(CaptureProxy(self.settings))
         self.url = self.server.url
@@ -239,21 +240,29 @@ def test_oversized_bodies_are_forwarded_whole_and_cut_in_the_row(
         small.server.stop()
 
 
-def test_a_client_that_leaves_mid_stream_still_leaves_its_row(proxy: Proxy, upstream_app: Any) -> None:
+def test_a_client_that_leaves_mid_stream_still_leaves_its_row(
+    scripted_upstream: tuple[str, Any], upstream_app: Any, tmp_path: Path
+) -> None:
+    # Patient with the upstream: it waits at its gate as long as the test needs, however loaded.
+    patient = Proxy(scripted_upstream[0], str(tmp_path), read_timeout_s=60.0)
     request = {"model": "scripted-gated-gone-1", "messages": [], "stream": True}
-    with (
-        httpx.Client(base_url=proxy.url) as client,
-        client.stream("POST", "/ng-rollout/gone-1/v1/chat/completions", json=request) as answer,
-    ):
-        first = next(answer.iter_raw())
-        assert first.startswith(b"data: ")
-        # Forwarded as it came: the client has it while the upstream waits at its gate.
-        assert proxy.rows("gone-1") == [] and proxy.store.live_claims("gone-1")
-    (row,) = proxy.wait_rows("gone-1")
-    upstream_app.gate("gone-1").set()
-    assert (row["status_code"], row["error_category"]) == (200, "cancelled")
-    assert row["response"]["id"] == CHAT["id"]  # what had arrived
-    assert proxy.store.claims(["gone-1"]) == {}
+    try:
+        with (
+            httpx.Client(base_url=patient.url) as client,
+            client.stream("POST", "/ng-rollout/gone-1/v1/chat/completions", json=request) as answer,
+        ):
+            first = next(answer.iter_raw())
+            assert first.startswith(b"data: ")
+            # Forwarded as it came: the client has it while the upstream waits at its gate.
+            assert patient.rows("gone-1") == [] and patient.store.live_claims("gone-1")
+        (row,) = patient.wait_rows("gone-1")
+        upstream_app.gate("gone-1").set()
+        assert (row["status_code"], row["error_category"]) == (200, "cancelled")
+        assert row["response"]["id"] == CHAT["id"]  # what had arrived
+        assert patient.store.claims(["gone-1"]) == {}
+    finally:
+        upstream_app.gate("gone-1").set()
+        patient.server.stop()
 
 
 def test_a_verifier_names_its_invocation_in_a_header(proxy: Proxy) -> None:
