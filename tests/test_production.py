@@ -3,6 +3,7 @@ core warnings in the run's logs, and a mistyped capture dir refused before any r
 
 from __future__ import annotations
 
+import base64
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -170,3 +171,27 @@ def test_core_warnings_reach_the_flow_run_logs(tmp_path: Path) -> None:
     state = enrich_rollouts(str(tmp_path / "r.jsonl"), str(tmp_path / "caps"), return_state=True)
     assert state.result().stats.gaps == {"model_call_capture_unreadable": 1}
     wait_for_logs(state.state_details.flow_run_id, "could not read captures in")
+
+
+def test_batches_never_persist_their_bytes_whatever_the_result_settings(tmp_path: Path) -> None:
+    """A user who persists results by default still never finds rollout bytes in result storage."""
+    from prefect.settings import (
+        PREFECT_LOCAL_STORAGE_PATH,
+        PREFECT_RESULTS_PERSIST_BY_DEFAULT,
+        temporary_settings,
+    )
+
+    store = CaptureStore(tmp_path / "caps")
+    store.record("0-0", ROW)
+    marker = b"unmistakable-rollout-bytes"
+    (tmp_path / "r.jsonl").write_bytes(
+        orjson.dumps({"_ng_task_index": 0, "_ng_rollout_index": 0, "note": marker.decode()}) + b"\n"
+    )
+    results = tmp_path / "results"
+    with temporary_settings(
+        updates={PREFECT_RESULTS_PERSIST_BY_DEFAULT: True, PREFECT_LOCAL_STORAGE_PATH: results}
+    ):
+        enrich_rollouts(str(tmp_path / "r.jsonl"), str(tmp_path / "caps"))
+    stored = [base64.b64decode(path.read_bytes()) for path in results.rglob("*") if path.is_file()]
+    assert stored  # results were persisted (the setting took effect)...
+    assert not any(marker in data for data in stored)  # ...but never a batch's bytes (pickled as they are)
