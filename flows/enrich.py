@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from prefect import get_run_logger
@@ -21,33 +23,36 @@ from tasks.rollout_files import read_rollouts, write_enriched
 DEFAULT_BATCH_SIZE = 1000
 
 
-@guarded_flow(name="enrich_rollouts")
-def enrich_rollouts(
+@dataclass
+class Spooled:
+    """An enrichment done but not published: the output complete in a local spool."""
+
+    spool: OutputSpool
+    stats: BatchStats
+    batches: int
+
+
+def enrich_to_spool(
     rollouts: str,
     capture_dir: str,
-    output: str | None = None,
-    include_payloads: bool = False,
-    quiescence_timeout_s: float = CAPTURE_DRAIN_TIMEOUT_S,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    max_workers: int = 8,
-    runner: Runner = "threads",
-    dask_address: str | None = None,
-    strict: bool = False,
-    storage_options: dict[str, Any] | None = None,
-    credentials_block: str | None = None,
-) -> EnrichSummary:
-    """Enrich every rollout of ``rollouts`` (any fsspec URL, ``.gz`` too) with its captured calls.
+    target: str,
+    *,
+    include_payloads: bool,
+    quiescence_timeout_s: float,
+    batch_size: int,
+    max_workers: int,
+    runner: Runner,
+    dask_address: str | None,
+    strict: bool,
+    storage_options: dict[str, Any] | None,
+    credentials_block: str | None,
+    between_batches: Callable[[], None] | None = None,
+) -> Spooled:
+    """Everything of an enrichment but publishing, inside the calling flow run.
 
-    Output keeps line order and line count; it defaults to ``<input stem>.enriched.jsonl``
-    beside the input and appears only once complete. Lines that are not rollout records
-    pass through unchanged and are reported (``strict`` fails instead).
+    The caller publishes the spool (or discards it); on failure nothing is left behind.
+    ``between_batches`` runs after each batch is spooled and may raise to stop early.
     """
-    logger = get_run_logger()
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1; got {batch_size}")
-    check_inputs(capture_dir, storage_options)
-    target = output or default_output(rollouts)
-    started = time.perf_counter()
     staged = read_rollouts(rollouts, storage_options, credentials_block)
     progress = start_progress(rollouts, staged.size)
     spool = OutputSpool(target, storage_options)
@@ -81,6 +86,8 @@ def enrich_rollouts(
                 batches += 1
                 done_bytes += size
                 advance_progress(progress, done_bytes, staged.size)
+                if between_batches is not None:
+                    between_batches()
 
             for first_line, blob in iter_line_batches(staged.path, batch_size):
                 parameters = {"batch": BatchInput(blob=blob, first_line=first_line), **options}
@@ -90,25 +97,24 @@ def enrich_rollouts(
             while in_flight:
                 collect()
         spool.close()
-        write_enriched(spool.path, target, spool.lines, storage_options, credentials_block)
     except BaseException:
         spool.discard()
         raise
     finally:
         remove_staged(staged)
-    summary = EnrichSummary(
-        source=rollouts,
-        output=target,
-        batches=batches,
-        seconds=round(time.perf_counter() - started, 3),
-        stats=stats,
-    )
+    return Spooled(spool=spool, stats=stats, batches=batches)
+
+
+def report_enrichment(summary: EnrichSummary) -> None:
+    """Log what an enrichment found and publish its table and summary artifacts."""
+    logger = get_run_logger()
+    stats = summary.stats
     if stats.problems:
         first = stats.problems[0]
         logger.warning(
             "%d line(s) of %s are not rollout records and were passed through (first: line %d: %s)",
             len(stats.problems),
-            rollouts,
+            summary.source,
             first.line,
             first.reason,
         )
@@ -116,8 +122,63 @@ def enrich_rollouts(
         "enriched %d rollout(s) with %d call(s) in %d batch(es); gaps: %s",
         stats.rollouts,
         stats.calls,
-        batches,
+        summary.batches,
         stats.gaps or "none",
     )
     publish_summary(summary)
+
+
+@guarded_flow(name="enrich_rollouts")
+def enrich_rollouts(
+    rollouts: str,
+    capture_dir: str,
+    output: str | None = None,
+    include_payloads: bool = False,
+    quiescence_timeout_s: float = CAPTURE_DRAIN_TIMEOUT_S,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    max_workers: int = 8,
+    runner: Runner = "threads",
+    dask_address: str | None = None,
+    strict: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    credentials_block: str | None = None,
+) -> EnrichSummary:
+    """Enrich every rollout of ``rollouts`` (any fsspec URL, ``.gz`` too) with its captured calls.
+
+    Output keeps line order and line count; it defaults to ``<input stem>.enriched.jsonl``
+    beside the input and appears only once complete. Lines that are not rollout records
+    pass through unchanged and are reported (``strict`` fails instead).
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1; got {batch_size}")
+    check_inputs(capture_dir, storage_options)
+    target = output or default_output(rollouts)
+    started = time.perf_counter()
+    done = enrich_to_spool(
+        rollouts,
+        capture_dir,
+        target,
+        include_payloads=include_payloads,
+        quiescence_timeout_s=quiescence_timeout_s,
+        batch_size=batch_size,
+        max_workers=max_workers,
+        runner=runner,
+        dask_address=dask_address,
+        strict=strict,
+        storage_options=storage_options,
+        credentials_block=credentials_block,
+    )
+    try:
+        write_enriched(done.spool.path, target, done.spool.lines, storage_options, credentials_block)
+    except BaseException:
+        done.spool.discard()
+        raise
+    summary = EnrichSummary(
+        source=rollouts,
+        output=target,
+        batches=done.batches,
+        seconds=round(time.perf_counter() - started, 3),
+        stats=done.stats,
+    )
+    report_enrichment(summary)
     return summary
