@@ -13,27 +13,11 @@ import orjson
 import pytest
 
 from flows import enrich_completed_runs
-from rollout_capture import CaptureStore
 from rollout_capture.run_folders import RunsRoot
 
 from .conftest import ROOT, S3
+from .runs_helpers import make_run
 from .spawned import take_lease
-
-ROW = {"model_call_id": "c", "dialect": "chat", "response": {"usage": {"prompt_tokens": 3}}}
-
-
-def make_run(root: Path, name: str, *, finished: bool, rollouts: int = 3) -> Path:
-    run = root / name
-    (run / "captures").mkdir(parents=True)
-    store = CaptureStore(run / "captures")
-    lines = []
-    for task in range(rollouts):
-        store.record(f"{task}-0", ROW)
-        lines.append(orjson.dumps({"_ng_task_index": task, "_ng_rollout_index": 0}))
-    (run / "rollouts.jsonl").write_bytes(b"\n".join(lines) + b"\n")
-    if finished:
-        (run / "_SUCCESS").write_bytes(b"")
-    return run
 
 
 @pytest.mark.usefixtures("prefect_api")
@@ -79,9 +63,9 @@ def test_lease_expires_and_only_one_breaker_wins(tmp_path: Path) -> None:
     make_run(tmp_path, "r", finished=True)
     runs = RunsRoot(str(tmp_path))
     (run,) = runs.runs()
-    stale = runs.acquire(run, lease_s=0.05)
+    stale = runs.acquire(run, lease_s=1.0)  # long enough to stay live on a busy machine
     assert stale is not None and runs.acquire(run) is None  # live: nobody else gets it
-    time.sleep(0.1)
+    time.sleep(max(0.0, stale.expires_at - time.time()) + 0.05)
     context = multiprocessing.get_context("spawn")
     go, results = context.Event(), context.Queue()
     racers = [context.Process(target=take_lease, args=(str(tmp_path), "r", go, results)) for _ in range(4)]
