@@ -1,23 +1,31 @@
-"""Scheduled enrichment of run folders: finished runs only, once, never two at a time."""
+"""Scheduled enrichment of run folders: finished runs only, once, never two at a time; a backlog
+in parallel; a tick that outlives its lease keeps its run, a crashed one is taken over."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
 from flows import enrich_completed_runs
-from rollout_capture.run_folders import RunsRoot
+from flows.enrich_runs import RunsSummary
+from rollout_capture import CaptureStore
+from rollout_capture.run_folders import BEATS_PER_LEASE, Lease, RunsRoot
 
 from .conftest import ROOT, S3
-from .runs_helpers import make_run
-from .spawned import take_lease
+from .prefect_api import artifacts
+from .runs_helpers import ROW, Where, make_run
+from .spawned import run_tick, take_lease
 
 
 @pytest.mark.usefixtures("prefect_api")
@@ -142,3 +150,162 @@ def test_s3_deployment_variant_pushes_code_and_deploys(prefect_api: str, s3: S3)
     assert "prefect_aws.deployments.steps.pull_from_s3" in pull
     assert deployment.parameters["runs_root"] == "s3://runs-bucket/runs"
     assert "testing" not in str(deployment.pull_steps)  # the block is referenced, not inlined
+
+
+def wait_for(what: Callable[[], Any], timeout_s: float = 120.0) -> Any:
+    """``what()`` once it is truthy, polled."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := what()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+    return found
+
+
+def leased(root: Path, names: list[str]) -> list[str]:
+    return [n for n in names if any(p.name.startswith("_ENRICHING") for p in (root / n).iterdir())]
+
+
+def in_thread(tick: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: out.update(state=tick()))
+    thread.start()
+    return thread, out
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_backlog_drains_in_parallel_each_run_in_its_own_subflow(tmp_path: Path) -> None:
+    """Three waiting runs, two at a time, each holding its lease well past ``lease_s``."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    root = tmp_path / "runs"
+    names = [f"run-{i}" for i in range(3)]
+    claims = []
+    for name in names:
+        make_run(root, name, finished=True)
+        claim = CaptureStore(root / name / "captures").claim("0-0", ttl_s=600)  # a call still in flight
+        claim.__enter__()
+        claims.append(claim)
+    tick, out = in_thread(
+        lambda: enrich_completed_runs(
+            str(root), max_parallel_runs=2, lease_s=1.0, quiescence_timeout_s=600.0, return_state=True
+        )
+    )
+    try:
+        started = wait_for(lambda: len(leased(root, names)) >= 2 and leased(root, names))
+        runs = RunsRoot(str(root))
+        for name in started:  # renewed past their lease period while they wait
+            run = next(r for r in runs.runs() if r.name == name)
+            wait_for(
+                lambda run=run: (
+                    (runs.current_lease(run) or Lease.model_construct(generation=0)).generation
+                    > BEATS_PER_LEASE
+                )
+            )
+    finally:
+        for claim in claims:
+            claim.__exit__(None, None, None)
+        tick.join(120)
+    state = out["state"]
+    summary: RunsSummary = state.result()
+    assert summary.enriched == names and not summary.busy and not summary.lost
+    for name in names:
+        assert len((root / name / "rollouts.enriched.jsonl").read_bytes().splitlines()) == 3
+        assert not [p for p in (root / name).iterdir() if p.name.startswith("_ENRICHING")]
+
+    parent = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        subflows = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent]))
+        )
+        assert sorted(f.name for f in subflows) == names  # each named after its run folder
+        assert {f.id for f in subflows} == {summary.outcomes[n].flow_run_id for n in names}
+        for sub in subflows:
+            assert sub.parent_task_run_id is not None
+            assert client.read_task_run(sub.parent_task_run_id).flow_run_id == parent
+            assert sub.state is not None and sub.state.is_completed()
+            filed = artifacts(sub.id)  # the subflow's own artifacts, filed under it (no parent task)
+            assert {a.key for a in filed} >= {"rollout-enrichment", "rollout-enrichment-summary"}
+            assert all(a.task_run_id is None for a in filed)
+    spans = [(f.start_time, f.end_time) for f in subflows]
+    overlap = max(
+        sum(1 for s, e in spans if s is not None and e is not None and s <= start <= e) for start, _ in spans
+    )
+    assert overlap == 2  # runs went in parallel, never more than max_parallel_runs at once
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_holder_whose_lease_is_taken_stops_and_publishes_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    make_run(root, "r", finished=True)
+    claim = CaptureStore(root / "r" / "captures").claim("0-0", ttl_s=600)
+    claim.__enter__()
+    tick, out = in_thread(lambda: enrich_completed_runs(str(root), lease_s=1.0, quiescence_timeout_s=600.0))
+    runs = RunsRoot(str(root))
+    try:
+        (run,) = runs.runs()
+        wait_for(lambda: runs.current_lease(run))
+        while True:  # another holder creates the generation the tick's next renewal needs
+            current = runs.current_lease(run)
+            assert current is not None
+            thief = Lease(owner="thief", generation=current.generation + 1, acquired_at=0, expires_at=0)
+            try:
+                runs.backend.create(runs._lease_path(run, thief.generation), orjson.dumps(thief.model_dump()))
+                break
+            except FileExistsError:
+                continue
+    finally:
+        claim.__exit__(None, None, None)
+        tick.join(120)
+    summary: RunsSummary = out["state"]
+    assert summary.lost == ["r"] and not summary.enriched and not summary.failed
+    assert "thief" in (summary.outcomes["r"].error or "")
+    assert not (root / "r" / "rollouts.enriched.jsonl").exists() and not (root / "r" / "_ENRICHED").exists()
+    assert (root / "r" / f"_ENRICHING.{thief.generation:06d}").exists()  # the new holder's lease untouched
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_a_tick_past_its_lease_keeps_its_run_and_a_killed_one_is_taken_over(
+    backend: str, prefect_api: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A tick in its own process waits on a live claim well past ``lease_s``: a second tick
+    skips the run as busy. Then it is SIGKILLed; once its lease lapses the next tick
+    completes the run, and ``_ENRICHED`` is written once."""
+    where = Where(tmp_path, request.getfixturevalue("s3") if backend == "s3" else None)
+    where.make_run("r")
+    lease_s = 2.0 if backend == "local" else 3.0  # object stores date leases to the second
+    store = where.capture_store("r")
+    claim = store.claim("0-0", ttl_s=600)
+    claim.__enter__()
+    context = multiprocessing.get_context("spawn")
+    tick = context.Process(target=run_tick, args=(prefect_api, where.url, where.options, lease_s))
+    tick.start()
+    runs = where.root()
+    run = where.run("r")
+    try:
+        held = wait_for(
+            lambda: (lease := runs.current_lease(run)) and lease.generation > BEATS_PER_LEASE and lease
+        )
+        assert f":{tick.pid}:" in held.owner  # renewed by the tick past its lease period
+        busy = enrich_completed_runs(where.url, lease_s=lease_s, storage_options=where.options)
+        assert busy.busy == ["r"] and not busy.enriched
+        os.kill(tick.pid, signal.SIGKILL)
+        tick.join(30)
+    finally:
+        if tick.is_alive():
+            tick.kill()
+        store.record("0-0", {**ROW, "model_call_id": "late"})
+        claim.__exit__(None, None, None)
+    assert "_ENRICHED" not in where.names("r")
+
+    current = runs.current_lease(run)
+    assert current is not None and current.owner == held.owner  # the dead tick's, until it lapses
+    time.sleep(max(0.0, current.expires_at - time.time()) + 0.05)  # until the dead tick's lease lapses
+    after = enrich_completed_runs(where.url, lease_s=lease_s, storage_options=where.options)
+    assert after.enriched == ["r"]
+    out = [orjson.loads(line) for line in where.read("r", "rollouts.enriched.jsonl").splitlines()]
+    assert [r["ng_model_call_capture"]["metrics"]["num_calls"] for r in out] == [2, 1, 1]  # complete
+    marker = where.read("r", "_ENRICHED")
+    assert f":{os.getpid()}:" in orjson.loads(marker)["enriched_by"]
+    assert not [n for n in where.names("r") if n.startswith("_ENRICHING")]
+    assert runs.take(run) == "enriched" and where.read("r", "_ENRICHED") == marker  # never again
