@@ -235,6 +235,17 @@ def enrich_runs(
     ],
     capture_dir: Annotated[str | None, typer.Option(help="One capture root for all runs.")] = None,
     runner: RunnerOpt = "threads",
+    max_parallel_runs: Annotated[int, typer.Option(help="Runs enriched at once.")] = 4,
+    lease_s: Annotated[
+        float, typer.Option(help="Seconds a run's lease holds unrenewed (how soon a crashed run is retaken).")
+    ] = 120.0,
+    full_scan: Annotated[
+        bool, typer.Option(help="List every run folder, ignoring the root's index.")
+    ] = False,
+    recheck: Annotated[
+        list[str] | None,
+        typer.Option(help="A run to look at even if the index says it is enriched (repeatable)."),
+    ] = None,
     storage_options: OptionsOpt = None,
     credentials_block: BlockOpt = None,
 ) -> None:
@@ -249,10 +260,14 @@ def enrich_runs(
             runs_root,
             capture_dir=capture_dir,
             runner=_runner(runner),
+            max_parallel_runs=max_parallel_runs,
+            lease_s=lease_s,
+            full_scan=full_scan,
+            recheck=recheck,
             storage_options=options,
             credentials_block=credentials_block,
         )
-        typer.echo(json.dumps(summary.model_dump(), indent=2))
+        typer.echo(json.dumps(summary.model_dump(mode="json"), indent=2))
 
 
 @app.command()
