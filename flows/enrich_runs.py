@@ -23,7 +23,15 @@ from flows.guard import check_inputs, guarded_flow
 from flows.report import EnrichSummary
 from flows.runners import Runner
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
-from rollout_capture.run_folders import DEFAULT_LEASE_S, Lease, LeaseKeeper, LeaseLost, RunFolder, RunsRoot
+from rollout_capture.run_folders import (
+    DEFAULT_LEASE_S,
+    Lease,
+    LeaseKeeper,
+    LeaseLost,
+    RunFolder,
+    RunsRoot,
+    new_owner,
+)
 from tasks.credentials import credentials_from_block
 from tasks.rollout_files import write_enriched
 from tasks.run_folders import fence_run, find_runs, finish_run, release_run, remember_enriched, take_run
@@ -188,7 +196,7 @@ def enrich_run_folder(
     """
     logger = get_run_logger()
     try:
-        taken = take_run(runs_root, run, lease_s, storage_options, credentials_block)
+        taken = take_run(runs_root, run, lease_s, storage_options, credentials_block, new_owner())
         if taken == "busy":
             logger.info("run %s is being enriched by another flow run; skipped", run.name)
             return RunOutcome(status="busy")

@@ -204,7 +204,7 @@ class RunsRoot:
         runs.sort(key=lambda run: run.name)
         if update_index:
             enriched = sorted(run.name for run in runs if run.enriched)
-            if index is None or enriched != sorted(set(index)):
+            if enriched != sorted(set(index or ())) or (index is None and enriched):
                 self._write_index(enriched)
         return Discovery(runs=runs, listed=len(to_list), indexed=len(known))
 
@@ -263,10 +263,17 @@ class RunsRoot:
             return None
         return lease.model_copy(update={"expires_at": self._expires_at(lease, entry)})
 
-    def take(self, run: RunFolder, lease_s: float = DEFAULT_LEASE_S) -> Lease | Taken:
-        """Take the run's lease: the lease, or ``"busy"`` (a live holder) or ``"enriched"``."""
+    def take(
+        self, run: RunFolder, lease_s: float = DEFAULT_LEASE_S, owner: str | None = None
+    ) -> Lease | Taken:
+        """Take the run's lease: the lease, or ``"busy"`` (a live holder) or ``"enriched"``.
+
+        Taking again with the same ``owner`` (a retry after a storage fault) finds the
+        lease it may already have taken, rather than being kept out by it.
+        """
         if not lease_s > 0:
             raise ValueError(f"lease_s must be positive; got {lease_s!r}")
+        owner = owner or new_owner()
         names = self._names(run)
         if ENRICHED in names:
             return "enriched"
@@ -277,12 +284,15 @@ class RunsRoot:
             body = self.backend.read_many([generations[newest].path])[0]
             if body is None:  # replaced while we looked: its holder is renewing it
                 return "busy"
-            if time.time() < self._expires_at(_parse_lease(body), generations[newest]):
+            current = _parse_lease(body)
+            if current is not None and current.owner == owner and not current.released:
+                return self._adopt(run, current)
+            if time.time() < self._expires_at(current, generations[newest]):
                 return "busy"
             generation = newest + 1
         now = time.time()
         lease = Lease(
-            owner=new_owner(),
+            owner=owner,
             generation=generation,
             acquired_at=now,
             renewed_at=now,
@@ -297,6 +307,14 @@ class RunsRoot:
         except LeaseLost:
             return "busy"
         return lease
+
+    def _adopt(self, run: RunFolder, lease: Lease) -> Lease | Taken:
+        try:
+            return self.renew(run, lease)
+        except AlreadyEnriched:
+            return "enriched"
+        except LeaseLost:
+            return "busy"
 
     def acquire(self, run: RunFolder, lease_s: float = DEFAULT_LEASE_S) -> Lease | None:
         """The run's lease, or None while someone else holds it (or the run is enriched)."""

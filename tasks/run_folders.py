@@ -51,9 +51,13 @@ def take_run(
     lease_s: float = DEFAULT_LEASE_S,
     storage_options: dict[str, Any] | None = None,
     credentials_block: str | None = None,
+    owner: str | None = None,
 ) -> Lease | Taken:
-    """The run's lease, or ``"busy"`` (another flow run holds it) or ``"enriched"`` (done meanwhile)."""
-    return _root(runs_root, storage_options, credentials_block).take(run, lease_s)
+    """The run's lease, or ``"busy"`` (another flow run holds it) or ``"enriched"`` (done meanwhile).
+
+    ``owner`` stays the same across retries, so a retry finds a lease an earlier try took.
+    """
+    return _root(runs_root, storage_options, credentials_block).take(run, lease_s, owner)
 
 
 @task(name="fence_run", cache_policy=NO_CACHE, **storage_retries())

@@ -64,6 +64,8 @@ def test_discovery_on_s3_lists_each_folder_once_then_the_index_spares_enriched_o
 
 
 def test_discovery_on_local_disk_and_a_full_scan(tmp_path: Path) -> None:
+    assert RunsRoot(str(tmp_path / "typo")).discover().runs == []
+    assert not (tmp_path / "typo").exists()  # a wrong root is not created by writing an index
     for name in ("a", "b"):
         make_run(tmp_path, name, finished=True, enriched=True)
     make_run(tmp_path, "c", finished=True)

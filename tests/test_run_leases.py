@@ -85,6 +85,17 @@ def test_release_lets_the_next_taker_in_at_once_and_numbers_never_repeat(where: 
     assert again is not None and again.generation == 2
 
 
+def test_a_retried_take_finds_the_lease_it_already_took(where: Where) -> None:
+    root = where.root()
+    run = where.run("r")
+    owner = new_owner()
+    first = root.take(run, 600, owner)
+    assert isinstance(first, Lease)
+    again = root.take(run, 600, owner)  # a task retry whose first try's answer was lost
+    assert isinstance(again, Lease) and again.owner == owner and again.generation == first.generation + 1
+    assert root.take(run, 600) == "busy"  # anyone else is still kept out
+
+
 def test_a_stale_view_cannot_take_a_generation_that_was_dropped(where: Where) -> None:
     """A process that listed long ago creates a generation number that no longer exists:
     it succeeds at creating it, sees the newer one, and backs off."""
