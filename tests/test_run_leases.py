@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
+from rollout_capture.faults import is_transient_storage_error
 from rollout_capture.run_folders import (
     AlreadyEnriched,
     Lease,
@@ -94,6 +96,8 @@ def test_a_retried_take_finds_the_lease_it_already_took(where: Where) -> None:
     again = root.take(run, 600, owner)  # a task retry whose first try's answer was lost
     assert isinstance(again, Lease) and again.owner == owner and again.generation == first.generation + 1
     assert root.take(run, 600) == "busy"  # anyone else is still kept out
+    renewed = root.renew(run, again)
+    assert root.renew(run, again) == renewed  # a renewal retried after its first try went through
 
 
 def test_a_stale_view_cannot_take_a_generation_that_was_dropped(where: Where) -> None:
@@ -163,3 +167,22 @@ def test_a_keeper_that_finds_its_lease_taken_stops(tmp_path: Path) -> None:
             keeper.fence()
     keeper.release()  # lost: nothing to give back, the thief's generation stays
     assert f"_ENRICHING.{thief.generation:06d}" in leases(where)
+
+
+def test_the_heartbeat_rides_out_an_outage(flaky_s3: tuple[S3, Any], s3: S3, tmp_path: Path) -> None:
+    """Renewals that meet a dead endpoint are transient faults: tried again, the lease kept."""
+    via, proxy = flaky_s3
+    Where(tmp_path, s3).make_run("r")
+    root = RunsRoot(via.url("runs"), via.storage_options)
+    (run,) = root.runs()
+    lease = root.acquire(run, 600)
+    assert lease is not None
+    with LeaseKeeper(root, run, lease, heartbeat_s=0.1) as keeper:
+        proxy.outage(0.5)  # several beats meet it
+        renewed = keeper.renewals
+        while keeper.renewals == renewed:  # the endpoint is back: renewals go through again
+            time.sleep(0.05)
+        assert keeper.lost is None and keeper.last_error is not None
+        assert is_transient_storage_error(keeper.last_error)
+        assert keeper.fence().generation > lease.generation
+    keeper.release()
