@@ -31,6 +31,7 @@ bench: setup
 	$(BIN)/python benchmarks/bench_merge.py
 	$(BIN)/python benchmarks/bench_flow.py
 	$(BIN)/python benchmarks/bench_s3.py
+	$(BIN)/python benchmarks/bench_runs.py
 
 # Register the deployments on the server PREFECT_API_URL names (a fresh one needs the pool).
 deploy: setup
