@@ -264,48 +264,63 @@ def test_a_holder_whose_lease_is_taken_stops_and_publishes_nothing(tmp_path: Pat
     assert (root / "r" / f"_ENRICHING.{thief.generation:06d}").exists()  # the new holder's lease untouched
 
 
-@pytest.mark.parametrize("backend", ["local", "s3"])
 def test_a_tick_past_its_lease_keeps_its_run_and_a_killed_one_is_taken_over(
-    backend: str, prefect_api: str, tmp_path: Path, request: pytest.FixtureRequest
+    prefect_api: str, tmp_path: Path, s3: S3
 ) -> None:
-    """A tick in its own process waits on a live claim well past ``lease_s``: a second tick
-    skips the run as busy. Then it is SIGKILLed; once its lease lapses the next tick
-    completes the run, and ``_ENRICHED`` is written once."""
-    where = Where(tmp_path, request.getfixturevalue("s3") if backend == "s3" else None)
-    where.make_run("r")
-    lease_s = 2.0 if backend == "local" else 3.0  # object stores date leases to the second
-    store = where.capture_store("r")
-    claim = store.claim("0-0", ttl_s=600)
-    claim.__enter__()
+    """On a local disk and on S3, side by side: a tick in its own process waits on a live
+    claim well past ``lease_s``, and a second tick skips the run as busy. Then it is
+    SIGKILLed: once its lease lapses the next tick completes the run, and ``_ENRICHED``
+    is written once."""
+    wheres = {"local": Where(tmp_path / "disk", None), "s3": Where(tmp_path / "objects", s3)}
+    lease_s = {"local": 3.0, "s3": 4.0}  # object stores date leases to the second
     context = multiprocessing.get_context("spawn")
-    tick = context.Process(target=run_tick, args=(prefect_api, where.url, where.options, lease_s))
-    tick.start()
-    runs = where.root()
-    run = where.run("r")
-    try:
-        held = wait_for(
-            lambda: (lease := runs.current_lease(run)) and lease.generation > BEATS_PER_LEASE and lease
+    claims: dict[str, tuple[CaptureStore, Any]] = {}
+    ticks: dict[str, Any] = {}
+    held: dict[str, Lease] = {}
+    for backend, where in wheres.items():
+        where.make_run("r")
+        store = where.capture_store("r")
+        claim = store.claim("0-0", ttl_s=600)
+        claim.__enter__()
+        claims[backend] = (store, claim)
+        ticks[backend] = context.Process(
+            target=run_tick, args=(prefect_api, where.url, where.options, lease_s[backend])
         )
-        assert f":{tick.pid}:" in held.owner  # renewed by the tick past its lease period
-        busy = enrich_completed_runs(where.url, lease_s=lease_s, storage_options=where.options)
-        assert busy.busy == ["r"] and not busy.enriched
-        os.kill(tick.pid, signal.SIGKILL)
-        tick.join(30)
+        ticks[backend].start()
+    try:
+        for backend, where in wheres.items():
+            runs, run = where.root(), where.run("r")
+            held[backend] = wait_for(
+                lambda runs=runs, run=run: (
+                    (lease := runs.current_lease(run)) and lease.generation > BEATS_PER_LEASE and lease
+                )
+            )
+            assert f":{ticks[backend].pid}:" in held[backend].owner  # renewed past its lease period
+            busy = enrich_completed_runs(where.url, lease_s=lease_s[backend], storage_options=where.options)
+            assert busy.busy == ["r"] and not busy.enriched, backend
+        for tick in ticks.values():
+            os.kill(tick.pid, signal.SIGKILL)
+        for tick in ticks.values():
+            tick.join(30)
     finally:
-        if tick.is_alive():
-            tick.kill()
-        store.record("0-0", {**ROW, "model_call_id": "late"})
-        claim.__exit__(None, None, None)
-    assert "_ENRICHED" not in where.names("r")
+        for tick in ticks.values():
+            if tick.is_alive():
+                tick.kill()
+        for store, claim in claims.values():
+            store.record("0-0", {**ROW, "model_call_id": "late"})
+            claim.__exit__(None, None, None)
 
-    current = runs.current_lease(run)
-    assert current is not None and current.owner == held.owner  # the dead tick's, until it lapses
-    time.sleep(max(0.0, current.expires_at - time.time()) + 0.05)  # until the dead tick's lease lapses
-    after = enrich_completed_runs(where.url, lease_s=lease_s, storage_options=where.options)
-    assert after.enriched == ["r"]
-    out = [orjson.loads(line) for line in where.read("r", "rollouts.enriched.jsonl").splitlines()]
-    assert [r["ng_model_call_capture"]["metrics"]["num_calls"] for r in out] == [2, 1, 1]  # complete
-    marker = where.read("r", "_ENRICHED")
-    assert f":{os.getpid()}:" in orjson.loads(marker)["enriched_by"]
-    assert not [n for n in where.names("r") if n.startswith("_ENRICHING")]
-    assert runs.take(run) == "enriched" and where.read("r", "_ENRICHED") == marker  # never again
+    for backend, where in wheres.items():
+        assert "_ENRICHED" not in where.names("r"), backend
+        runs, run = where.root(), where.run("r")
+        current = runs.current_lease(run)
+        assert current is not None and current.owner == held[backend].owner  # the dead tick's
+        time.sleep(max(0.0, current.expires_at - time.time()) + 0.05)  # until it lapses
+        after = enrich_completed_runs(where.url, lease_s=lease_s[backend], storage_options=where.options)
+        assert after.enriched == ["r"], backend
+        out = [orjson.loads(line) for line in where.read("r", "rollouts.enriched.jsonl").splitlines()]
+        assert [r["ng_model_call_capture"]["metrics"]["num_calls"] for r in out] == [2, 1, 1]  # complete
+        marker = where.read("r", "_ENRICHED")
+        assert f":{os.getpid()}:" in orjson.loads(marker)["enriched_by"]
+        assert not [n for n in where.names("r") if n.startswith("_ENRICHING")]
+        assert runs.take(run) == "enriched" and where.read("r", "_ENRICHED") == marker  # never again
