@@ -32,6 +32,7 @@ bench: setup
 	$(BIN)/python benchmarks/bench_flow.py
 	$(BIN)/python benchmarks/bench_s3.py
 	$(BIN)/python benchmarks/bench_proxy.py
+	$(BIN)/python benchmarks/bench_runs.py
 
 # Register the deployments on the server PREFECT_API_URL names (a fresh one needs the pool).
 deploy: setup

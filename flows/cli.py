@@ -309,6 +309,21 @@ def enrich_runs(
     ],
     capture_dir: Annotated[str | None, typer.Option(help="One capture root for all runs.")] = None,
     runner: RunnerOpt = RunnerName.threads,
+    max_parallel_runs: Annotated[int, typer.Option(min=1, help="Runs enriched at once.")] = 4,
+    lease_s: Annotated[
+        float,
+        typer.Option(
+            min=0.001, help="Seconds a run's lease holds unrenewed (how soon a crashed run is retaken)."
+        ),
+    ] = 120.0,
+    full_scan: Annotated[
+        bool, typer.Option(help="List every run folder, ignoring the root's index.")
+    ] = False,
+    recheck: Annotated[
+        list[str] | None,
+        typer.Option(help="A run to look at even if the index says it is enriched (repeatable)."),
+    ] = None,
+    allow_empty: AllowEmptyOpt = False,
     max_gap_share: Annotated[
         float | None, typer.Option(min=0, max=1, help="Emit gaps-exceeded above this share of rollouts.")
     ] = None,
@@ -328,6 +343,11 @@ def enrich_runs(
                 runs_root,
                 capture_dir=capture_dir,
                 runner=runner.value,
+                max_parallel_runs=max_parallel_runs,
+                lease_s=lease_s,
+                full_scan=full_scan,
+                recheck=recheck,
+                allow_empty=allow_empty,
                 max_gap_share=max_gap_share,
                 storage_options=options,
                 credentials_block=credentials_block,
@@ -340,6 +360,7 @@ def enrich_runs(
             for what, names in (
                 ("enriched", summary.enriched),
                 ("busy (another tick holds them)", summary.busy),
+                ("lost (another tick took over)", summary.lost),
                 ("unfinished (no _SUCCESS)", summary.unfinished),
                 ("already enriched", summary.already_enriched),
             )

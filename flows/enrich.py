@@ -7,6 +7,8 @@ import tempfile
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from prefect import get_run_logger
@@ -27,6 +29,130 @@ from tasks.capture import BatchInput, BatchOutput, check_capture_dir, merge_batc
 from tasks.rollout_files import read_rollouts, write_enriched
 
 DEFAULT_BATCH_SIZE = 1000
+
+
+@dataclass
+class Spooled:
+    """An enrichment done but not published: the output complete in a local spool."""
+
+    spool: OutputSpool
+    stats: BatchStats
+    batches: int
+
+
+def enrich_to_spool(
+    rollouts: str,
+    capture_dir: str,
+    target: str,
+    *,
+    include_payloads: bool,
+    quiescence_timeout_s: float,
+    batch_size: int,
+    max_workers: int,
+    runner: Runner,
+    dask_address: str | None,
+    strict: bool,
+    allow_empty: bool,
+    storage_options: dict[str, Any] | None,
+    credentials_block: str | None,
+    between_batches: Callable[[], None] | None = None,
+) -> Spooled:
+    """Everything of an enrichment but publishing, inside the calling flow run.
+
+    The caller publishes the spool (or discards it); on failure nothing is left behind.
+    ``between_batches`` runs after each batch is spooled and may raise to stop early.
+    The batches share one listing of an object-store capture root (the flow run's scope).
+    """
+    check_inputs(capture_dir, storage_options)
+    check_capture_dir(capture_dir, storage_options, credentials_block, allow_empty)
+    staged = read_rollouts(rollouts, storage_options, credentials_block)
+    progress = start_progress(rollouts, staged.size)
+    spool = OutputSpool(target, storage_options)
+    parts_dir = tempfile.mkdtemp(prefix="enrich-parts-") if runner == "processes" else None
+    stats = BatchStats()
+    batches = done_bytes = 0
+    workers = effective_workers(runner, max_workers, capture_dir)
+    scope = ListingScope(key=str(flow_run.id or uuid.uuid4()), rollouts=0)
+    try:
+        ranges = list(iter_line_ranges(staged.path, batch_size))
+        scope = ListingScope(key=scope.key, rollouts=sum(r.lines for r in ranges))
+        options = {
+            "capture_dir": capture_dir,
+            "storage_options": storage_options,
+            "credentials_block": credentials_block,
+            "include_payloads": include_payloads,
+            "quiescence_timeout_s": quiescence_timeout_s,
+            "source": rollouts,
+            "strict": strict,
+            "worker_processes": workers if runner == "processes" else 0,
+            "parts_dir": parts_dir,
+            "scope": scope,
+        }
+        with (
+            api_shared_with_workers(runner),
+            make_task_runner(runner, workers, dask_address) as task_runner,
+        ):
+            in_flight: deque[tuple[int, PrefectFuture[BatchOutput]]] = deque()
+
+            def collect() -> None:
+                nonlocal stats, batches, done_bytes
+                size, future = in_flight.popleft()
+                batch = future.result()
+                if batch.part is not None:
+                    spool.append_part(batch.part, batch.lines)
+                else:
+                    spool.write(batch.blob, batch.lines)
+                batch.blob = b""  # see BatchOutput: Prefect's engine may hold the object a while
+                stats += batch.stats
+                batches += 1
+                done_bytes += size
+                advance_progress(progress, rollouts, done_bytes, staged.size)
+                if between_batches is not None:
+                    between_batches()
+
+            for piece in ranges:
+                # Workers elsewhere (Dask) cannot read this machine's files: they get the bytes.
+                blob = piece.read() if runner == "dask" else None
+                parameters = {"batch": BatchInput(lines=piece, blob=blob), **options}
+                in_flight.append((piece.length, task_runner.submit(merge_batch, parameters)))
+                while len(in_flight) > workers:  # bounded: memory stays flat as input grows
+                    collect()
+            while in_flight:
+                collect()
+        spool.close()
+    except BaseException:
+        spool.discard()
+        raise
+    finally:
+        end_scope(scope.key)
+        remove_staged(staged)
+        if parts_dir is not None:
+            shutil.rmtree(parts_dir, ignore_errors=True)
+    return Spooled(spool=spool, stats=stats, batches=batches)
+
+
+def report_enrichment(summary: EnrichSummary, max_gap_share: float | None = None) -> None:
+    """Log what an enrichment found, publish its artifacts, and emit its event."""
+    logger = get_run_logger()
+    stats = summary.stats
+    if stats.problems:
+        first = stats.problems[0]
+        logger.warning(
+            "%d line(s) of %s are not rollout records and were passed through (first: line %d: %s)",
+            len(stats.problems),
+            summary.source,
+            first.line,
+            first.reason,
+        )
+    logger.info(
+        "enriched %d rollout(s) with %d call(s) in %d batch(es); gaps: %s",
+        stats.rollouts,
+        stats.calls,
+        summary.batches,
+        stats.gaps or "none",
+    )
+    publish_summary(summary)
+    emit_completed(summary.source, summary.output, stats, summary.batches, summary.seconds, max_gap_share)
 
 
 @guarded_flow(name="enrich_rollouts", flow_run_name="enrich {rollouts}")
@@ -70,8 +196,9 @@ def enrich_rollouts(
     """
     show_core_logs()
     target = output or default_output(rollouts)
+    started = time.perf_counter()
     try:
-        return _enrich(
+        done = enrich_to_spool(
             rollouts,
             capture_dir,
             target,
@@ -83,121 +210,23 @@ def enrich_rollouts(
             dask_address=dask_address,
             strict=strict,
             allow_empty=allow_empty,
-            max_gap_share=max_gap_share,
             storage_options=storage_options,
             credentials_block=credentials_block,
         )
+        try:
+            write_enriched(done.spool.path, target, done.spool.lines, storage_options, credentials_block)
+        except BaseException:
+            done.spool.discard()
+            raise
     except Exception as exc:
         emit_failed(rollouts, target, exc)
         raise
-
-
-def _enrich(
-    rollouts: str,
-    capture_dir: str,
-    target: str,
-    *,
-    include_payloads: bool,
-    quiescence_timeout_s: float,
-    batch_size: int,
-    max_workers: int,
-    runner: Runner,
-    dask_address: str | None,
-    strict: bool,
-    allow_empty: bool,
-    max_gap_share: float | None,
-    storage_options: dict[str, Any] | None,
-    credentials_block: str | None,
-) -> EnrichSummary:
-    logger = get_run_logger()
-    check_inputs(capture_dir, storage_options)
-    check_capture_dir(capture_dir, storage_options, credentials_block, allow_empty)
-    started = time.perf_counter()
-    staged = read_rollouts(rollouts, storage_options, credentials_block)
-    progress = start_progress(rollouts, staged.size)
-    spool = OutputSpool(target, storage_options)
-    parts_dir = tempfile.mkdtemp(prefix="enrich-parts-") if runner == "processes" else None
-    stats = BatchStats()
-    batches = done_bytes = 0
-    workers = effective_workers(runner, max_workers, capture_dir)
-    scope = ListingScope(key=str(flow_run.id or uuid.uuid4()), rollouts=0)
-    try:
-        ranges = list(iter_line_ranges(staged.path, batch_size))
-        scope = ListingScope(key=scope.key, rollouts=sum(r.lines for r in ranges))
-        options = {
-            "capture_dir": capture_dir,
-            "storage_options": storage_options,
-            "credentials_block": credentials_block,
-            "include_payloads": include_payloads,
-            "quiescence_timeout_s": quiescence_timeout_s,
-            "source": rollouts,
-            "strict": strict,
-            "worker_processes": workers if runner == "processes" else 0,
-            "parts_dir": parts_dir,
-            "scope": scope,
-        }
-        with (
-            api_shared_with_workers(runner),
-            make_task_runner(runner, workers, dask_address) as task_runner,
-        ):
-            in_flight: deque[tuple[int, PrefectFuture[BatchOutput]]] = deque()
-
-            def collect() -> None:
-                nonlocal stats, batches, done_bytes
-                size, future = in_flight.popleft()
-                batch = future.result()
-                if batch.part is not None:
-                    spool.append_part(batch.part, batch.lines)
-                else:
-                    spool.write(batch.blob, batch.lines)
-                batch.blob = b""  # see BatchOutput: Prefect's engine may hold the object a while
-                stats += batch.stats
-                batches += 1
-                done_bytes += size
-                advance_progress(progress, rollouts, done_bytes, staged.size)
-
-            for piece in ranges:
-                # Workers elsewhere (Dask) cannot read this machine's files: they get the bytes.
-                blob = piece.read() if runner == "dask" else None
-                parameters = {"batch": BatchInput(lines=piece, blob=blob), **options}
-                in_flight.append((piece.length, task_runner.submit(merge_batch, parameters)))
-                while len(in_flight) > workers:  # bounded: memory stays flat as input grows
-                    collect()
-            while in_flight:
-                collect()
-        spool.close()
-        write_enriched(spool.path, target, spool.lines, storage_options, credentials_block)
-    except BaseException:
-        spool.discard()
-        raise
-    finally:
-        end_scope(scope.key)
-        remove_staged(staged)
-        if parts_dir is not None:
-            shutil.rmtree(parts_dir, ignore_errors=True)
     summary = EnrichSummary(
         source=rollouts,
         output=target,
-        batches=batches,
+        batches=done.batches,
         seconds=round(time.perf_counter() - started, 3),
-        stats=stats,
+        stats=done.stats,
     )
-    if stats.problems:
-        first = stats.problems[0]
-        logger.warning(
-            "%d line(s) of %s are not rollout records and were passed through (first: line %d: %s)",
-            len(stats.problems),
-            rollouts,
-            first.line,
-            first.reason,
-        )
-    logger.info(
-        "enriched %d rollout(s) with %d call(s) in %d batch(es); gaps: %s",
-        stats.rollouts,
-        stats.calls,
-        batches,
-        stats.gaps or "none",
-    )
-    publish_summary(summary)
-    emit_completed(rollouts, target, stats, batches, summary.seconds, max_gap_share)
+    report_enrichment(summary, max_gap_share)
     return summary

@@ -1,18 +1,55 @@
-"""``enrich_completed_runs``: the scheduled job. Every finished, not yet enriched run, once."""
+"""``enrich_completed_runs``: the scheduled job. Every finished, not yet enriched run, once.
+
+Each run is enriched in a subflow of its own (``enrich_run``, named after its folder),
+under a lease renewed in the background, several at once when a backlog waits.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any, Literal
+from uuid import UUID
 
-from prefect import get_run_logger
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.context import FlowRunContext, TaskRunContext
+from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, Field
 
-from flows.enrich import DEFAULT_BATCH_SIZE, enrich_rollouts
-from flows.guard import check_inputs, guarded_flow
+from flows.enrich import DEFAULT_BATCH_SIZE, enrich_to_spool, report_enrichment
+from flows.events import emit_failed
+from flows.guard import StorageOptions, check_inputs, guarded_flow
+from flows.report import EnrichSummary, show_core_logs
 from flows.runners import Runner
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
-from rollout_capture.run_folders import DEFAULT_LEASE_S
-from tasks.run_folders import find_runs, finish_run, take_run
+from rollout_capture.run_folders import (
+    DEFAULT_LEASE_S,
+    Lease,
+    LeaseKeeper,
+    LeaseLost,
+    RunFolder,
+    RunsRoot,
+    new_owner,
+)
+from tasks.credentials import credentials_from_block
+from tasks.rollout_files import write_enriched
+from tasks.run_folders import fence_run, find_runs, finish_run, release_run, remember_enriched, take_run
+
+DEFAULT_MAX_PARALLEL_RUNS = 4
+
+RunStatus = Literal["enriched", "busy", "already_enriched", "lost", "failed"]
+
+
+class RunOutcome(BaseModel):
+    """What became of one run this flow run tried to take."""
+
+    status: RunStatus
+    flow_run_id: UUID | None = None
+    """The run's ``enrich_run`` subflow, when one ran."""
+    summary: EnrichSummary | None = None
+    error: str | None = None
 
 
 class RunsSummary(BaseModel):
@@ -23,75 +60,275 @@ class RunsSummary(BaseModel):
     unfinished: list[str] = Field(default_factory=list)
     already_enriched: list[str] = Field(default_factory=list)
     failed: dict[str, str] = Field(default_factory=dict)
+    lost: list[str] = Field(default_factory=list)
+    """Runs whose lease another holder took while they were enriched (nothing was published)."""
+    outcomes: dict[str, RunOutcome] = Field(default_factory=dict)
+    """Each run this invocation tried to take, by name."""
+
+    def add(self, name: str, outcome: RunOutcome) -> None:
+        self.outcomes[name] = outcome
+        if outcome.status == "failed":
+            self.failed[name] = outcome.error or "failed"
+        else:
+            getattr(self, outcome.status).append(name)
 
 
 class RunsFailed(RuntimeError):
     """Some runs could not be enriched; the others were."""
 
 
-@guarded_flow(name="enrich_completed_runs")
-def enrich_completed_runs(
+@guarded_flow(name="enrich_run")
+def enrich_run(
     runs_root: str,
+    run: RunFolder,
+    lease: Lease,
     capture_dir: str | None = None,
     include_payloads: bool = False,
     quiescence_timeout_s: float = CAPTURE_DRAIN_TIMEOUT_S,
     batch_size: int = DEFAULT_BATCH_SIZE,
     max_workers: int = 8,
     runner: Runner = "threads",
-    lease_s: float = DEFAULT_LEASE_S,
+    heartbeat_s: float | None = None,
+    allow_empty: bool = False,
     max_gap_share: float | None = None,
     storage_options: dict[str, Any] | None = None,
     credentials_block: str | None = None,
-) -> RunsSummary:
-    """Enrich each finished run (``_SUCCESS``, no ``_ENRICHED``) under ``runs_root`` in a subflow.
+) -> EnrichSummary:
+    """Enrich one run folder whose lease this flow run holds; publish only as its current holder.
 
-    ``_ENRICHED`` is written last, so the next schedule skips the run; a lease keeps two
-    overlapping schedules off the same run. One failing run does not stop the others.
+    The lease is renewed in the background (every ``lease_s / 3``) however long the run
+    takes. The output and ``_ENRICHED`` are each written right after a renewal succeeds,
+    so a holder that lost its lease (paused past it, say) stops and publishes nothing.
     """
+    show_core_logs()
     check_inputs(capture_dir, storage_options)
-    logger = get_run_logger()
-    summary = RunsSummary()
-    for run in find_runs(runs_root, storage_options, credentials_block):
-        if run.enriched:
-            summary.already_enriched.append(run.name)
-            continue
-        if not run.finished:
-            summary.unfinished.append(run.name)
-            continue
-        lease = take_run(runs_root, run, lease_s, storage_options, credentials_block)
-        if lease is None:
-            logger.info("run %s is being enriched by another flow run; skipped", run.name)
-            summary.busy.append(run.name)
-            continue
-        result: dict[str, Any] | None = None
+    root = RunsRoot(runs_root, storage_options, credentials=credentials_from_block(credentials_block))
+    keeper = LeaseKeeper(root, run, lease, heartbeat_s)
+    started = time.perf_counter()
+    finished = False
+    with _this_flow_runs_context(), keeper:
         try:
-            enriched = enrich_rollouts.with_options(flow_run_name=f"enrich-{run.name}")(
-                rollouts=run.rollouts,
-                capture_dir=capture_dir or run.captures,
-                output=run.output,
+            done = enrich_to_spool(
+                run.rollouts,
+                capture_dir or run.captures,
+                run.output,
                 include_payloads=include_payloads,
                 quiescence_timeout_s=quiescence_timeout_s,
                 batch_size=batch_size,
                 max_workers=max_workers,
                 runner=runner,
-                max_gap_share=max_gap_share,
+                dask_address=None,
+                strict=False,
+                allow_empty=allow_empty,
                 storage_options=storage_options,
                 credentials_block=credentials_block,
+                between_batches=keeper.check,
             )
-            result = enriched.model_dump(mode="json", exclude={"stats": {"problems"}})
-            result["unparseable_lines"] = [p.line for p in enriched.stats.problems]
-            summary.enriched.append(run.name)
+            try:
+                fence_run(keeper)
+                write_enriched(
+                    done.spool.path, run.output, done.spool.lines, storage_options, credentials_block
+                )
+            except BaseException:
+                done.spool.discard()
+                raise
+            summary = EnrichSummary(
+                source=run.rollouts,
+                output=run.output,
+                batches=done.batches,
+                seconds=round(time.perf_counter() - started, 3),
+                stats=done.stats,
+            )
+            marker = summary.model_dump(mode="json", exclude={"stats": {"problems"}})
+            marker["unparseable_lines"] = [p.line for p in done.stats.problems]
+            finish_run(keeper, marker)
+            finished = True
+        except LeaseLost:
+            raise  # another holder has the run: not a failure of its evidence
         except Exception as exc:
-            logger.error("run %s failed: %s", run.name, exc)
-            summary.failed[run.name] = f"{type(exc).__name__}: {exc}"
+            emit_failed(run.rollouts, run.output, exc)
+            raise
         finally:
-            finish_run(runs_root, run, lease, result, storage_options, credentials_block)
+            if not finished:
+                _give_back(keeper)
+        report_enrichment(summary, max_gap_share)
+    return summary
+
+
+@contextmanager
+def _this_flow_runs_context() -> Iterator[None]:
+    """In a subflow started from a task, forget that task's run context for the flow's body.
+
+    Prefect leaves it set, so the subflow's own logs and artifacts would be filed under
+    the parent flow run's task; tasks already ignore a task context of another flow run.
+    """
+    task_run = TaskRunContext.get()
+    flow_run = FlowRunContext.get()
+    if task_run is None or flow_run is None or flow_run.flow_run is None:
+        yield
+        return
+    if task_run.task_run.flow_run_id == flow_run.flow_run.id:
+        yield
+        return
+    token = TaskRunContext.__var__.set(None)  # type: ignore[arg-type]  # None reads as "no task run"
+    try:
+        yield
+    finally:
+        TaskRunContext.__var__.reset(token)
+
+
+def _give_back(keeper: LeaseKeeper) -> None:
+    """Release after a failure without hiding it: a lease that cannot be released lapses anyway."""
+    try:
+        release_run(keeper)
+    except Exception as exc:
+        get_run_logger().warning("%s: lease not released (%s); it lapses by itself", keeper.run.name, exc)
+
+
+@task(name="enrich_run_folder", cache_policy=NO_CACHE)
+def enrich_run_folder(
+    runs_root: str,
+    run: RunFolder,
+    lease_s: float,
+    capture_dir: str | None,
+    include_payloads: bool,
+    quiescence_timeout_s: float,
+    batch_size: int,
+    max_workers: int,
+    runner: Runner,
+    allow_empty: bool,
+    max_gap_share: float | None,
+    storage_options: dict[str, Any] | None,
+    credentials_block: str | None,
+) -> RunOutcome:
+    """Take one run and enrich it in its own subflow.
+
+    A task, not a thread of the flow: subflows started from tasks get unique identities,
+    so several can run at once. Not retried as a whole: its own tasks retry their faults.
+    """
+    logger = get_run_logger()
+    try:
+        taken = take_run(runs_root, run, lease_s, storage_options, credentials_block, new_owner())
+        if taken == "busy":
+            logger.info("run %s is being enriched by another flow run; skipped", run.name)
+            return RunOutcome(status="busy")
+        if taken == "enriched":
+            return RunOutcome(status="already_enriched")
+        state = enrich_run.with_options(flow_run_name=run.name)(
+            runs_root=runs_root,
+            run=run,
+            lease=taken,
+            capture_dir=capture_dir,
+            include_payloads=include_payloads,
+            quiescence_timeout_s=quiescence_timeout_s,
+            batch_size=batch_size,
+            max_workers=max_workers,
+            runner=runner,
+            allow_empty=allow_empty,
+            max_gap_share=max_gap_share,
+            storage_options=storage_options,
+            credentials_block=credentials_block,
+            return_state=True,
+        )
+    except Exception as exc:
+        logger.error("run %s failed: %s", run.name, exc)
+        return RunOutcome(status="failed", error=f"{type(exc).__name__}: {exc}")
+    flow_run_id = state.state_details.flow_run_id
+    try:
+        summary = state.result()
+    except LeaseLost as exc:
+        logger.warning("run %s: lease lost, nothing published: %s", run.name, exc)
+        return RunOutcome(status="lost", flow_run_id=flow_run_id, error=str(exc))
+    except Exception as exc:
+        logger.error("run %s failed: %s", run.name, exc)
+        return RunOutcome(status="failed", flow_run_id=flow_run_id, error=f"{type(exc).__name__}: {exc}")
+    return RunOutcome(status="enriched", flow_run_id=flow_run_id, summary=summary)
+
+
+@guarded_flow(name="enrich_completed_runs", flow_run_name="enrich-runs {runs_root}")
+def enrich_completed_runs(
+    runs_root: str,
+    capture_dir: str | None = None,
+    include_payloads: bool = False,
+    quiescence_timeout_s: Annotated[float, Field(ge=0)] = CAPTURE_DRAIN_TIMEOUT_S,
+    batch_size: Annotated[int, Field(ge=1)] = DEFAULT_BATCH_SIZE,
+    max_workers: Annotated[int, Field(ge=1)] = 8,
+    runner: Runner = "threads",
+    lease_s: Annotated[float, Field(gt=0)] = DEFAULT_LEASE_S,
+    max_parallel_runs: Annotated[int, Field(ge=1)] = DEFAULT_MAX_PARALLEL_RUNS,
+    full_scan: bool = False,
+    recheck: list[str] | None = None,
+    allow_empty: bool = False,
+    max_gap_share: Annotated[float, Field(ge=0, le=1)] | None = None,
+    storage_options: StorageOptions = None,
+    credentials_block: str | None = None,
+) -> RunsSummary:
+    """Enrich each finished run (``_SUCCESS``, no ``_ENRICHED``) under ``runs_root``, each in a subflow.
+
+    Up to ``max_parallel_runs`` runs at once. ``_ENRICHED`` is written last, so the next
+    schedule skips the run; a lease keeps overlapping schedules off the same run, and
+    lapses ``lease_s`` after a crash. Runs the root's index knows as enriched are not
+    listed: ``recheck`` names runs to look at anyway, ``full_scan`` lists every folder.
+    One failing run does not stop the others.
+
+    Args:
+        runs_root: The folder of runs (path or fsspec URL): <root>/<run>/rollouts.jsonl, captures/, _SUCCESS.
+        capture_dir: One capture root for every run; default each run's own captures/ folder.
+        include_payloads: Keep each call's request and response in the output.
+        quiescence_timeout_s: Seconds to wait, per batch, for calls still being written (live claims).
+        batch_size: Rollout lines per batch task.
+        max_workers: Batches running at once, per run.
+        runner: Where batches run: threads, processes (all cores) or dask.
+        lease_s: Seconds a run's lease lasts without renewal; a crashed tick's run is free after it.
+        max_parallel_runs: Runs enriched at once when a backlog waits.
+        full_scan: List every run folder, ignoring the index of runs already enriched.
+        recheck: Names of runs to look at even if the index says they are enriched.
+        allow_empty: Accept a run whose capture dir does not exist or holds nothing.
+        max_gap_share: Above this share of rollouts with a gap, a run also emits the gaps-exceeded event.
+        storage_options: fsspec options for every URL, without secrets (those come from credentials_block).
+        credentials_block: Name of a prefect-aws AwsCredentials block to read and write S3 with.
+    """
+    show_core_logs()
+    check_inputs(capture_dir, storage_options)
+    logger = get_run_logger()
+    summary = RunsSummary()
+    ready = []
+    for run in find_runs(runs_root, storage_options, credentials_block, full_scan, recheck):
+        if run.enriched:
+            summary.already_enriched.append(run.name)
+        elif not run.finished:
+            summary.unfinished.append(run.name)
+        else:
+            ready.append(run)
+    if ready:
+        parameters = {
+            "runs_root": runs_root,
+            "lease_s": lease_s,
+            "capture_dir": capture_dir,
+            "include_payloads": include_payloads,
+            "quiescence_timeout_s": quiescence_timeout_s,
+            "batch_size": batch_size,
+            "max_workers": max_workers,
+            "runner": runner,
+            "allow_empty": allow_empty,
+            "max_gap_share": max_gap_share,
+            "storage_options": storage_options,
+            "credentials_block": credentials_block,
+        }
+        pool: ThreadPoolTaskRunner[Any] = ThreadPoolTaskRunner(max_workers=min(max_parallel_runs, len(ready)))
+        with pool:
+            futures = [(run, pool.submit(enrich_run_folder, {"run": run, **parameters})) for run in ready]
+            for run, future in futures:
+                summary.add(run.name, future.result())
+    if summary.enriched:
+        remember_enriched(runs_root, summary.enriched, storage_options, credentials_block)
     logger.info(
-        "enriched %d run(s), %d busy, %d unfinished, %d already enriched, %d failed",
+        "enriched %d run(s), %d busy, %d unfinished, %d already enriched, %d lost, %d failed",
         len(summary.enriched),
         len(summary.busy),
         len(summary.unfinished),
         len(summary.already_enriched),
+        len(summary.lost),
         len(summary.failed),
     )
     if summary.failed:

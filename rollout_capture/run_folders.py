@@ -1,25 +1,44 @@
 """Run folders for scheduled enrichment: which runs are finished, enriched, or taken.
 
 A run is ``<runs_root>/<run>/`` with ``rollouts.jsonl``, ``captures/`` and, once it has
-finished, an empty ``_SUCCESS``. ``_ENRICHED`` is written last, so a run is enriched at
-most once; an ``_ENRICHING.<generation>`` lease (put-if-absent, with an expiry) keeps two overlapping
-schedules off the same run without letting a crashed one block it forever.
+finished, an empty ``_SUCCESS``. ``_ENRICHED`` is written last and once (put-if-absent),
+so a run is enriched at most once.
+
+**Discovery** is one listing of the root (1,000 folders a page) plus one delimiter listing
+per run folder, concurrently, never a HEAD: a folder's top-level names say all there is
+to know. The job keeps an index at the root (``_rollout_capture_index.json``, the runs it
+has seen enriched), so an idle tick over enriched runs costs the root's pages and one GET;
+a folder missing from the index (new, or written by hand) is listed as before. The index
+is a cache of ``_ENRICHED``, never the truth: an entry is added only once ``_ENRICHED`` has
+been seen, so a lost entry costs one listing later and never a second enrichment.
+
+**Leases** are generations ``_ENRICHING.<n>``, each created put-if-absent. Taking over
+an expired generation ``n`` and renewing a live one both mean creating ``n + 1``: of two
+processes trying, exactly one succeeds. The creator then lists the folder: a newer
+generation (someone superseded it) or ``_ENRICHED`` means it lost. The newest generation
+is never deleted while the run is unenriched (a release writes a ``released`` generation
+on top), so a process acting on a stale view can only create an old number and sees the
+newer one. Expiry counts from the store's clock on object stores (the object's
+modification time) and from the holder's timestamps on a local disk.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
+import threading
 import time
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Collection, Mapping
+from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, ValidationError
 
-from rollout_capture.backends import Backend, open_backend
-from rollout_capture.filesystem import join, open_filesystem
+from rollout_capture.backends import Backend, Named, open_backend
+from rollout_capture.faults import is_transient_storage_error
+from rollout_capture.filesystem import join
 
 ROLLOUTS = "rollouts.jsonl"
 CAPTURES = "captures"
@@ -27,7 +46,12 @@ SUCCESS = "_SUCCESS"
 ENRICHED = "_ENRICHED"
 LEASE = "_ENRICHING"
 OUTPUT = "rollouts.enriched.jsonl"
-DEFAULT_LEASE_S = 3600.0
+INDEX = "_rollout_capture_index.json"
+DEFAULT_LEASE_S = 120.0
+BEATS_PER_LEASE = 3
+"""Renewals per lease period: two may fail (a storage hiccup) before the lease lapses."""
+
+Taken = Literal["busy", "enriched"]
 
 
 class RunFolder(BaseModel):
@@ -52,16 +76,84 @@ class RunFolder(BaseModel):
 
 
 class Lease(BaseModel):
-    """Who is enriching a run, and until when the claim holds."""
+    """One generation of a run's lease: who holds it, and until when by the holder's clock."""
 
     owner: str
     generation: int
     acquired_at: float
     expires_at: float
+    renewed_at: float | None = None
+    lease_s: float | None = None
+    released: bool = False
+
+    @property
+    def duration_s(self) -> float:
+        """How long a generation holds after it is written."""
+        if self.lease_s is not None:
+            return self.lease_s
+        return self.expires_at - (self.renewed_at if self.renewed_at is not None else self.acquired_at)
+
+    def successor(self, *, released: bool = False) -> Lease:
+        """The next generation of this holder's lease, starting now."""
+        now = time.time()
+        return self.model_copy(
+            update={
+                "generation": self.generation + 1,
+                "renewed_at": now,
+                "expires_at": now + self.duration_s,
+                "lease_s": self.duration_s,
+                "released": released,
+            }
+        )
 
 
-def _url(fs_root_url: str, name: str) -> str:
-    return f"{fs_root_url.rstrip('/')}/{name}"
+class LeaseLost(RuntimeError):
+    """Another holder took the run's lease: this one must stop and publish nothing."""
+
+
+class AlreadyEnriched(LeaseLost):
+    """The run was enriched (``_ENRICHED`` appeared) while this holder worked on it."""
+
+
+class RunsIndex(BaseModel):
+    """The index object at the root: the runs seen enriched (a cache of their ``_ENRICHED``)."""
+
+    format: Literal[1] = 1
+    enriched: list[str] = Field(default_factory=list)
+
+
+class Discovery(BaseModel):
+    """The runs under the root, and what finding them cost."""
+
+    runs: list[RunFolder]
+    listed: int
+    """Folders listed this time (one request each)."""
+    indexed: int
+    """Runs taken from the index as enriched, without listing their folders."""
+
+
+def new_owner() -> str:
+    """A holder id, unique per acquisition (host and pid say where it runs)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _parse_lease(body: bytes | None) -> Lease | None:
+    if not body:
+        return None
+    try:
+        return Lease.model_validate(orjson.loads(body))
+    except (orjson.JSONDecodeError, ValidationError):
+        return None
+
+
+def _generations(names: Mapping[str, Named]) -> dict[int, Named]:
+    """Generation -> entry of the lease objects among a run folder's names."""
+    out = {}
+    for name, entry in names.items():
+        prefix, dot, generation = name.partition(".")
+        if prefix == LEASE and dot and generation.isdigit() and not entry.folder:
+            out[int(generation)] = entry
+    return out
 
 
 class RunsRoot:
@@ -75,90 +167,330 @@ class RunsRoot:
         credentials: Mapping[str, Any] | None = None,
     ) -> None:
         self.url = url.rstrip("/")
-        fs, root = open_filesystem(url, storage_options, credentials=credentials)
-        self.fs = fs
-        self.root = root
         self.backend: Backend = open_backend(url, storage_options, credentials=credentials)
+        self.root = self.backend.root
+
+    # ------------------------------------------------------------------ discovery
+
+    def _folder(self, name: str) -> str:
+        return self.backend.path(name)
+
+    def _run(self, name: str, *, finished: bool, enriched: bool) -> RunFolder:
+        return RunFolder(name=name, url=f"{self.url}/{name}", finished=finished, enriched=enriched)
+
+    def discover(
+        self, *, use_index: bool = True, recheck: Collection[str] = (), update_index: bool = True
+    ) -> Discovery:
+        """Every run folder (one holding a rollouts file), sorted by name.
+
+        Runs the index lists as enriched are not listed again unless named in ``recheck``;
+        without ``use_index`` every folder is. The index is rewritten when what was found
+        differs from it (``update_index``).
+        """
+        (top,) = self.backend.list_names([self.root])
+        folders = sorted(name for name, entry in top.items() if entry.folder)
+        index = self._read_index() if use_index and INDEX in top else None
+        known = set(index or ()) & set(folders)
+        known -= set(recheck)
+        to_list = [name for name in folders if name not in known]
+        runs = [self._run(name, finished=True, enriched=True) for name in known]
+        for name, names in zip(
+            to_list, self.backend.list_names([self._folder(n) for n in to_list]), strict=True
+        ):
+            rollouts = names.get(ROLLOUTS)
+            if rollouts is None or rollouts.folder:
+                continue  # not a run (yet)
+            runs.append(self._run(name, finished=SUCCESS in names, enriched=ENRICHED in names))
+        runs.sort(key=lambda run: run.name)
+        if update_index:
+            enriched = sorted(run.name for run in runs if run.enriched)
+            if enriched != sorted(set(index or ())) or (index is None and enriched):
+                self._write_index(enriched)
+        return Discovery(runs=runs, listed=len(to_list), indexed=len(known))
 
     def runs(self) -> list[RunFolder]:
-        """Every run folder holding a rollouts file, sorted by name."""
+        """Every run folder, each listed now (the index neither read nor written)."""
+        return self.discover(use_index=False, update_index=False).runs
+
+    def _read_index(self) -> list[str] | None:
+        """The index's run names; None when it is missing or damaged (then every folder is listed)."""
+        body = self.backend.read_many([self._folder(INDEX)])[0]
+        if not body:
+            return None
         try:
-            entries = self.fs.ls(self.root, detail=True)
-        except FileNotFoundError:
-            return []
-        out = []
-        for entry in entries:
-            if entry.get("type") != "directory":
-                continue
-            name = os.path.basename(entry["name"].rstrip("/"))
-            folder = join(self.root, name)
-            if not self.fs.exists(join(folder, ROLLOUTS)):
-                continue
-            out.append(
-                RunFolder(
-                    name=name,
-                    url=_url(self.url, name),
-                    finished=self.fs.exists(join(folder, SUCCESS)),
-                    enriched=self.fs.exists(join(folder, ENRICHED)),
-                )
-            )
-        return sorted(out, key=lambda run: run.name)
-
-    def _leases(self, run: RunFolder) -> list[tuple[int, str]]:
-        """``(generation, path)`` of the run's lease objects, newest last."""
-        folder = join(self.root, run.name)
-        found = []
-        for path in self.fs.ls(folder, detail=False):
-            name = os.path.basename(path.rstrip("/"))
-            prefix, _, generation = name.partition(".")
-            if prefix == LEASE and generation.isdigit():
-                found.append((int(generation), path if path.startswith(folder) else join(folder, name)))
-        return sorted(found)
-
-    def acquire(self, run: RunFolder, lease_s: float = DEFAULT_LEASE_S) -> Lease | None:
-        """Take the run's lease, or None while another holder's lease is live.
-
-        Leases are generations (``_ENRICHING.000000``, ...): breaking an expired one means
-        creating the next generation with put-if-absent, so of two processes breaking the
-        same stale lease exactly one wins.
-        """
-        leases = self._leases(run)
-        generation = 0
-        if leases:
-            newest_generation, newest_path = leases[-1]
-            current = self._read_lease(newest_path)
-            if current is not None and current.expires_at > time.time():
-                return None
-            generation = newest_generation + 1
-        now = time.time()
-        owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        lease = Lease(owner=owner, generation=generation, acquired_at=now, expires_at=now + lease_s)
-        try:
-            self.backend.create(self._lease_path(run, generation), orjson.dumps(lease.model_dump()))
-        except FileExistsError:
-            return None  # someone else took this generation first
-        self.backend.remove([path for _, path in leases])  # stale generations
-        return lease
-
-    def _lease_path(self, run: RunFolder, generation: int) -> str:
-        return join(join(self.root, run.name), f"{LEASE}.{generation:06d}")
-
-    def _read_lease(self, path: str) -> Lease | None:
-        body = self.backend.read_many([path])[0]
-        try:
-            return Lease.model_validate(orjson.loads(body)) if body else None
-        except (orjson.JSONDecodeError, ValueError):
+            return RunsIndex.model_validate(orjson.loads(body)).enriched
+        except (orjson.JSONDecodeError, ValidationError):
             return None
 
-    def release(self, run: RunFolder, lease: Lease) -> None:
-        """Give the lease back, if it is still ours."""
-        path = self._lease_path(run, lease.generation)
-        current = self._read_lease(path)
-        if current is not None and current.owner == lease.owner:
-            self.backend.remove([path])
+    def _write_index(self, enriched: Collection[str]) -> None:
+        # Last writer wins. Concurrent ticks each write what they read plus what they saw
+        # enriched, so an entry can be lost (one listing later) but never invented.
+        body = RunsIndex(enriched=sorted(set(enriched))).model_dump()
+        self.backend.put(self._folder(INDEX), orjson.dumps(body))
 
-    def mark_enriched(self, run: RunFolder, summary: Mapping[str, Any]) -> None:
-        """Write ``_ENRICHED`` (a small JSON summary): the run will be skipped from now on."""
-        self.backend.put(
-            join(join(self.root, run.name), ENRICHED), orjson.dumps(dict(summary), option=orjson.OPT_INDENT_2)
+    def remember_enriched(self, names: Collection[str]) -> None:
+        """Add runs just enriched to the index (read, merged, rewritten)."""
+        current = set(self._read_index() or ())
+        if not set(names) <= current:
+            self._write_index(current | set(names))
+
+    # ------------------------------------------------------------------ leases
+
+    def _lease_path(self, run: RunFolder, generation: int) -> str:
+        return join(self._folder(run.name), f"{LEASE}.{generation:06d}")
+
+    def _names(self, run: RunFolder) -> dict[str, Named]:
+        return self.backend.list_names([self._folder(run.name)])[0]
+
+    def _expires_at(self, lease: Lease | None, entry: Named) -> float:
+        """When a listed generation stops holding: by the store's clock where it keeps one."""
+        if lease is None:  # unreadable: counts from its modification time, like a claim
+            return (entry.mtime if entry.mtime is not None else time.time()) + DEFAULT_LEASE_S
+        if lease.released:
+            return -math.inf
+        if self.backend.trust_mtime and entry.mtime is not None:
+            return entry.mtime + lease.duration_s
+        return lease.expires_at
+
+    def current_lease(self, run: RunFolder) -> Lease | None:
+        """The run's newest lease generation, ``expires_at`` as judged here; None when there is none."""
+        generations = _generations(self._names(run))
+        if not generations:
+            return None
+        entry = generations[max(generations)]
+        lease = _parse_lease(self.backend.read_many([entry.path])[0])
+        if lease is None:
+            return None
+        return lease.model_copy(update={"expires_at": self._expires_at(lease, entry)})
+
+    def take(
+        self, run: RunFolder, lease_s: float = DEFAULT_LEASE_S, owner: str | None = None
+    ) -> Lease | Taken:
+        """Take the run's lease: the lease, or ``"busy"`` (a live holder) or ``"enriched"``.
+
+        Taking again with the same ``owner`` (a retry after a storage fault) finds the
+        lease it may already have taken, rather than being kept out by it.
+        """
+        if not lease_s > 0:
+            raise ValueError(f"lease_s must be positive; got {lease_s!r}")
+        owner = owner or new_owner()
+        names = self._names(run)
+        if ENRICHED in names:
+            return "enriched"
+        generations = _generations(names)
+        generation = 0
+        if generations:
+            newest = max(generations)
+            body = self.backend.read_many([generations[newest].path])[0]
+            if body is None:  # replaced while we looked: its holder is renewing it
+                return "busy"
+            current = _parse_lease(body)
+            if current is not None and current.owner == owner and not current.released:
+                return self._adopt(run, current)
+            if time.time() < self._expires_at(current, generations[newest]):
+                return "busy"
+            generation = newest + 1
+        now = time.time()
+        lease = Lease(
+            owner=owner,
+            generation=generation,
+            acquired_at=now,
+            renewed_at=now,
+            expires_at=now + lease_s,
+            lease_s=lease_s,
         )
+        try:
+            lease = self._create(run, lease)
+            self._confirm(run, lease)
+        except AlreadyEnriched:
+            return "enriched"
+        except LeaseLost:
+            return "busy"
+        return lease
+
+    def _adopt(self, run: RunFolder, lease: Lease) -> Lease | Taken:
+        try:
+            return self.renew(run, lease)
+        except AlreadyEnriched:
+            return "enriched"
+        except LeaseLost:
+            return "busy"
+
+    def acquire(self, run: RunFolder, lease_s: float = DEFAULT_LEASE_S) -> Lease | None:
+        """The run's lease, or None while someone else holds it (or the run is enriched)."""
+        taken = self.take(run, lease_s)
+        return taken if isinstance(taken, Lease) else None
+
+    def _create(self, run: RunFolder, lease: Lease) -> Lease:
+        """Create the lease's generation; ``LeaseLost`` when another holder created it first."""
+        path = self._lease_path(run, lease.generation)
+        try:
+            self.backend.create(path, orjson.dumps(lease.model_dump()))
+        except FileExistsError:
+            existing = _parse_lease(self.backend.read_many([path])[0])
+            if existing is not None and existing.owner == lease.owner:
+                return existing  # our own write, retried after its answer was lost
+            holder = existing.owner if existing is not None else "another holder"
+            raise LeaseLost(
+                f"{run.name}: lease generation {lease.generation} was taken by {holder}"
+            ) from None
+        return lease
+
+    def _confirm(self, run: RunFolder, lease: Lease) -> None:
+        """Make sure ``lease`` is the run's newest generation and the run unenriched; drop older ones."""
+        names = self._names(run)
+        mine = self._lease_path(run, lease.generation)
+        if ENRICHED in names:
+            self.backend.remove([mine])
+            raise AlreadyEnriched(f"{run.name} was enriched by another holder")
+        generations = _generations(names)
+        newer = [g for g in generations if g > lease.generation]
+        if newer or lease.generation not in generations:
+            self.backend.remove([mine])
+            raise LeaseLost(f"{run.name}: its lease was taken over (generation {max(newer, default='?')})")
+        self.backend.remove([entry.path for g, entry in generations.items() if g < lease.generation])
+
+    def renew(self, run: RunFolder, lease: Lease) -> Lease:
+        """The lease's next generation: proof that its holder is still the current one.
+
+        ``LeaseLost`` when someone took over (created that generation, or a newer one) or
+        the run was enriched meanwhile.
+        """
+        renewed = self._create(run, lease.successor())
+        self._confirm(run, renewed)
+        return renewed
+
+    def release(self, run: RunFolder, lease: Lease) -> None:
+        """Give the lease back, if it is still ours: a released generation on top of it."""
+        try:
+            self._create(run, lease.successor(released=True))
+        except LeaseLost:
+            return  # taken over: nothing of ours to give back
+        self.backend.remove([self._lease_path(run, lease.generation)])
+
+    def mark_enriched(self, run: RunFolder, lease: Lease, summary: Mapping[str, Any]) -> None:
+        """Write ``_ENRICHED`` (a small JSON summary naming the holder) once, put-if-absent."""
+        path = join(self._folder(run.name), ENRICHED)
+        body = {**summary, "enriched_by": lease.owner}
+        try:
+            self.backend.create(path, orjson.dumps(body, option=orjson.OPT_INDENT_2))
+        except FileExistsError:
+            existing = self.backend.read_many([path])[0] or b""
+            try:
+                holder = orjson.loads(existing).get("enriched_by")
+            except (orjson.JSONDecodeError, AttributeError):
+                holder = None
+            if holder != lease.owner:  # not our own retried write
+                raise AlreadyEnriched(f"{run.name} was enriched by {holder or 'another holder'}") from None
+
+    def drop_leases(self, run: RunFolder) -> None:
+        """Delete every lease generation of an enriched run (its ``_ENRICHED`` keeps others off)."""
+        self.backend.remove([entry.path for entry in _generations(self._names(run)).values()])
+
+
+class LeaseKeeper:
+    """Holds a run's lease while the run is enriched: renews it in the background, fences publishing.
+
+    A live holder never loses its run however long it takes (a renewal every
+    ``lease_s / 3``); one that finds its lease taken stops renewing, and ``check`` and
+    ``fence`` raise ``LeaseLost`` from then on, so it publishes nothing.
+    """
+
+    def __init__(
+        self, root: RunsRoot, run: RunFolder, lease: Lease, heartbeat_s: float | None = None
+    ) -> None:
+        self.root = root
+        self.run = run
+        self._lease = lease
+        self.heartbeat_s = heartbeat_s if heartbeat_s is not None else lease.duration_s / BEATS_PER_LEASE
+        self.renewals = 0
+        self.last_error: BaseException | None = None
+        self._lost: str | None = None
+        self._marked = False
+        self._lock = threading.Lock()  # one renewal at a time: the beat and a fence never race
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def lease(self) -> Lease:
+        return self._lease
+
+    @property
+    def lost(self) -> str | None:
+        """Why the lease was lost, or None while it is held."""
+        return self._lost
+
+    def start(self) -> LeaseKeeper:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._beat, name=f"lease:{self.run.name}", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """No more renewals (the lease lapses unless it is finished or released)."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def __enter__(self) -> LeaseKeeper:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            with self._lock:
+                if self._stop.is_set() or self._lost is not None:
+                    return
+                try:
+                    self._renew()
+                except LeaseLost:
+                    return
+                except Exception as exc:
+                    self.last_error = exc
+                    if not is_transient_storage_error(exc):
+                        self._lost = f"{self.run.name}: renewing its lease failed: {exc!r}"
+                        return
+                    # transient: the next beat tries again, well inside the lease
+
+    def _renew(self) -> Lease:
+        try:
+            self._lease = self.root.renew(self.run, self._lease)
+        except LeaseLost as exc:
+            self._lost = str(exc)
+            raise
+        self.renewals += 1
+        return self._lease
+
+    def check(self) -> None:
+        """Raise ``LeaseLost`` once the lease is known to be lost."""
+        if self._lost is not None:
+            raise LeaseLost(self._lost)
+
+    def fence(self) -> Lease:
+        """Renew now, right before publishing: success proves this holder is the current one,
+        and nobody can take over for another lease period."""
+        with self._lock:
+            self.check()
+            return self._renew()
+
+    def finish(self, summary: Mapping[str, Any]) -> None:
+        """Fence, write ``_ENRICHED``, drop the lease. Safe to retry."""
+        with self._lock:
+            if not self._marked:
+                self.check()
+                self._renew()
+                self.root.mark_enriched(self.run, self._lease, summary)
+                self._marked = True
+            self._stop.set()  # no renewal may follow: it would find _ENRICHED and call itself lost
+            self.root.drop_leases(self.run)
+        self.stop()
+
+    def release(self) -> None:
+        """Give the lease back after a failure, unless it was lost or the run is done."""
+        self.stop()
+        with self._lock:
+            if self._lost is None and not self._marked:
+                self.root.release(self.run, self._lease)

@@ -25,3 +25,13 @@ def take_lease(root: str, run_name: str, go: Event, results: Any) -> None:
     run = RunFolder(name=run_name, url=f"{root}/{run_name}", finished=True, enriched=False)
     go.wait(30)
     results.put(runs.acquire(run) is not None)
+
+
+def run_tick(api_url: str, root: str, options: dict[str, Any] | None, lease_s: float) -> None:
+    """One scheduled tick in a process of its own, reporting to the tests' Prefect API."""
+    import os
+
+    os.environ["PREFECT_API_URL"] = api_url  # before Prefect is imported here
+    from flows import enrich_completed_runs
+
+    enrich_completed_runs(root, lease_s=lease_s, quiescence_timeout_s=600.0, storage_options=options)

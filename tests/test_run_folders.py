@@ -1,36 +1,29 @@
-"""Scheduled enrichment of run folders: finished runs only, once, never two at a time."""
+"""Scheduled enrichment of run folders: finished runs only, once, never two at a time; a backlog
+in parallel; a tick that outlives its lease keeps its run, a crashed one is taken over."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
 from flows import enrich_completed_runs
+from flows.enrich_runs import RunsSummary
 from rollout_capture import CaptureStore
-from rollout_capture.run_folders import RunsRoot
+from rollout_capture.run_folders import BEATS_PER_LEASE, Lease, RunsRoot
 
 from .conftest import S3
-from .spawned import take_lease
-
-ROW = {"model_call_id": "c", "dialect": "chat", "response": {"usage": {"prompt_tokens": 3}}}
-
-
-def make_run(root: Path, name: str, *, finished: bool, rollouts: int = 3) -> Path:
-    run = root / name
-    (run / "captures").mkdir(parents=True)
-    store = CaptureStore(run / "captures")
-    lines = []
-    for task in range(rollouts):
-        store.record(f"{task}-0", ROW)
-        lines.append(orjson.dumps({"_ng_task_index": task, "_ng_rollout_index": 0}))
-    (run / "rollouts.jsonl").write_bytes(b"\n".join(lines) + b"\n")
-    if finished:
-        (run / "_SUCCESS").write_bytes(b"")
-    return run
+from .prefect_api import artifacts
+from .runs_helpers import ROW, Where, make_run
+from .spawned import run_tick, take_lease
 
 
 @pytest.mark.usefixtures("prefect_api")
@@ -76,9 +69,9 @@ def test_lease_expires_and_only_one_breaker_wins(tmp_path: Path) -> None:
     make_run(tmp_path, "r", finished=True)
     runs = RunsRoot(str(tmp_path))
     (run,) = runs.runs()
-    stale = runs.acquire(run, lease_s=0.05)
+    stale = runs.acquire(run, lease_s=1.0)  # long enough to stay live on a busy machine
     assert stale is not None and runs.acquire(run) is None  # live: nobody else gets it
-    time.sleep(0.1)
+    time.sleep(max(0.0, stale.expires_at - time.time()) + 0.05)
     context = multiprocessing.get_context("spawn")
     go, results = context.Event(), context.Queue()
     racers = [context.Process(target=take_lease, args=(str(tmp_path), "r", go, results)) for _ in range(4)]
@@ -88,3 +81,177 @@ def test_lease_expires_and_only_one_breaker_wins(tmp_path: Path) -> None:
     for racer in racers:
         racer.join(60)
     assert sorted(results.get(timeout=10) for _ in racers) == [False, False, False, True]
+
+
+def wait_for(what: Callable[[], Any], timeout_s: float = 120.0) -> Any:
+    """``what()`` once it is truthy, polled."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := what()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+    return found
+
+
+def leased(root: Path, names: list[str]) -> list[str]:
+    return [n for n in names if any(p.name.startswith("_ENRICHING") for p in (root / n).iterdir())]
+
+
+def in_thread(tick: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: out.update(state=tick()))
+    thread.start()
+    return thread, out
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_backlog_drains_in_parallel_each_run_in_its_own_subflow(tmp_path: Path) -> None:
+    """Three waiting runs, two at a time, each holding its lease well past ``lease_s``."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    root = tmp_path / "runs"
+    names = [f"run-{i}" for i in range(3)]
+    claims = []
+    for name in names:
+        make_run(root, name, finished=True)
+        claim = CaptureStore(root / name / "captures").claim("0-0", ttl_s=600)  # a call still in flight
+        claim.__enter__()
+        claims.append(claim)
+    tick, out = in_thread(
+        lambda: enrich_completed_runs(
+            str(root), max_parallel_runs=2, lease_s=1.0, quiescence_timeout_s=600.0, return_state=True
+        )
+    )
+    try:
+        started = wait_for(lambda: len(leased(root, names)) >= 2 and leased(root, names))
+        runs = RunsRoot(str(root))
+        for name in started:  # renewed past their lease period while they wait
+            run = next(r for r in runs.runs() if r.name == name)
+            wait_for(
+                lambda run=run: (
+                    (runs.current_lease(run) or Lease.model_construct(generation=0)).generation
+                    > BEATS_PER_LEASE
+                )
+            )
+    finally:
+        for claim in claims:
+            claim.__exit__(None, None, None)
+        tick.join(120)
+    state = out["state"]
+    summary: RunsSummary = state.result()
+    assert summary.enriched == names and not summary.busy and not summary.lost
+    for name in names:
+        assert len((root / name / "rollouts.enriched.jsonl").read_bytes().splitlines()) == 3
+        assert not [p for p in (root / name).iterdir() if p.name.startswith("_ENRICHING")]
+
+    parent = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        subflows = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent]))
+        )
+        assert sorted(f.name for f in subflows) == names  # each named after its run folder
+        assert {f.id for f in subflows} == {summary.outcomes[n].flow_run_id for n in names}
+        for sub in subflows:
+            assert sub.parent_task_run_id is not None
+            assert client.read_task_run(sub.parent_task_run_id).flow_run_id == parent
+            assert sub.state is not None and sub.state.is_completed()
+            filed = artifacts(sub.id)  # the subflow's own artifacts, filed under it (no parent task)
+            assert {a.key for a in filed} >= {"rollout-enrichment", "rollout-enrichment-summary"}
+            assert all(a.task_run_id is None for a in filed)
+    spans = [(f.start_time, f.end_time) for f in subflows]
+    overlap = max(
+        sum(1 for s, e in spans if s is not None and e is not None and s <= start <= e) for start, _ in spans
+    )
+    assert overlap == 2  # runs went in parallel, never more than max_parallel_runs at once
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_holder_whose_lease_is_taken_stops_and_publishes_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    make_run(root, "r", finished=True)
+    claim = CaptureStore(root / "r" / "captures").claim("0-0", ttl_s=600)
+    claim.__enter__()
+    tick, out = in_thread(lambda: enrich_completed_runs(str(root), lease_s=1.0, quiescence_timeout_s=600.0))
+    runs = RunsRoot(str(root))
+    try:
+        (run,) = runs.runs()
+        wait_for(lambda: runs.current_lease(run))
+        while True:  # another holder creates the generation the tick's next renewal needs
+            current = runs.current_lease(run)
+            assert current is not None
+            thief = Lease(owner="thief", generation=current.generation + 1, acquired_at=0, expires_at=0)
+            try:
+                runs.backend.create(runs._lease_path(run, thief.generation), orjson.dumps(thief.model_dump()))
+                break
+            except FileExistsError:
+                continue
+    finally:
+        claim.__exit__(None, None, None)
+        tick.join(120)
+    summary: RunsSummary = out["state"]
+    assert summary.lost == ["r"] and not summary.enriched and not summary.failed
+    assert "thief" in (summary.outcomes["r"].error or "")
+    assert not (root / "r" / "rollouts.enriched.jsonl").exists() and not (root / "r" / "_ENRICHED").exists()
+    assert (root / "r" / f"_ENRICHING.{thief.generation:06d}").exists()  # the new holder's lease untouched
+
+
+def test_a_tick_past_its_lease_keeps_its_run_and_a_killed_one_is_taken_over(
+    prefect_api: str, tmp_path: Path, s3: S3
+) -> None:
+    """On a local disk and on S3, side by side: a tick in its own process waits on a live
+    claim well past ``lease_s``, and a second tick skips the run as busy. Then it is
+    SIGKILLed: once its lease lapses the next tick completes the run, and ``_ENRICHED``
+    is written once."""
+    wheres = {"local": Where(tmp_path / "disk", None), "s3": Where(tmp_path / "objects", s3)}
+    lease_s = {"local": 3.0, "s3": 4.0}  # object stores date leases to the second
+    context = multiprocessing.get_context("spawn")
+    claims: dict[str, tuple[CaptureStore, Any]] = {}
+    ticks: dict[str, Any] = {}
+    held: dict[str, Lease] = {}
+    for backend, where in wheres.items():
+        where.make_run("r")
+        store = where.capture_store("r")
+        claim = store.claim("0-0", ttl_s=600)
+        claim.__enter__()
+        claims[backend] = (store, claim)
+        ticks[backend] = context.Process(
+            target=run_tick, args=(prefect_api, where.url, where.options, lease_s[backend])
+        )
+        ticks[backend].start()
+    try:
+        for backend, where in wheres.items():
+            runs, run = where.root(), where.run("r")
+            held[backend] = wait_for(
+                lambda runs=runs, run=run: (
+                    (lease := runs.current_lease(run)) and lease.generation > BEATS_PER_LEASE and lease
+                )
+            )
+            assert f":{ticks[backend].pid}:" in held[backend].owner  # renewed past its lease period
+            busy = enrich_completed_runs(where.url, lease_s=lease_s[backend], storage_options=where.options)
+            assert busy.busy == ["r"] and not busy.enriched, backend
+        for tick in ticks.values():
+            os.kill(tick.pid, signal.SIGKILL)
+        for tick in ticks.values():
+            tick.join(30)
+    finally:
+        for tick in ticks.values():
+            if tick.is_alive():
+                tick.kill()
+        for store, claim in claims.values():
+            store.record("0-0", {**ROW, "model_call_id": "late"})
+            claim.__exit__(None, None, None)
+
+    for backend, where in wheres.items():
+        assert "_ENRICHED" not in where.names("r"), backend
+        runs, run = where.root(), where.run("r")
+        current = runs.current_lease(run)
+        assert current is not None and current.owner == held[backend].owner  # the dead tick's
+        time.sleep(max(0.0, current.expires_at - time.time()) + 0.05)  # until it lapses
+        after = enrich_completed_runs(where.url, lease_s=lease_s[backend], storage_options=where.options)
+        assert after.enriched == ["r"], backend
+        out = [orjson.loads(line) for line in where.read("r", "rollouts.enriched.jsonl").splitlines()]
+        assert [r["ng_model_call_capture"]["metrics"]["num_calls"] for r in out] == [2, 1, 1]  # complete
+        marker = where.read("r", "_ENRICHED")
+        assert f":{os.getpid()}:" in orjson.loads(marker)["enriched_by"]
+        assert not [n for n in where.names("r") if n.startswith("_ENRICHING")]
+        assert runs.take(run) == "enriched" and where.read("r", "_ENRICHED") == marker  # never again

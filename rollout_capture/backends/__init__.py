@@ -11,7 +11,7 @@ from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
 
-from rollout_capture.backends.base import Backend, Fetched, ListingScope, RowLayout
+from rollout_capture.backends.base import Backend, Fetched, ListingScope, Named, RowLayout
 from rollout_capture.backends.object_store import ObjectStoreBackend
 from rollout_capture.backends.posix import PosixBackend
 from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY, open_filesystem
@@ -20,6 +20,7 @@ __all__ = [
     "Backend",
     "Fetched",
     "ListingScope",
+    "Named",
     "ObjectStoreBackend",
     "PosixBackend",
     "RowLayout",

@@ -20,6 +20,17 @@ RowLayout = Literal["jsonl", "objects"]
 
 
 @dataclass(frozen=True, slots=True)
+class Named:
+    """One name directly under a folder: a file (with size and modification time) or a folder."""
+
+    name: str
+    path: str
+    folder: bool
+    size: int | None = None
+    mtime: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ListingScope:
     """A job (a flow run) whose batches may share one listing of a capture root.
 
@@ -93,6 +104,15 @@ class Backend(ABC):
 
         A mistyped capture dir would otherwise read as a run whose every rollout went
         uncaptured.
+        """
+
+    @abstractmethod
+    def list_names(self, folders: Sequence[str]) -> list[dict[str, Named]]:
+        """The names directly under each folder (one level, never from a cache); ``{}`` if it is missing.
+
+        Run folders are told apart by their top-level names alone, so this is one request
+        per folder (per 1,000 names) on object stores, never a HEAD, with folders listed
+        concurrently.
         """
 
     def claims(self, rollout_ids: Collection[str]) -> dict[str, list[Claim]]:

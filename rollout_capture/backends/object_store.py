@@ -22,7 +22,7 @@ from typing import Any
 import fsspec
 from fsspec.asyn import sync as fsspec_sync
 
-from rollout_capture.backends.base import Backend, Fetched, ListingScope, RowLayout
+from rollout_capture.backends.base import Backend, Fetched, ListingScope, Named, RowLayout
 from rollout_capture.claims import Claim
 from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY, is_s3, join, protocol_of
 from rollout_capture.identity import validate_rollout_id
@@ -49,6 +49,21 @@ def _mtime(info: dict[str, Any]) -> float | None:
             with contextlib.suppress(ValueError):
                 return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
     return None
+
+
+def _named(folder: str, listed: list[dict[str, Any]]) -> dict[str, Named]:
+    """Base name -> entry for a one-level listing of ``folder`` (its own folder marker left out)."""
+    base = folder.rstrip("/")
+    out = {}
+    for info in listed:
+        path = str(info["name"]).rstrip("/")
+        name = path.rsplit("/", 1)[-1]
+        if path == base or not name:
+            continue
+        is_folder = info.get("type") == "directory"
+        size = None if is_folder else info.get("size")
+        out[name] = Named(name, path, is_folder, size, None if is_folder else _mtime(info))
+    return out
 
 
 class _TooLarge(Exception):
@@ -234,10 +249,43 @@ class ObjectStoreBackend(Backend):
         return bool(self.fs.exists(path))
 
     def root_found(self) -> bool:
-        try:  # one LIST (a delimited page of the root), never a HEAD
-            return bool(self.fs.ls(self.root, detail=False))
+        return bool(self.list_names([self.root])[0])  # one delimited LIST, never a HEAD
+
+    def list_names(self, folders: Sequence[str]) -> list[dict[str, Named]]:
+        if not folders:
+            return []
+        if self._s3 and hasattr(self.fs, "_iterdir"):
+            result: list[dict[str, Named]] = fsspec_sync(self.fs.loop, self._list_names_s3, list(folders))
+            return result
+        return [self._ls_names(folder) for folder in folders]
+
+    def _ls_names(self, folder: str) -> dict[str, Named]:
+        try:
+            listed = self.fs.ls(folder, detail=True)
         except FileNotFoundError:
-            return False
+            return {}
+        return _named(folder, listed)
+
+    async def _list_names_s3(self, folders: list[str]) -> list[dict[str, Named]]:
+        # s3fs's own ls() lists the parent too when a folder is empty; _iterdir is one
+        # delimiter listing per page and nothing else.
+        gate = asyncio.Semaphore(self.concurrency)
+
+        async def one(folder: str) -> dict[str, Named]:
+            bucket, key, _ = self.fs.split_path(folder)
+            async with gate:
+                try:
+                    found = [
+                        info
+                        async for info in self.fs._iterdir(
+                            bucket, prefix=f"{key}/" if key else "", delimiter="/"
+                        )
+                    ]
+                except FileNotFoundError:
+                    return {}
+            return _named(folder, found)
+
+        return list(await asyncio.gather(*(one(f) for f in folders)))
 
     # ------------------------------------------------------------------ writing
 

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
-from rollout_capture.backends.base import Backend, Fetched, ListingScope, RowLayout
+from rollout_capture.backends.base import Backend, Fetched, ListingScope, Named, RowLayout
 from rollout_capture.claims import Claim
 from rollout_capture.identity import validate_rollout_id
 from rollout_capture.layout import (
@@ -46,6 +46,25 @@ def _stat_entry(path: str) -> Entry | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     return Entry(path, st.st_size, st.st_mtime)
+
+
+def _scan_names(folder: str) -> dict[str, Named]:
+    """One folder's names via scandir: a stat per file, none per folder."""
+    out = {}
+    try:
+        with os.scandir(folder) as it:
+            for item in it:
+                try:
+                    if item.is_dir():
+                        out[item.name] = Named(item.name, item.path, True)
+                        continue
+                    st = item.stat()
+                except FileNotFoundError:  # removed while listed
+                    continue
+                out[item.name] = Named(item.name, item.path, False, st.st_size, st.st_mtime)
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    return out
 
 
 def _fsync_dir(path: str) -> None:
@@ -184,6 +203,9 @@ class PosixBackend(Backend):
 
     def root_found(self) -> bool:
         return os.path.isdir(self.root)
+
+    def list_names(self, folders: Sequence[str]) -> list[dict[str, Named]]:
+        return [_scan_names(folder) for folder in folders]
 
     # ------------------------------------------------------------------ writing
 

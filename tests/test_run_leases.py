@@ -1,0 +1,193 @@
+"""Run-folder leases, on a local disk and on S3: renewal, takeover after expiry, fencing.
+
+Exactly one holder at a time: takeover and renewal both create the next generation
+put-if-absent, and a holder that finds its lease taken (or the run enriched) can neither
+renew nor publish.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from rollout_capture.faults import is_transient_storage_error
+from rollout_capture.run_folders import (
+    AlreadyEnriched,
+    Lease,
+    LeaseKeeper,
+    LeaseLost,
+    RunFolder,
+    RunsRoot,
+    new_owner,
+)
+
+from .conftest import S3
+from .runs_helpers import Where
+
+# Long enough to stay live across a few requests on a loaded machine; object stores date
+# a lease by the store's clock, to the second, so leases there run a second longer.
+LEASE_S = {"local": 1.5, "s3": 3.0}
+
+
+@pytest.fixture(params=["local", "s3"])
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> Where:
+    s3: S3 | None = request.getfixturevalue("s3") if request.param == "s3" else None
+    where = Where(tmp_path, s3)
+    where.make_run("r")
+    return where
+
+
+def leases(where: Where) -> list[str]:
+    return sorted(n for n in where.names("r") if n.startswith("_ENRICHING"))
+
+
+def wait_until_lapsed(root: RunsRoot, run: RunFolder) -> None:
+    """Sleep exactly until the run's newest lease generation lapses (as a taker judges it)."""
+    current = root.current_lease(run)
+    assert current is not None
+    time.sleep(max(0.0, current.expires_at - time.time()) + 0.05)
+
+
+def test_renewal_keeps_the_lease_and_takeover_waits_for_expiry(where: Where) -> None:
+    lease_s = LEASE_S["s3" if where.s3 else "local"]
+    holder, other = where.root(), where.root()
+    run = where.run("r")
+    first = holder.acquire(run, lease_s)
+    assert first is not None and first.generation == 0
+    assert other.take(run, lease_s) == "busy"
+
+    renewed = holder.renew(run, first)
+    assert renewed.generation == 1 and renewed.owner == first.owner
+    assert leases(where) == ["_ENRICHING.000001"]  # the older generation is dropped
+    assert other.take(run, lease_s) == "busy"
+
+    wait_until_lapsed(other, run)  # the holder stopped renewing: crashed, or paused
+    taken = other.take(run, lease_s)
+    assert isinstance(taken, Lease) and taken.generation == 2 and taken.owner != first.owner
+    with pytest.raises(LeaseLost):
+        holder.renew(run, renewed)  # the old holder learns it lost, and touches nothing
+    holder.release(run, renewed)
+    assert leases(where) == ["_ENRICHING.000002"]
+    assert other.renew(run, taken).generation == 3
+
+
+def test_release_lets_the_next_taker_in_at_once_and_numbers_never_repeat(where: Where) -> None:
+    root = where.root()
+    run = where.run("r")
+    lease = root.acquire(run, 600)
+    assert lease is not None
+    root.release(run, lease)
+    assert leases(where) == ["_ENRICHING.000001"]  # a released generation stays on top
+    released = root.current_lease(run)
+    assert released is not None and released.released
+    again = root.acquire(run, 600)
+    assert again is not None and again.generation == 2
+
+
+def test_a_retried_take_finds_the_lease_it_already_took(where: Where) -> None:
+    root = where.root()
+    run = where.run("r")
+    owner = new_owner()
+    first = root.take(run, 600, owner)
+    assert isinstance(first, Lease)
+    again = root.take(run, 600, owner)  # a task retry whose first try's answer was lost
+    assert isinstance(again, Lease) and again.owner == owner and again.generation == first.generation + 1
+    assert root.take(run, 600) == "busy"  # anyone else is still kept out
+    renewed = root.renew(run, again)
+    assert root.renew(run, again) == renewed  # a renewal retried after its first try went through
+
+
+def test_a_stale_view_cannot_take_a_generation_that_was_dropped(where: Where) -> None:
+    """A process that listed long ago creates a generation number that no longer exists:
+    it succeeds at creating it, sees the newer one, and backs off."""
+    root = where.root()
+    run = where.run("r")
+    lease = root.acquire(run, 600)
+    assert lease is not None
+    lease = root.renew(run, root.renew(run, lease))  # generations 0 and 1 are gone
+    now = time.time()
+    stale = Lease(owner=new_owner(), generation=1, acquired_at=now, expires_at=now + 600, lease_s=600)
+    stale = root._create(run, stale)
+    with pytest.raises(LeaseLost):
+        root._confirm(run, stale)
+    assert leases(where) == ["_ENRICHING.000002"]  # it took its object back with it
+    assert root.renew(run, lease).generation == 3  # the holder never noticed
+
+
+def test_fencing_keeps_a_paused_holder_from_publishing(where: Where) -> None:
+    lease_s = LEASE_S["s3" if where.s3 else "local"]
+    root = where.root()
+    run = where.run("r")
+    first = root.acquire(run, lease_s)
+    assert first is not None
+    paused = LeaseKeeper(root, run, first)  # never started: its heartbeat is paused
+    wait_until_lapsed(root, run)
+    taken = root.acquire(run, lease_s)
+    assert taken is not None
+    current = LeaseKeeper(where.root(), run, taken)
+    current.fence()
+    current.finish({"by": "current"})
+
+    with pytest.raises(AlreadyEnriched):
+        paused.fence()  # resumed: its fence fails, so it publishes nothing
+    with pytest.raises(LeaseLost):
+        paused.finish({"by": "paused"})
+    marker = orjson.loads(where.read("r", "_ENRICHED"))
+    assert marker["by"] == "current" and marker["enriched_by"] == taken.owner
+    assert leases(where) == []
+    assert root.take(run, lease_s) == "enriched"
+
+
+def test_a_keeper_that_finds_its_lease_taken_stops(tmp_path: Path) -> None:
+    where = Where(tmp_path, None)
+    where.make_run("r")
+    root = where.root()
+    run = where.run("r")
+    lease = root.acquire(run, 600)
+    assert lease is not None
+    with LeaseKeeper(root, run, lease, heartbeat_s=0.05) as keeper:
+        thief = Lease(owner="thief", generation=0, acquired_at=0, expires_at=0, lease_s=600)
+        while True:  # take the generation its next renewal needs
+            thief = thief.model_copy(update={"generation": keeper.lease.generation + 1})
+            try:
+                root._create(run, thief)
+                break
+            except LeaseLost:
+                continue
+        deadline = time.monotonic() + 30
+        while keeper.lost is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert keeper.lost is not None and "thief" in keeper.lost
+        with pytest.raises(LeaseLost):
+            keeper.check()
+        with pytest.raises(LeaseLost):
+            keeper.fence()
+    keeper.release()  # lost: nothing to give back, the thief's generation stays
+    assert f"_ENRICHING.{thief.generation:06d}" in leases(where)
+
+
+def test_the_heartbeat_rides_out_an_outage(flaky_s3: tuple[S3, Any], s3: S3, tmp_path: Path) -> None:
+    """Renewals that meet a dead endpoint are transient faults: tried again, the lease kept."""
+    via, proxy = flaky_s3
+    Where(tmp_path, s3).make_run("r")
+    root = RunsRoot(via.url("runs"), via.storage_options)
+    (run,) = root.runs()
+    lease = root.acquire(run, 600)
+    assert lease is not None
+    with LeaseKeeper(root, run, lease, heartbeat_s=0.1) as keeper:
+        proxy.down()
+        try:
+            while keeper.last_error is None:  # down until a renewal has met the dead endpoint
+                time.sleep(0.05)
+        finally:
+            proxy.up()
+        renewed = keeper.renewals
+        while keeper.renewals == renewed:  # the endpoint is back: renewals go through again
+            time.sleep(0.05)
+        assert keeper.lost is None and is_transient_storage_error(keeper.last_error)
+        assert keeper.fence().generation > lease.generation
+    keeper.release()
