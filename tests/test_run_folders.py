@@ -17,6 +17,7 @@ import pytest
 
 from flows import enrich_completed_runs
 from flows.enrich_runs import RunsSummary
+from flows.report import artifact_key
 from rollout_capture import CaptureStore
 from rollout_capture.run_folders import BEATS_PER_LEASE, Lease, RunsRoot
 
@@ -156,7 +157,9 @@ def test_backlog_drains_in_parallel_each_run_in_its_own_subflow(tmp_path: Path) 
             assert client.read_task_run(sub.parent_task_run_id).flow_run_id == parent
             assert sub.state is not None and sub.state.is_completed()
             filed = artifacts(sub.id)  # the subflow's own artifacts, filed under it (no parent task)
-            assert {a.key for a in filed} >= {"rollout-enrichment", "rollout-enrichment-summary"}
+            output = str(root / sub.name / "rollouts.enriched.jsonl")
+            keyed = {artifact_key("enrichment", output), artifact_key("enrichment-summary", output)}
+            assert {a.key for a in filed} >= keyed  # keyed by the run: runs never share a history
             assert all(a.task_run_id is None for a in filed)
     spans = [(f.start_time, f.end_time) for f in subflows]
     overlap = max(
