@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import datetime
 from typing import Any
 from uuid import UUID
 
@@ -15,6 +16,7 @@ from prefect.client.schemas.filters import (
     LogFilter,
     LogFilterFlowRunId,
     TaskRunFilter,
+    TaskRunFilterStartTime,
     TaskRunFilterState,
     TaskRunFilterStateType,
 )
@@ -27,11 +29,10 @@ def task_runs(flow_run_id: UUID, name_prefix: str) -> list[TaskRun]:
     return [run for run in runs if run.name.startswith(name_prefix)]
 
 
-def running_task_runs(name_prefix: str) -> list[TaskRun]:
-    """Task runs of any flow run that are running right now."""
-    only_running = TaskRunFilter(
-        state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.RUNNING]))
-    )
+def running_task_runs(name_prefix: str, since: datetime) -> list[TaskRun]:
+    """Task runs started after ``since`` that are running right now (a killed process's stay so)."""
+    running = TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.RUNNING]))
+    only_running = TaskRunFilter(state=running, start_time=TaskRunFilterStartTime(after_=since))
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(task_run_filter=only_running)
     return [run for run in runs if run.name.startswith(name_prefix)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -70,11 +71,12 @@ def test_process_pool_waits_for_claims_in_a_visible_task(run_dir: Path) -> None:
     claim = store.claim("3-0")
     claim.__enter__()
     stop = threading.Event()
+    since = datetime.now(UTC)
 
     def write_once_the_flow_waits() -> None:
         # The row lands only once the flow is visibly waiting: a flow that did not wait
         # would finish first and report the rollout pending.
-        while not stop.is_set() and not running_task_runs("await_quiescence"):
+        while not stop.is_set() and not running_task_runs("await_quiescence", since):
             stop.wait(0.05)
         store.record("3-0", {"model_call_id": "late", "dialect": "chat"})
         claim.__exit__(None, None, None)
