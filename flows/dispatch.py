@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
 from prefect import get_run_logger
 from prefect.futures import wait
+from pydantic import Field
 
 from flows.enrich import DEFAULT_BATCH_SIZE
-from flows.guard import check_inputs, guarded_flow
+from flows.guard import StorageOptions, check_inputs, guarded_flow
+from flows.report import show_core_logs
 from rollout_capture.clear import rollout_ids_of
 from rollout_capture.rollout_files import iter_line_batches, remove_staged, split_lines
 from tasks.capture import clear_captures
@@ -37,19 +39,27 @@ def _ids_from_file(path: str, source: str) -> list[str]:
     return list(dict.fromkeys(ids))
 
 
-@guarded_flow(name="prepare_dispatch")
+@guarded_flow(name="prepare_dispatch", flow_run_name="prepare-dispatch {capture_dir}")
 def prepare_dispatch(
     rollouts: str | Sequence[dict[str, Any]],
     capture_dir: str,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    storage_options: dict[str, Any] | None = None,
+    batch_size: Annotated[int, Field(ge=1)] = DEFAULT_BATCH_SIZE,
+    storage_options: StorageOptions = None,
     credentials_block: str | None = None,
 ) -> int:
     """Remove the captures of these rollouts so a retry never appends onto an old attempt.
 
     ``rollouts`` is a JSONL URL or the records themselves. Every id is derived and
     validated before anything is deleted; returns how many ids were cleared.
+
+    Args:
+        rollouts: The rollouts about to be dispatched: a JSONL path or URL, or the records.
+        capture_dir: Where the captures are: a path or fsspec URL.
+        batch_size: Rollout ids per clearing task.
+        storage_options: fsspec options for every URL, without secrets (those come from credentials_block).
+        credentials_block: Name of a prefect-aws AwsCredentials block to read and write S3 with.
     """
+    show_core_logs()
     check_inputs(capture_dir, storage_options)
     if isinstance(rollouts, str):
         staged = read_rollouts(rollouts, storage_options, credentials_block)
