@@ -86,29 +86,22 @@ class VerifierInvocation(BaseModel):
 # ---------------------------------------------------------------- normalization
 
 
-def _count(value: Any) -> int | None:
-    return value if type(value) is int and value >= 0 else None
-
-
-def _is_object(value: Any) -> bool:
-    """``isinstance(value, Mapping)``, without the ABC machinery for the common plain dict."""
-    return type(value) is dict or (value is not None and isinstance(value, Mapping))
-
-
-def _detail_count(usage: Mapping[str, Any], groups: tuple[str, ...], names: tuple[str, ...]) -> int | None:
-    for group in groups:
-        details = usage.get(group)
-        if details is not None and _is_object(details):
-            for name in names:
-                value = details.get(name)
-                if type(value) is int and value >= 0:
-                    return value
+def _detail_count(usage: Mapping[str, Any], group: str, name: str, other: str | None = None) -> int | None:
+    """The first valid count among ``usage[group][name]`` and ``usage[group][other]``."""
+    details = usage.get(group)
+    if details is None or not (type(details) is dict or isinstance(details, Mapping)):
+        return None
+    value = details.get(name)
+    if type(value) is int and value >= 0:
+        return value
+    if other is not None:
+        value = details.get(other)
+        if type(value) is int and value >= 0:
+            return value
     return None
 
 
 _NO_USAGE = (None, None, None, None, None, None, None)
-_REASONING_GROUPS = ("output_tokens_details", "completion_tokens_details")
-_CACHED_GROUPS = ("prompt_tokens_details", "input_tokens_details")
 
 
 def usage_stats(
@@ -119,42 +112,51 @@ def usage_stats(
     Counts are never invented: only non-negative ints count, and null means unknown.
     Anthropic's ``input_tokens`` excludes cached tokens, so cache reads and writes are
     folded into ``tokens_in``; OpenAI usage already includes them and is left alone.
+    Written out key by key: it runs once per captured call.
     """
-    if not _is_object(usage):
+    if type(usage) is not dict and (usage is None or not isinstance(usage, Mapping)):
         return _NO_USAGE
     get = usage.get
-    value = get("input_tokens")
-    tokens_in = value if type(value) is int and value >= 0 else None
-    if tokens_in is None:
-        value = get("prompt_tokens")
-        tokens_in = value if type(value) is int and value >= 0 else None
-    value = get("output_tokens")
-    tokens_out = value if type(value) is int and value >= 0 else None
-    if tokens_out is None:
-        value = get("completion_tokens")
-        tokens_out = value if type(value) is int and value >= 0 else None
-    value = get("cache_read_input_tokens")
-    cache_read = value if type(value) is int and value >= 0 else None
-    value = get("cache_creation_input_tokens")
-    cache_creation = value if type(value) is int and value >= 0 else None
+    tokens_in = get("input_tokens")
+    if type(tokens_in) is not int or tokens_in < 0:
+        tokens_in = get("prompt_tokens")
+        if type(tokens_in) is not int or tokens_in < 0:
+            tokens_in = None
+    tokens_out = get("output_tokens")
+    if type(tokens_out) is not int or tokens_out < 0:
+        tokens_out = get("completion_tokens")
+        if type(tokens_out) is not int or tokens_out < 0:
+            tokens_out = None
+    cache_read = get("cache_read_input_tokens")
+    if type(cache_read) is not int or cache_read < 0:
+        cache_read = None
+    cache_creation = get("cache_creation_input_tokens")
+    if type(cache_creation) is not int or cache_creation < 0:
+        cache_creation = None
     if cache_read is not None or cache_creation is not None:
         cached = (cache_read or 0) + (cache_creation or 0)
         if tokens_in is not None or cached > 0:
             tokens_in = (tokens_in or 0) + cached
-    value = get("total_tokens")
-    tokens_total = value if type(value) is int and value >= 0 else None
-    if tokens_total is None and tokens_in is not None and tokens_out is not None:
-        tokens_total = tokens_in + tokens_out
-    reasoning = _detail_count(usage, _REASONING_GROUPS, ("reasoning_tokens",))
+    tokens_total = get("total_tokens")
+    if type(tokens_total) is not int or tokens_total < 0:
+        tokens_total = None if tokens_in is None or tokens_out is None else tokens_in + tokens_out
+    reasoning = _detail_count(usage, "output_tokens_details", "reasoning_tokens")
     if reasoning is None:
-        reasoning = _count(get("reasoning_output_tokens"))
-    cached_tokens = _detail_count(usage, _CACHED_GROUPS, ("cached_tokens", "cached_input_tokens"))
+        reasoning = _detail_count(usage, "completion_tokens_details", "reasoning_tokens")
+        if reasoning is None:
+            reasoning = get("reasoning_output_tokens")
+            if type(reasoning) is not int or reasoning < 0:
+                reasoning = None
+    cached_tokens = _detail_count(usage, "prompt_tokens_details", "cached_tokens", "cached_input_tokens")
     if cached_tokens is None:
-        cached_tokens = cache_read
-    if cached_tokens is None:
-        cached_tokens = _count(get("cached_input_tokens"))
-    hit = None if cached_tokens is None else cached_tokens > 0
-    return tokens_in, tokens_out, reasoning, tokens_total, cache_creation, hit, cached_tokens
+        cached_tokens = _detail_count(usage, "input_tokens_details", "cached_tokens", "cached_input_tokens")
+        if cached_tokens is None:
+            cached_tokens = cache_read
+            if cached_tokens is None:
+                cached_tokens = get("cached_input_tokens")
+                if type(cached_tokens) is not int or cached_tokens < 0:
+                    return tokens_in, tokens_out, reasoning, tokens_total, cache_creation, None, None
+    return tokens_in, tokens_out, reasoning, tokens_total, cache_creation, cached_tokens > 0, cached_tokens
 
 
 def extract_token_stats(usage: Any) -> dict[str, int | None]:
@@ -302,7 +304,8 @@ def _raw_fields(
     """The call record's fields before typing, and whether they are already canonical.
 
     Canonical means pydantic would return every row-supplied value unchanged, so the dict
-    is the dumped record as it stands. One pass over the row: this is the merge hot path.
+    is the dumped record as it stands. One pass over the row, one dict built at its final
+    size: this is the merge hot path.
     """
     get = row.get
     try:  # the keys every model server writes, fetched in one C call
@@ -346,6 +349,11 @@ def _raw_fields(
         tool_calls, reasoning = [], None
     model = rget("model") or (raw_request.get("model") if isinstance(raw_request, dict) else None)
     response_id, status, session = rget("id"), rget("status"), get("client_session_id")
+    finish = rget("stop_reason")
+    if not isinstance(finish, str):
+        finish = None
+        if "choices" in response or "incomplete_details" in response:
+            finish = _finish_reason(response)
 
     verifier = get("verifier_invocation_id")
     canonical = (
@@ -353,8 +361,8 @@ def _raw_fields(
         and (dialect is None or type(dialect) is str)
         and (category is None or type(category) is str)
         and (verifier is None or type(verifier) is str)
+        and (status_code is None or type(status_code) is int)
     )
-    canonical = canonical and (status_code is None or type(status_code) is int)
     if not (
         type(started) is float and type(completed) is float and type(latency) is float and type(ttft) is float
     ):
@@ -364,21 +372,45 @@ def _raw_fields(
         ttft, ok4 = _as_float(ttft)
         canonical = canonical and ok1 and ok2 and ok3 and ok4
     if ref is not None:
-        if (
-            type(ref) is dict
-            and len(ref) == 2
-            and ref.get("type") == "responses_api_models"
-            and type(ref.get("name")) is str
-        ):
-            ref = {"type": "responses_api_models", "name": ref["name"]}
+        if type(ref) is dict and len(ref) == 2 and ref.get("type") == "responses_api_models":
+            name = ref.get("name")
+            if type(name) is str:
+                ref = {"type": "responses_api_models", "name": name}
+            else:
+                canonical = False
         else:
             canonical = False
 
-    if "stop_reason" in response or "choices" in response or "incomplete_details" in response:
-        finish = _finish_reason(response)
-    else:
-        finish = None
-    fields: dict[str, Any] = {
+    if not include_payloads:
+        return {
+            "model_call_id": call_id,
+            "response_id": response_id if isinstance(response_id, str) else None,
+            "client_session_id": session if isinstance(session, str) else None,
+            "call_index": call_index,
+            "model_ref": ref,
+            "model": model if isinstance(model, str) else None,
+            "dialect": dialect,
+            "status_code": status_code,
+            "response_status": status if isinstance(status, str) else None,
+            "finish_reason": finish,
+            "started_at": started,
+            "completed_at": completed,
+            "tokens_in": tokens_in,
+            "tokens_out": tokens_out,
+            "tokens_reasoning": reasoning_tokens,
+            "tokens_total": tokens_total,
+            "tool_calls": tool_calls,
+            "reasoning_content": reasoning,
+            "cache_hit": cache_hit,
+            "cached_tokens": cached_tokens,
+            "cache_creation_tokens": creation,
+            "error_category": category,
+            "latency_total_ms": latency,
+            "latency_ttft_ms": ttft,
+            "verifier_invocation_id": verifier,
+        }, canonical
+    request_raw, response_raw = get("request_raw"), get("response_raw")
+    return {
         "model_call_id": call_id,
         "response_id": response_id if isinstance(response_id, str) else None,
         "client_session_id": session if isinstance(session, str) else None,
@@ -395,23 +427,20 @@ def _raw_fields(
         "tokens_out": tokens_out,
         "tokens_reasoning": reasoning_tokens,
         "tokens_total": tokens_total,
-    }
-    if include_payloads:  # in field order: between the token counts and the tool calls
-        request_raw, response_raw = get("request_raw"), get("response_raw")
-        fields["request"] = raw_request if isinstance(raw_request, dict) else None
-        fields["response"] = raw_response if isinstance(raw_response, dict) else None
-        fields["request_raw"] = request_raw if isinstance(request_raw, str) else None
-        fields["response_raw"] = response_raw if isinstance(response_raw, str) else None
-    fields["tool_calls"] = tool_calls
-    fields["reasoning_content"] = reasoning
-    fields["cache_hit"] = cache_hit
-    fields["cached_tokens"] = cached_tokens
-    fields["cache_creation_tokens"] = creation
-    fields["error_category"] = category
-    fields["latency_total_ms"] = latency
-    fields["latency_ttft_ms"] = ttft
-    fields["verifier_invocation_id"] = verifier
-    return fields, canonical
+        "request": raw_request if isinstance(raw_request, dict) else None,
+        "response": raw_response if isinstance(raw_response, dict) else None,
+        "request_raw": request_raw if isinstance(request_raw, str) else None,
+        "response_raw": response_raw if isinstance(response_raw, str) else None,
+        "tool_calls": tool_calls,
+        "reasoning_content": reasoning,
+        "cache_hit": cache_hit,
+        "cached_tokens": cached_tokens,
+        "cache_creation_tokens": creation,
+        "error_category": category,
+        "latency_total_ms": latency,
+        "latency_ttft_ms": ttft,
+        "verifier_invocation_id": verifier,
+    }, canonical
 
 
 def build_model_call_record(row: Mapping[str, Any], *, call_index: int) -> ModelCallRecord:
