@@ -463,25 +463,96 @@ def call_record_dict(
     return record.model_dump(exclude=None if include_payloads else _PAYLOADS)
 
 
+def _str_keys(value: dict[str, Any] | None) -> bool:
+    """Whether pydantic's ``dict[str, Any]`` would keep this payload as it is."""
+    if value is not None:
+        for key in value:
+            if type(key) is not str:
+                return False
+    return True
+
+
 def verifier_invocation_dict(
     row: Mapping[str, Any], call_index: int, *, include_payloads: bool
 ) -> dict[str, Any]:
-    """The dumped :class:`VerifierInvocation` of one verifier row (``model_call_ids`` filled later)."""
-    raw_request = row.get("request")
-    raw_response = row.get("response")
+    """The dumped :class:`VerifierInvocation` of one verifier row (``model_call_ids`` filled later).
+
+    Built directly when every field already has its canonical type (as for call records);
+    pydantic decides, and raises, otherwise.
+    """
+    get = row.get
+    raw_request = get("request")
+    raw_response = get("response")
+    request = raw_request if isinstance(raw_request, dict) else None
+    response = raw_response if isinstance(raw_response, dict) else None
+    invocation_id, ref, status_code, category = (
+        get("verifier_invocation_id"),
+        get("verifier_ref"),
+        get("status_code"),
+        get("error_category"),
+    )
+    started, ok1 = _as_float(get("started_at"))
+    completed, ok2 = _as_float(get("completed_at"))
+    latency, ok3 = _as_float(get("latency_ms"))
+    reward, ok4 = _as_float(get("reward"))
+    if ref is not None:
+        name = ref.get("name") if type(ref) is dict and len(ref) == 2 else None
+        if type(name) is str and ref.get("type") == "resources_servers":
+            ref = {"type": "resources_servers", "name": name}
+        else:
+            ok1 = False
+    if (
+        ok1
+        and ok2
+        and ok3
+        and ok4
+        and type(invocation_id) is str
+        and type(call_index) is int
+        and (status_code is None or type(status_code) is int)
+        and (category is None or type(category) is str)
+        and _str_keys(request)
+        and _str_keys(response)
+    ):
+        if include_payloads:
+            return {
+                "verifier_invocation_id": invocation_id,
+                "call_index": call_index,
+                "verifier_ref": ref,
+                "started_at": started,
+                "completed_at": completed,
+                "latency_ms": latency,
+                "status_code": status_code,
+                "error_category": category,
+                "reward": reward,
+                "request": request,
+                "response": response,
+                "model_call_ids": [],
+            }
+        return {
+            "verifier_invocation_id": invocation_id,
+            "call_index": call_index,
+            "verifier_ref": ref,
+            "started_at": started,
+            "completed_at": completed,
+            "latency_ms": latency,
+            "status_code": status_code,
+            "error_category": category,
+            "reward": reward,
+            "model_call_ids": [],
+        }
     record = VerifierInvocation.model_validate(
         {
-            "verifier_invocation_id": row.get("verifier_invocation_id"),
+            "verifier_invocation_id": invocation_id,
             "call_index": call_index,
-            "verifier_ref": row.get("verifier_ref"),
-            "started_at": row.get("started_at"),
-            "completed_at": row.get("completed_at"),
-            "latency_ms": row.get("latency_ms"),
-            "status_code": row.get("status_code"),
-            "error_category": row.get("error_category"),
-            "reward": row.get("reward"),
-            "request": raw_request if isinstance(raw_request, dict) else None,
-            "response": raw_response if isinstance(raw_response, dict) else None,
+            "verifier_ref": get("verifier_ref"),
+            "started_at": get("started_at"),
+            "completed_at": get("completed_at"),
+            "latency_ms": get("latency_ms"),
+            "status_code": status_code,
+            "error_category": category,
+            "reward": get("reward"),
+            "request": request,
+            "response": response,
         }
     )
     return record.model_dump(exclude=None if include_payloads else {"request", "response"})
