@@ -86,10 +86,9 @@ class VerifierInvocation(BaseModel):
 # ---------------------------------------------------------------- normalization
 
 
-def _detail_count(usage: Mapping[str, Any], group: str, name: str, other: str | None = None) -> int | None:
-    """The first valid count among ``usage[group][name]`` and ``usage[group][other]``."""
-    details = usage.get(group)
-    if details is None or not (type(details) is dict or isinstance(details, Mapping)):
+def _detail_count(details: Any, name: str, other: str | None = None) -> int | None:
+    """The first valid count among ``details[name]`` and ``details[other]`` (a usage details group)."""
+    if not (type(details) is dict or isinstance(details, Mapping)):
         return None
     value = details.get(name)
     if type(value) is int and value >= 0:
@@ -140,16 +139,24 @@ def usage_stats(
     tokens_total = get("total_tokens")
     if type(tokens_total) is not int or tokens_total < 0:
         tokens_total = None if tokens_in is None or tokens_out is None else tokens_in + tokens_out
-    reasoning = _detail_count(usage, "output_tokens_details", "reasoning_tokens")
+    # Details groups are looked up here and only looked into when present.
+    details = get("output_tokens_details")
+    reasoning = None if details is None else _detail_count(details, "reasoning_tokens")
     if reasoning is None:
-        reasoning = _detail_count(usage, "completion_tokens_details", "reasoning_tokens")
+        details = get("completion_tokens_details")
+        reasoning = None if details is None else _detail_count(details, "reasoning_tokens")
         if reasoning is None:
             reasoning = get("reasoning_output_tokens")
             if type(reasoning) is not int or reasoning < 0:
                 reasoning = None
-    cached_tokens = _detail_count(usage, "prompt_tokens_details", "cached_tokens", "cached_input_tokens")
+    cached_tokens = None
+    details = get("prompt_tokens_details")
+    if details is not None:
+        cached_tokens = _detail_count(details, "cached_tokens", "cached_input_tokens")
     if cached_tokens is None:
-        cached_tokens = _detail_count(usage, "input_tokens_details", "cached_tokens", "cached_input_tokens")
+        details = get("input_tokens_details")
+        if details is not None:
+            cached_tokens = _detail_count(details, "cached_tokens", "cached_input_tokens")
         if cached_tokens is None:
             cached_tokens = cache_read
             if cached_tokens is None:
@@ -254,23 +261,6 @@ def tool_calls_and_reasoning(response: Mapping[str, Any]) -> tuple[list[dict[str
     return calls, None
 
 
-def _finish_reason(response: Mapping[str, Any]) -> str | None:
-    value = response.get("stop_reason")
-    if isinstance(value, str):
-        return value
-    choices = response.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        value = choices[0].get("finish_reason")
-        if isinstance(value, str):
-            return value
-    details = response.get("incomplete_details")
-    if isinstance(details, dict):
-        value = details.get("reason")
-        if isinstance(value, str):
-            return value
-    return None
-
-
 _EMPTY: dict[str, Any] = {}
 _ROW_KEYS = operator.itemgetter(
     "response",
@@ -349,11 +339,22 @@ def _raw_fields(
         tool_calls, reasoning = [], None
     model = rget("model") or (raw_request.get("model") if isinstance(raw_request, dict) else None)
     response_id, status, session = rget("id"), rget("status"), get("client_session_id")
+    # finish_reason: the first string among stop_reason, choices[0].finish_reason and
+    # incomplete_details.reason (spec section 5).
     finish = rget("stop_reason")
     if not isinstance(finish, str):
         finish = None
-        if "choices" in response or "incomplete_details" in response:
-            finish = _finish_reason(response)
+        choices = rget("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            finish = choices[0].get("finish_reason")
+            if not isinstance(finish, str):
+                finish = None
+        if finish is None:
+            details = rget("incomplete_details")
+            if isinstance(details, dict):
+                finish = details.get("reason")
+                if not isinstance(finish, str):
+                    finish = None
 
     verifier = get("verifier_invocation_id")
     canonical = (
