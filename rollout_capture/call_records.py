@@ -276,6 +276,8 @@ _ROW_KEYS = operator.itemgetter(
     "model_ref",
 )
 _PAYLOADS = set(PAYLOAD_FIELDS)
+_FIELDS_WITH_PAYLOADS: dict[str, Any] = dict.fromkeys(ModelCallRecord.model_fields)
+_FIELDS: dict[str, Any] = {k: None for k in _FIELDS_WITH_PAYLOADS if k not in _PAYLOADS}
 
 
 def _as_float(value: Any) -> tuple[Any, bool]:
@@ -382,66 +384,41 @@ def _raw_fields(
         else:
             canonical = False
 
-    if not include_payloads:
-        return {
-            "model_call_id": call_id,
-            "response_id": response_id if isinstance(response_id, str) else None,
-            "client_session_id": session if isinstance(session, str) else None,
-            "call_index": call_index,
-            "model_ref": ref,
-            "model": model if isinstance(model, str) else None,
-            "dialect": dialect,
-            "status_code": status_code,
-            "response_status": status if isinstance(status, str) else None,
-            "finish_reason": finish,
-            "started_at": started,
-            "completed_at": completed,
-            "tokens_in": tokens_in,
-            "tokens_out": tokens_out,
-            "tokens_reasoning": reasoning_tokens,
-            "tokens_total": tokens_total,
-            "tool_calls": tool_calls,
-            "reasoning_content": reasoning,
-            "cache_hit": cache_hit,
-            "cached_tokens": cached_tokens,
-            "cache_creation_tokens": creation,
-            "error_category": category,
-            "latency_total_ms": latency,
-            "latency_ttft_ms": ttft,
-            "verifier_invocation_id": verifier,
-        }, canonical
-    request_raw, response_raw = get("request_raw"), get("response_raw")
-    return {
-        "model_call_id": call_id,
-        "response_id": response_id if isinstance(response_id, str) else None,
-        "client_session_id": session if isinstance(session, str) else None,
-        "call_index": call_index,
-        "model_ref": ref,
-        "model": model if isinstance(model, str) else None,
-        "dialect": dialect,
-        "status_code": status_code,
-        "response_status": status if isinstance(status, str) else None,
-        "finish_reason": finish,
-        "started_at": started,
-        "completed_at": completed,
-        "tokens_in": tokens_in,
-        "tokens_out": tokens_out,
-        "tokens_reasoning": reasoning_tokens,
-        "tokens_total": tokens_total,
-        "request": raw_request if isinstance(raw_request, dict) else None,
-        "response": raw_response if isinstance(raw_response, dict) else None,
-        "request_raw": request_raw if isinstance(request_raw, str) else None,
-        "response_raw": response_raw if isinstance(response_raw, str) else None,
-        "tool_calls": tool_calls,
-        "reasoning_content": reasoning,
-        "cache_hit": cache_hit,
-        "cached_tokens": cached_tokens,
-        "cache_creation_tokens": creation,
-        "error_category": category,
-        "latency_total_ms": latency,
-        "latency_ttft_ms": ttft,
-        "verifier_invocation_id": verifier,
-    }, canonical
+    # Filling a copy of a template replaces values in place, which costs less than a
+    # literal inserting 25 keys (the template also fixes the field order).
+    fields = (_FIELDS_WITH_PAYLOADS if include_payloads else _FIELDS).copy()
+    fields["model_call_id"] = call_id
+    fields["response_id"] = response_id if isinstance(response_id, str) else None
+    fields["client_session_id"] = session if isinstance(session, str) else None
+    fields["call_index"] = call_index
+    fields["model_ref"] = ref
+    fields["model"] = model if isinstance(model, str) else None
+    fields["dialect"] = dialect
+    fields["status_code"] = status_code
+    fields["response_status"] = status if isinstance(status, str) else None
+    fields["finish_reason"] = finish
+    fields["started_at"] = started
+    fields["completed_at"] = completed
+    fields["tokens_in"] = tokens_in
+    fields["tokens_out"] = tokens_out
+    fields["tokens_reasoning"] = reasoning_tokens
+    fields["tokens_total"] = tokens_total
+    fields["tool_calls"] = tool_calls
+    fields["reasoning_content"] = reasoning
+    fields["cache_hit"] = cache_hit
+    fields["cached_tokens"] = cached_tokens
+    fields["cache_creation_tokens"] = creation
+    fields["error_category"] = category
+    fields["latency_total_ms"] = latency
+    fields["latency_ttft_ms"] = ttft
+    fields["verifier_invocation_id"] = verifier
+    if include_payloads:
+        request_raw, response_raw = get("request_raw"), get("response_raw")
+        fields["request"] = raw_request if isinstance(raw_request, dict) else None
+        fields["response"] = raw_response if isinstance(raw_response, dict) else None
+        fields["request_raw"] = request_raw if isinstance(request_raw, str) else None
+        fields["response_raw"] = response_raw if isinstance(response_raw, str) else None
+    return fields, canonical
 
 
 def build_model_call_record(row: Mapping[str, Any], *, call_index: int) -> ModelCallRecord:
