@@ -72,13 +72,14 @@ def build_attachment(
             gaps.append(_gap(GAP_INCOMPLETE))
         elif not calls and not damaged:
             gaps.append(_gap(GAP_NO_RECORDS))
-        moment = time.time() if now is None else now
-        live = len(snap.live_claims(moment))
-        expired = len(snap.claims) - live
-        if live:
-            gaps.append(_gap(GAP_PENDING, f"count={live}"))
-        elif expired:
-            gaps.append(_gap(GAP_CLAIM_ABANDONED, f"count={expired}"))
+        if snap.claims:  # rare on a finished rollout: the clock is read only then
+            moment = time.time() if now is None else now
+            live = len(snap.live_claims(moment))
+            expired = len(snap.claims) - live
+            if live:
+                gaps.append(_gap(GAP_PENDING, f"count={live}"))
+            elif expired:
+                gaps.append(_gap(GAP_CLAIM_ABANDONED, f"count={expired}"))
     if verifiers:
         for call in calls:
             owner = verifiers.get(call["verifier_invocation_id"] or "")
