@@ -251,4 +251,7 @@ def enrich_blob(
         quiescence_timeout_s=quiescence_timeout_s,
         waiter=waiter,
     )
-    return b"\n".join(enriched.lines) + b"\n", len(enriched.lines), enriched.stats
+    lines = enriched.lines
+    # An empty last piece gives the trailing newline without copying the joined blob again.
+    blob = b"\n".join([*lines, b""]) if lines else b"\n"
+    return blob, len(lines), enriched.stats
