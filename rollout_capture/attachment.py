@@ -72,7 +72,7 @@ def build_attachment(
             gaps.append(_gap(GAP_INCOMPLETE))
         elif not calls and not damaged:
             gaps.append(_gap(GAP_NO_RECORDS))
-        if snap.claims:
+        if snap.claims:  # rare on a finished rollout: the clock is read only then
             live, expired = partition(snap.claims, now)
             if live:
                 gaps.append(_gap(GAP_PENDING, f"count={len(live)}"))

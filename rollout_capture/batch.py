@@ -266,4 +266,7 @@ def enrich_blob(
         waiter=waiter,
         scope=scope,
     )
-    return b"\n".join(enriched.lines) + b"\n", len(enriched.lines), enriched.stats
+    lines = enriched.lines
+    # An empty last piece gives the trailing newline without copying the joined blob again.
+    blob = b"\n".join([*lines, b""]) if lines else b"\n"
+    return blob, len(lines), enriched.stats

@@ -86,29 +86,21 @@ class VerifierInvocation(BaseModel):
 # ---------------------------------------------------------------- normalization
 
 
-def _count(value: Any) -> int | None:
-    return value if type(value) is int and value >= 0 else None
-
-
-def _is_object(value: Any) -> bool:
-    """``isinstance(value, Mapping)``, without the ABC machinery for the common plain dict."""
-    return type(value) is dict or (value is not None and isinstance(value, Mapping))
-
-
-def _detail_count(usage: Mapping[str, Any], groups: tuple[str, ...], names: tuple[str, ...]) -> int | None:
-    for group in groups:
-        details = usage.get(group)
-        if details is not None and _is_object(details):
-            for name in names:
-                value = details.get(name)
-                if type(value) is int and value >= 0:
-                    return value
+def _detail_count(details: Any, name: str, other: str | None = None) -> int | None:
+    """The first valid count among ``details[name]`` and ``details[other]`` (a usage details group)."""
+    if not (type(details) is dict or isinstance(details, Mapping)):
+        return None
+    value = details.get(name)
+    if type(value) is int and value >= 0:
+        return value
+    if other is not None:
+        value = details.get(other)
+        if type(value) is int and value >= 0:
+            return value
     return None
 
 
 _NO_USAGE = (None, None, None, None, None, None, None)
-_REASONING_GROUPS = ("output_tokens_details", "completion_tokens_details")
-_CACHED_GROUPS = ("prompt_tokens_details", "input_tokens_details")
 
 
 def usage_stats(
@@ -119,42 +111,59 @@ def usage_stats(
     Counts are never invented: only non-negative ints count, and null means unknown.
     Anthropic's ``input_tokens`` excludes cached tokens, so cache reads and writes are
     folded into ``tokens_in``; OpenAI usage already includes them and is left alone.
+    Written out key by key: it runs once per captured call.
     """
-    if not _is_object(usage):
+    if type(usage) is not dict and (usage is None or not isinstance(usage, Mapping)):
         return _NO_USAGE
     get = usage.get
-    value = get("input_tokens")
-    tokens_in = value if type(value) is int and value >= 0 else None
-    if tokens_in is None:
-        value = get("prompt_tokens")
-        tokens_in = value if type(value) is int and value >= 0 else None
-    value = get("output_tokens")
-    tokens_out = value if type(value) is int and value >= 0 else None
-    if tokens_out is None:
-        value = get("completion_tokens")
-        tokens_out = value if type(value) is int and value >= 0 else None
-    value = get("cache_read_input_tokens")
-    cache_read = value if type(value) is int and value >= 0 else None
-    value = get("cache_creation_input_tokens")
-    cache_creation = value if type(value) is int and value >= 0 else None
+    tokens_in = get("input_tokens")
+    if type(tokens_in) is not int or tokens_in < 0:
+        tokens_in = get("prompt_tokens")
+        if type(tokens_in) is not int or tokens_in < 0:
+            tokens_in = None
+    tokens_out = get("output_tokens")
+    if type(tokens_out) is not int or tokens_out < 0:
+        tokens_out = get("completion_tokens")
+        if type(tokens_out) is not int or tokens_out < 0:
+            tokens_out = None
+    cache_read = get("cache_read_input_tokens")
+    if type(cache_read) is not int or cache_read < 0:
+        cache_read = None
+    cache_creation = get("cache_creation_input_tokens")
+    if type(cache_creation) is not int or cache_creation < 0:
+        cache_creation = None
     if cache_read is not None or cache_creation is not None:
         cached = (cache_read or 0) + (cache_creation or 0)
         if tokens_in is not None or cached > 0:
             tokens_in = (tokens_in or 0) + cached
-    value = get("total_tokens")
-    tokens_total = value if type(value) is int and value >= 0 else None
-    if tokens_total is None and tokens_in is not None and tokens_out is not None:
-        tokens_total = tokens_in + tokens_out
-    reasoning = _detail_count(usage, _REASONING_GROUPS, ("reasoning_tokens",))
+    tokens_total = get("total_tokens")
+    if type(tokens_total) is not int or tokens_total < 0:
+        tokens_total = None if tokens_in is None or tokens_out is None else tokens_in + tokens_out
+    # Details groups are looked up here and only looked into when present.
+    details = get("output_tokens_details")
+    reasoning = None if details is None else _detail_count(details, "reasoning_tokens")
     if reasoning is None:
-        reasoning = _count(get("reasoning_output_tokens"))
-    cached_tokens = _detail_count(usage, _CACHED_GROUPS, ("cached_tokens", "cached_input_tokens"))
+        details = get("completion_tokens_details")
+        reasoning = None if details is None else _detail_count(details, "reasoning_tokens")
+        if reasoning is None:
+            reasoning = get("reasoning_output_tokens")
+            if type(reasoning) is not int or reasoning < 0:
+                reasoning = None
+    cached_tokens = None
+    details = get("prompt_tokens_details")
+    if details is not None:
+        cached_tokens = _detail_count(details, "cached_tokens", "cached_input_tokens")
     if cached_tokens is None:
-        cached_tokens = cache_read
-    if cached_tokens is None:
-        cached_tokens = _count(get("cached_input_tokens"))
-    hit = None if cached_tokens is None else cached_tokens > 0
-    return tokens_in, tokens_out, reasoning, tokens_total, cache_creation, hit, cached_tokens
+        details = get("input_tokens_details")
+        if details is not None:
+            cached_tokens = _detail_count(details, "cached_tokens", "cached_input_tokens")
+        if cached_tokens is None:
+            cached_tokens = cache_read
+            if cached_tokens is None:
+                cached_tokens = get("cached_input_tokens")
+                if type(cached_tokens) is not int or cached_tokens < 0:
+                    return tokens_in, tokens_out, reasoning, tokens_total, cache_creation, None, None
+    return tokens_in, tokens_out, reasoning, tokens_total, cache_creation, cached_tokens > 0, cached_tokens
 
 
 def extract_token_stats(usage: Any) -> dict[str, int | None]:
@@ -252,23 +261,6 @@ def tool_calls_and_reasoning(response: Mapping[str, Any]) -> tuple[list[dict[str
     return calls, None
 
 
-def _finish_reason(response: Mapping[str, Any]) -> str | None:
-    value = response.get("stop_reason")
-    if isinstance(value, str):
-        return value
-    choices = response.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        value = choices[0].get("finish_reason")
-        if isinstance(value, str):
-            return value
-    details = response.get("incomplete_details")
-    if isinstance(details, dict):
-        value = details.get("reason")
-        if isinstance(value, str):
-            return value
-    return None
-
-
 _EMPTY: dict[str, Any] = {}
 _ROW_KEYS = operator.itemgetter(
     "response",
@@ -284,6 +276,8 @@ _ROW_KEYS = operator.itemgetter(
     "model_ref",
 )
 _PAYLOADS = set(PAYLOAD_FIELDS)
+_FIELDS_WITH_PAYLOADS: dict[str, Any] = dict.fromkeys(ModelCallRecord.model_fields)
+_FIELDS: dict[str, Any] = {k: None for k in _FIELDS_WITH_PAYLOADS if k not in _PAYLOADS}
 
 
 def _as_float(value: Any) -> tuple[Any, bool]:
@@ -302,7 +296,8 @@ def _raw_fields(
     """The call record's fields before typing, and whether they are already canonical.
 
     Canonical means pydantic would return every row-supplied value unchanged, so the dict
-    is the dumped record as it stands. One pass over the row: this is the merge hot path.
+    is the dumped record as it stands. One pass over the row, one dict built at its final
+    size: this is the merge hot path.
     """
     get = row.get
     try:  # the keys every model server writes, fetched in one C call
@@ -346,6 +341,22 @@ def _raw_fields(
         tool_calls, reasoning = [], None
     model = rget("model") or (raw_request.get("model") if isinstance(raw_request, dict) else None)
     response_id, status, session = rget("id"), rget("status"), get("client_session_id")
+    # finish_reason: the first string among stop_reason, choices[0].finish_reason and
+    # incomplete_details.reason (spec section 5).
+    finish = rget("stop_reason")
+    if not isinstance(finish, str):
+        finish = None
+        choices = rget("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            finish = choices[0].get("finish_reason")
+            if not isinstance(finish, str):
+                finish = None
+        if finish is None:
+            details = rget("incomplete_details")
+            if isinstance(details, dict):
+                finish = details.get("reason")
+                if not isinstance(finish, str):
+                    finish = None
 
     verifier = get("verifier_invocation_id")
     canonical = (
@@ -353,8 +364,8 @@ def _raw_fields(
         and (dialect is None or type(dialect) is str)
         and (category is None or type(category) is str)
         and (verifier is None or type(verifier) is str)
+        and (status_code is None or type(status_code) is int)
     )
-    canonical = canonical and (status_code is None or type(status_code) is int)
     if not (
         type(started) is float and type(completed) is float and type(latency) is float and type(ttft) is float
     ):
@@ -364,44 +375,34 @@ def _raw_fields(
         ttft, ok4 = _as_float(ttft)
         canonical = canonical and ok1 and ok2 and ok3 and ok4
     if ref is not None:
-        if (
-            type(ref) is dict
-            and len(ref) == 2
-            and ref.get("type") == "responses_api_models"
-            and type(ref.get("name")) is str
-        ):
-            ref = {"type": "responses_api_models", "name": ref["name"]}
+        if type(ref) is dict and len(ref) == 2 and ref.get("type") == "responses_api_models":
+            name = ref.get("name")
+            if type(name) is str:
+                ref = {"type": "responses_api_models", "name": name}
+            else:
+                canonical = False
         else:
             canonical = False
 
-    if "stop_reason" in response or "choices" in response or "incomplete_details" in response:
-        finish = _finish_reason(response)
-    else:
-        finish = None
-    fields: dict[str, Any] = {
-        "model_call_id": call_id,
-        "response_id": response_id if isinstance(response_id, str) else None,
-        "client_session_id": session if isinstance(session, str) else None,
-        "call_index": call_index,
-        "model_ref": ref,
-        "model": model if isinstance(model, str) else None,
-        "dialect": dialect,
-        "status_code": status_code,
-        "response_status": status if isinstance(status, str) else None,
-        "finish_reason": finish,
-        "started_at": started,
-        "completed_at": completed,
-        "tokens_in": tokens_in,
-        "tokens_out": tokens_out,
-        "tokens_reasoning": reasoning_tokens,
-        "tokens_total": tokens_total,
-    }
-    if include_payloads:  # in field order: between the token counts and the tool calls
-        request_raw, response_raw = get("request_raw"), get("response_raw")
-        fields["request"] = raw_request if isinstance(raw_request, dict) else None
-        fields["response"] = raw_response if isinstance(raw_response, dict) else None
-        fields["request_raw"] = request_raw if isinstance(request_raw, str) else None
-        fields["response_raw"] = response_raw if isinstance(response_raw, str) else None
+    # Filling a copy of a template replaces values in place, which costs less than a
+    # literal inserting 25 keys (the template also fixes the field order).
+    fields = (_FIELDS_WITH_PAYLOADS if include_payloads else _FIELDS).copy()
+    fields["model_call_id"] = call_id
+    fields["response_id"] = response_id if isinstance(response_id, str) else None
+    fields["client_session_id"] = session if isinstance(session, str) else None
+    fields["call_index"] = call_index
+    fields["model_ref"] = ref
+    fields["model"] = model if isinstance(model, str) else None
+    fields["dialect"] = dialect
+    fields["status_code"] = status_code
+    fields["response_status"] = status if isinstance(status, str) else None
+    fields["finish_reason"] = finish
+    fields["started_at"] = started
+    fields["completed_at"] = completed
+    fields["tokens_in"] = tokens_in
+    fields["tokens_out"] = tokens_out
+    fields["tokens_reasoning"] = reasoning_tokens
+    fields["tokens_total"] = tokens_total
     fields["tool_calls"] = tool_calls
     fields["reasoning_content"] = reasoning
     fields["cache_hit"] = cache_hit
@@ -411,6 +412,12 @@ def _raw_fields(
     fields["latency_total_ms"] = latency
     fields["latency_ttft_ms"] = ttft
     fields["verifier_invocation_id"] = verifier
+    if include_payloads:
+        request_raw, response_raw = get("request_raw"), get("response_raw")
+        fields["request"] = raw_request if isinstance(raw_request, dict) else None
+        fields["response"] = raw_response if isinstance(raw_response, dict) else None
+        fields["request_raw"] = request_raw if isinstance(request_raw, str) else None
+        fields["response_raw"] = response_raw if isinstance(response_raw, str) else None
     return fields, canonical
 
 
@@ -434,25 +441,96 @@ def call_record_dict(
     return record.model_dump(exclude=None if include_payloads else _PAYLOADS)
 
 
+def _str_keys(value: dict[str, Any] | None) -> bool:
+    """Whether pydantic's ``dict[str, Any]`` would keep this payload as it is."""
+    if value is not None:
+        for key in value:
+            if type(key) is not str:
+                return False
+    return True
+
+
 def verifier_invocation_dict(
     row: Mapping[str, Any], call_index: int, *, include_payloads: bool
 ) -> dict[str, Any]:
-    """The dumped :class:`VerifierInvocation` of one verifier row (``model_call_ids`` filled later)."""
-    raw_request = row.get("request")
-    raw_response = row.get("response")
+    """The dumped :class:`VerifierInvocation` of one verifier row (``model_call_ids`` filled later).
+
+    Built directly when every field already has its canonical type (as for call records);
+    pydantic decides, and raises, otherwise.
+    """
+    get = row.get
+    raw_request = get("request")
+    raw_response = get("response")
+    request = raw_request if isinstance(raw_request, dict) else None
+    response = raw_response if isinstance(raw_response, dict) else None
+    invocation_id, ref, status_code, category = (
+        get("verifier_invocation_id"),
+        get("verifier_ref"),
+        get("status_code"),
+        get("error_category"),
+    )
+    started, ok1 = _as_float(get("started_at"))
+    completed, ok2 = _as_float(get("completed_at"))
+    latency, ok3 = _as_float(get("latency_ms"))
+    reward, ok4 = _as_float(get("reward"))
+    if ref is not None:
+        name = ref.get("name") if type(ref) is dict and len(ref) == 2 else None
+        if type(name) is str and ref.get("type") == "resources_servers":
+            ref = {"type": "resources_servers", "name": name}
+        else:
+            ok1 = False
+    if (
+        ok1
+        and ok2
+        and ok3
+        and ok4
+        and type(invocation_id) is str
+        and type(call_index) is int
+        and (status_code is None or type(status_code) is int)
+        and (category is None or type(category) is str)
+        and _str_keys(request)
+        and _str_keys(response)
+    ):
+        if include_payloads:
+            return {
+                "verifier_invocation_id": invocation_id,
+                "call_index": call_index,
+                "verifier_ref": ref,
+                "started_at": started,
+                "completed_at": completed,
+                "latency_ms": latency,
+                "status_code": status_code,
+                "error_category": category,
+                "reward": reward,
+                "request": request,
+                "response": response,
+                "model_call_ids": [],
+            }
+        return {
+            "verifier_invocation_id": invocation_id,
+            "call_index": call_index,
+            "verifier_ref": ref,
+            "started_at": started,
+            "completed_at": completed,
+            "latency_ms": latency,
+            "status_code": status_code,
+            "error_category": category,
+            "reward": reward,
+            "model_call_ids": [],
+        }
     record = VerifierInvocation.model_validate(
         {
-            "verifier_invocation_id": row.get("verifier_invocation_id"),
+            "verifier_invocation_id": invocation_id,
             "call_index": call_index,
-            "verifier_ref": row.get("verifier_ref"),
-            "started_at": row.get("started_at"),
-            "completed_at": row.get("completed_at"),
-            "latency_ms": row.get("latency_ms"),
-            "status_code": row.get("status_code"),
-            "error_category": row.get("error_category"),
-            "reward": row.get("reward"),
-            "request": raw_request if isinstance(raw_request, dict) else None,
-            "response": raw_response if isinstance(raw_response, dict) else None,
+            "verifier_ref": get("verifier_ref"),
+            "started_at": get("started_at"),
+            "completed_at": get("completed_at"),
+            "latency_ms": get("latency_ms"),
+            "status_code": status_code,
+            "error_category": category,
+            "reward": get("reward"),
+            "request": request,
+            "response": response,
         }
     )
     return record.model_dump(exclude=None if include_payloads else {"request", "response"})

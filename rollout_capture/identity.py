@@ -94,5 +94,20 @@ def rollout_id_of(record: Mapping[str, Any] | None) -> str | None:
 
     Used wherever the id is about to become a file name.
     """
+    if type(record) is dict:  # the common shape, once per rollout line: no regex needed
+        get = record.get
+        task, rollout, attempt = get(TASK_INDEX_KEY), get(ROLLOUT_INDEX_KEY), get(ATTEMPT_INDEX_KEY)
+        if (
+            type(task) is int
+            and type(rollout) is int
+            and task >= 0
+            and rollout >= 0
+            and (attempt is None or type(attempt) is int)
+            and get(ROLLOUT_ID_KEY) is None
+        ):
+            # Digits, "-", digits (and "-a", digits): always a valid id.
+            if attempt is not None and attempt > 0:
+                return f"{task}-{rollout}-a{attempt}"
+            return f"{task}-{rollout}"
     rollout_id = maybe_rollout_id_from_run_body(record)
     return None if rollout_id is None else validate_rollout_id(rollout_id)

@@ -20,16 +20,38 @@ METRIC_FIELDS = (
 
 
 def aggregate_call_dicts(calls: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """Metrics of dumped call records (as attached to a rollout)."""
-    totals: list[Any] = [None] * len(METRIC_FIELDS)
+    """Metrics of dumped call records (as attached to a rollout).
+
+    One local per field instead of a loop over :data:`METRIC_FIELDS`: it runs per call.
+    """
+    tokens_in = tokens_out = tokens_reasoning = tokens_total = cached_tokens = latency = None
     count = 0
     for call in calls:
         count += 1
-        for index, name in enumerate(METRIC_FIELDS):
-            value = call[name]
-            if value is not None:
-                total = totals[index]
-                totals[index] = value if total is None else total + value
-    metrics = dict(zip(METRIC_FIELDS, totals, strict=True))
-    metrics["num_calls"] = count
-    return metrics
+        value = call["tokens_in"]
+        if value is not None:
+            tokens_in = value if tokens_in is None else tokens_in + value
+        value = call["tokens_out"]
+        if value is not None:
+            tokens_out = value if tokens_out is None else tokens_out + value
+        value = call["tokens_reasoning"]
+        if value is not None:
+            tokens_reasoning = value if tokens_reasoning is None else tokens_reasoning + value
+        value = call["tokens_total"]
+        if value is not None:
+            tokens_total = value if tokens_total is None else tokens_total + value
+        value = call["cached_tokens"]
+        if value is not None:
+            cached_tokens = value if cached_tokens is None else cached_tokens + value
+        value = call["latency_total_ms"]
+        if value is not None:
+            latency = value if latency is None else latency + value
+    return {
+        "tokens_in": tokens_in,
+        "tokens_out": tokens_out,
+        "tokens_reasoning": tokens_reasoning,
+        "tokens_total": tokens_total,
+        "cached_tokens": cached_tokens,
+        "latency_total_ms": latency,
+        "num_calls": count,
+    }

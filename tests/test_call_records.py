@@ -10,7 +10,12 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from rollout_capture import ModelCallRecord, build_model_call_record, extract_token_stats
-from rollout_capture.call_records import call_record_dict, parse_arguments
+from rollout_capture.call_records import (
+    VerifierInvocation,
+    call_record_dict,
+    parse_arguments,
+    verifier_invocation_dict,
+)
 
 SPEC_FIELDS = [
     "model_call_id", "response_id", "client_session_id", "call_index", "model_ref", "model", "dialect",
@@ -393,3 +398,59 @@ def test_fast_path_equals_the_pydantic_model(row: dict[str, Any], include_payloa
     assert got == expected
     assert list(got) == list(expected)
     assert ModelCallRecord.model_validate({**got, "call_index": 4})  # the dumped form is a valid record
+
+
+number_or_junk = st.one_of(st.none(), st.integers(-5, 10**6), st.floats(allow_nan=False), json_values)
+verifier_rows = st.fixed_dictionaries(
+    {"verifier_invocation_id": st.one_of(st.text(max_size=8), json_values)},
+    optional={
+        "kind": st.just("verifier_invocation"),
+        "verifier_ref": st.one_of(
+            st.none(),
+            json_values,
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["resources_servers", "responses_api_models"]), "name": json_values}
+            ),
+            st.fixed_dictionaries(
+                {"name": st.text(max_size=3), "type": st.just("resources_servers")},
+                optional={"extra": json_values},
+            ),
+        ),
+        "started_at": number_or_junk,
+        "completed_at": number_or_junk,
+        "latency_ms": number_or_junk,
+        "status_code": st.one_of(st.none(), st.integers(100, 599), json_values),
+        "error_category": st.one_of(st.none(), st.text(max_size=5), json_values),
+        "reward": number_or_junk,
+        "request": st.one_of(
+            json_values, st.dictionaries(st.one_of(st.text(max_size=3), st.integers()), json_values)
+        ),
+        "response": st.one_of(json_values, st.dictionaries(st.text(max_size=3), json_values)),
+    },
+)
+
+
+@given(verifier_rows, st.booleans())
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_verifier_fast_path_equals_the_pydantic_model(row: dict[str, Any], include_payloads: bool) -> None:
+    request, response = row.get("request"), row.get("response")
+    fields = {
+        "verifier_invocation_id": row.get("verifier_invocation_id"),
+        "call_index": 2,
+        **{k: row.get(k) for k in ("verifier_ref", "started_at", "completed_at", "latency_ms")},
+        **{k: row.get(k) for k in ("status_code", "error_category", "reward")},
+        "request": request if isinstance(request, dict) else None,
+        "response": response if isinstance(response, dict) else None,
+    }
+    try:
+        expected = VerifierInvocation.model_validate(fields).model_dump()
+    except ValidationError:
+        with pytest.raises(ValidationError):
+            verifier_invocation_dict(row, 2, include_payloads=include_payloads)
+        return
+    if not include_payloads:
+        del expected["request"], expected["response"]
+    got = verifier_invocation_dict(row, 2, include_payloads=include_payloads)
+    assert got == expected
+    assert list(got) == list(expected)
+    assert [type(v) for v in got.values()] == [type(v) for v in expected.values()]
