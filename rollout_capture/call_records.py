@@ -213,7 +213,8 @@ def tool_calls_and_reasoning(response: Mapping[str, Any]) -> tuple[list[dict[str
                     }
                 )
             elif kind == "reasoning":
-                for summary in item.get("summary") or ():
+                summaries = item.get("summary")
+                for summary in summaries if type(summaries) is list else ():  # other shapes: no items
                     text = summary.get("text") if isinstance(summary, dict) else None
                     if isinstance(text, str) and text:
                         reasoning.append(text)
@@ -224,7 +225,8 @@ def tool_calls_and_reasoning(response: Mapping[str, Any]) -> tuple[list[dict[str
             message = choice.get("message") if isinstance(choice, dict) else None
             if not isinstance(message, dict):
                 continue
-            for tool_call in message.get("tool_calls") or ():
+            tool_calls = message.get("tool_calls")
+            for tool_call in tool_calls if type(tool_calls) is list else ():  # other shapes: no items
                 if not isinstance(tool_call, dict):
                     continue
                 function = tool_call.get("function")

@@ -454,3 +454,13 @@ def test_verifier_fast_path_equals_the_pydantic_model(row: dict[str, Any], inclu
     assert got == expected
     assert list(got) == list(expected)
     assert [type(v) for v in got.values()] == [type(v) for v in expected.values()]
+
+
+def test_list_fields_of_another_shape_hold_no_items() -> None:
+    """A reasoning ``summary`` or chat ``tool_calls`` that is not a list is skipped, not a crash."""
+    responses = {"output": [{"type": "reasoning", "summary": 5}, {"type": "reasoning", "summary": "text"}]}
+    chat = {"choices": [{"message": {"tool_calls": 7, "reasoning_content": "thought"}}]}
+    first = build_model_call_record({"dialect": "responses", "response": responses}, call_index=0)
+    second = build_model_call_record({"dialect": "chat", "response": chat}, call_index=1)
+    assert (first.tool_calls, first.reasoning_content) == ([], None)
+    assert (second.tool_calls, second.reasoning_content) == ([], "thought")

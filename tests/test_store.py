@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 import uuid
@@ -9,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from rollout_capture import CaptureStore, model_call_capture_dirs_from_config
@@ -162,3 +164,20 @@ def test_a_retried_object_write_that_had_landed_is_recognised_by_its_nonce(flaky
     assert [seq for seq, _ in store.listing("1-0").objects] == [0]
     store.record("1-0", {"model_call_id": "b"})  # and the next write goes to seq 1
     assert [row["model_call_id"] for row in store.read("1-0")] == ["a", "b"]
+
+
+def test_a_reused_listing_of_the_root_never_hides_a_new_capture(tmp_path: Path) -> None:
+    """Batches reuse the root's names while the folder is unchanged; a new file changes it."""
+    from rollout_capture.batch import enrich_lines
+
+    store = CaptureStore(tmp_path / "caps")
+    for task in range(40):
+        store.record(f"{task}-0", {"model_call_id": f"c{task}"})
+    settled = time.time() - 60
+    os.utime(tmp_path / "caps", (settled, settled))  # long unchanged: its listing may be kept
+    lines = [orjson.dumps({"_ng_task_index": t, "_ng_rollout_index": 0}) for t in range(41)]
+    first = enrich_lines(lines, [store])
+    assert first.stats.gaps == {"model_call_capture_no_records": 1}  # 40-0 has nothing yet
+    store.record("40-0", {"model_call_id": "late"})
+    second = enrich_lines(lines, [store])
+    assert second.stats.calls == 41 and not second.stats.gaps

@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Collection, Iterable, Sequence
 from collections.abc import Set as AbstractSet
@@ -38,6 +39,8 @@ _ALL_SUFFIXES = (JSONL_SUFFIX, MARKER_SUFFIX, OBJECTS_SUFFIX, CLAIMS_SUFFIX)
 _NAMES_PER_PROBE = 16
 # With no size hint yet, a batch this large lists the root's names (and learns its size).
 _LIST_NAMES_MIN_IDS = 32
+# A listing is reused only if the root last changed this long before it was taken.
+_SETTLED_NS = 2_000_000_000
 
 
 def _stat_entry(path: str) -> Entry | None:
@@ -75,22 +78,35 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _read_whole(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    data = os.read(fd, size + 1)  # one byte more than expected: a short read means EOF
+    if len(data) <= size:
+        return data
+    chunks = [data]
+    while chunks[-1]:  # the file grew since fstat; read to the end
+        chunks.append(os.read(fd, 1 << 20))
+    return b"".join(chunks)
+
+
 def _read_locked(path: str) -> bytes | None:
-    """A file's bytes under a shared lock (JSONL writers hold the exclusive one); None if absent."""
+    """A file's bytes, every line whole; None if absent.
+
+    Each JSONL append is one line with its newline, written under an exclusive lock, so
+    bytes ending in a newline hold only whole lines: read without the lock first, and take
+    the shared lock only when a write may be in progress (they do not end in one).
+    """
     try:
         fd = os.open(path, os.O_RDONLY)
     except (FileNotFoundError, NotADirectoryError):
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        size = os.fstat(fd).st_size
-        data = os.read(fd, size + 1)  # one byte more than expected: a short read means EOF
-        if len(data) <= size:
+        data = _read_whole(fd)
+        if not data or data.endswith(b"\n"):
             return data
-        chunks = [data]
-        while chunks[-1]:  # the file grew since fstat; read to the end
-            chunks.append(os.read(fd, 1 << 20))
-        return b"".join(chunks)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.lseek(fd, 0, os.SEEK_SET)
+        return _read_whole(fd)
     finally:
         os.close(fd)  # also releases the lock
 
@@ -106,6 +122,7 @@ class PosixBackend(Backend):
         self.root = root
         self._base = os.path.join(root, "")  # root with its separator, for fast concatenation
         self._names_hint: int | None = None  # how many names the root held when last listed
+        self._names_cache: tuple[int, set[str]] | None = None  # (root mtime, its names)
 
     def path(self, name: str) -> str:
         return self._base + name
@@ -151,11 +168,26 @@ class PosixBackend(Backend):
         return PosixFetched(self, ids, names)
 
     def _names(self) -> set[str]:
-        """The names directly under the root, without stat calls (cheap for a batch)."""
+        """The names directly under the root, without stat calls (cheap for a batch).
+
+        Reused while the root's modification time is unchanged (entries added or removed
+        change it), but only once that time is older than the clock's coarsest step: a
+        listing taken in the same tick as a change could miss it.
+        """
         try:
-            return set(os.listdir(self.root))
+            changed = os.stat(self.root).st_mtime_ns
         except FileNotFoundError:
             return set()
+        cached = self._names_cache
+        if cached is not None and cached[0] == changed:
+            return cached[1]
+        listed_at = time.time_ns()
+        try:
+            names = set(os.listdir(self.root))
+        except FileNotFoundError:
+            return set()
+        self._names_cache = (changed, names) if listed_at - changed >= _SETTLED_NS else None
+        return names
 
     def _may_have_claims(self, rollout_id: str) -> bool:
         """Whether the rollout's claims folder exists (one syscall, no exception)."""
