@@ -321,6 +321,22 @@ class LogLevel(StrEnum):
     debug = "debug"
 
 
+class HttpImpl(StrEnum):
+    """uvicorn's HTTP/1.1 server protocol (auto: httptools when installed)."""
+
+    auto = "auto"
+    h11 = "h11"
+    httptools = "httptools"
+
+
+class LoopImpl(StrEnum):
+    """uvicorn's event loop (auto: uvloop when installed)."""
+
+    auto = "auto"
+    asyncio = "asyncio"
+    uvloop = "uvloop"
+
+
 class Layout(StrEnum):
     """Capture layout: JSONL on local disks, objects on object stores (auto picks)."""
 
@@ -367,6 +383,8 @@ def proxy(
     storage_options: OptionsOpt = None,
     log_level: Annotated[LogLevel, typer.Option(help="Log level.")] = LogLevel.info,
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
+    http: Annotated[HttpImpl, typer.Option(help="HTTP server protocol.")] = HttpImpl.auto,
+    loop: Annotated[LoopImpl, typer.Option(help="Event loop.")] = LoopImpl.auto,
 ) -> None:
     """Reverse proxy in front of a model server, capturing calls under /ng-rollout/<id>/v1/."""
     with _exits():
@@ -393,6 +411,8 @@ def proxy(
             port=port,
             log_level=log_level.value,
             access_log=access_log,
+            http=http.value,
+            loop=loop.value,
             announce=lambda line: typer.echo(line, err=True),
         )
 

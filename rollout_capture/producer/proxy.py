@@ -13,7 +13,7 @@ import logging
 import math
 import socket
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import uvicorn
@@ -392,11 +392,14 @@ def serve_proxy(
     port: int = 8100,
     log_level: str = "info",
     access_log: bool = False,
+    http: Literal["auto", "h11", "httptools"] = "auto",
+    loop: Literal["auto", "asyncio", "uvloop"] = "auto",
     announce: Callable[[str], None] | None = None,
 ) -> None:
     """Run the proxy until SIGINT/SIGTERM; calls in flight get ``shutdown_grace_s`` to finish.
 
-    Port 0 picks a free port; ``announce`` is told the address actually bound.
+    Port 0 picks a free port; ``announce`` is told the address actually bound. ``http`` and
+    ``loop`` are uvicorn's (auto: the C httptools parser and uvloop when installed).
     """
     app = CaptureProxy(settings)
     sock = bind_listener(host, port)
@@ -406,6 +409,8 @@ def serve_proxy(
         lifespan="on",
         log_level=log_level,
         access_log=access_log,
+        http=http,
+        loop=loop,
         timeout_graceful_shutdown=max(1, math.ceil(settings.shutdown_grace_s)),
         server_header=False,  # the upstream's own Server and Date headers pass through
         date_header=False,
