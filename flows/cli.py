@@ -337,6 +337,13 @@ class LoopImpl(StrEnum):
     uvloop = "uvloop"
 
 
+class UpstreamClient(StrEnum):
+    """The proxy's upstream client."""
+
+    aiohttp = "aiohttp"
+    httpx = "httpx"
+
+
 class Layout(StrEnum):
     """Capture layout: JSONL on local disks, objects on object stores (auto picks)."""
 
@@ -385,6 +392,9 @@ def proxy(
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
     http: Annotated[HttpImpl, typer.Option(help="HTTP server protocol.")] = HttpImpl.auto,
     loop: Annotated[LoopImpl, typer.Option(help="Event loop.")] = LoopImpl.auto,
+    client: Annotated[
+        UpstreamClient, typer.Option(envvar="ROLLOUT_CAPTURE_UPSTREAM_CLIENT", help="Upstream HTTP client.")
+    ] = UpstreamClient.aiohttp,
 ) -> None:
     """Reverse proxy in front of a model server, capturing calls under /ng-rollout/<id>/v1/."""
     with _exits():
@@ -400,6 +410,7 @@ def proxy(
             connect_timeout_s=connect_timeout,
             read_timeout_s=read_timeout,
             max_connections=max_connections,
+            upstream_client=client.value,
             shutdown_grace_s=shutdown_grace,
             layout=layout.value,
             storage_options=_options(storage_options) or {},

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -25,7 +26,7 @@ def _decode(body: bytes) -> str:
     return body.decode("utf-8", "replace")
 
 
-def _is_event_stream(headers: list[tuple[bytes, bytes]] | tuple[tuple[bytes, bytes], ...]) -> bool:
+def _is_event_stream(headers: Sequence[tuple[bytes, bytes]]) -> bool:
     for key, value in headers:
         if key.lower() == b"content-type":
             return value.lower().startswith(b"text/event-stream")
@@ -105,7 +106,7 @@ class Exchange:
         """The request is leaving for the upstream now (latencies count from here)."""
         self._forwarded = time.perf_counter()
 
-    def response_started(self, status: int, headers: list[tuple[bytes, bytes]] | tuple[Any, ...]) -> None:
+    def response_started(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
         """The upstream answered with a status and headers."""
         self.status_code = status
         if _is_event_stream(headers):
