@@ -72,7 +72,7 @@ class ClaimContext:
 
     def _acquire(self) -> Claim:
         claim = new_claim(self._model_call_id, self._ttl_s)
-        self._store._backend.put(
+        self._store._backend.put_live(
             self._store._backend.path(names.claim_name(self._rollout_id, claim.claim_id)), claim_body(claim)
         )
         self.claim = claim
@@ -142,21 +142,41 @@ class CaptureStore:
 
     # ------------------------------------------------------------------ writing
 
+    @property
+    def writes_in_place(self) -> bool:
+        """Whether claims and the first step of :meth:`record_staged` are quick local-disk work
+        that an event loop may do itself (only the fsync blocks)."""
+        return self._backend.writes_in_place
+
     def record(self, rollout_id: str, row: Mapping[str, Any]) -> None:
         """Append one row for the rollout; it is durable when this returns.
 
         If the write fails, the rollout is marked incomplete (so readers know its capture
         is partial) and the error is raised.
         """
+        self.record_staged(rollout_id, row)()
+
+    def record_staged(self, rollout_id: str, row: Mapping[str, Any]) -> Callable[[], None]:
+        """:meth:`record` in two steps: the returned function makes the row durable.
+
+        On a local disk the row is written now (readers may see it) and the function is its
+        fsync, the one step to run off an event loop; on object stores the function does it
+        all. Either step that fails marks the rollout incomplete and raises.
+        """
         validate_rollout_id(rollout_id)
         if not isinstance(row, Mapping):
             raise ValueError(f"a capture row must be a JSON object; got {type(row).__name__}")
+        if self.layout != "jsonl":
+            return lambda: self._guarded(rollout_id, self._append_object, rollout_id, row)
+        line = orjson.dumps(row, default=str, option=orjson.OPT_APPEND_NEWLINE)
+        path = self._backend.path(names.jsonl_name(rollout_id))
+        sync = self._guarded(rollout_id, self._backend.append_line_staged, path, line)
+        return lambda: self._guarded(rollout_id, sync)
+
+    def _guarded(self, rollout_id: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``; if it fails, the rollout is marked incomplete and the error raised."""
         try:
-            if self.layout == "jsonl":
-                line = orjson.dumps(row, default=str, option=orjson.OPT_APPEND_NEWLINE)
-                self._backend.append_line(self._backend.path(names.jsonl_name(rollout_id)), line)
-            else:
-                self._append_object(rollout_id, row)
+            return fn(*args)
         except Exception:
             logger.warning(
                 "capture write failed for rollout %s; marking it incomplete", rollout_id, exc_info=True

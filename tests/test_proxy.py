@@ -245,7 +245,8 @@ def test_a_client_that_leaves_mid_stream_still_leaves_its_row(proxy: Proxy, upst
         httpx.Client(base_url=proxy.url) as client,
         client.stream("POST", "/ng-rollout/gone-1/v1/chat/completions", json=request) as answer,
     ):
-        first = next(answer.iter_raw())
+        chunks = answer.iter_raw()  # held: a discarded iterator closes the connection at once
+        first = next(chunks)
         assert first.startswith(b"data: ")
         # Forwarded as it came: the client has it while the upstream waits at its gate.
         assert proxy.rows("gone-1") == [] and proxy.store.live_claims("gone-1")
