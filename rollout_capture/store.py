@@ -35,6 +35,10 @@ Layout = Literal["auto", "jsonl", "objects"]
 _MAX_SEQ_HINTS = 10_000
 
 
+def _nothing() -> None:
+    """Nothing left to do."""
+
+
 async def finish_in_thread(fn: Callable[..., T], *args: Any) -> T:
     """Run ``fn`` in a thread and wait for it even if the caller is cancelled meanwhile.
 
@@ -154,24 +158,36 @@ class CaptureStore:
         If the write fails, the rollout is marked incomplete (so readers know its capture
         is partial) and the error is raised.
         """
-        self.record_staged(rollout_id, row)()
+        validate_rollout_id(rollout_id)
+        if not isinstance(row, Mapping):
+            raise ValueError(f"a capture row must be a JSON object; got {type(row).__name__}")
+        if self.layout != "jsonl":
+            self._guarded(rollout_id, self._append_object, rollout_id, row)
+            return
+        line = orjson.dumps(row, default=str, option=orjson.OPT_APPEND_NEWLINE)
+        self._guarded(
+            rollout_id, self._backend.append_line, self._backend.path(names.jsonl_name(rollout_id)), line
+        )
 
-    def record_staged(self, rollout_id: str, row: Mapping[str, Any]) -> Callable[[], None]:
-        """:meth:`record` in two steps: the returned function makes the row durable.
+    def record_staged(
+        self, rollout_id: str, row: Mapping[str, Any]
+    ) -> tuple[Callable[[], None], Callable[[], None]]:
+        """:meth:`record` in steps for a caller on an event loop: the cheap part now, then
+        ``(blocking, finish)``: run ``blocking`` off the loop (the row is durable after it),
+        then ``finish`` on the loop (readers see the row after it), even if ``blocking`` failed.
 
-        On a local disk the row is written now (readers may see it) and the function is its
-        fsync, the one step to run off an event loop; on object stores the function does it
-        all. Either step that fails marks the rollout incomplete and raises.
+        On a local disk the row is written now and ``blocking`` is its fsync; on object stores
+        ``blocking`` does it all. A step that fails marks the rollout incomplete and raises.
         """
         validate_rollout_id(rollout_id)
         if not isinstance(row, Mapping):
             raise ValueError(f"a capture row must be a JSON object; got {type(row).__name__}")
         if self.layout != "jsonl":
-            return lambda: self._guarded(rollout_id, self._append_object, rollout_id, row)
+            return (lambda: self._guarded(rollout_id, self._append_object, rollout_id, row)), _nothing
         line = orjson.dumps(row, default=str, option=orjson.OPT_APPEND_NEWLINE)
         path = self._backend.path(names.jsonl_name(rollout_id))
-        sync = self._guarded(rollout_id, self._backend.append_line_staged, path, line)
-        return lambda: self._guarded(rollout_id, sync)
+        blocking, finish = self._guarded(rollout_id, self._backend.append_line_staged, path, line)
+        return (lambda: self._guarded(rollout_id, blocking)), finish
 
     def _guarded(self, rollout_id: str, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``; if it fails, the rollout is marked incomplete and the error raised."""

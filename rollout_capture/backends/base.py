@@ -115,11 +115,13 @@ class Backend(ABC):
     def append_line(self, path: str, line: bytes) -> None:
         """Append one line durably, never interleaved with another writer's."""
 
-    def append_line_staged(self, path: str, line: bytes) -> Callable[[], None]:
-        """Append one line in two steps: readers may see it now; it is durable once the
-        returned function ran (the blocking step, for a thread). By default both run then."""
-        self.append_line(path, line)
-        return _done
+    def append_line_staged(self, path: str, line: bytes) -> tuple[Callable[[], None], Callable[[], None]]:
+        """Append one line in steps: the cheap part now, then ``(blocking, finish)``.
+
+        ``blocking`` makes it durable (for a thread); ``finish`` (cheap, for the caller's
+        loop) lets readers see it. By default everything happens in ``blocking``.
+        """
+        return (lambda: self.append_line(path, line)), _done
 
     @abstractmethod
     def create(self, path: str, data: bytes) -> None:

@@ -40,6 +40,10 @@ _NAMES_PER_PROBE = 16
 _LIST_NAMES_MIN_IDS = 32
 
 
+def _nothing() -> None:
+    """Nothing left to do."""
+
+
 def _stat_entry(path: str) -> Entry | None:
     try:
         st = os.stat(path)
@@ -213,15 +217,16 @@ class PosixBackend(Backend):
         finally:
             os.close(fd)  # also releases the lock
 
-    def append_line_staged(self, path: str, line: bytes) -> Callable[[], None]:
-        # Same steps as append_line, the ones that cannot block done now. A file locked by
+    def append_line_staged(self, path: str, line: bytes) -> tuple[Callable[[], None], Callable[[], None]]:
+        # append_line's steps, split where they block: the line is written under the lock
+        # now, fsynced by ``blocking``, and the lock let go by ``finish``. A file locked by
         # another writer or a reader makes the whole append the blocking step.
         fd = self._open_append(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            return lambda: self.append_line(path, line)
+            return (lambda: self.append_line(path, line)), _nothing
         except BaseException:
             os.close(fd)
             raise
@@ -230,14 +235,7 @@ class PosixBackend(Backend):
         except BaseException:
             os.close(fd)
             raise
-
-        def sync() -> None:
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)  # also releases the lock
-
-        return sync
+        return (lambda: os.fsync(fd)), (lambda: os.close(fd))  # closing releases the lock
 
     def _write_temp(self, path: str, data: bytes) -> str:
         folder = os.path.dirname(path)
@@ -271,7 +269,13 @@ class PosixBackend(Backend):
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileNotFoundError:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            folder = os.path.dirname(path)
+            try:
+                os.mkdir(folder)  # one syscall when the root is there, as it mostly is
+            except FileNotFoundError:
+                os.makedirs(folder, exist_ok=True)
+            except FileExistsError:
+                pass
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             os.write(fd, data)

@@ -153,16 +153,19 @@ class CaptureWriter:
         row: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
         claim: ClaimContext | None = None,
     ) -> bool:
+        staged = None
         try:
-            sync = self._stage(rollout_id, row)
-            return sync is not None and self._sync(rollout_id, sync)
-        finally:
+            staged = self._stage(rollout_id, row)
+            return staged is not None and self._durable(rollout_id, staged[0])
+        finally:  # the claim, then the lock (see record)
             if claim is not None:
                 self._release(claim)
+            if staged is not None:
+                self._finish(staged[1])
 
     def _stage(
         self, rollout_id: str, row: Mapping[str, Any] | Callable[[], Mapping[str, Any]]
-    ) -> Callable[[], None] | None:
+    ) -> tuple[Callable[[], None], Callable[[], None]] | None:
         """The row built and staged (:meth:`CaptureStore.record_staged`); None (logged) on failure."""
         try:
             built = row() if callable(row) else row
@@ -180,20 +183,20 @@ class CaptureWriter:
             self._log_unwritten(rollout_id)
             return None
 
-    def _finish(self, rollout_id: str, sync: Callable[[], None], claim: ClaimContext | None) -> bool:
+    def _durable(self, rollout_id: str, blocking: Callable[[], None]) -> bool:
         try:
-            return self._sync(rollout_id, sync)
-        finally:
-            if claim is not None:
-                self._release(claim)
-
-    def _sync(self, rollout_id: str, sync: Callable[[], None]) -> bool:
-        try:
-            sync()  # marks the rollout incomplete itself on failure
+            blocking()  # marks the rollout incomplete itself on failure
         except Exception:
             self._log_unwritten(rollout_id)
             return False
         return True
+
+    @staticmethod
+    def _finish(finish: Callable[[], None]) -> None:
+        try:
+            finish()
+        except Exception:
+            logger.warning("could not close a capture file", exc_info=True)
 
     @staticmethod
     def _log_unwritten(rollout_id: str) -> None:
@@ -234,18 +237,19 @@ class CaptureWriter:
         """
         if not self._local:
             return await self._shielded(self._record, rollout_id, row, release)
+        staged = None
         try:
-            sync = self._stage(rollout_id, row)
-        except BaseException:
+            staged = self._stage(rollout_id, row)
+            if staged is None:
+                return False
+            return await self._shielded(self._durable, rollout_id, staged[0])  # the fsync: one hop
+        finally:  # after the fsync, even if cancelled meanwhile (the hop is shielded)
+            # The claim goes before the lock: a reader that sees no claim and then reads
+            # (under the shared lock) finds the row; no await between the two.
             if release is not None:
                 self._release(release)
-            raise
-        if sync is None:
-            if release is not None:
-                self._release(release)
-            return False
-        # fsync, then release, on one trip to a thread (the row is seen once durable, as always)
-        return await self._shielded(self._finish, rollout_id, sync, release)
+            if staged is not None:
+                self._finish(staged[1])
 
     async def release(self, context: ClaimContext | None) -> None:
         """Release a claim taken by :meth:`claim` (after the row, or after the marker)."""
