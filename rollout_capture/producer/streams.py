@@ -312,6 +312,9 @@ _USAGE_NULL = re.compile(rb',\s*"usage"\s*:\s*null(?=\s*[,}])|"usage"\s*:\s*null
 def strip_usage(raw: bytes, data: JsonObject) -> bytes:
     """The event without its top-level ``usage`` member, bytes otherwise unchanged when possible."""
     if data.get("usage") is None and raw.count(b'"usage"') == 1:
+        at = raw.find(b',"usage":null')
+        if at >= 0 and raw[at + 13 : at + 14] in (b",", b"}"):  # compact JSON: what the pattern finds
+            return raw[:at] + raw[at + 13 :]
         stripped, count = _USAGE_NULL.subn(b"", raw, count=1)
         if count == 1:
             return stripped
