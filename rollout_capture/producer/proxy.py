@@ -8,7 +8,6 @@ upstream client (see ``upstream.py``); a stop lets calls in flight finish and la
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import socket
@@ -65,17 +64,18 @@ def _install_log_filter() -> None:
         target.addFilter(_QuietBrokenStreams())
 
 
-async def _until_disconnect(receive: Receive) -> None:
+async def _watch_client(receive: Receive, exchange: Exchange, call: asyncio.Task[Any]) -> bool:
+    """Wait for the client to go away; then cancel its call, unless the answer was complete.
+
+    True when it cancelled. uvicorn also says "disconnect" once the answer is sent: not a leaver.
+    """
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-async def _cancel_and_wait(task: asyncio.Future[Any]) -> None:
-    """Cancel ``task`` and wait until it is really over (its row written), whatever happens here."""
-    task.cancel()
-    while not task.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait({task})
+    if exchange.finished:
+        return False
+    exchange.failed(ErrorCategory.CANCELLED)
+    call.cancel()
+    return True
 
 
 def _response_headers(response: UpstreamResponse, *, drop: frozenset[bytes] = frozenset()) -> Headers:
@@ -222,25 +222,23 @@ class CaptureProxy:
         content: bytes | AsyncIterator[bytes] = forward if whole else _body_stream(forward, receive)
         claim = exchange.claim = await self.writer.claim(exchange.rollout_id, exchange.model_call_id)
         try:
-            call = asyncio.ensure_future(self._forward(scope, found, exchange, content, send))
             if not whole:  # the body is still being received: the upstream request reads it
-                await call
+                await self._forward(scope, found, exchange, content, send)
                 return
-            watch = asyncio.ensure_future(_until_disconnect(receive))
+            # The call runs in this task; a watcher cancels it if the client goes away
+            # (no second task per call). _forward then stops the upstream call, keeps what it
+            # said so far and writes the row before the cancellation goes on.
+            task = asyncio.current_task()
+            assert task is not None
+            watch = asyncio.get_running_loop().create_task(_watch_client(receive, exchange, task))
             try:
-                done, _ = await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
+                await self._forward(scope, found, exchange, content, send)
             except asyncio.CancelledError:
-                watch.cancel()
-                await _cancel_and_wait(call)
+                if watch.done() and not watch.cancelled() and watch.result() and task.uncancel() == 0:
+                    return  # only the watcher cancelled: the client left, nothing to answer
                 raise
-            if call in done:
+            finally:
                 watch.cancel()
-                call.result()
-            elif exchange.finished:  # uvicorn says "disconnect" once the answer is sent: not a leaver
-                await call
-            else:  # the client went away: stop the upstream call, keep what it said so far
-                exchange.failed(ErrorCategory.CANCELLED)
-                await _cancel_and_wait(call)
         finally:
             await self.writer.release(claim)
 
