@@ -38,6 +38,7 @@ _ALL_SUFFIXES = (JSONL_SUFFIX, MARKER_SUFFIX, OBJECTS_SUFFIX, CLAIMS_SUFFIX)
 _NAMES_PER_PROBE = 16
 # With no size hint yet, a batch this large lists the root's names (and learns its size).
 _LIST_NAMES_MIN_IDS = 32
+_LIVE_FOLDERS_KEPT = 10_000
 
 
 def _nothing() -> None:
@@ -92,6 +93,7 @@ class PosixBackend(Backend):
         self.root = root
         self._base = os.path.join(root, "")  # root with its separator, for fast concatenation
         self._names_hint: int | None = None  # how many names the root held when last listed
+        self._live_folders: set[str] = set()  # claims folders known to exist (saves a failed open)
 
     def path(self, name: str) -> str:
         return self._base + name
@@ -266,21 +268,29 @@ class PosixBackend(Backend):
         # One write of a fresh file, no fsync: a claim is for the living. A reader that catches
         # it empty still counts it (from its mtime), and the old temp-and-rename never fsynced
         # the folder either, so a crash could always lose a claim.
+        folder = os.path.dirname(path)
+        if folder not in self._live_folders:  # a new rollout: its claims folder first
+            self._make_folder(folder)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileNotFoundError:
-            folder = os.path.dirname(path)
-            try:
-                os.mkdir(folder)  # one syscall when the root is there, as it mostly is
-            except FileNotFoundError:
-                os.makedirs(folder, exist_ok=True)
-            except FileExistsError:
-                pass
+        except FileNotFoundError:  # cleared meanwhile
+            self._make_folder(folder)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             os.write(fd, data)
         finally:
             os.close(fd)
+
+    def _make_folder(self, folder: str) -> None:
+        try:
+            os.mkdir(folder)  # one syscall when the root is there, as it mostly is
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            os.makedirs(folder, exist_ok=True)
+        if len(self._live_folders) >= _LIVE_FOLDERS_KEPT:
+            self._live_folders.clear()
+        self._live_folders.add(folder)
 
     def remove(self, paths: Sequence[str]) -> None:
         for path in paths:

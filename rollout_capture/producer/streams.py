@@ -59,6 +59,9 @@ class ChatAssembler:
         self.error: ErrorCategory | None = None
         self.lean = False
         self._top: JsonObject = {}
+        self._missing: tuple[str, ...] = (
+            self._TOP
+        )  # top-level keys not seen yet (the first value found stays)
         self._choices: dict[int, JsonObject] = {}
         self._usage: Any = None
         self._seen = False
@@ -68,10 +71,15 @@ class ChatAssembler:
         if "error" in data or data.get("object") == "error":
             self.error = category_for_stream_error(data.get("error", data))
             return False
-        for key in self._TOP:
-            value = data.get(key)
-            if value is not None:
-                self._top.setdefault(key, value)
+        if self._missing:
+            found = False
+            for key in self._missing:
+                value = data.get(key)
+                if value is not None:
+                    self._top[key] = value
+                    found = True
+            if found:
+                self._missing = tuple(key for key in self._missing if key not in self._top)
         usage = data.get("usage")
         if usage is not None:
             self._usage = usage
