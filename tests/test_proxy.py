@@ -257,6 +257,27 @@ def test_a_client_that_leaves_mid_stream_still_leaves_its_row(proxy: Proxy, upst
     assert proxy.store.claims(["gone-1"]) == {}
 
 
+@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+def test_both_upstream_clients_capture_streams_and_decode_what_came_compressed(
+    scripted_upstream: tuple[str, Any], tmp_path: Path, client: str
+) -> None:
+    served = Proxy(scripted_upstream[0], str(tmp_path), upstream_client=client)
+    try:
+        seen = sdk_call(served.url, "cl-1", "chat", True)
+        assert seen["tool"] == "get_weather"
+        with httpx.Client(base_url=served.url) as http:
+            captured = http.post("/ng-rollout/cl-2/v1/chat/completions", json={"model": "scripted-gzip"})
+            passed = http.post("/v1/chat/completions", json={"model": "scripted-gzip"})
+        # Captured: forwarded decoded, as the row holds it. Passed through: as it came.
+        assert "content-encoding" not in captured.headers and captured.json()["id"] == CHAT["id"]
+        assert passed.headers["content-encoding"] == "gzip" and passed.json()["id"] == CHAT["id"]
+        (row,) = served.rows("cl-2")
+        assert (row["response"]["id"], row["error_category"]) == (CHAT["id"], None)
+        check_row(served.rows("cl-1")[0], "chat", server_name=SERVER)
+    finally:
+        served.server.stop()
+
+
 def test_a_verifier_names_its_invocation_in_a_header(proxy: Proxy) -> None:
     judge = openai_client(
         proxy.url, "judge-1", default_headers={"X-Rollout-Capture-Verifier-Invocation-Id": "v-7"}
