@@ -435,3 +435,32 @@ async def test_the_proxys_connections_have_nagle_off() -> None:
             await asyncio.sleep(0.01)
         writer.close()
     assert nodelay == [1]
+
+
+async def test_a_slow_disk_moves_capture_writes_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from rollout_capture.producer import writer
+
+    monkeypatch.setattr(writer, "INLINE_LIMIT_S", 0.0)  # every write on the loop counts as slow
+    store = CaptureStore(tmp_path)
+    staged_on: list[str] = []
+    stage = store.record_staged
+
+    def spy(rollout_id: str, row: dict[str, Any]) -> Any:
+        staged_on.append(threading.current_thread().name)
+        return stage(rollout_id, row)
+
+    monkeypatch.setattr(store, "record_staged", spy)
+    capture = writer.CaptureWriter(store, claim_ttl_s=60)
+    try:
+        for call in ("c1", "c2"):
+            claim = await capture.claim("slow-1", call)
+            assert await capture.record("slow-1", {"model_call_id": call}, release=claim)
+    finally:
+        capture.close()
+    assert staged_on[0] != threading.current_thread().name  # the first claim was slow: all threaded after
+    assert [r["model_call_id"] for r in store.read("slow-1")] == ["c1", "c2"]
+    assert store.claims(["slow-1"]) == {}

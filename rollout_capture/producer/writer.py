@@ -17,6 +17,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -26,6 +27,8 @@ from rollout_capture.store import CaptureStore, ClaimContext
 logger = logging.getLogger("rollout_capture.producer")
 
 T = TypeVar("T")
+# Work on the loop that takes longer than this (a slow or network disk) moves to threads.
+INLINE_LIMIT_S = 0.05
 _Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
 
 
@@ -218,10 +221,24 @@ class CaptureWriter:
         except Exception:
             logger.warning("could not mark rollout %s incomplete", rollout_id, exc_info=True)
 
+    def _inline(self, started: float) -> None:
+        """After work done on the loop: a disk that makes it slow sends all of it to threads."""
+        took = time.perf_counter() - started
+        if took > INLINE_LIMIT_S and self._local:
+            self._local = False
+            logger.warning(
+                "a capture write on the event loop took %.1f ms; claims and rows go to threads from now on",
+                took * 1000.0,
+            )
+
     async def claim(self, rollout_id: str, model_call_id: str) -> ClaimContext | None:
         """Claim the rollout for one call; None (logged, marker written) when the claim failed."""
         if self._local:
-            return self._claim(rollout_id, model_call_id)
+            started = time.perf_counter()
+            try:
+                return self._claim(rollout_id, model_call_id)
+            finally:
+                self._inline(started)
         return await self._shielded(self._claim, rollout_id, model_call_id)
 
     async def record(
@@ -239,7 +256,9 @@ class CaptureWriter:
             return await self._shielded(self._record, rollout_id, row, release)
         staged = None
         try:
+            started = time.perf_counter()
             staged = self._stage(rollout_id, row)
+            self._inline(started)
             if staged is None:
                 return False
             return await self._shielded(self._durable, rollout_id, staged[0])  # the fsync: one hop
