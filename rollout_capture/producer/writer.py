@@ -1,13 +1,14 @@
-"""Claims and rows for the calls a producer sees, never blocking the event loop on I/O and never
-failing a call.
+"""Claims and rows for the calls a producer sees, never waiting on a disk or a network on the
+event loop and never failing a call.
 
 On a local disk a claim, the write of a row and the release are page-cache work done on the
-loop itself (a few syscalls, tens of µs); only the row's fsync goes to a thread: one hop per
-call. Every extra hop and every syscall made on a thread costs the GIL changing hands, which
-is what made writes cost more CPU than the HTTP they capture. On object stores everything goes
-to the threads. The producer's own threads, not the host loop's default executor, which a
-server may size for other work; a cancelled request still lands its row and releases its
-claim, then the cancellation goes on.
+loop itself (a few syscalls, tens of µs); only the row's fsync, the step that waits on the
+disk, goes to a thread: one hop per call. Every extra hop and every syscall made on a thread
+costs the GIL changing hands, which is what made writes cost more CPU than the HTTP they
+capture. On object stores, and once a local write proved slow, everything goes to the threads:
+the producer's own, not the host loop's default executor, which a server may size for other
+work. A cancelled request still lands its row and releases its claim, then the cancellation
+goes on.
 """
 
 from __future__ import annotations
