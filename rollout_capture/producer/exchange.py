@@ -19,6 +19,7 @@ from rollout_capture.producer.streams import JsonObject, StreamRelay
 from rollout_capture.store import ClaimContext
 
 MODEL_REF_TYPE = "responses_api_models"
+_ASK_USAGE = b'{"stream_options":{"include_usage":true},'
 _RAW_STREAM_KEEP = 64 * 1024  # raw stream bytes kept for a row whose stream could not be read
 
 
@@ -96,6 +97,11 @@ class Exchange:
             options = options if isinstance(options, dict) else {}
             if options.get("include_usage") is not True:
                 self.hide_usage = True
+                opening = body.lstrip()
+                if "stream_options" not in parsed and opening[:1] == b"{":
+                    # Added in front of the client's own bytes: no second serialization of
+                    # the whole request (the object has "stream", so a comma follows).
+                    return _ASK_USAGE + opening[1:]
                 asked = {**parsed, "stream_options": {**options, "include_usage": True}}
                 return orjson.dumps(asked)
         return body
