@@ -340,7 +340,10 @@ class AiohttpUpstream:
     ) -> None:
         self._base = base_url
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=max_connections, limit_per_host=0),
+            # httpx's context (certifi's CA bundle): the same trust as the former client.
+            connector=aiohttp.TCPConnector(
+                limit=max_connections, limit_per_host=0, ssl=httpx.create_ssl_context()
+            ),
             timeout=aiohttp.ClientTimeout(
                 total=None, connect=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
             ),
