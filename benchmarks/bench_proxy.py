@@ -120,8 +120,13 @@ def cpu_seconds(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
+# Local ports of the load generator's own connections: their time-wait is not the proxy's.
+LOADGEN_PORTS: set[int] = set()
+
+
 def tcp_states(port: int) -> dict[str, int]:
-    """Connections to a server port: established (its side), and closed by the client (time-wait)."""
+    """Connections to a server port: established (its side), and closed by a client other than
+    the load generator (time-wait on the client's side)."""
     counts = {"established": 0, "time_wait": 0}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -134,7 +139,7 @@ def tcp_states(port: int) -> dict[str, int]:
             remote_port = int(parts[2].rsplit(":", 1)[1], 16)
             if parts[3] == "01" and local_port == port:
                 counts["established"] += 1
-            elif parts[3] == "06" and remote_port == port:
+            elif parts[3] == "06" and remote_port == port and local_port not in LOADGEN_PORTS:
                 counts["time_wait"] += 1
     return counts
 
@@ -198,6 +203,7 @@ async def load(url: str, prefix: str, calls: int, concurrency: int) -> dict[str,
 
     async def worker() -> None:
         conn = await Connection.open(url)
+        LOADGEN_PORTS.add(conn.writer.get_extra_info("sockname")[1])
         for n in counter:
             path = f"{prefix.format(n=n)}/v1/chat/completions"
             streaming = n % 2 == 1
