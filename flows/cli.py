@@ -437,6 +437,29 @@ class LogLevel(StrEnum):
     debug = "debug"
 
 
+class HttpImpl(StrEnum):
+    """uvicorn's HTTP/1.1 server protocol (auto: httptools when installed)."""
+
+    auto = "auto"
+    h11 = "h11"
+    httptools = "httptools"
+
+
+class LoopImpl(StrEnum):
+    """uvicorn's event loop (auto: uvloop when installed)."""
+
+    auto = "auto"
+    asyncio = "asyncio"
+    uvloop = "uvloop"
+
+
+class UpstreamClient(StrEnum):
+    """The proxy's upstream client."""
+
+    aiohttp = "aiohttp"
+    httpx = "httpx"
+
+
 class Layout(StrEnum):
     """Capture layout: JSONL on local disks, objects on object stores (auto picks)."""
 
@@ -484,6 +507,11 @@ def proxy(
     log_level: Annotated[LogLevel, typer.Option(help="Log level.")] = LogLevel.info,
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
     as_json: JsonOpt = False,
+    http: Annotated[HttpImpl, typer.Option(help="HTTP server protocol.")] = HttpImpl.auto,
+    loop: Annotated[LoopImpl, typer.Option(help="Event loop.")] = LoopImpl.auto,
+    client: Annotated[
+        UpstreamClient, typer.Option(envvar="ROLLOUT_CAPTURE_UPSTREAM_CLIENT", help="Upstream HTTP client.")
+    ] = UpstreamClient.aiohttp,
 ) -> None:
     """Reverse proxy in front of a model server, capturing calls under /ng-rollout/<id>/v1/."""
     with _exits(as_json):
@@ -499,6 +527,7 @@ def proxy(
             connect_timeout_s=connect_timeout,
             read_timeout_s=read_timeout,
             max_connections=max_connections,
+            upstream_client=client.value,
             shutdown_grace_s=shutdown_grace,
             layout=layout.value,
             storage_options=_options(storage_options) or {},
@@ -510,6 +539,8 @@ def proxy(
             port=port,
             log_level=log_level.value,
             access_log=access_log,
+            http=http.value,
+            loop=loop.value,
             announce=(lambda line: _print_json({"ok": True, "serving": line}))
             if as_json
             else (lambda line: typer.echo(line, err=True)),

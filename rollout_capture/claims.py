@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-import uuid
 from collections.abc import Iterable, Mapping
 
 import orjson
@@ -36,23 +35,43 @@ class Claim(BaseModel):
         return now < deadline
 
 
+_HOST: str | None = None
+
+
+def _host() -> str:
+    global _HOST
+    if _HOST is None:
+        _HOST = socket.gethostname()
+    return _HOST
+
+
 def new_claim(model_call_id: str | None, ttl_s: float) -> Claim:
-    """A fresh claim for this process."""
+    """A fresh claim for this process (built unvalidated: every field is ours)."""
     if ttl_s <= 0:
         raise ValueError(f"ttl_s must be positive; got {ttl_s!r}")
-    return Claim(
-        claim_id=uuid.uuid4().hex,
+    return Claim.model_construct(
+        claim_id=os.urandom(16).hex(),
         model_call_id=model_call_id,
-        host=socket.gethostname(),
+        host=_host(),
         pid=os.getpid(),
         claimed_at=time.time(),
         ttl_s=float(ttl_s),
+        expires_at=None,
     )
 
 
 def claim_body(claim: Claim) -> bytes:
     """Serialized claim, without the derived ``expires_at``."""
-    return orjson.dumps(claim.model_dump(exclude={"expires_at"}))
+    return orjson.dumps(
+        {
+            "claim_id": claim.claim_id,
+            "model_call_id": claim.model_call_id,
+            "host": claim.host,
+            "pid": claim.pid,
+            "claimed_at": claim.claimed_at,
+            "ttl_s": claim.ttl_s,
+        }
+    )
 
 
 def read_claim(claim_id: str, body: bytes | None, mtime: float | None, *, trust_mtime: bool) -> Claim:

@@ -35,6 +35,10 @@ Layout = Literal["auto", "jsonl", "objects"]
 _MAX_SEQ_HINTS = 10_000
 
 
+def _nothing() -> None:
+    """Nothing left to do."""
+
+
 async def finish_in_thread(fn: Callable[..., T], *args: Any) -> T:
     """Run ``fn`` in a thread and wait for it even if the caller is cancelled meanwhile.
 
@@ -72,7 +76,7 @@ class ClaimContext:
 
     def _acquire(self) -> Claim:
         claim = new_claim(self._model_call_id, self._ttl_s)
-        self._store._backend.put(
+        self._store._backend.put_live(
             self._store._backend.path(names.claim_name(self._rollout_id, claim.claim_id)), claim_body(claim)
         )
         self.claim = claim
@@ -142,6 +146,12 @@ class CaptureStore:
 
     # ------------------------------------------------------------------ writing
 
+    @property
+    def writes_in_place(self) -> bool:
+        """Whether claims and the first step of :meth:`record_staged` are quick local-disk work
+        that an event loop may do itself (only the fsync blocks)."""
+        return self._backend.writes_in_place
+
     def record(self, rollout_id: str, row: Mapping[str, Any]) -> None:
         """Append one row for the rollout; it is durable when this returns.
 
@@ -151,12 +161,38 @@ class CaptureStore:
         validate_rollout_id(rollout_id)
         if not isinstance(row, Mapping):
             raise ValueError(f"a capture row must be a JSON object; got {type(row).__name__}")
+        if self.layout != "jsonl":
+            self._guarded(rollout_id, self._append_object, rollout_id, row)
+            return
+        line = orjson.dumps(row, default=str, option=orjson.OPT_APPEND_NEWLINE)
+        self._guarded(
+            rollout_id, self._backend.append_line, self._backend.path(names.jsonl_name(rollout_id)), line
+        )
+
+    def record_staged(
+        self, rollout_id: str, row: Mapping[str, Any]
+    ) -> tuple[Callable[[], None], Callable[[], None]]:
+        """:meth:`record` in steps for a caller on an event loop: the cheap part now, then
+        ``(blocking, finish)``: run ``blocking`` off the loop (the row is durable after it),
+        then ``finish`` on the loop (readers see the row after it), even if ``blocking`` failed.
+
+        On a local disk the row is written now and ``blocking`` is its fsync; on object stores
+        ``blocking`` does it all. A step that fails marks the rollout incomplete and raises.
+        """
+        validate_rollout_id(rollout_id)
+        if not isinstance(row, Mapping):
+            raise ValueError(f"a capture row must be a JSON object; got {type(row).__name__}")
+        if self.layout != "jsonl":
+            return (lambda: self._guarded(rollout_id, self._append_object, rollout_id, row)), _nothing
+        line = orjson.dumps(row, default=str, option=orjson.OPT_APPEND_NEWLINE)
+        path = self._backend.path(names.jsonl_name(rollout_id))
+        blocking, finish = self._guarded(rollout_id, self._backend.append_line_staged, path, line)
+        return (lambda: self._guarded(rollout_id, blocking)), finish
+
+    def _guarded(self, rollout_id: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``; if it fails, the rollout is marked incomplete and the error raised."""
         try:
-            if self.layout == "jsonl":
-                line = orjson.dumps(row, default=str, option=orjson.OPT_APPEND_NEWLINE)
-                self._backend.append_line(self._backend.path(names.jsonl_name(rollout_id)), line)
-            else:
-                self._append_object(rollout_id, row)
+            return fn(*args)
         except Exception:
             logger.warning(
                 "capture write failed for rollout %s; marking it incomplete", rollout_id, exc_info=True

@@ -6,14 +6,15 @@ reasoning, cached-token usage), ``scripted-429`` / ``-500`` / ``-400`` answer th
 stream without its terminal event, ``scripted-abort`` drops the connection mid-stream,
 ``scripted-gated-<name>`` streams its first event and waits for ``gate(name)`` before the
 rest, ``scripted-hang`` answers after 3 s, ``scripted-text`` answers 200 with plain text,
-``scripted-big`` answers a large JSON body. Streamed and plain answers carry the same
-content, so their reassembly can be compared.
+``scripted-big`` answers a large JSON body, ``scripted-gzip`` a gzipped one whatever was
+asked. Streamed and plain answers carry the same content, so their reassembly can be compared.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import gzip
 import logging
 import threading
 from typing import Any
@@ -431,6 +432,21 @@ class ScriptedUpstream:
             await asyncio.sleep(3.0)
         if model == "scripted-text":
             await self._raw(send, 200, b"text/plain", b"upstream said something that is not JSON")
+            return
+        if model == "scripted-gzip":  # compressed although the request may ask for identity
+            body = gzip.compress(orjson.dumps(CHAT))
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-encoding", b"gzip"),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body, "more_body": False})
             return
         if model == "scripted-big":
             big = {**copy.deepcopy(CHAT), "padding": "x" * 200_000}

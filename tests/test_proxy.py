@@ -251,7 +251,8 @@ def test_a_client_that_leaves_mid_stream_still_leaves_its_row(
             httpx.Client(base_url=patient.url) as client,
             client.stream("POST", "/ng-rollout/gone-1/v1/chat/completions", json=request) as answer,
         ):
-            first = next(answer.iter_raw())
+            chunks = answer.iter_raw()  # held: a discarded iterator closes the connection at once
+            first = next(chunks)
             assert first.startswith(b"data: ")
             # Forwarded as it came: the client has it while the upstream waits at its gate.
             assert patient.rows("gone-1") == [] and patient.store.live_claims("gone-1")
@@ -263,6 +264,27 @@ def test_a_client_that_leaves_mid_stream_still_leaves_its_row(
     finally:
         upstream_app.gate("gone-1").set()
         patient.server.stop()
+
+
+@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+def test_both_upstream_clients_capture_streams_and_decode_what_came_compressed(
+    scripted_upstream: tuple[str, Any], tmp_path: Path, client: str
+) -> None:
+    served = Proxy(scripted_upstream[0], str(tmp_path), upstream_client=client)
+    try:
+        seen = sdk_call(served.url, "cl-1", "chat", True)
+        assert seen["tool"] == "get_weather"
+        with httpx.Client(base_url=served.url) as http:
+            captured = http.post("/ng-rollout/cl-2/v1/chat/completions", json={"model": "scripted-gzip"})
+            passed = http.post("/v1/chat/completions", json={"model": "scripted-gzip"})
+        # Captured: forwarded decoded, as the row holds it. Passed through: as it came.
+        assert "content-encoding" not in captured.headers and captured.json()["id"] == CHAT["id"]
+        assert passed.headers["content-encoding"] == "gzip" and passed.json()["id"] == CHAT["id"]
+        (row,) = served.rows("cl-2")
+        assert (row["response"]["id"], row["error_category"]) == (CHAT["id"], None)
+        check_row(served.rows("cl-1")[0], "chat", server_name=SERVER)
+    finally:
+        served.server.stop()
 
 
 def test_a_verifier_names_its_invocation_in_a_header(proxy: Proxy) -> None:
@@ -422,3 +444,32 @@ async def test_the_proxys_connections_have_nagle_off() -> None:
             await asyncio.sleep(0.01)
         writer.close()
     assert nodelay == [1]
+
+
+async def test_a_slow_disk_moves_capture_writes_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from rollout_capture.producer import writer
+
+    monkeypatch.setattr(writer, "INLINE_LIMIT_S", 0.0)  # every write on the loop counts as slow
+    store = CaptureStore(tmp_path)
+    staged_on: list[str] = []
+    stage = store.record_staged
+
+    def spy(rollout_id: str, row: dict[str, Any]) -> Any:
+        staged_on.append(threading.current_thread().name)
+        return stage(rollout_id, row)
+
+    monkeypatch.setattr(store, "record_staged", spy)
+    capture = writer.CaptureWriter(store, claim_ttl_s=60)
+    try:
+        for call in ("c1", "c2"):
+            claim = await capture.claim("slow-1", call)
+            assert await capture.record("slow-1", {"model_call_id": call}, release=claim)
+    finally:
+        capture.close()
+    assert staged_on[0] != threading.current_thread().name  # the first claim was slow: all threaded after
+    assert [r["model_call_id"] for r in store.read("slow-1")] == ["c1", "c2"]
+    assert store.claims(["slow-1"]) == {}

@@ -8,7 +8,7 @@ an object store), so no caller ever asks which backend it holds.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,6 +17,10 @@ from rollout_capture.layout import RolloutListing
 from rollout_capture.snapshot import RolloutSnapshot, claims_of, listed_paths
 
 RowLayout = Literal["jsonl", "objects"]
+
+
+def _done() -> None:
+    """Nothing left to do."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +76,9 @@ class Backend(ABC):
     """Whether appending a line is safe (a JSONL capture can be written)."""
     trust_mtime: bool
     """Whether modification times come from the store's clock (object stores) rather than a writer's."""
+    writes_in_place: bool = False
+    """Whether small writes are page-cache work, quick enough for an event loop (a local disk);
+    only their fsync blocks. Object stores go over the network: never on a loop."""
 
     @abstractmethod
     def path(self, name: str) -> str:
@@ -128,6 +135,14 @@ class Backend(ABC):
     def append_line(self, path: str, line: bytes) -> None:
         """Append one line durably, never interleaved with another writer's."""
 
+    def append_line_staged(self, path: str, line: bytes) -> tuple[Callable[[], None], Callable[[], None]]:
+        """Append one line in steps: the cheap part now, then ``(blocking, finish)``.
+
+        ``blocking`` makes it durable (for a thread); ``finish`` (cheap, for the caller's
+        loop) lets readers see it. By default everything happens in ``blocking``.
+        """
+        return (lambda: self.append_line(path, line)), _done
+
     @abstractmethod
     def create(self, path: str, data: bytes) -> None:
         """Write a new file whole; ``FileExistsError`` when it already exists (put-if-absent)."""
@@ -135,6 +150,11 @@ class Backend(ABC):
     @abstractmethod
     def put(self, path: str, data: bytes) -> None:
         """Write a file whole, replacing any earlier one."""
+
+    def put_live(self, path: str, data: bytes) -> None:
+        """Write a file that matters only while its writer lives (a claim): it must be seen at
+        once, not survive the machine. By default a :meth:`put`."""
+        self.put(path, data)
 
     @abstractmethod
     def remove(self, paths: Sequence[str]) -> None:

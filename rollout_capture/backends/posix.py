@@ -14,7 +14,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
 from rollout_capture.backends.base import Backend, Fetched, ListingScope, Named, RowLayout
@@ -41,6 +41,11 @@ _NAMES_PER_PROBE = 16
 _LIST_NAMES_MIN_IDS = 32
 # A listing is reused only if the root last changed this long before it was taken.
 _SETTLED_NS = 2_000_000_000
+_LIVE_FOLDERS_KEPT = 10_000
+
+
+def _nothing() -> None:
+    """Nothing left to do."""
 
 
 def _stat_entry(path: str) -> Entry | None:
@@ -117,12 +122,14 @@ class PosixBackend(Backend):
     default_layout: RowLayout = "jsonl"
     supports_append = True
     trust_mtime = False  # a local file's mtime is the writer's own clock
+    writes_in_place = True
 
     def __init__(self, root: str) -> None:
         self.root = root
         self._base = os.path.join(root, "")  # root with its separator, for fast concatenation
         self._names_hint: int | None = None  # how many names the root held when last listed
         self._names_cache: tuple[int, set[str]] | None = None  # (root mtime, its names)
+        self._live_folders: set[str] = set()  # claims folders known to exist (saves a failed open)
 
     def path(self, name: str) -> str:
         return self._base + name
@@ -241,21 +248,50 @@ class PosixBackend(Backend):
 
     # ------------------------------------------------------------------ writing
 
+    def _open_append(self, path: str) -> int:
+        try:
+            return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # the root is not there yet
+            os.makedirs(self.root, exist_ok=True)
+            return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    @staticmethod
+    def _write_all(fd: int, line: bytes) -> None:
+        view = memoryview(line)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+
     def append_line(self, path: str, line: bytes) -> None:
-        os.makedirs(self.root, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # The exclusive lock is held until the line is durable: a reader (shared lock) sees
+        # whole lines only, and only once they are on disk.
+        fd = self._open_append(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                view = memoryview(line)
-                while view:
-                    written = os.write(fd, view)
-                    view = view[written:]
-                os.fsync(fd)
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+            self._write_all(fd, line)
+            os.fsync(fd)
         finally:
+            os.close(fd)  # also releases the lock
+
+    def append_line_staged(self, path: str, line: bytes) -> tuple[Callable[[], None], Callable[[], None]]:
+        # append_line's steps, split where they block: the line is written under the lock
+        # now, fsynced by ``blocking``, and the lock let go by ``finish``. A file locked by
+        # another writer or a reader makes the whole append the blocking step.
+        fd = self._open_append(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
             os.close(fd)
+            return (lambda: self.append_line(path, line)), _nothing
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            self._write_all(fd, line)
+        except BaseException:
+            os.close(fd)
+            raise
+        return (lambda: os.fsync(fd)), (lambda: os.close(fd))  # closing releases the lock
 
     def _write_temp(self, path: str, data: bytes) -> str:
         folder = os.path.dirname(path)
@@ -281,6 +317,34 @@ class PosixBackend(Backend):
     def put(self, path: str, data: bytes) -> None:
         temp = self._write_temp(path, data)
         os.replace(temp, path)
+
+    def put_live(self, path: str, data: bytes) -> None:
+        # One write of a fresh file, no fsync: a claim is for the living. A reader that catches
+        # it empty still counts it (from its mtime), and the old temp-and-rename never fsynced
+        # the folder either, so a crash could always lose a claim.
+        folder = os.path.dirname(path)
+        if folder not in self._live_folders:  # a new rollout: its claims folder first
+            self._make_folder(folder)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:  # cleared meanwhile
+            self._make_folder(folder)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+    def _make_folder(self, folder: str) -> None:
+        try:
+            os.mkdir(folder)  # one syscall when the root is there, as it mostly is
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            os.makedirs(folder, exist_ok=True)
+        if len(self._live_folders) >= _LIVE_FOLDERS_KEPT:
+            self._live_folders.clear()
+        self._live_folders.add(folder)
 
     def remove(self, paths: Sequence[str]) -> None:
         for path in paths:

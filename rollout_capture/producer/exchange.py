@@ -6,8 +6,9 @@ Bodies are kept up to a cap; past it the row keeps the first bytes and says it w
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -18,6 +19,7 @@ from rollout_capture.producer.streams import JsonObject, StreamRelay
 from rollout_capture.store import ClaimContext
 
 MODEL_REF_TYPE = "responses_api_models"
+_ASK_USAGE = b'{"stream_options":{"include_usage":true},'
 _RAW_STREAM_KEEP = 64 * 1024  # raw stream bytes kept for a row whose stream could not be read
 
 
@@ -25,7 +27,7 @@ def _decode(body: bytes) -> str:
     return body.decode("utf-8", "replace")
 
 
-def _is_event_stream(headers: list[tuple[bytes, bytes]] | tuple[tuple[bytes, bytes], ...]) -> bool:
+def _is_event_stream(headers: Sequence[tuple[bytes, bytes]]) -> bool:
     for key, value in headers:
         if key.lower() == b"content-type":
             return value.lower().startswith(b"text/event-stream")
@@ -49,7 +51,7 @@ class Exchange:
         self.server_name = server_name
         self.max_body_bytes = max_body_bytes
         self.verifier_invocation_id = verifier_invocation_id
-        self.model_call_id = uuid.uuid4().hex
+        self.model_call_id = os.urandom(16).hex()  # 32 hex digits, as uuid4().hex without its cost
         self.started_at = time.time()
         self._arrived = time.perf_counter()
         self._forwarded: float | None = None
@@ -95,6 +97,11 @@ class Exchange:
             options = options if isinstance(options, dict) else {}
             if options.get("include_usage") is not True:
                 self.hide_usage = True
+                opening = body.lstrip()
+                if "stream_options" not in parsed and opening[:1] == b"{":
+                    # Added in front of the client's own bytes: no second serialization of
+                    # the whole request (the object has "stream", so a comma follows).
+                    return _ASK_USAGE + opening[1:]
                 asked = {**parsed, "stream_options": {**options, "include_usage": True}}
                 return orjson.dumps(asked)
         return body
@@ -105,7 +112,7 @@ class Exchange:
         """The request is leaving for the upstream now (latencies count from here)."""
         self._forwarded = time.perf_counter()
 
-    def response_started(self, status: int, headers: list[tuple[bytes, bytes]] | tuple[Any, ...]) -> None:
+    def response_started(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
         """The upstream answered with a status and headers."""
         self.status_code = status
         if _is_event_stream(headers):

@@ -1,19 +1,18 @@
-"""The capture proxy: an ASGI app forwarding to one upstream with httpx, and ``serve_proxy``.
+"""The capture proxy: an ASGI app forwarding to one upstream, and ``serve_proxy``.
 
 For servers you cannot modify and hosted APIs. Headers, query and body pass through
 (hop-by-hop headers aside, and captured calls ask for an uncompressed answer); one pooled
-upstream client; a stop lets calls in flight finish and land their rows.
+upstream client (see ``upstream.py``); a stop lets calls in flight finish and land their rows.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import socket
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Literal
 
 import httpx
 import uvicorn
@@ -23,12 +22,12 @@ from rollout_capture.producer.classify import ErrorCategory
 from rollout_capture.producer.exchange import Exchange
 from rollout_capture.producer.routing import VERIFIER_HEADER, BadRolloutId, Route, header, route
 from rollout_capture.producer.settings import ProxySettings
-from rollout_capture.producer.upstream import upstream_client
+from rollout_capture.producer.upstream import Upstream, UpstreamError, UpstreamResponse, open_upstream
 from rollout_capture.producer.writer import writer_for
 
 logger = logging.getLogger("rollout_capture.producer")
 
-# RFC 9110 7.6.1 hop-by-hop headers, plus the Host of the upstream (httpx sets it).
+# RFC 9110 7.6.1 hop-by-hop headers, plus the Host of the upstream (the client sets it).
 _HOP_BY_HOP = frozenset(
     {
         b"connection",
@@ -43,7 +42,8 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _NOT_FORWARDED = _HOP_BY_HOP | {b"host"}
-_URL_CACHE_SIZE = 1024
+_CAPTURED_NOT_FORWARDED = _NOT_FORWARDED | {b"accept-encoding"}
+_CAPTURED_WHOLE_NOT_FORWARDED = _CAPTURED_NOT_FORWARDED | {b"content-length"}
 
 
 class UpstreamBroken(Exception):
@@ -64,45 +64,51 @@ def _install_log_filter() -> None:
         target.addFilter(_QuietBrokenStreams())
 
 
-async def _until_disconnect(receive: Receive) -> None:
+async def _watch_client(receive: Receive, exchange: Exchange, call: asyncio.Task[Any]) -> bool:
+    """Wait for the client to go away; then cancel its call, unless the answer was complete.
+
+    True when it cancelled. uvicorn also says "disconnect" once the answer is sent: not a leaver.
+    """
     while (await receive())["type"] != "http.disconnect":
         pass
+    if exchange.finished:
+        return False
+    exchange.failed(ErrorCategory.CANCELLED)
+    call.cancel()
+    return True
 
 
-async def _cancel_and_wait(task: asyncio.Future[Any]) -> None:
-    """Cancel ``task`` and wait until it is really over (its row written), whatever happens here."""
-    task.cancel()
-    while not task.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait({task})
+def _response_headers(response: UpstreamResponse, *, drop: frozenset[bytes] = frozenset()) -> Headers:
+    return [(k, v) for k, v in response.headers if k.lower() not in _HOP_BY_HOP and k.lower() not in drop]
 
 
-def _response_headers(response: httpx.Response, *, drop: frozenset[bytes] = frozenset()) -> Headers:
-    return [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP_BY_HOP and k.lower() not in drop]
+def _header_value(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    for key, value in headers:
+        if key.lower() == name:
+            return value
+    return None
 
 
 class CaptureProxy:
-    """ASGI app: everything to the upstream; calls under ``/ng-rollout/<id>/v1/`` captured on the way."""
+    """ASGI app: everything to the upstream; calls under ``/ng-rollout/<id>/v1/`` captured on the way.
+
+    ``transport`` (an httpx transport, for tests) makes the upstream client httpx.
+    """
 
     def __init__(self, settings: ProxySettings, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.settings = settings
         self.writer = writer_for(settings)
         self._transport = transport
-        self._client: httpx.AsyncClient | None = None
-        self._urls: dict[bytes, httpx.URL] = {}
-        self._timeouts = httpx.Timeout(
-            connect=settings.connect_timeout_s,
-            read=settings.read_timeout_s,
-            write=settings.write_timeout_s,
-            pool=None,
-        ).as_dict()
+        self._client: Upstream | None = None
         _install_log_filter()
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _new_client(self) -> httpx.AsyncClient:
+    def _new_client(self) -> Upstream:
         s = self.settings
-        return upstream_client(
+        return open_upstream(
+            s.upstream_client,
+            s.upstream,
             max_connections=s.max_connections,
             connect_timeout_s=s.connect_timeout_s,
             read_timeout_s=s.read_timeout_s,
@@ -111,7 +117,7 @@ class CaptureProxy:
         )
 
     @property
-    def client(self) -> httpx.AsyncClient:
+    def client(self) -> Upstream:
         """The one pooled upstream client (made on first use when no lifespan ran)."""
         if self._client is None:
             self._client = self._new_client()
@@ -155,42 +161,20 @@ class CaptureProxy:
         else:
             await self._passthrough(scope, found, receive, send)
 
-    def _url(self, found: Route, query: bytes) -> httpx.URL:
-        """The upstream URL of a path and query, parsed once (httpx's parser costs ~0.1 ms a call)."""
-        key = found.raw_path + b"?" + query
-        url = self._urls.get(key)
-        if url is None:
-            target = found.raw_path.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
-            url = httpx.URL(self.settings.upstream + target)
-            if len(self._urls) >= _URL_CACHE_SIZE:
-                self._urls.clear()
-            self._urls[key] = url
-        return url
-
-    def _request(
+    async def _send(
         self, scope: Scope, found: Route, content: bytes | AsyncIterator[bytes], *, captured: bool
-    ) -> httpx.Request:
-        """The client's request for the upstream: its headers as sent, minus hop-by-hop ones.
-
-        Built directly rather than by the client, which would add headers of its own.
-        """
-        sent = [(k, v) for k, v in scope["headers"] if k.lower() not in _NOT_FORWARDED]
+    ) -> UpstreamResponse:
+        """The client's request to the upstream: its headers as sent, minus hop-by-hop ones."""
         if captured:
-            # A body read whole may have been rewritten (usage asked for): httpx sets its length.
-            dropped = (
-                (b"accept-encoding", b"content-length")
-                if isinstance(content, bytes)
-                else (b"accept-encoding",)
-            )
-            sent = [(k, v) for k, v in sent if k.lower() not in dropped]
+            # A body read whole may have been rewritten (usage asked for): the client sets its length.
+            dropped = _CAPTURED_WHOLE_NOT_FORWARDED if isinstance(content, bytes) else _CAPTURED_NOT_FORWARDED
+            sent = [(k, v) for k, v in scope["headers"] if k.lower() not in dropped]
             sent.append((b"accept-encoding", b"identity"))  # the row needs readable bytes
-        return httpx.Request(
-            scope["method"],
-            self._url(found, scope.get("query_string") or b""),
-            headers=sent,
-            content=content,
-            extensions={"timeout": self._timeouts},
-        )
+        else:
+            sent = [(k, v) for k, v in scope["headers"] if k.lower() not in _NOT_FORWARDED]
+        query: bytes = scope.get("query_string") or b""
+        target = found.raw_path.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
+        return await self.client.send(scope["method"], target, sent, content, decode=captured)
 
     async def _passthrough(self, scope: Scope, found: Route, receive: Receive, send: Send) -> None:
         headers = scope["headers"]
@@ -201,31 +185,24 @@ class CaptureProxy:
         else:
             content, _, _ = await read_body(receive, 1 << 62)
         try:
-            response = await self.client.send(
-                self._request(scope, found, content, captured=False), stream=True
-            )
-        except httpx.TimeoutException as exc:
-            await send_json_error(send, 504, f"upstream timed out: {type(exc).__name__}", "upstream_timeout")
-            return
-        except httpx.HTTPError as exc:
-            await send_json_error(
-                send, 502, f"upstream unreachable: {type(exc).__name__}", "upstream_connection_error"
-            )
+            response = await self._send(scope, found, content, captured=False)
+        except UpstreamError as exc:
+            await _send_upstream_error(send, exc)
             return
         try:
             await send(
                 {
                     "type": "http.response.start",
-                    "status": response.status_code,
+                    "status": response.status,
                     "headers": _response_headers(response),
                 }
             )
-            async for chunk in response.aiter_raw():
+            async for chunk in response.chunks():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except httpx.HTTPError as exc:
-            logger.warning("upstream broke off %s %s: %s", scope["method"], found.path, type(exc).__name__)
-            raise UpstreamBroken(type(exc).__name__) from None
+        except UpstreamError as exc:
+            logger.warning("upstream broke off %s %s: %s", scope["method"], found.path, exc.kind)
+            raise UpstreamBroken(exc.kind) from None
         finally:
             await response.aclose()
 
@@ -245,25 +222,23 @@ class CaptureProxy:
         content: bytes | AsyncIterator[bytes] = forward if whole else _body_stream(forward, receive)
         claim = exchange.claim = await self.writer.claim(exchange.rollout_id, exchange.model_call_id)
         try:
-            call = asyncio.ensure_future(self._forward(scope, found, exchange, content, send))
             if not whole:  # the body is still being received: the upstream request reads it
-                await call
+                await self._forward(scope, found, exchange, content, send)
                 return
-            watch = asyncio.ensure_future(_until_disconnect(receive))
+            # The call runs in this task; a watcher cancels it if the client goes away
+            # (no second task per call). _forward then stops the upstream call, keeps what it
+            # said so far and writes the row before the cancellation goes on.
+            task = asyncio.current_task()
+            assert task is not None
+            watch = asyncio.get_running_loop().create_task(_watch_client(receive, exchange, task))
             try:
-                done, _ = await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
+                await self._forward(scope, found, exchange, content, send)
             except asyncio.CancelledError:
-                watch.cancel()
-                await _cancel_and_wait(call)
+                if watch.done() and not watch.cancelled() and watch.result() and task.uncancel() == 0:
+                    return  # only the watcher cancelled: the client left, nothing to answer
                 raise
-            if call in done:
+            finally:
                 watch.cancel()
-                call.result()
-            elif exchange.finished:  # uvicorn says "disconnect" once the answer is sent: not a leaver
-                await call
-            else:  # the client went away: stop the upstream call, keep what it said so far
-                exchange.failed(ErrorCategory.CANCELLED)
-                await _cancel_and_wait(call)
         finally:
             await self.writer.release(claim)
 
@@ -277,23 +252,13 @@ class CaptureProxy:
     ) -> None:
         """One upstream exchange; the row is written in every outcome, before the last byte."""
         try:
-            request = self._request(scope, found, content, captured=True)
             exchange.forwarding()
             try:
-                response = await self.client.send(request, stream=True)
-            except httpx.TimeoutException as exc:
-                exchange.failed(ErrorCategory.TIMEOUT)
+                response = await self._send(scope, found, content, captured=True)
+            except UpstreamError as exc:
+                exchange.failed(ErrorCategory.TIMEOUT if exc.timed_out else ErrorCategory.CONNECTION)
                 await self._write(exchange)
-                await send_json_error(
-                    send, 504, f"upstream timed out: {type(exc).__name__}", "upstream_timeout"
-                )
-                return
-            except httpx.HTTPError as exc:
-                exchange.failed(ErrorCategory.CONNECTION)
-                await self._write(exchange)
-                await send_json_error(
-                    send, 502, f"upstream unreachable: {type(exc).__name__}", "upstream_connection_error"
-                )
+                await _send_upstream_error(send, exc)
                 return
             try:
                 await self._relay(exchange, response, send)
@@ -313,39 +278,37 @@ class CaptureProxy:
                 exchange.end()
                 await self._write(exchange)
 
-    async def _relay(self, exchange: Exchange, response: httpx.Response, send: Send) -> None:
-        exchange.response_started(response.status_code, response.headers.raw)
+    async def _relay(self, exchange: Exchange, response: UpstreamResponse, send: Send) -> None:
+        exchange.response_started(response.status, response.headers)
         drop = {b"content-length"} if exchange.streaming else set()
-        encoded = response.headers.get("content-encoding", "identity").lower() != "identity"
-        if encoded:  # asked for identity but compressed anyway: forwarded decoded, as captured
+        encoding = _header_value(response.headers, b"content-encoding")
+        if encoding is not None and encoding.strip().lower() != b"identity":
+            # Asked for identity but compressed anyway: forwarded decoded, as captured.
             drop |= {b"content-encoding", b"content-length"}
         await send(
             {
                 "type": "http.response.start",
-                "status": response.status_code,
+                "status": response.status,
                 "headers": _response_headers(response, drop=frozenset(drop)),
             }
         )
         try:
-            async for chunk in response.aiter_bytes() if encoded else response.aiter_raw():
+            async for chunk in response.chunks():
                 now = exchange.body(chunk)
                 if now:
                     await send({"type": "http.response.body", "body": now, "more_body": True})
-        except httpx.HTTPError as exc:
-            timed_out = isinstance(exc, httpx.TimeoutException)
+        except UpstreamError as exc:
             exchange.failed(
                 ErrorCategory.TIMEOUT
-                if timed_out
+                if exc.timed_out
                 else ErrorCategory.STREAM_TRUNCATED
                 if exchange.streaming
                 else ErrorCategory.CONNECTION
             )
             exchange.end()
             await self._write(exchange)
-            logger.warning(
-                "upstream broke off a call of rollout %s: %s", exchange.rollout_id, type(exc).__name__
-            )
-            raise UpstreamBroken(type(exc).__name__) from None
+            logger.warning("upstream broke off a call of rollout %s: %s", exchange.rollout_id, exc.kind)
+            raise UpstreamBroken(exc.kind) from None
         held = exchange.end()
         exchange.finished = True
         await self._write(exchange)  # durable before the client's last byte
@@ -354,6 +317,13 @@ class CaptureProxy:
     async def _write(self, exchange: Exchange) -> None:
         exchange.row_written = True
         await self.writer.record(exchange.rollout_id, exchange.row, release=exchange.claim)
+
+
+async def _send_upstream_error(send: Send, exc: UpstreamError) -> None:
+    if exc.timed_out:
+        await send_json_error(send, 504, f"upstream timed out: {exc.kind}", "upstream_timeout")
+    else:
+        await send_json_error(send, 502, f"upstream unreachable: {exc.kind}", "upstream_connection_error")
 
 
 async def _body_stream(first: bytes, receive: Receive) -> AsyncIterator[bytes]:
@@ -392,11 +362,14 @@ def serve_proxy(
     port: int = 8100,
     log_level: str = "info",
     access_log: bool = False,
+    http: Literal["auto", "h11", "httptools"] = "auto",
+    loop: Literal["auto", "asyncio", "uvloop"] = "auto",
     announce: Callable[[str], None] | None = None,
 ) -> None:
     """Run the proxy until SIGINT/SIGTERM; calls in flight get ``shutdown_grace_s`` to finish.
 
-    Port 0 picks a free port; ``announce`` is told the address actually bound.
+    Port 0 picks a free port; ``announce`` is told the address actually bound. ``http`` and
+    ``loop`` are uvicorn's (auto: the C httptools parser and uvloop when installed).
     """
     app = CaptureProxy(settings)
     sock = bind_listener(host, port)
@@ -406,6 +379,8 @@ def serve_proxy(
         lifespan="on",
         log_level=log_level,
         access_log=access_log,
+        http=http,
+        loop=loop,
         timeout_graceful_shutdown=max(1, math.ceil(settings.shutdown_grace_s)),
         server_header=False,  # the upstream's own Server and Date headers pass through
         date_header=False,

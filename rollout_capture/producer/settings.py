@@ -29,6 +29,7 @@ ENV_NAMES: dict[str, str] = {
     "layout": "ROLLOUT_CAPTURE_LAYOUT",
     "io_threads": "ROLLOUT_CAPTURE_IO_THREADS",
     "upstream": "ROLLOUT_CAPTURE_UPSTREAM",
+    "upstream_client": "ROLLOUT_CAPTURE_UPSTREAM_CLIENT",
 }
 
 
@@ -91,6 +92,9 @@ class ProxySettings(ProducerSettings):
     read_timeout_s: float = Field(600.0, gt=0, description="Longest silence from the upstream mid-answer.")
     write_timeout_s: float = Field(60.0, gt=0)
     max_connections: int = Field(512, ge=1, description="Pooled upstream connections.")
+    upstream_client: Literal["aiohttp", "httpx"] = Field(
+        "aiohttp", description="The upstream client: aiohttp (C parser, cheaper) or httpx."
+    )
     shutdown_grace_s: float = Field(30.0, ge=0, description="How long a stop waits for calls in flight.")
 
     @field_validator("upstream")

@@ -59,6 +59,9 @@ class ChatAssembler:
         self.error: ErrorCategory | None = None
         self.lean = False
         self._top: JsonObject = {}
+        self._missing: tuple[str, ...] = (
+            self._TOP
+        )  # top-level keys not seen yet (the first value found stays)
         self._choices: dict[int, JsonObject] = {}
         self._usage: Any = None
         self._seen = False
@@ -68,10 +71,15 @@ class ChatAssembler:
         if "error" in data or data.get("object") == "error":
             self.error = category_for_stream_error(data.get("error", data))
             return False
-        for key in self._TOP:
-            value = data.get(key)
-            if value is not None:
-                self._top.setdefault(key, value)
+        if self._missing:
+            found = False
+            for key in self._missing:
+                value = data.get(key)
+                if value is not None:
+                    self._top[key] = value
+                    found = True
+            if found:
+                self._missing = tuple(key for key in self._missing if key not in self._top)
         usage = data.get("usage")
         if usage is not None:
             self._usage = usage
@@ -312,6 +320,9 @@ _USAGE_NULL = re.compile(rb',\s*"usage"\s*:\s*null(?=\s*[,}])|"usage"\s*:\s*null
 def strip_usage(raw: bytes, data: JsonObject) -> bytes:
     """The event without its top-level ``usage`` member, bytes otherwise unchanged when possible."""
     if data.get("usage") is None and raw.count(b'"usage"') == 1:
+        at = raw.find(b',"usage":null')
+        if at >= 0 and raw[at + 13 : at + 14] in (b",", b"}"):  # compact JSON: what the pattern finds
+            return raw[:at] + raw[at + 13 :]
         stripped, count = _USAGE_NULL.subn(b"", raw, count=1)
         if count == 1:
             return stripped

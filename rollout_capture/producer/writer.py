@@ -1,17 +1,25 @@
-"""Claims and rows for the calls a producer sees, written off the event loop and never failing a call.
+"""Claims and rows for the calls a producer sees, never waiting on a disk or a network on the
+event loop and never failing a call.
 
-Every write runs on the producer's own threads (not the host loop's default executor,
-which a server may size for other work) and is shielded: a cancelled request still
-lands its row and releases its claim, then the cancellation goes on.
+On a local disk a claim, the write of a row and the release are page-cache work done on the
+loop itself (a few syscalls, tens of µs); only the row's fsync, the step that waits on the
+disk, goes to a thread: one hop per call. Every extra hop and every syscall made on a thread
+costs the GIL changing hands, which is what made writes cost more CPU than the HTTP they
+capture. On object stores, and once a local write proved slow, everything goes to the threads:
+the producer's own, not the host loop's default executor, which a server may size for other
+work. A cancelled request still lands its row and releases its claim, then the cancellation
+goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from rollout_capture.producer.settings import ProducerSettings
@@ -20,6 +28,80 @@ from rollout_capture.store import CaptureStore, ClaimContext
 logger = logging.getLogger("rollout_capture.producer")
 
 T = TypeVar("T")
+# Work on the loop that takes longer than this (a slow or network disk) moves to threads.
+INLINE_LIMIT_S = 0.05
+_Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class _Threads:
+    """Daemon threads running blocking calls for event loops.
+
+    A cheaper hop than ``run_in_executor``: one loop future, a put on a C queue, one wake-up
+    of the loop when done.
+    """
+
+    def __init__(self, count: int, name: str) -> None:
+        self._count = count
+        self._name = name
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Run ``fn(*args)`` on a thread; the returned future of the running loop has its outcome."""
+        if len(self._threads) < self._count:
+            self._start()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._queue.put((loop, future, fn, args))
+        return future
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the capture writer is closed")
+            while len(self._threads) < self._count:
+                thread = threading.Thread(
+                    target=self._run, name=f"{self._name}_{len(self._threads)}", daemon=True
+                )
+                thread.start()
+                self._threads.append(thread)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            loop, future, fn, args = job
+            result: Any = None
+            error: BaseException | None = None
+            try:
+                result = fn(*args)
+            except BaseException as exc:
+                error = exc
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
+                loop.call_soon_threadsafe(_settle, future, result, error)
+            del job, future, result, error
+
+    def close(self) -> None:
+        """Finish every call already submitted, then stop the threads."""
+        with self._lock:
+            self._closed = True
+            threads, self._threads = self._threads, []
+        for _ in threads:
+            self._queue.put(None)
+        for thread in threads:
+            thread.join()
 
 
 class CaptureWriter:
@@ -28,7 +110,8 @@ class CaptureWriter:
     def __init__(self, store: CaptureStore, *, claim_ttl_s: float, io_threads: int = 32) -> None:
         self.store = store
         self.claim_ttl_s = claim_ttl_s
-        self._executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="rollout-capture")
+        self._local = store.writes_in_place
+        self._threads = _Threads(io_threads, "rollout-capture")
         self._pending = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -38,7 +121,7 @@ class CaptureWriter:
         with self._lock:
             self._pending += 1
         try:
-            future = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            future = self._threads.submit(fn, *args)
             cancelled = False
             while True:
                 try:
@@ -74,26 +157,58 @@ class CaptureWriter:
         row: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
         claim: ClaimContext | None = None,
     ) -> bool:
+        staged = None
         try:
-            return self._write_row(rollout_id, row)
-        finally:
+            staged = self._stage(rollout_id, row)
+            return staged is not None and self._durable(rollout_id, staged[0])
+        finally:  # the claim, then the lock (see record)
             if claim is not None:
                 self._release(claim)
+            if staged is not None:
+                self._finish(staged[1])
 
-    def _write_row(self, rollout_id: str, row: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> bool:
+    def _stage(
+        self, rollout_id: str, row: Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+    ) -> tuple[Callable[[], None], Callable[[], None]] | None:
+        """The row built and staged (:meth:`CaptureStore.record_staged`); None (logged) on failure."""
         try:
             built = row() if callable(row) else row
-            self.store.record(rollout_id, built)  # marks the rollout incomplete itself on failure
         except Exception:
             logger.warning(
-                "a capture row of rollout %s was not written; the rollout is marked incomplete",
+                "a capture row of rollout %s could not be built; the rollout is marked incomplete",
                 rollout_id,
                 exc_info=True,
             )
-            if callable(row):  # the row could not even be built: the store never saw it
-                self._mark(rollout_id)
+            self._mark(rollout_id)  # the store never saw it
+            return None
+        try:
+            return self.store.record_staged(rollout_id, built)  # marks the rollout incomplete on failure
+        except Exception:
+            self._log_unwritten(rollout_id)
+            return None
+
+    def _durable(self, rollout_id: str, blocking: Callable[[], None]) -> bool:
+        try:
+            blocking()  # marks the rollout incomplete itself on failure
+        except Exception:
+            self._log_unwritten(rollout_id)
             return False
         return True
+
+    @staticmethod
+    def _finish(finish: Callable[[], None]) -> None:
+        try:
+            finish()
+        except Exception:
+            logger.warning("could not close a capture file", exc_info=True)
+
+    @staticmethod
+    def _log_unwritten(rollout_id: str) -> None:
+        logger.warning(
+            "a capture row of rollout %s was not written; the rollout is marked incomplete",
+            rollout_id,
+            exc_info=True,
+        )
 
     def _release(self, context: ClaimContext) -> None:
         try:
@@ -107,8 +222,24 @@ class CaptureWriter:
         except Exception:
             logger.warning("could not mark rollout %s incomplete", rollout_id, exc_info=True)
 
+    def _inline(self, started: float) -> None:
+        """After work done on the loop: a disk that makes it slow sends all of it to threads."""
+        took = time.perf_counter() - started
+        if took > INLINE_LIMIT_S and self._local:
+            self._local = False
+            logger.warning(
+                "a capture write on the event loop took %.1f ms; claims and rows go to threads from now on",
+                took * 1000.0,
+            )
+
     async def claim(self, rollout_id: str, model_call_id: str) -> ClaimContext | None:
         """Claim the rollout for one call; None (logged, marker written) when the claim failed."""
+        if self._local:
+            started = time.perf_counter()
+            try:
+                return self._claim(rollout_id, model_call_id)
+            finally:
+                self._inline(started)
         return await self._shielded(self._claim, rollout_id, model_call_id)
 
     async def record(
@@ -120,15 +251,33 @@ class CaptureWriter:
     ) -> bool:
         """Write the row durably, then release ``release``; False (logged, marker written) on failure.
 
-        ``row`` may be a function building it, so the building happens off the event loop
-        too; one trip to a thread writes the row and releases the claim.
+        ``row`` may be a function building it (on object stores it is built off the loop).
         """
-        return await self._shielded(self._record, rollout_id, row, release)
+        if not self._local:
+            return await self._shielded(self._record, rollout_id, row, release)
+        staged = None
+        try:
+            started = time.perf_counter()
+            staged = self._stage(rollout_id, row)
+            self._inline(started)
+            if staged is None:
+                return False
+            return await self._shielded(self._durable, rollout_id, staged[0])  # the fsync: one hop
+        finally:  # after the fsync, even if cancelled meanwhile (the hop is shielded)
+            # The claim goes before the lock: a reader that sees no claim and then reads
+            # (under the shared lock) finds the row; no await between the two.
+            if release is not None:
+                self._release(release)
+            if staged is not None:
+                self._finish(staged[1])
 
     async def release(self, context: ClaimContext | None) -> None:
         """Release a claim taken by :meth:`claim` (after the row, or after the marker)."""
         if context is not None and context.claim is not None:  # not released with its row yet
-            await self._shielded(self._release, context)
+            if self._local:
+                self._release(context)
+            else:
+                await self._shielded(self._release, context)
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until no write is in flight; False when ``timeout_s`` passed first."""
@@ -137,7 +286,7 @@ class CaptureWriter:
 
     def close(self) -> None:
         """Finish every write already started, then stop the threads."""
-        self._executor.shutdown(wait=True)
+        self._threads.close()
 
 
 def writer_for(settings: ProducerSettings) -> CaptureWriter:
