@@ -39,29 +39,30 @@ def _nothing() -> None:
     """Nothing left to do."""
 
 
-async def finish_in_thread(fn: Callable[..., T], *args: Any) -> T:
-    """Run ``fn`` in a thread and wait for it even if the caller is cancelled meanwhile.
+async def finish_shielded(future: asyncio.Future[T]) -> T:
+    """Wait for ``future`` even if the caller is cancelled meanwhile.
 
     A capture write that started must land (or fail) before its claim is released;
-    cancellation is re-raised once it has.
+    cancellation is re-raised once it has, and the write's own error wins over it.
     """
-    future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
     cancelled = False
     while True:
         try:
             result = await asyncio.shield(future)
             break
         except asyncio.CancelledError:
-            if future.done():
-                # The write finished with an error while we were cancelled.
-                error = None if future.cancelled() else future.exception()
-                if error is None:
-                    raise
-                raise error from None
             cancelled = True
+            if future.done():
+                result = future.result()  # raises the write's own error, if it failed
+                break
     if cancelled:
         raise asyncio.CancelledError
     return result
+
+
+async def finish_in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn`` in a thread and wait for it even if the caller is cancelled meanwhile."""
+    return await finish_shielded(asyncio.ensure_future(asyncio.to_thread(fn, *args)))
 
 
 class ClaimContext:

@@ -13,8 +13,10 @@ from typing import Any
 
 import orjson
 
+from rollout_capture.producer.asgi import Receive, Scope, read_body
 from rollout_capture.producer.classify import ErrorCategory, category_for_status
-from rollout_capture.producer.routing import Dialect
+from rollout_capture.producer.routing import VERIFIER_HEADER, Dialect, Route, header
+from rollout_capture.producer.settings import ProducerSettings
 from rollout_capture.producer.streams import JsonObject, StreamRelay
 from rollout_capture.store import ClaimContext
 
@@ -219,3 +221,25 @@ class Exchange:
         if cut:
             row["response_truncated"] = True
         return row
+
+
+async def start_exchange(
+    scope: Scope, found: Route, receive: Receive, settings: ProducerSettings
+) -> tuple[Exchange, bytes, bool, bytes] | None:
+    """A captured call's exchange and its request: ``(exchange, body to forward, whole, body read)``.
+
+    The body is read up to the cap (``whole`` False: the rest is still to come); None when the
+    client left before its request was whole, so no call was made and nothing is written.
+    """
+    assert found.rollout_id is not None and found.dialect is not None
+    exchange = Exchange(
+        found.rollout_id,
+        found.dialect,
+        server_name=settings.server_name,
+        max_body_bytes=settings.max_body_bytes,
+        verifier_invocation_id=header(scope["headers"], VERIFIER_HEADER),
+    )
+    body, whole, gone = await read_body(receive, settings.max_body_bytes)
+    if gone:
+        return None
+    return exchange, exchange.prepare_request(body, whole=whole), whole, body

@@ -19,13 +19,12 @@ from rollout_capture.producer.asgi import (
     Receive,
     Scope,
     Send,
-    read_body,
     replace_header,
     send_json_error,
 )
 from rollout_capture.producer.classify import ErrorCategory
-from rollout_capture.producer.exchange import Exchange
-from rollout_capture.producer.routing import VERIFIER_HEADER, BadRolloutId, Route, header, route
+from rollout_capture.producer.exchange import Exchange, start_exchange
+from rollout_capture.producer.routing import BadRolloutId, Route, route
 from rollout_capture.producer.settings import ProducerSettings
 from rollout_capture.producer.writer import writer_for
 
@@ -98,18 +97,10 @@ class CaptureMiddleware:
         return wrapped
 
     async def _captured(self, scope: Scope, found: Route, receive: Receive, send: Send) -> None:
-        assert found.rollout_id is not None and found.dialect is not None
-        exchange = Exchange(
-            found.rollout_id,
-            found.dialect,
-            server_name=self.settings.server_name,
-            max_body_bytes=self.settings.max_body_bytes,
-            verifier_invocation_id=header(scope["headers"], VERIFIER_HEADER),
-        )
-        body, whole, gone = await read_body(receive, self.settings.max_body_bytes)
-        if gone:
+        started = await start_exchange(scope, found, receive, self.settings)
+        if started is None:
             return  # the client left before its request was whole: no call was made
-        forward = exchange.prepare_request(body, whole=whole)
+        exchange, forward, whole, body = started
         headers: Headers = list(scope["headers"])
         if forward is not body:
             headers = replace_header(headers, b"content-length", str(len(forward)).encode())

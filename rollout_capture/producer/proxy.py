@@ -19,8 +19,8 @@ import uvicorn
 
 from rollout_capture.producer.asgi import Headers, Message, Receive, Scope, Send, read_body, send_json_error
 from rollout_capture.producer.classify import ErrorCategory
-from rollout_capture.producer.exchange import Exchange
-from rollout_capture.producer.routing import VERIFIER_HEADER, BadRolloutId, Route, header, route
+from rollout_capture.producer.exchange import Exchange, start_exchange
+from rollout_capture.producer.routing import BadRolloutId, Route, route
 from rollout_capture.producer.settings import ProxySettings
 from rollout_capture.producer.upstream import Upstream, UpstreamError, UpstreamResponse, open_upstream
 from rollout_capture.producer.writer import writer_for
@@ -207,18 +207,10 @@ class CaptureProxy:
             await response.aclose()
 
     async def _captured(self, scope: Scope, found: Route, receive: Receive, send: Send) -> None:
-        assert found.rollout_id is not None and found.dialect is not None
-        exchange = Exchange(
-            found.rollout_id,
-            found.dialect,
-            server_name=self.settings.server_name,
-            max_body_bytes=self.settings.max_body_bytes,
-            verifier_invocation_id=header(scope["headers"], VERIFIER_HEADER),
-        )
-        body, whole, gone = await read_body(receive, self.settings.max_body_bytes)
-        if gone:
+        started = await start_exchange(scope, found, receive, self.settings)
+        if started is None:
             return  # the client left before its request was whole: no call was made
-        forward = exchange.prepare_request(body, whole=whole)
+        exchange, forward, whole, _ = started
         content: bytes | AsyncIterator[bytes] = forward if whole else _body_stream(forward, receive)
         claim = exchange.claim = await self.writer.claim(exchange.rollout_id, exchange.model_call_id)
         try:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from rollout_capture.producer.settings import ProducerSettings
-from rollout_capture.store import CaptureStore, ClaimContext
+from rollout_capture.store import CaptureStore, ClaimContext, finish_shielded
 
 logger = logging.getLogger("rollout_capture.producer")
 
@@ -121,20 +121,7 @@ class CaptureWriter:
         with self._lock:
             self._pending += 1
         try:
-            future = self._threads.submit(fn, *args)
-            cancelled = False
-            while True:
-                try:
-                    result = await asyncio.shield(future)
-                    break
-                except asyncio.CancelledError:
-                    cancelled = True
-                    if future.done():
-                        result = future.result()
-                        break
-            if cancelled:
-                raise asyncio.CancelledError
-            return result
+            return await finish_shielded(self._threads.submit(fn, *args))
         finally:
             with self._lock:
                 self._pending -= 1
