@@ -17,12 +17,13 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import StrEnum
 from importlib.metadata import PackageNotFoundError, version
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+T = TypeVar("T")
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
 CaptureDirOpt = Annotated[
@@ -38,6 +39,9 @@ BlockOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON summary on stdout instead.")]
 AllowEmptyOpt = Annotated[
     bool, typer.Option(help="Accept a capture dir that does not exist or holds nothing.")
+]
+MaxGapShareOpt = Annotated[
+    float | None, typer.Option(min=0, max=1, help="Emit gaps-exceeded above this share of rollouts.")
 ]
 
 
@@ -188,6 +192,18 @@ def _progress(as_json: bool) -> Iterator[None]:
         yield
 
 
+def _flow_run(
+    url: str, storage_options: str | None, what: str, as_json: bool, start: Callable[[Any], T]
+) -> T:
+    """Check the input exists, then run a flow: Prefect's console tamed, progress bars at a TTY."""
+    options = _flow_input(url, storage_options, what)
+    import flows.enrich  # noqa: F401 - Prefect sets its console handlers up on import
+
+    _terminal_logging()
+    with _progress(as_json):
+        return start(options)
+
+
 @app.command()
 def enrich(
     rollouts: Annotated[str, typer.Argument(help="Rollouts JSONL (any fsspec URL, .gz too).")],
@@ -203,9 +219,7 @@ def enrich(
     dask_address: Annotated[str | None, typer.Option(help="Dask scheduler; default a local cluster.")] = None,
     quiescence_timeout: Annotated[float, typer.Option(help="Seconds to wait for claimed writes.")] = 10.0,
     allow_empty: AllowEmptyOpt = False,
-    max_gap_share: Annotated[
-        float | None, typer.Option(min=0, max=1, help="Emit gaps-exceeded above this share of rollouts.")
-    ] = None,
+    max_gap_share: MaxGapShareOpt = None,
     storage_options: OptionsOpt = None,
     credentials_block: BlockOpt = None,
     as_json: JsonOpt = False,
@@ -213,12 +227,14 @@ def enrich(
     """Enrich every rollout of ROLLOUTS with its captured model calls."""
     _prefect_env()
     with _exits(as_json):
-        options = _flow_input(rollouts, storage_options, "rollouts file")
         from flows import enrich_rollouts
 
-        _terminal_logging()  # after the import: Prefect sets its console handlers up then
-        with _progress(as_json):
-            summary = enrich_rollouts(
+        summary = _flow_run(
+            rollouts,
+            storage_options,
+            "rollouts file",
+            as_json,
+            lambda options: enrich_rollouts(
                 rollouts,
                 capture_dir,
                 output=output,
@@ -233,7 +249,8 @@ def enrich(
                 max_gap_share=max_gap_share,
                 storage_options=options,
                 credentials_block=credentials_block,
-            )
+            ),
+        )
         stats = summary.stats
         if as_json:
             _print_json({"ok": True, **summary.model_dump(mode="json"), "gap_share": stats.gap_share})
@@ -264,12 +281,16 @@ def clear(
     """Remove the captures of the rollouts about to be dispatched."""
     _prefect_env()
     with _exits(as_json):
-        options = _flow_input(rollouts, storage_options, "rollouts file")
         from flows import prepare_dispatch
 
-        _terminal_logging()  # after the import: Prefect sets its console handlers up then
-        cleared = prepare_dispatch(
-            rollouts, capture_dir, storage_options=options, credentials_block=credentials_block
+        cleared = _flow_run(
+            rollouts,
+            storage_options,
+            "rollouts file",
+            True,  # quick: no progress to show
+            lambda options: prepare_dispatch(
+                rollouts, capture_dir, storage_options=options, credentials_block=credentials_block
+            ),
         )
         if as_json:
             _print_json({"ok": True, "capture_dir": capture_dir, "rollout_ids_cleared": cleared})
@@ -324,9 +345,7 @@ def enrich_runs(
         typer.Option(help="A run to look at even if the index says it is enriched (repeatable)."),
     ] = None,
     allow_empty: AllowEmptyOpt = False,
-    max_gap_share: Annotated[
-        float | None, typer.Option(min=0, max=1, help="Emit gaps-exceeded above this share of rollouts.")
-    ] = None,
+    max_gap_share: MaxGapShareOpt = None,
     storage_options: OptionsOpt = None,
     credentials_block: BlockOpt = None,
     as_json: JsonOpt = False,
@@ -334,12 +353,14 @@ def enrich_runs(
     """Enrich every finished, not yet enriched run under RUNS_ROOT (what the schedule runs)."""
     _prefect_env()
     with _exits(as_json):
-        options = _flow_input(runs_root, storage_options, "runs root")
         from flows import enrich_completed_runs
 
-        _terminal_logging()  # after the import: Prefect sets its console handlers up then
-        with _progress(as_json):
-            summary = enrich_completed_runs(
+        summary = _flow_run(
+            runs_root,
+            storage_options,
+            "runs root",
+            as_json,
+            lambda options: enrich_completed_runs(
                 runs_root,
                 capture_dir=capture_dir,
                 runner=runner.value,
@@ -351,7 +372,8 @@ def enrich_runs(
                 max_gap_share=max_gap_share,
                 storage_options=options,
                 credentials_block=credentials_block,
-            )
+            ),
+        )
         if as_json:
             _print_json({"ok": True, **summary.model_dump(mode="json")})
             return
