@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import tempfile
 import time
@@ -74,8 +75,13 @@ def enrich_to_spool(
     workers = effective_workers(runner, max_workers, capture_dir)
     scope = ListingScope(key=str(flow_run.id or uuid.uuid4()), rollouts=0)
     try:
-        ranges = list(iter_line_ranges(staged.path, batch_size))
-        scope = ListingScope(key=scope.key, rollouts=sum(r.lines for r in ranges))
+        # Cut lazily, so the first batches run while the rest of the input is scanned; the
+        # number of rollouts (for the listing strategy) is estimated from the first slice.
+        pieces = iter_line_ranges(staged.path, batch_size)
+        first = next(pieces, None)
+        ranges = itertools.chain([first] if first is not None else [], pieces)
+        if first is not None:
+            scope = ListingScope(key=scope.key, rollouts=staged.size * first.lines // max(first.length, 1))
         options = {
             "capture_dir": capture_dir,
             "storage_options": storage_options,
