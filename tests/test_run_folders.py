@@ -258,3 +258,30 @@ def test_a_tick_past_its_lease_keeps_its_run_and_a_killed_one_is_taken_over(
         assert f":{os.getpid()}:" in orjson.loads(marker)["enriched_by"]
         assert not [n for n in where.names("r") if n.startswith("_ENRICHING")]
         assert runs.take(run) == "enriched" and where.read("r", "_ENRICHED") == marker  # never again
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_failing_run_fails_the_tick_but_not_the_others(tmp_path: Path) -> None:
+    """One run's capture dir is missing: that run fails (named, its lease given back, no
+    _ENRICHED, tried again next tick); the other run is enriched; the tick fails, saying which."""
+    from flows.enrich_runs import RunsFailed
+
+    root = tmp_path / "runs"
+    good = make_run(root, "good", finished=True)
+    broken = make_run(root, "broken", finished=True)
+    for path in (broken / "captures").iterdir():
+        path.unlink()
+    (broken / "captures").rmdir()
+
+    state = enrich_completed_runs(str(root), return_state=True)
+
+    assert state.is_failed()
+    with pytest.raises(RunsFailed, match=r"1 run\(s\) failed: .*broken.*capture dir .* does not exist"):
+        state.result()
+    assert (good / "_ENRICHED").exists() and not (broken / "_ENRICHED").exists()
+    assert not (broken / "rollouts.enriched.jsonl").exists()
+    assert not [
+        p for p in broken.iterdir() if p.name.startswith("_ENRICHING") and "released" not in p.read_text()
+    ]
+    again = enrich_completed_runs(str(root), allow_empty=True)  # the next tick takes it again
+    assert again.enriched == ["broken"] and again.already_enriched == ["good"]
