@@ -17,11 +17,13 @@ def write_rows(url: str, options: dict[str, Any], layout: str, writer: int, coun
         store.record("c-0", {"writer": writer, "n": n, "pad": f"{writer}" * (5000 + 3000 * (n % 7))})
 
 
-def take_lease(root: str, run_name: str, go: Event, results: Any) -> None:
+def take_lease(
+    root: str, run_name: str, go: Event, results: Any, options: dict[str, Any] | None = None
+) -> None:
     """Race for a run's lease; report whether this process got it."""
     from rollout_capture.run_folders import RunFolder, RunsRoot
 
-    runs = RunsRoot(root)
+    runs = RunsRoot(root, options)
     run = RunFolder(name=run_name, url=f"{root}/{run_name}", finished=True, enriched=False)
     go.wait(30)
     results.put(runs.acquire(run) is not None)

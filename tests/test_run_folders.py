@@ -66,22 +66,35 @@ def test_runs_on_s3(s3: S3, tmp_path: Path) -> None:
     assert len(s3.fs().cat_file(f"{s3.bucket}/runs/run-1/rollouts.enriched.jsonl").splitlines()) == 3
 
 
-def test_lease_expires_and_only_one_breaker_wins(tmp_path: Path) -> None:
-    make_run(tmp_path, "r", finished=True)
-    runs = RunsRoot(str(tmp_path))
-    (run,) = runs.runs()
+@pytest.mark.parametrize("where", ["local", "s3"], indirect=True)
+def test_lease_expires_and_only_one_breaker_wins(where: Where) -> None:
+    """Four processes break the same stale lease at once: exactly one wins, on disk and on S3."""
+    where.make_run("r")
+    runs = where.root()
+    run = where.run("r")
     stale = runs.acquire(run, lease_s=1.0)  # long enough to stay live on a busy machine
     assert stale is not None and runs.acquire(run) is None  # live: nobody else gets it
     time.sleep(max(0.0, stale.expires_at - time.time()) + 0.05)
+    if where.s3 is not None:
+        time.sleep(1.0)  # on S3 expiry counts from the object's time, which has whole seconds
     context = multiprocessing.get_context("spawn")
     go, results = context.Event(), context.Queue()
-    racers = [context.Process(target=take_lease, args=(str(tmp_path), "r", go, results)) for _ in range(4)]
+    racers = [
+        context.Process(target=take_lease, args=(where.url, "r", go, results, where.options))
+        for _ in range(4)
+    ]
     for racer in racers:
         racer.start()
     go.set()
     for racer in racers:
         racer.join(60)
     assert sorted(results.get(timeout=10) for _ in racers) == [False, False, False, True]
+
+
+@pytest.fixture
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> Where:
+    s3: S3 | None = request.getfixturevalue("s3") if request.param == "s3" else None
+    return Where(tmp_path, s3)
 
 
 def wait_for(what: Callable[[], Any], timeout_s: float = 120.0) -> Any:
