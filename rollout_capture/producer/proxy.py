@@ -11,7 +11,9 @@ import asyncio
 import logging
 import math
 import socket
+import sys
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
@@ -347,6 +349,64 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+@dataclass(frozen=True)
+class ServerOptions:
+    """uvicorn's side of serving, the same in the one process or in every worker."""
+
+    log_level: str = "info"
+    access_log: bool = False
+    http: Literal["auto", "h11", "httptools"] = "auto"
+    loop: Literal["auto", "asyncio", "uvloop"] = "auto"
+
+
+def _server(app: CaptureProxy, options: ServerOptions) -> uvicorn.Server:
+    config = uvicorn.Config(
+        app,
+        lifespan="on",
+        log_level=options.log_level,
+        access_log=options.access_log,
+        http=options.http,
+        loop=options.loop,
+        timeout_graceful_shutdown=max(1, math.ceil(app.settings.shutdown_grace_s)),
+        server_header=False,  # the upstream's own Server and Date headers pass through
+        date_header=False,
+    )
+    return uvicorn.Server(config)
+
+
+class _WorkerProxy(CaptureProxy):
+    """The proxy of one worker process: its writer stops with its lifespan.
+
+    A worker's process ends as soon as its server returns (uvicorn raises the stop signal
+    again), so nothing after that would run.
+    """
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        await asyncio.to_thread(self.writer.close)
+
+
+def _serve_worker(settings_json: str, sock: socket.socket, options: ServerOptions) -> None:
+    """A worker process: its own loop, proxy, upstream pool and capture writer on the shared socket.
+
+    Settings come as JSON and are validated again here (no secrets ever travel: they are refused).
+    """
+    from rollout_capture.producer.workers import STARTUP_FAILURE, follow_parent
+
+    follow_parent()
+    if not logging.getLogger().handlers:  # spawned: nothing configured logging here yet
+        logging.basicConfig(level=options.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        app = _WorkerProxy(ProxySettings.model_validate_json(settings_json))
+    except Exception:
+        logger.exception("a proxy worker could not start")
+        sys.exit(STARTUP_FAILURE)
+    server = _server(app, options)
+    server.run(sockets=[sock])
+    if not server.started:  # its lifespan startup failed
+        sys.exit(STARTUP_FAILURE)
+
+
 def serve_proxy(
     settings: ProxySettings,
     *,
@@ -357,30 +417,44 @@ def serve_proxy(
     http: Literal["auto", "h11", "httptools"] = "auto",
     loop: Literal["auto", "asyncio", "uvloop"] = "auto",
     announce: Callable[[str], None] | None = None,
+    workers: int = 1,
 ) -> None:
     """Run the proxy until SIGINT/SIGTERM; calls in flight get ``shutdown_grace_s`` to finish.
 
     Port 0 picks a free port; ``announce`` is told the address actually bound. ``http`` and
     ``loop`` are uvicorn's (auto: the C httptools parser and uvloop when installed).
+    ``workers`` > 1 serves from that many spawned processes on the one socket, each with its
+    own loop, upstream pool (``max_connections`` each) and capture writer: one loop is one core.
     """
-    app = CaptureProxy(settings)
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1; got {workers}")
+    options = ServerOptions(log_level=log_level, access_log=access_log, http=http, loop=loop)
+    app = CaptureProxy(settings)  # bad settings fail here, before anything is bound
+    if workers > 1:
+        app.writer.close()  # only a check here: each worker opens its own
     sock = bind_listener(host, port)
     bound = sock.getsockname()[1]
-    config = uvicorn.Config(
-        app,
-        lifespan="on",
-        log_level=log_level,
-        access_log=access_log,
-        http=http,
-        loop=loop,
-        timeout_graceful_shutdown=max(1, math.ceil(settings.shutdown_grace_s)),
-        server_header=False,  # the upstream's own Server and Date headers pass through
-        date_header=False,
-    )
-    server = uvicorn.Server(config)
     if announce is not None:
         shown = f"[{host}]" if sock.family == socket.AF_INET6 else host
-        announce(f"rollout-capture proxy on http://{shown}:{bound} -> {settings.upstream}")
+        many = f" ({workers} workers)" if workers > 1 else ""
+        announce(f"rollout-capture proxy on http://{shown}:{bound} -> {settings.upstream}{many}")
+    if workers > 1:
+        from rollout_capture.producer.workers import supervise
+
+        try:
+            # A stuck worker is killed once its stop took well past both of its waits (calls, writes).
+            stop_timeout_s = 2 * settings.shutdown_grace_s + 30
+            supervise(
+                _serve_worker,
+                (settings.model_dump_json(), sock, options),
+                workers,
+                stop_timeout_s=stop_timeout_s,
+                name="proxy worker",
+            )
+        finally:
+            sock.close()
+        return
+    server = _server(app, options)
     try:
         server.run(sockets=[sock])
     finally:
