@@ -63,13 +63,15 @@ def follow_parent() -> None:
 
 def supervise(
     target: Callable[..., None],
-    args: tuple[Any, ...],
+    args: Callable[[int], tuple[Any, ...]],
     count: int,
     *,
     stop_timeout_s: float,
+    on_stop: Callable[[], None] | None = None,
     name: str = "worker",
 ) -> None:
-    """Run ``count`` spawned processes of ``target(*args)`` until SIGINT or SIGTERM.
+    """Run ``count`` spawned processes, worker ``i`` running ``target(*args(i))``, until SIGINT
+    or SIGTERM. ``on_stop`` is called once the stop begins (the parent lets go of its sockets).
 
     The first signal sends SIGTERM to every worker (they stop accepting and finish what is in
     flight); a later SIGINT is passed on as SIGINT (a server's "stop now"), as a second Ctrl-C
@@ -80,112 +82,151 @@ def supervise(
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("several workers are supervised from the main thread (it takes the signals)")
-    context = multiprocessing.get_context("spawn")
-    signals: list[int] = []
-    wake_r, wake_w = socket.socketpair()
-    wake_r.setblocking(False)
-    wake_w.setblocking(False)
+    _Supervisor(target, args, name, stop_timeout_s, on_stop).run(count)
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        signals.append(signum)
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    previous_wakeup = signal.set_wakeup_fd(wake_w.fileno())
+class _Supervisor:
+    """The parent's state: its workers, the restarts due, and whether (since when) it is stopping."""
 
-    def start(index: int) -> _Worker:
-        process = context.Process(target=target, args=args, name=f"{name}-{index}")
+    def __init__(
+        self,
+        target: Callable[..., None],
+        args: Callable[[int], tuple[Any, ...]],
+        name: str,
+        stop_timeout_s: float,
+        on_stop: Callable[[], None] | None,
+    ) -> None:
+        self.target, self.args, self.name = target, args, name
+        self.stop_timeout_s = stop_timeout_s
+        self.on_stop = on_stop
+        self.context = multiprocessing.get_context("spawn")
+        self.workers: dict[int, _Worker] = {}
+        self.restarts: dict[int, float] = {}  # index -> when to start it again
+        self.stopping_since: float | None = None
+        self.killed = False
+        self.failed: str | None = None
+        self.signals: list[int] = []
+
+    def run(self, count: int) -> None:
+        wake_r, wake_w = socket.socketpair()  # a signal wakes the wait below (set_wakeup_fd)
+        wake_r.setblocking(False)
+        wake_w.setblocking(False)
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous_wakeup = signal.set_wakeup_fd(wake_w.fileno())
+        try:
+            for index in range(count):
+                self._start(index)
+            while self.workers or self.restarts:
+                wait([w.process.sentinel for w in self.workers.values()] + [wake_r], self._timeout())
+                with contextlib.suppress(BlockingIOError):
+                    while wake_r.recv(64):
+                        pass
+                self._take_signals()
+                self._reap()
+                self._restart_due()
+                self._kill_overdue()
+        finally:
+            for worker in self.workers.values():  # an error of our own: leave nothing running
+                worker.process.kill()
+                worker.process.join()
+            signal.set_wakeup_fd(previous_wakeup)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            wake_r.close()
+            wake_w.close()
+        if self.failed is not None:
+            raise WorkerStartupFailed(self.failed)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.signals.append(signum)
+
+    def _start(self, index: int) -> None:
+        process = self.context.Process(target=self.target, args=self.args(index), name=f"{self.name}-{index}")
         process.start()
-        return _Worker(index, process)
+        self.workers[index] = _Worker(index, process)
 
-    workers: dict[int, _Worker] = {}
-    pending: dict[int, float] = {}  # index -> when to start it again
-    stopping_since: float | None = None
-    failed: str | None = None
-    try:
-        for index in range(count):
-            workers[index] = start(index)
-        while workers or pending:
-            now = time.monotonic()
-            if stopping_since is None:
-                for index, due in list(pending.items()):
-                    if due <= now:
-                        del pending[index]
-                        workers[index] = start(index)
-            deadlines = list(pending.values())
-            if stopping_since is not None and stop_timeout_s != float("inf"):
-                deadlines = [stopping_since + stop_timeout_s]
-            timeout = max(0.0, min(deadlines) - now) if deadlines else None
-            wait([w.process.sentinel for w in workers.values()] + [wake_r], timeout)
-            with contextlib.suppress(BlockingIOError):
-                while wake_r.recv(64):
-                    pass
-            while signals:
-                signum = signals.pop(0)
-                if stopping_since is None:
-                    stopping_since = time.monotonic()
-                    pending.clear()
-                    logger.info("stopping %d %s processes (%s)", len(workers), name, signal.strsignal(signum))
-                    _signal_all(workers, signal.SIGTERM)
-                elif signum == signal.SIGINT:
-                    _signal_all(workers, signal.SIGINT)
-            for index, worker in list(workers.items()):
-                process = worker.process
-                if process.is_alive():
-                    continue
-                process.join()
-                del workers[index]
-                if stopping_since is not None:
-                    continue
-                code = process.exitcode
-                if code == STARTUP_FAILURE:
-                    failed = f"{name} {index} (pid {process.pid}) could not start"
-                    logger.error("%s; stopping the others", failed)
-                    stopping_since = time.monotonic()
-                    pending.clear()
-                    _signal_all(workers, signal.SIGTERM)
-                    continue
-                lived = time.monotonic() - worker.started
-                delay = RESTART_DELAY_S if lived < RESTART_DELAY_S else 0.0
-                logger.warning(
-                    "%s %d (pid %s) died (%s) after %.1f s; starting another%s",
-                    name,
-                    index,
-                    process.pid,
-                    _exit_reason(code),
-                    lived,
-                    f" in {delay:.0f} s" if delay else "",
-                )
-                pending[index] = time.monotonic() + delay
-            if stopping_since is not None and time.monotonic() >= stopping_since + stop_timeout_s:
-                for worker in workers.values():
-                    logger.error(
-                        "%s %d (pid %s) still running %.0f s after the stop: killed",
-                        name,
-                        worker.index,
-                        worker.process.pid,
-                        stop_timeout_s,
-                    )
-                    worker.process.kill()
-                stop_timeout_s = float("inf")  # killed: now only wait for them to be gone
-    finally:
-        for worker in workers.values():  # an error of our own: leave nothing running
+    def _stop(self) -> None:
+        self.stopping_since = time.monotonic()
+        self.restarts.clear()
+        self._signal_all(signal.SIGTERM)
+        if self.on_stop is not None:
+            self.on_stop()
+
+    def _timeout(self) -> float | None:
+        """Seconds until the next restart is due or the stop runs out of time; None: no deadline."""
+        if self.stopping_since is not None:
+            deadlines = [] if self.killed else [self.stopping_since + self.stop_timeout_s]
+        else:
+            deadlines = list(self.restarts.values())
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _take_signals(self) -> None:
+        while self.signals:
+            signum = self.signals.pop(0)
+            if self.stopping_since is None:
+                how = signal.strsignal(signum)
+                logger.info("stopping %d %s processes (%s)", len(self.workers), self.name, how)
+                self._stop()
+            elif signum == signal.SIGINT:
+                self._signal_all(signal.SIGINT)
+
+    def _reap(self) -> None:
+        """Forget the workers that exited; while serving, report each and schedule its restart."""
+        for index, worker in list(self.workers.items()):
+            process = worker.process
+            if process.is_alive():
+                continue
+            process.join()
+            del self.workers[index]
+            if self.stopping_since is not None:
+                continue
+            if process.exitcode == STARTUP_FAILURE:
+                self.failed = f"{self.name} {index} (pid {process.pid}) could not start"
+                logger.error("%s; stopping the others", self.failed)
+                self._stop()
+                continue
+            lived = time.monotonic() - worker.started
+            delay = RESTART_DELAY_S if lived < RESTART_DELAY_S else 0.0  # no tight crash loop
+            logger.warning(
+                "%s %d (pid %s) died (%s) after %.1f s; starting another%s",
+                self.name,
+                index,
+                process.pid,
+                _exit_reason(process.exitcode),
+                lived,
+                f" in {delay:.0f} s" if delay else "",
+            )
+            self.restarts[index] = time.monotonic() + delay
+
+    def _restart_due(self) -> None:
+        now = time.monotonic()
+        for index, due in list(self.restarts.items()):
+            if due <= now:
+                del self.restarts[index]
+                self._start(index)
+
+    def _kill_overdue(self) -> None:
+        if self.stopping_since is None or self.killed:
+            return
+        if time.monotonic() < self.stopping_since + self.stop_timeout_s:
+            return
+        for worker in self.workers.values():
+            logger.error(
+                "%s %d (pid %s) still running %.0f s after the stop: killed",
+                self.name,
+                worker.index,
+                worker.process.pid,
+                self.stop_timeout_s,
+            )
             worker.process.kill()
-            worker.process.join()
-        signal.set_wakeup_fd(previous_wakeup)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        wake_r.close()
-        wake_w.close()
-    if failed is not None:
-        raise WorkerStartupFailed(failed)
+        self.killed = True
 
-
-def _signal_all(workers: dict[int, _Worker], signum: int) -> None:
-    for worker in workers.values():
-        pid = worker.process.pid
-        if pid is not None and worker.process.exitcode is None:
-            with contextlib.suppress(ProcessLookupError):  # gone between the check and the kill
-                os.kill(pid, signum)
+    def _signal_all(self, signum: int) -> None:
+        for worker in self.workers.values():
+            pid = worker.process.pid
+            if pid is not None and worker.process.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):  # gone between the check and the kill
+                    os.kill(pid, signum)
 
 
 def _exit_reason(code: int | None) -> str:
