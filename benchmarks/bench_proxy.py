@@ -1,12 +1,12 @@
 """What the capture proxy adds to a model call: latency, first-chunk delay, throughput, CPU.
 
     python benchmarks/bench_proxy.py [--calls 2000] [--concurrency 32] [--delay-ms 20] [--rounds 3]
-                                     [--workers 2]
+                                     [--workers 2,4]
 
 Same upstream, same load, direct, through ``rollout-capture proxy`` with one worker and
-through one with ``--workers`` worker processes, each writing its captures to a local
-disk, interleaved for ``--rounds`` rounds (the order rotates) so a shared machine's drift
-hits all alike. The upstream and the proxy are separate processes
+through one with each of the ``--workers`` counts of worker processes, each writing its
+captures to a local disk, interleaved for ``--rounds`` rounds (the order rotates) so a
+shared machine's drift hits all alike. The upstream and the proxy are separate processes
 from the load generator, a raw-asyncio HTTP/1.1 client on keep-alive connections. Half the
 calls stream (a chat stream of 13 events); the upstream answers each call after
 ``--delay-ms``. ``--http``/``--loop`` pick uvicorn's server stack for the upstream and the
@@ -448,7 +448,9 @@ def main() -> None:
     parser.add_argument("--loop", default="asyncio", help="uvicorn --loop of the upstream and the proxy")
     parser.add_argument("--client", default=None, help="the proxy's upstream client (its default if unset)")
     parser.add_argument(
-        "--workers", type=int, default=2, help="proxy worker processes (measured beside a 1-worker proxy)"
+        "--workers",
+        default="2,4",
+        help="proxy worker processes, comma-separated counts (each measured beside a 1-worker proxy)",
     )
     parser.add_argument("--serve-upstream", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -461,7 +463,7 @@ def main() -> None:
     extra = ["--http", args.http, "--loop", args.loop]
     if args.client:
         extra += ["--client", args.client]
-    counts = sorted({1, args.workers})
+    counts = sorted({1, *(int(n) for n in args.workers.split(","))})
     started: dict[str, tuple[subprocess.Popen[str], str]] = {}
     try:
         for count in counts:

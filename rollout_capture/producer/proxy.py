@@ -3,6 +3,7 @@
 For servers you cannot modify and hosted APIs. Headers, query and body pass through
 (hop-by-hop headers aside, and captured calls ask for an uncompressed answer); one pooled
 upstream client (see ``upstream.py``); a stop lets calls in flight finish and land their rows.
+``serve_proxy(workers=N)`` runs N worker processes on one port (see ``workers.py``).
 """
 
 from __future__ import annotations
@@ -437,7 +438,12 @@ def _serve_worker(settings_json: str, sock: socket.socket, options: ServerOption
         logger.exception("a proxy worker could not start")
         sys.exit(STARTUP_FAILURE)
     server = _server(app, options)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # a forced stop (a second SIGINT): uvicorn raises it again once done
+        pass
+    finally:
+        app.writer.close()  # after a forced stop: no lifespan shutdown ran
     if not server.started:  # its lifespan startup failed
         sys.exit(STARTUP_FAILURE)
 
