@@ -396,6 +396,18 @@ def stream_in_background(url: str, rollout_id: str, model: str) -> tuple[threadi
     return thread, outcome
 
 
+def refused(url: str) -> bool:
+    """Whether a new connection to the server is refused (it stopped listening)."""
+    import socket
+
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
 def wait_for(predicate: Any, timeout_s: float = 15.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -436,7 +448,7 @@ def test_a_stopped_proxy_finishes_the_calls_in_flight(
         thread, outcome = stream_in_background(url, rollout_id, f"scripted-gated-{gate}")
         wait_for(lambda: store.live_claims(rollout_id))
         proc.send_signal(signal.SIGTERM)  # mid-stream: the upstream waits at its gate
-        time.sleep(0.3)  # the stop has begun (either way the call must finish whole)
+        wait_for(lambda: refused(url))  # every worker stopped accepting; the call goes on
         scripted_upstream[1].gate(gate).set()
         thread.join(30)
         assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once stopped
