@@ -261,7 +261,7 @@ def test_a_client_that_leaves_mid_stream_still_leaves_its_row(
         upstream_app.gate("gone-1").set()
         assert (row["status_code"], row["error_category"]) == (200, "cancelled")
         assert row["response"]["id"] == CHAT["id"]  # what had arrived
-        assert patient.store.claims(["gone-1"]) == {}
+        wait_for(lambda: patient.store.claims(["gone-1"]) == {})  # released just after the row lands
     finally:
         upstream_app.gate("gone-1").set()
         patient.server.stop()
