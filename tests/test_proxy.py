@@ -544,6 +544,38 @@ def test_a_worker_that_dies_is_reported_and_replaced(two_workers: tuple[Spawned,
     assert len(store.read("w2-after-0")) == 4
 
 
+def test_workers_whose_parent_is_killed_finish_their_calls_and_stop(
+    scripted_upstream: tuple[str, Any], tmp_path: Path
+) -> None:
+    spawned = Spawned(scripted_upstream[0], tmp_path, "--workers", "2")
+    store = CaptureStore(tmp_path)
+    try:
+        thread, outcome = stream_in_background(spawned.url, "10-0", "scripted-gated-orphaned")
+        wait_for(lambda: store.live_claims("10-0"))
+        workers = spawned.workers()
+        spawned.proc.send_signal(signal.SIGKILL)  # the parent cannot pass a stop on: they notice
+        spawned.proc.wait(10)
+        wait_for(lambda: refused(spawned.url))
+        scripted_upstream[1].gate("orphaned").set()
+        thread.join(30)
+        wait_for(lambda: not [pid for pid in workers if running(pid)])
+    finally:
+        scripted_upstream[1].gate("orphaned").set()
+        spawned.stop()
+    assert outcome.get("body") == b"".join(chat_events(include_usage=False))
+    (row,) = store.read("10-0")
+    assert (row["status_code"], row["error_category"]) == (200, None)
+    assert store.claims(["10-0"]) == {}
+
+
+def running(pid: int) -> bool:
+    """Whether a process is there and not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_the_supervisor_restarts_a_dead_worker_and_gives_up_on_one_that_cannot_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
