@@ -1,10 +1,12 @@
 """What the capture proxy adds to a model call: latency, first-chunk delay, throughput, CPU.
 
     python benchmarks/bench_proxy.py [--calls 2000] [--concurrency 32] [--delay-ms 20] [--rounds 3]
+                                     [--workers 2,4]
 
-Same upstream, same load, direct and through ``rollout-capture proxy`` writing its
-captures to a local disk, interleaved for ``--rounds`` rounds (the order alternates) so a
-shared machine's drift hits both alike. The upstream and the proxy are separate processes
+Same upstream, same load, direct, through ``rollout-capture proxy`` with one worker and
+through one with each of the ``--workers`` counts of worker processes, each writing its
+captures to a local disk, interleaved for ``--rounds`` rounds (the order rotates) so a
+shared machine's drift hits all alike. The upstream and the proxy are separate processes
 from the load generator, a raw-asyncio HTTP/1.1 client on keep-alive connections. Half the
 calls stream (a chat stream of 13 events); the upstream answers each call after
 ``--delay-ms``. ``--http``/``--loop`` pick uvicorn's server stack for the upstream and the
@@ -12,9 +14,11 @@ proxy alike (a real vLLM runs httptools + uvloop); ``--client`` the proxy's upst
 
 Prints JSON: per round, latency p50/p99 and first-chunk p50/p99 direct and proxied, the
 added latency, the throughput ratio, and the CPU each process spent per call (from
-/proc), so what the proxy costs can be told apart from the load generator and upstream;
-then min/median/max over the rounds, the proxy's upstream connections (pool reuse), and
-the same comparison at 4 clients, unsaturated.
+/proc; a proxy's summed over its parent and worker processes), so what the proxy costs
+can be told apart from the load generator and upstream; then min/median/max over the
+rounds for each worker count, the proxy's upstream connections (pool reuse), how the
+clients' connections spread over the workers, and the same comparison at 4 clients,
+unsaturated.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,23 +116,64 @@ def start_proxy(upstream: str, capture_dir: str, extra: list[str]) -> tuple[subp
     return proc, line.split(" on ", 1)[1].split(" ", 1)[0]
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its live descendants (a proxy's worker processes)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo.extend(children.get(current, []))
+    return tree
+
+
 def cpu_seconds(pid: int | None) -> float:
-    """User + system CPU of a process, all its threads (this process when ``pid`` is None)."""
+    """User + system CPU of a process and its live descendants, all their threads (this
+    process when ``pid`` is None)."""
     if pid is None:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         return usage.ru_utime + usage.ru_stime
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
+    total = 0.0
+    for member in process_tree(pid):
+        try:
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _TICK
+    return total
 
 
-# Local ports of the load generator's own connections: their time-wait is not the proxy's.
-LOADGEN_PORTS: set[int] = set()
+def sockets_held(pid: int) -> dict[int, set[str]]:
+    """The socket inodes each process of ``pid``'s tree holds open."""
+    held: dict[int, set[str]] = {}
+    for member in process_tree(pid):
+        inodes: set[str] = set()
+        try:
+            fds = list(Path(f"/proc/{member}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+        held[member] = inodes
+    return held
 
 
-def tcp_states(port: int) -> dict[str, int]:
-    """Connections to a server port: established (its side), and closed by a client other than
-    the load generator (time-wait on the client's side)."""
-    counts = {"established": 0, "time_wait": 0}
+def tcp_table() -> list[tuple[int, int, str, str]]:
+    """(local port, remote port, state, inode) of every TCP socket (/proc/net/tcp and tcp6)."""
+    rows: list[tuple[int, int, str, str]] = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             lines = Path(table).read_text().splitlines()[1:]
@@ -137,11 +183,43 @@ def tcp_states(port: int) -> dict[str, int]:
             parts = line.split()
             local_port = int(parts[1].rsplit(":", 1)[1], 16)
             remote_port = int(parts[2].rsplit(":", 1)[1], 16)
-            if parts[3] == "01" and local_port == port:
-                counts["established"] += 1
-            elif parts[3] == "06" and remote_port == port and local_port not in LOADGEN_PORTS:
-                counts["time_wait"] += 1
-    return counts
+            rows.append((local_port, remote_port, parts[3], parts[9]))
+    return rows
+
+
+ESTABLISHED, TIME_WAIT = "01", "06"
+
+
+def connections_per_process(pid: int, port: int) -> list[int]:
+    """How many established connections to ``port`` each process of ``pid``'s tree serves
+    (the workers of one proxy), largest first; processes serving none left out."""
+    served = {inode for local, _, state, inode in tcp_table() if state == ESTABLISHED and local == port}
+    counts = [len(inodes & served) for inodes in sockets_held(pid).values()]
+    return sorted((n for n in counts if n), reverse=True)
+
+
+def upstream_connections_open(pid: int, upstream_port: int) -> int:
+    """Established connections from ``pid``'s tree (a proxy's pools) to the upstream."""
+    held = set().union(*sockets_held(pid).values())
+    return sum(
+        1
+        for _, remote, state, inode in tcp_table()
+        if state == ESTABLISHED and remote == upstream_port and inode in held
+    )
+
+
+# Local ports of the load generator's own connections: their time-wait is not the proxy's.
+LOADGEN_PORTS: set[int] = set()
+
+
+def time_waits(port: int) -> int:
+    """Connections to a server port closed by a client other than the load generator
+    (time-wait on the client's side: no keep-alive reuse)."""
+    return sum(
+        1
+        for local, remote, state, _ in tcp_table()
+        if state == TIME_WAIT and remote == port and local not in LOADGEN_PORTS
+    )
 
 
 class Connection:
@@ -191,7 +269,11 @@ class Connection:
         return (first or end) - start, end - start
 
 
-async def load(url: str, prefix: str, calls: int, concurrency: int) -> dict[str, Any]:
+async def load(
+    url: str, prefix: str, calls: int, concurrency: int, while_open: Callable[[], Any] | None = None
+) -> dict[str, Any]:
+    """``calls`` calls over ``concurrency`` keep-alive connections; ``while_open`` is called
+    (its result kept as ``spread``) once they are done but before the connections close."""
     host = url.removeprefix("http://")
     plain = json.dumps({"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}).encode()
     stream = json.dumps(
@@ -201,7 +283,7 @@ async def load(url: str, prefix: str, calls: int, concurrency: int) -> dict[str,
     firsts: list[float] = []
     counter = iter(range(calls))
 
-    async def worker() -> None:
+    async def worker() -> Connection:
         conn = await Connection.open(url)
         LOADGEN_PORTS.add(conn.writer.get_extra_info("sockname")[1])
         for n in counter:
@@ -211,14 +293,17 @@ async def load(url: str, prefix: str, calls: int, concurrency: int) -> dict[str,
             latencies.append(total)
             if streaming:
                 firsts.append(first)
-        conn.writer.close()
+        return conn
 
     started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    conns = await asyncio.gather(*(worker() for _ in range(concurrency)))
     elapsed = time.perf_counter() - started
+    spread = while_open() if while_open is not None else None
+    for conn in conns:
+        conn.writer.close()
     q = statistics.quantiles(latencies, n=100, method="inclusive")
     fq = statistics.quantiles(firsts, n=100, method="inclusive")
-    return {
+    out: dict[str, Any] = {
         "calls": calls,
         "seconds": round(elapsed, 3),
         "calls_per_s": round(calls / elapsed, 1),
@@ -227,68 +312,92 @@ async def load(url: str, prefix: str, calls: int, concurrency: int) -> dict[str,
         "first_chunk_p50_ms": round(fq[49] * 1000, 2),
         "first_chunk_p99_ms": round(fq[98] * 1000, 2),
     }
+    if spread is not None:
+        out["client_connections_per_process"] = spread
+    return out
 
 
 def measured(
-    url: str, prefix: str, calls: int, concurrency: int, pids: dict[str, int | None], upstream_port: int
+    url: str,
+    prefix: str,
+    calls: int,
+    concurrency: int,
+    pids: dict[str, int | None],
+    upstream_port: int,
 ) -> dict[str, Any]:
-    """One load, with the CPU milliseconds per call of each process named in ``pids``.
+    """One load, with the CPU milliseconds per call of each process named in ``pids`` (a
+    proxy's summed over its worker processes).
 
     Through the proxy, also its connections to the upstream: open after the load, and how
-    many it closed during it (no keep-alive reuse would show here).
+    many it closed during it (no keep-alive reuse would show here); and how the clients'
+    connections spread over its processes.
     """
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    closed = tcp_states(upstream_port)["time_wait"]
-    result = asyncio.run(load(url, prefix, calls, concurrency))
+    closed = time_waits(upstream_port)
+    proxy_pid = pids.get("proxy")
+    spread = None
+    if proxy_pid is not None:
+        port = int(url.rsplit(":", 1)[1])
+        spread = lambda: connections_per_process(proxy_pid, port)  # noqa: E731
+    result = asyncio.run(load(url, prefix, calls, concurrency, spread))
     result["cpu_ms_per_call"] = {
         name: round((cpu_seconds(pid) - before[name]) * 1000 / calls, 3) for name, pid in pids.items()
     }
-    if "proxy" in pids:
-        after = tcp_states(upstream_port)
+    if proxy_pid is not None:
         result["upstream_connections"] = {
-            "open": after["established"],
-            "closed": max(0, after["time_wait"] - closed),
+            "open": upstream_connections_open(proxy_pid, upstream_port),
+            "closed": max(0, time_waits(upstream_port) - closed),
         }
     return result
 
 
+# Added figure -> the measured one it is the difference of.
+ADDED = {
+    "added_latency_p50_ms": "p50_ms",
+    "added_latency_p99_ms": "p99_ms",
+    "added_first_chunk_p50_ms": "first_chunk_p50_ms",
+    "added_first_chunk_p99_ms": "first_chunk_p99_ms",
+}
+
+
 def compare(
     upstream: tuple[str, int],
-    proxy: tuple[str, int],
+    proxies: dict[str, tuple[str, int]],
     calls: int,
     concurrency: int,
     tag: str,
-    proxy_first: bool,
+    shift: int,
 ) -> dict[str, Any]:
-    """Direct and proxied, same load; the proxied rollout ids are fresh for each comparison."""
-    (upstream_url, upstream_pid), (proxy_url, proxy_pid) = upstream, proxy
+    """Direct and through each proxy, same load, the order rotated by ``shift``; the proxied
+    rollout ids are fresh for each comparison."""
+    upstream_url, upstream_pid = upstream
     port = int(upstream_url.rsplit(":", 1)[1])
     direct_pids: dict[str, int | None] = {"upstream": upstream_pid, "loadgen": None}
-    proxied_pids: dict[str, int | None] = {"proxy": proxy_pid, **direct_pids}
+    names = ["direct", *proxies]
+    shift %= len(names)
     runs: dict[str, dict[str, Any]] = {}
-    order = ("proxied", "direct") if proxy_first else ("direct", "proxied")
-    for name in order:
+    for name in names[shift:] + names[:shift]:
         if name == "direct":
             runs[name] = measured(upstream_url, "", calls, concurrency, direct_pids, port)
         else:
+            proxy_url, proxy_pid = proxies[name]
             prefix = "/ng-rollout/" + tag + "{n}-0"
-            runs[name] = measured(proxy_url, prefix, calls, concurrency, proxied_pids, port)
-    direct, proxied = runs["direct"], runs["proxied"]
+            pids: dict[str, int | None] = {"proxy": proxy_pid, **direct_pids}
+            runs[name] = measured(proxy_url, prefix, calls, concurrency, pids, port)
+    direct = runs["direct"]
 
-    def added(key: str) -> float:
-        return round(float(proxied[key]) - float(direct[key]), 2)
+    def added(proxied: dict[str, Any]) -> dict[str, float]:
+        out = {name: round(float(proxied[key]) - float(direct[key]), 2) for name, key in ADDED.items()}
+        out["throughput_ratio"] = round(float(proxied["calls_per_s"]) / float(direct["calls_per_s"]), 3)
+        out["proxy_cpu_ms_per_call"] = proxied["cpu_ms_per_call"]["proxy"]
+        return out
 
     return {
         "calls": calls,
         "concurrency": concurrency,
         "direct": direct,
-        "proxied": proxied,
-        "added_latency_p50_ms": added("p50_ms"),
-        "added_latency_p99_ms": added("p99_ms"),
-        "added_first_chunk_p50_ms": added("first_chunk_p50_ms"),
-        "added_first_chunk_p99_ms": added("first_chunk_p99_ms"),
-        "throughput_ratio": round(float(proxied["calls_per_s"]) / float(direct["calls_per_s"]), 3),
-        "proxy_cpu_ms_per_call": proxied["cpu_ms_per_call"]["proxy"],
+        "proxied": {name: runs[name] for name in proxies},
+        "added": {name: added(runs[name]) for name in proxies},
     }
 
 
@@ -302,16 +411,22 @@ SUMMARY_KEYS = (
 )
 
 
+def spread(values: list[float]) -> list[float]:
+    return [round(min(values), 3), round(statistics.median(values), 3), round(max(values), 3)]
+
+
 def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """[min, median, max] over the rounds of the figures that matter."""
-
-    def spread(values: list[float]) -> list[float]:
-        return [round(min(values), 3), round(statistics.median(values), 3), round(max(values), 3)]
-
-    out: dict[str, Any] = {key: spread([r[key] for r in rounds]) for key in SUMMARY_KEYS}
-    for side in ("direct", "proxied"):
-        out[f"{side}_calls_per_s"] = spread([r[side]["calls_per_s"] for r in rounds])
-        out[f"{side}_p50_ms"] = spread([r[side]["p50_ms"] for r in rounds])
+    """[min, median, max] over the rounds of the figures that matter, for each proxy."""
+    out: dict[str, Any] = {}
+    for name in rounds[0]["added"]:
+        figures: dict[str, Any] = {
+            key: spread([r["added"][name][key] for r in rounds]) for key in SUMMARY_KEYS
+        }
+        figures["proxied_calls_per_s"] = spread([r["proxied"][name]["calls_per_s"] for r in rounds])
+        figures["proxied_p50_ms"] = spread([r["proxied"][name]["p50_ms"] for r in rounds])
+        out[name] = figures
+    out["direct_calls_per_s"] = spread([r["direct"]["calls_per_s"] for r in rounds])
+    out["direct_p50_ms"] = spread([r["direct"]["p50_ms"] for r in rounds])
     out["upstream_cpu_ms_per_call_direct"] = spread(
         [r["direct"]["cpu_ms_per_call"]["upstream"] for r in rounds]
     )
@@ -332,6 +447,11 @@ def main() -> None:
     parser.add_argument("--http", default="httptools", help="uvicorn --http of the upstream and the proxy")
     parser.add_argument("--loop", default="asyncio", help="uvicorn --loop of the upstream and the proxy")
     parser.add_argument("--client", default=None, help="the proxy's upstream client (its default if unset)")
+    parser.add_argument(
+        "--workers",
+        default="2,4",
+        help="proxy worker processes, comma-separated counts (each measured beside a 1-worker proxy)",
+    )
     parser.add_argument("--serve-upstream", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_upstream:
@@ -343,25 +463,31 @@ def main() -> None:
     extra = ["--http", args.http, "--loop", args.loop]
     if args.client:
         extra += ["--client", args.client]
-    proxy, proxy_url = start_proxy(upstream_url, str(work / "captures"), extra)
+    counts = sorted({1, *(int(n) for n in args.workers.split(","))})
+    started: dict[str, tuple[subprocess.Popen[str], str]] = {}
     try:
+        for count in counts:
+            name = f"workers_{count}"
+            started[name] = start_proxy(upstream_url, str(work / name), [*extra, "--workers", str(count)])
+        proxies = {name: (url, proc.pid) for name, (proc, url) in started.items()}
         asyncio.run(load(upstream_url, "", args.warmup, args.concurrency))
-        asyncio.run(load(proxy_url, "/ng-rollout/warm-{n}", args.warmup, args.concurrency))
-        ends = (upstream_url, upstream.pid), (proxy_url, proxy.pid)
-        rounds = [
-            compare(*ends, args.calls, args.concurrency, f"r{i}-", proxy_first=i % 2 == 1)
-            for i in range(args.rounds)
-        ]
-        light = compare(*ends, args.calls // 4, args.light_concurrency, "light-", proxy_first=False)
-        rows = sum(
-            p.read_bytes().count(b"\n")
-            for p in (work / "captures").glob("*.capture.jsonl")
-            if not p.name.startswith(("warm", "light"))
-        )
+        for url, _ in proxies.values():
+            asyncio.run(load(url, "/ng-rollout/warm-{n}", args.warmup, args.concurrency))
+        ends = (upstream_url, upstream.pid), proxies
+        rounds = [compare(*ends, args.calls, args.concurrency, f"r{i}-", shift=i) for i in range(args.rounds)]
+        light = compare(*ends, args.calls // 4, args.light_concurrency, "light-", shift=0)
+        rows = {
+            name: sum(
+                p.read_bytes().count(b"\n")
+                for p in (work / name).glob("*.capture.jsonl")
+                if not p.name.startswith(("warm", "light"))
+            )
+            for name in proxies
+        }
     finally:
-        for proc in (proxy, upstream):
+        for proc in [*(proc for proc, _ in started.values()), upstream]:
             proc.terminate()
-            proc.wait(30)
+            proc.wait(60)
         shutil.rmtree(work, ignore_errors=True)
 
     report = {
@@ -377,10 +503,11 @@ def main() -> None:
             "client": args.client or "default",
             "captures": "local disk (JSONL), claim + row + release per call",
             "processes": "upstream, proxy and load generator each in its own process",
+            "proxies": {f"workers_{n}": f"rollout-capture proxy --workers {n}" for n in counts},
         },
         "summary_min_median_max": summary(rounds),
         "rows_written": rows,
-        "rows_expected": args.calls * args.rounds,
+        "rows_expected_each": args.calls * args.rounds,
         "rounds": rounds,
         "light_load": light,
     }

@@ -534,6 +534,13 @@ def proxy(
     client: Annotated[
         UpstreamClient, typer.Option(envvar="ROLLOUT_CAPTURE_UPSTREAM_CLIENT", help="Upstream HTTP client.")
     ] = UpstreamClient.aiohttp,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Worker processes on the one port, each with its own event loop (one loop is one core).",
+        ),
+    ] = 1,
 ) -> None:
     """Reverse proxy in front of a model server, capturing calls under /ng-rollout/<id>/v1/."""
     with _exits(as_json):
@@ -563,6 +570,7 @@ def proxy(
             access_log=access_log,
             http=http.value,
             loop=loop.value,
+            workers=workers,
             announce=(lambda line: _print_json({"ok": True, "serving": line}))
             if as_json
             else (lambda line: typer.echo(line, err=True)),

@@ -37,3 +37,21 @@ def run_tick(api_url: str, root: str, options: dict[str, Any] | None, lease_s: f
     from flows import enrich_completed_runs
 
     enrich_completed_runs(root, lease_s=lease_s, quiescence_timeout_s=600.0, storage_options=options)
+
+
+def supervised(index: int, marks: str) -> None:
+    """A supervised worker: worker 0 dies at once, then fails to start; the others wait to be stopped."""
+    import os
+    import sys
+    import time
+    from pathlib import Path
+
+    from rollout_capture.producer.workers import STARTUP_FAILURE
+
+    if index == 0:
+        mark = Path(marks) / "died-once"
+        if not mark.exists():
+            mark.touch()
+            os._exit(1)
+        sys.exit(STARTUP_FAILURE)
+    time.sleep(60)  # until the supervisor's SIGTERM

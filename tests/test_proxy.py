@@ -3,6 +3,7 @@ captures, pass-through, faults, a client that leaves, S3, a killed and a stopped
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -260,7 +261,7 @@ def test_a_client_that_leaves_mid_stream_still_leaves_its_row(
         upstream_app.gate("gone-1").set()
         assert (row["status_code"], row["error_category"]) == (200, "cancelled")
         assert row["response"]["id"] == CHAT["id"]  # what had arrived
-        assert patient.store.claims(["gone-1"]) == {}
+        wait_for(lambda: patient.store.claims(["gone-1"]) == {})  # released just after the row lands
     finally:
         upstream_app.gate("gone-1").set()
         patient.server.stop()
@@ -314,31 +315,66 @@ def test_the_proxy_writes_objects_on_s3(scripted_upstream: tuple[str, Any], s3: 
 # ---------------------------------------------------------------- a real proxy process
 
 
+class Spawned:
+    """A ``rollout-capture proxy`` process: its URL, and what it logged (drained, so it never blocks)."""
+
+    def __init__(self, upstream: str, capture_dir: Path, *extra: str) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "flows.cli",
+                "proxy",
+                "--upstream",
+                upstream,
+                "--capture-dir",
+                str(capture_dir),
+                "--port",
+                "0",
+                "--log-level",
+                "warning",
+                *extra,
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        assert self.proc.stderr is not None
+        line = self.proc.stderr.readline()
+        assert " on http://" in line, line
+        self.url = line.split(" on ", 1)[1].split(" ", 1)[0]
+        self.log: list[str] = []
+        self._drain = threading.Thread(target=self._read, args=(self.proc.stderr,), daemon=True)
+        self._drain.start()
+
+    def _read(self, stream: Any) -> None:
+        for line in stream:
+            self.log.append(line)
+
+    def workers(self) -> list[int]:
+        """The pids of its worker processes (children running multiprocessing's spawn)."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                command = (entry / "cmdline").read_bytes()
+            except (OSError, IndexError, ValueError):
+                continue
+            if parent == self.proc.pid and b"spawn_main" in command:
+                found.append(int(entry.name))
+        return sorted(found)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
 def spawn_proxy(upstream: str, capture_dir: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flows.cli",
-            "proxy",
-            "--upstream",
-            upstream,
-            "--capture-dir",
-            str(capture_dir),
-            "--port",
-            "0",
-            "--log-level",
-            "warning",
-            *extra,
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    assert proc.stderr is not None
-    line = proc.stderr.readline()
-    assert " on http://" in line, line
-    return proc, line.split(" on ", 1)[1].split(" ", 1)[0]
+    spawned = Spawned(upstream, capture_dir, *extra)
+    return spawned.proc, spawned.url
 
 
 def stream_in_background(url: str, rollout_id: str, model: str) -> tuple[threading.Thread, dict[str, Any]]:
@@ -358,6 +394,18 @@ def stream_in_background(url: str, rollout_id: str, model: str) -> tuple[threadi
     thread = threading.Thread(target=run)
     thread.start()
     return thread, outcome
+
+
+def refused(url: str) -> bool:
+    """Whether a new connection to the server is refused (it stopped listening)."""
+    import socket
+
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
 
 
 def wait_for(predicate: Any, timeout_s: float = 15.0) -> None:
@@ -389,26 +437,159 @@ async def test_a_killed_proxy_leaves_claims_that_expire_as_abandoned(
     assert {"code": "model_call_capture_claim_abandoned", "detail": "count=1"} in gaps
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 def test_a_stopped_proxy_finishes_the_calls_in_flight(
-    scripted_upstream: tuple[str, Any], tmp_path: Path
+    scripted_upstream: tuple[str, Any], tmp_path: Path, workers: int
 ) -> None:
-    proc, url = spawn_proxy(scripted_upstream[0], tmp_path)
+    proc, url = spawn_proxy(scripted_upstream[0], tmp_path, "--workers", str(workers))
     store = CaptureStore(tmp_path)
+    rollout_id, gate = f"8-{workers}", f"stopped-{workers}"
     try:
-        thread, outcome = stream_in_background(url, "8-0", "scripted-gated-stopped")
-        wait_for(lambda: store.live_claims("8-0"))
+        thread, outcome = stream_in_background(url, rollout_id, f"scripted-gated-{gate}")
+        wait_for(lambda: store.live_claims(rollout_id))
         proc.send_signal(signal.SIGTERM)  # mid-stream: the upstream waits at its gate
-        time.sleep(0.3)  # the stop has begun (either way the call must finish whole)
-        scripted_upstream[1].gate("stopped").set()
+        wait_for(lambda: refused(url))  # every worker stopped accepting; the call goes on
+        scripted_upstream[1].gate(gate).set()
         thread.join(30)
         assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once stopped
     finally:
+        scripted_upstream[1].gate(gate).set()
         if proc.poll() is None:
             proc.kill()
     assert outcome.get("body") == b"".join(chat_events(include_usage=False))
-    (row,) = store.read("8-0")
+    (row,) = store.read(rollout_id)
     assert (row["status_code"], row["error_category"]) == (200, None)
-    assert store.claims(["8-0"]) == {}
+    assert store.claims([rollout_id]) == {}
+
+
+# ---------------------------------------------------------------- several worker processes
+
+
+@pytest.fixture(scope="module")
+def two_workers(
+    scripted_upstream: tuple[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Spawned, CaptureStore]]:
+    root = tmp_path_factory.mktemp("two-workers")
+    spawned = Spawned(scripted_upstream[0], root, "--workers", "2", "--server-name", SERVER)
+    try:
+        yield spawned, CaptureStore(root)
+    finally:
+        spawned.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_two_worker_proxy_captures_sdk_calls(
+    two_workers: tuple[Spawned, CaptureStore], stream: bool
+) -> None:
+    spawned, store = two_workers
+    wait_for(lambda: len(spawned.workers()) == 2)  # spawned just after the address is announced
+    for dialect in DIALECTS:
+        rollout_id = f"w2-{dialect}-{int(stream)}"
+        assert sdk_call(spawned.url, rollout_id, dialect, stream)["tool"] == "get_weather"
+        (row,) = store.read(rollout_id)
+        check_row(row, dialect, server_name=SERVER)
+        assert store.claims([rollout_id]) == {}
+
+
+def test_concurrent_calls_of_one_rollout_through_two_workers_leave_one_row_each(
+    two_workers: tuple[Spawned, CaptureStore], scripted_upstream: tuple[str, Any]
+) -> None:
+    """Both workers append to the same rollout's capture at once: flock'd appends, per-call claims."""
+    spawned, store = two_workers
+    rollout_id, gate, streams, plain = "w2-same-0", "same-2w", 16, 8
+    try:
+        # Streams held at the upstream's gate, each on a connection of its own: the kernel
+        # spreads the connections over both workers' sockets.
+        held = [
+            stream_in_background(spawned.url, rollout_id, f"scripted-gated-{gate}") for _ in range(streams)
+        ]
+        wait_for(lambda: len(store.live_claims(rollout_id)) == streams)
+        assert len({claim.pid for claim in store.live_claims(rollout_id)}) == 2  # both hold calls
+        # Meanwhile whole calls of every dialect land their rows beside the open ones.
+        done = [
+            threading.Thread(target=sdk_call, args=(spawned.url, rollout_id, DIALECTS[n % 3], False))
+            for n in range(plain)
+        ]
+        for thread in done:
+            thread.start()
+        for thread in done:
+            thread.join(30)
+        scripted_upstream[1].gate(gate).set()
+        for thread, _ in held:
+            thread.join(30)
+    finally:
+        scripted_upstream[1].gate(gate).set()
+    expected = b"".join(chat_events(include_usage=False))
+    assert all(outcome.get("body") == expected for _, outcome in held)
+    snapshot = store.snapshot(rollout_id)
+    assert snapshot.damaged == [] and not snapshot.incomplete
+    rows = store.read(rollout_id)
+    assert len(rows) == streams + plain
+    assert len({row["model_call_id"] for row in rows}) == streams + plain
+    assert all((row["status_code"], row["error_category"]) == (200, None) for row in rows)
+    dialects = ["chat"] * streams + [DIALECTS[n % 3] for n in range(plain)]
+    assert sorted(row["dialect"] for row in rows) == sorted(dialects)
+    assert store.claims([rollout_id]) == {}
+
+
+def test_a_worker_that_dies_is_reported_and_replaced(two_workers: tuple[Spawned, CaptureStore]) -> None:
+    spawned, store = two_workers
+    wait_for(lambda: len(spawned.workers()) == 2)
+    before = spawned.workers()
+    os.kill(before[0], signal.SIGKILL)
+    wait_for(lambda: any("died (signal SIGKILL)" in line for line in spawned.log))
+    wait_for(lambda: len(spawned.workers()) == 2 and spawned.workers() != before)
+    for n in range(4):  # fresh connections, whichever worker takes them
+        sdk_call(spawned.url, "w2-after-0", "chat", stream=n % 2 == 1)
+    assert len(store.read("w2-after-0")) == 4
+
+
+def test_workers_whose_parent_is_killed_finish_their_calls_and_stop(
+    scripted_upstream: tuple[str, Any], tmp_path: Path
+) -> None:
+    spawned = Spawned(scripted_upstream[0], tmp_path, "--workers", "2")
+    store = CaptureStore(tmp_path)
+    try:
+        thread, outcome = stream_in_background(spawned.url, "10-0", "scripted-gated-orphaned")
+        wait_for(lambda: store.live_claims("10-0"))
+        workers = spawned.workers()
+        spawned.proc.send_signal(signal.SIGKILL)  # the parent cannot pass a stop on: they notice
+        spawned.proc.wait(10)
+        wait_for(lambda: refused(spawned.url))
+        scripted_upstream[1].gate("orphaned").set()
+        thread.join(30)
+        wait_for(lambda: not [pid for pid in workers if running(pid)])
+    finally:
+        scripted_upstream[1].gate("orphaned").set()
+        spawned.stop()
+    assert outcome.get("body") == b"".join(chat_events(include_usage=False))
+    (row,) = store.read("10-0")
+    assert (row["status_code"], row["error_category"]) == (200, None)
+    assert store.claims(["10-0"]) == {}
+
+
+def running(pid: int) -> bool:
+    """Whether a process is there and not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_supervisor_restarts_a_dead_worker_and_gives_up_on_one_that_cannot_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from rollout_capture.producer import workers
+
+    from .spawned import supervised
+
+    monkeypatch.setattr(workers, "RESTART_DELAY_S", 0.01)
+    with pytest.raises(workers.WorkerStartupFailed, match=r"worker 0 \(pid \d+\) could not start"):
+        workers.supervise(supervised, lambda index: (index, str(tmp_path)), 2, stop_timeout_s=30)
+    died = [r.getMessage() for r in caplog.records if "died" in r.getMessage()]
+    assert len(died) == 1 and "worker 0" in died[0] and "exit code 1" in died[0]
+    # The other one was stopped (and waited for) before the raise.
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("worker-")]
 
 
 def test_the_cli_refuses_bad_settings_with_exit_code_2(tmp_path: Path) -> None:
@@ -421,6 +602,8 @@ def test_the_cli_refuses_bad_settings_with_exit_code_2(tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "upstream must be an http" in bad.output
     secret = ["proxy", "--upstream", "http://x", "-c", str(tmp_path), "--storage-options", '{"secret": "s"}']
     assert runner.invoke(app, secret).exit_code == 2
+    none = ["proxy", "--upstream", "http://x", "-c", str(tmp_path), "--workers", "0"]
+    assert runner.invoke(app, none).exit_code == 2
 
 
 async def test_the_proxys_connections_have_nagle_off() -> None:
