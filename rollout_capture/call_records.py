@@ -493,22 +493,7 @@ def verifier_invocation_dict(
         and _str_keys(request)
         and _str_keys(response)
     ):
-        if include_payloads:
-            return {
-                "verifier_invocation_id": invocation_id,
-                "call_index": call_index,
-                "verifier_ref": ref,
-                "started_at": started,
-                "completed_at": completed,
-                "latency_ms": latency,
-                "status_code": status_code,
-                "error_category": category,
-                "reward": reward,
-                "request": request,
-                "response": response,
-                "model_call_ids": [],
-            }
-        return {
+        fields: dict[str, Any] = {
             "verifier_invocation_id": invocation_id,
             "call_index": call_index,
             "verifier_ref": ref,
@@ -518,8 +503,12 @@ def verifier_invocation_dict(
             "status_code": status_code,
             "error_category": category,
             "reward": reward,
-            "model_call_ids": [],
         }
+        if include_payloads:  # in the model's field order
+            fields["request"] = request
+            fields["response"] = response
+        fields["model_call_ids"] = []
+        return fields
     record = VerifierInvocation.model_validate(
         {
             "verifier_invocation_id": invocation_id,

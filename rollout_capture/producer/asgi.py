@@ -1,4 +1,4 @@
-"""ASGI plumbing shared by the middleware and the proxy: types, reading a body, JSON errors."""
+"""ASGI plumbing shared by the middleware and the proxy: types, routing, reading a body, JSON errors."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import orjson
+
+from rollout_capture.producer.routing import BadRolloutId, Route, route
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -52,6 +54,15 @@ async def send_json_error(send: Send, status: int, message: str, kind: str) -> N
         }
     )
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def route_or_refuse(scope: Scope, send: Send) -> Route | None:
+    """The route of an HTTP request, or None once a bad rollout id has been answered with 400."""
+    try:
+        return route(scope["method"], scope["path"], scope.get("raw_path"))
+    except BadRolloutId as exc:
+        await send_json_error(send, 400, str(exc), "invalid_rollout_id")
+        return None
 
 
 def replace_header(headers: Headers, name: bytes, value: bytes | None) -> Headers:

@@ -20,11 +20,11 @@ from rollout_capture.producer.asgi import (
     Scope,
     Send,
     replace_header,
-    send_json_error,
+    route_or_refuse,
 )
 from rollout_capture.producer.classify import ErrorCategory
 from rollout_capture.producer.exchange import Exchange, start_exchange
-from rollout_capture.producer.routing import BadRolloutId, Route, route
+from rollout_capture.producer.routing import Route
 from rollout_capture.producer.settings import ProducerSettings
 from rollout_capture.producer.writer import writer_for
 
@@ -74,10 +74,8 @@ class CaptureMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        try:
-            found = route(scope["method"], scope["path"], scope.get("raw_path"))
-        except BadRolloutId as exc:
-            await send_json_error(send, 400, str(exc), "invalid_rollout_id")
+        found = await route_or_refuse(scope, send)
+        if found is None:
             return
         if found.rollout_id is None:
             await self.app(scope, receive, send)

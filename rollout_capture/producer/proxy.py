@@ -20,10 +20,19 @@ from typing import Any, Literal
 import httpx
 import uvicorn
 
-from rollout_capture.producer.asgi import Headers, Message, Receive, Scope, Send, read_body, send_json_error
+from rollout_capture.producer.asgi import (
+    Headers,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    route_or_refuse,
+    send_json_error,
+)
 from rollout_capture.producer.classify import ErrorCategory
 from rollout_capture.producer.exchange import Exchange, start_exchange
-from rollout_capture.producer.routing import BadRolloutId, Route, route
+from rollout_capture.producer.routing import Route
 from rollout_capture.producer.settings import ProxySettings
 from rollout_capture.producer.upstream import Upstream, UpstreamError, UpstreamResponse, open_upstream
 from rollout_capture.producer.writer import writer_for
@@ -154,10 +163,8 @@ class CaptureProxy:
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1003})
             return
-        try:
-            found = route(scope["method"], scope["path"], scope.get("raw_path"))
-        except BadRolloutId as exc:
-            await send_json_error(send, 400, str(exc), "invalid_rollout_id")
+        found = await route_or_refuse(scope, send)
+        if found is None:
             return
         if found.captured:
             await self._captured(scope, found, receive, send)
