@@ -42,6 +42,8 @@ _LIST_NAMES_MIN_IDS = 32
 # A listing is reused only if the root last changed this long before it was taken.
 _SETTLED_NS = 2_000_000_000
 _LIVE_FOLDERS_KEPT = 10_000
+# Most captures fit in one read this size, which saves an fstat per file; larger ones are sized.
+_FIRST_READ = 64 << 10
 
 
 def _nothing() -> None:
@@ -84,14 +86,22 @@ def _fsync_dir(path: str) -> None:
 
 
 def _read_whole(fd: int) -> bytes:
-    size = os.fstat(fd).st_size
-    data = os.read(fd, size + 1)  # one byte more than expected: a short read means EOF
-    if len(data) <= size:
+    """A file's bytes, read from its start: one read for a typical capture, and no fstat.
+
+    A short read means EOF on a regular file; only a file filling the first read is sized,
+    and read on until a short read (it may grow meanwhile).
+    """
+    data = os.read(fd, _FIRST_READ)
+    if len(data) < _FIRST_READ:
         return data
     chunks = [data]
-    while chunks[-1]:  # the file grew since fstat; read to the end
-        chunks.append(os.read(fd, 1 << 20))
-    return b"".join(chunks)
+    want = max(os.fstat(fd).st_size - len(data), 0) + 1
+    while True:
+        chunk = os.read(fd, want)
+        chunks.append(chunk)
+        if len(chunk) < want:
+            return b"".join(chunks)
+        want = 1 << 20
 
 
 def _read_locked(path: str) -> bytes | None:
