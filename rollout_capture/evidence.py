@@ -38,10 +38,10 @@ class _Unreadable(Exception):
     pass
 
 
-def _guard(store: CaptureStore, action: Callable[[], T]) -> T:
+def _guard(store: CaptureStore, action: Callable[..., T], *args: str) -> T:
     """Run a store read; transient faults propagate, anything else marks the store unreadable."""
     try:
-        return action()
+        return action(*args)
     except Exception as exc:
         if is_transient_storage_error(exc):
             raise
@@ -83,18 +83,13 @@ class EvidenceReader:
         """Fetch these rollouts again (their rows may have landed since)."""
         self._fetch(list(dict.fromkeys(rollout_ids)))
 
-    def _snapshot(self, index: int, rollout_id: str) -> RolloutSnapshot:
-        store, fetched = self._stores[index], self._fetched[index]
-        read = store.snapshot if fetched is None else fetched.snapshot
-        return _guard(store, partial(read, rollout_id))
-
     def evidence(self, rollout_id: str) -> Evidence:
         """The snapshot from the first store holding anything for the id."""
-        for index in range(len(self._stores)):
+        for index, (store, fetched) in enumerate(zip(self._stores, self._fetched, strict=True)):
             if index in self._broken:
                 return Evidence(None, unreadable=True)
             try:
-                snap = self._snapshot(index, rollout_id)
+                snap = _guard(store, store.snapshot if fetched is None else fetched.snapshot, rollout_id)
             except _Unreadable:
                 return Evidence(None, unreadable=True)
             if snap.found:

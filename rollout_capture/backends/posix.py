@@ -391,7 +391,9 @@ class PosixFetched(Fetched):
         return any(rollout_id + suffix in names for suffix in _ALL_SUFFIXES)
 
     def snapshot(self, rollout_id: str) -> RolloutSnapshot:
-        return self._backend.snapshot(validate_rollout_id(rollout_id), self._names_for(rollout_id))
+        if rollout_id not in self._ids:  # the batch's ids were validated when it was fetched
+            validate_rollout_id(rollout_id)
+        return self._backend.snapshot(rollout_id, self._names_for(rollout_id))
 
     def claims(self) -> dict[str, list[Claim]]:
         names = self._names
@@ -400,5 +402,6 @@ class PosixFetched(Fetched):
         )
 
     def refresh(self, rollout_ids: Collection[str]) -> None:
-        self._ids |= set(rollout_ids)
-        self._fresh |= set(rollout_ids)
+        ids = {validate_rollout_id(r) for r in rollout_ids}
+        self._ids |= ids
+        self._fresh |= ids
