@@ -1,7 +1,7 @@
 """What the capture proxy adds to a model call: latency, first-chunk delay, throughput, CPU.
 
     python benchmarks/bench_proxy.py [--calls 2000] [--concurrency 32] [--delay-ms 20] [--rounds 3]
-                                     [--workers 2,4] [--capture-root DIR]
+                                     [--workers 2,4] [--calls-per-rollout 1] [--capture-root DIR]
 
 Same upstream, same load, direct, through ``rollout-capture proxy`` with one worker and
 through one with each of the ``--workers`` counts of worker processes, each writing its
@@ -270,10 +270,16 @@ class Connection:
 
 
 async def load(
-    url: str, prefix: str, calls: int, concurrency: int, while_open: Callable[[], Any] | None = None
+    url: str,
+    prefix: str,
+    calls: int,
+    concurrency: int,
+    while_open: Callable[[], Any] | None = None,
+    per_rollout: int = 1,
 ) -> dict[str, Any]:
-    """``calls`` calls over ``concurrency`` keep-alive connections; ``while_open`` is called
-    (its result kept as ``spread``) once they are done but before the connections close."""
+    """``calls`` calls over ``concurrency`` keep-alive connections, ``per_rollout`` consecutive
+    calls to each rollout id; ``while_open`` is called (its result kept as ``spread``) once
+    they are done but before the connections close."""
     host = url.removeprefix("http://")
     plain = json.dumps({"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}).encode()
     stream = json.dumps(
@@ -287,7 +293,7 @@ async def load(
         conn = await Connection.open(url)
         LOADGEN_PORTS.add(conn.writer.get_extra_info("sockname")[1])
         for n in counter:
-            path = f"{prefix.format(n=n)}/v1/chat/completions"
+            path = f"{prefix.format(n=n // per_rollout)}/v1/chat/completions"
             streaming = n % 2 == 1
             first, total = await conn.post(path, host, stream if streaming else plain)
             latencies.append(total)
@@ -324,6 +330,7 @@ def measured(
     concurrency: int,
     pids: dict[str, int | None],
     upstream_port: int,
+    per_rollout: int = 1,
 ) -> dict[str, Any]:
     """One load, with the CPU milliseconds per call of each process named in ``pids`` (a
     proxy's summed over its worker processes).
@@ -339,7 +346,7 @@ def measured(
     if proxy_pid is not None:
         port = int(url.rsplit(":", 1)[1])
         spread = lambda: connections_per_process(proxy_pid, port)  # noqa: E731
-    result = asyncio.run(load(url, prefix, calls, concurrency, spread))
+    result = asyncio.run(load(url, prefix, calls, concurrency, spread, per_rollout))
     result["cpu_ms_per_call"] = {
         name: round((cpu_seconds(pid) - before[name]) * 1000 / calls, 3) for name, pid in pids.items()
     }
@@ -367,6 +374,7 @@ def compare(
     concurrency: int,
     tag: str,
     shift: int,
+    per_rollout: int = 1,
 ) -> dict[str, Any]:
     """Direct and through each proxy, same load, the order rotated by ``shift``; the proxied
     rollout ids are fresh for each comparison."""
@@ -383,7 +391,7 @@ def compare(
             proxy_url, proxy_pid = proxies[name]
             prefix = "/ng-rollout/" + tag + "{n}-0"
             pids: dict[str, int | None] = {"proxy": proxy_pid, **direct_pids}
-            runs[name] = measured(proxy_url, prefix, calls, concurrency, pids, port)
+            runs[name] = measured(proxy_url, prefix, calls, concurrency, pids, port, per_rollout)
     direct = runs["direct"]
 
     def added(proxied: dict[str, Any]) -> dict[str, float]:
@@ -473,6 +481,12 @@ def main() -> None:
         help="proxy worker processes, comma-separated counts (each measured beside a 1-worker proxy)",
     )
     parser.add_argument(
+        "--calls-per-rollout",
+        type=int,
+        default=1,
+        help="consecutive calls sent to each rollout id (1: every call opens a new capture file)",
+    )
+    parser.add_argument(
         "--capture-root",
         default=None,
         help="where the capture dirs go (default: the system temp dir); e.g. /dev/shm to leave the disk out",
@@ -499,8 +513,12 @@ def main() -> None:
         for url, _ in proxies.values():
             asyncio.run(load(url, "/ng-rollout/warm-{n}", args.warmup, args.concurrency))
         ends = (upstream_url, upstream.pid), proxies
-        rounds = [compare(*ends, args.calls, args.concurrency, f"r{i}-", shift=i) for i in range(args.rounds)]
-        light = compare(*ends, args.calls // 4, args.light_concurrency, "light-", shift=0)
+        per = args.calls_per_rollout
+        rounds = [
+            compare(*ends, args.calls, args.concurrency, f"r{i}-", shift=i, per_rollout=per)
+            for i in range(args.rounds)
+        ]
+        light = compare(*ends, args.calls // 4, args.light_concurrency, "light-", shift=0, per_rollout=per)
         rows = {
             name: sum(
                 p.read_bytes().count(b"\n")
@@ -526,7 +544,8 @@ def main() -> None:
             "streaming_share": 0.5,
             "server": {"http": args.http, "loop": args.loop},
             "client": args.client or "default",
-            "captures": "JSONL, claim + row (fsync) + release per call, a new rollout per call",
+            "captures": "JSONL, claim + row (fsync) + release per call",
+            "calls_per_rollout": args.calls_per_rollout,
             "capture_filesystem": filesystem_of(work),
             "processes": "upstream, proxy and load generator each in its own process",
             "proxies": {f"workers_{n}": f"rollout-capture proxy --workers {n}" for n in counts},
