@@ -406,6 +406,7 @@ class LeaseKeeper:
         self.renewals = 0
         self.last_error: BaseException | None = None
         self._lost: str | None = None
+        self._fenced = False  # finish() renewed the lease for the last time
         self._marked = False
         self._lock = threading.Lock()  # one renewal at a time: the beat and a fence never race
         self._stop = threading.Event()
@@ -477,14 +478,22 @@ class LeaseKeeper:
             return self._renew()
 
     def finish(self, summary: Mapping[str, Any]) -> None:
-        """Fence, write ``_ENRICHED``, drop the lease. Safe to retry."""
+        """Fence, write ``_ENRICHED``, drop the lease. Safe to retry: once fenced, a retry
+        writes the marker again (its own earlier write is recognised) without renewing,
+        since a renewal would find that marker and call the lease lost."""
         with self._lock:
-            if not self._marked:
+            if not self._fenced:
                 self.check()
                 self._renew()
-                self.root.mark_enriched(self.run, self._lease, summary)
+                self._fenced = True
+                self._stop.set()  # the fence holds a whole lease: no renewal may follow
+            if not self._marked:
+                try:
+                    self.root.mark_enriched(self.run, self._lease, summary)
+                except AlreadyEnriched as exc:
+                    self._lost = str(exc)
+                    raise
                 self._marked = True
-            self._stop.set()  # no renewal may follow: it would find _ENRICHED and call itself lost
             self.root.drop_leases(self.run)
         self.stop()
 

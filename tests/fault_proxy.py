@@ -50,6 +50,7 @@ class FaultProxy:
         self._trigger: tuple[bytes, float] | None = None
         self._throttle = 0
         self._lose_pattern: bytes | None = None
+        self._lose_times = 0
         self._lose: set[socket.socket] = set()  # upstream sockets whose next answer is dropped
         self.lost = 0
         self.outages = 0
@@ -103,7 +104,9 @@ class FaultProxy:
                         return  # this request dies with the endpoint
                     if self._lose_pattern is not None and self._lose_pattern in data:
                         with self._lock:
-                            self._lose_pattern = None
+                            self._lose_times -= 1
+                            if self._lose_times <= 0:
+                                self._lose_pattern = None
                             self._lose.add(sink)
                     throttled, requests = self._count(data)
                     if throttled:
@@ -189,9 +192,11 @@ class FaultProxy:
         time.sleep(seconds)
         self.up()
 
-    def lose_answer_on(self, pattern: bytes) -> None:
-        """Forward the first request carrying ``pattern``, then cut the connection before its answer."""
-        self._lose_pattern = pattern
+    def lose_answer_on(self, pattern: bytes, times: int = 1) -> None:
+        """Forward the next ``times`` requests carrying ``pattern``, each time cutting the
+        connection before its answer (``times=0``: stop losing answers)."""
+        with self._lock:
+            self._lose_pattern, self._lose_times = (pattern if times > 0 else None), times
 
     def outage_on(self, pattern: bytes, seconds: float) -> None:
         """Go down for ``seconds`` the first time a request carrying ``pattern`` passes."""

@@ -191,3 +191,29 @@ def test_the_heartbeat_rides_out_an_outage(flaky_s3: tuple[S3, Any], s3: S3, tmp
         assert keeper.lost is None and is_transient_storage_error(keeper.last_error)
         assert keeper.fence().generation > lease.generation
     keeper.release()
+
+
+def test_a_finish_retried_after_its_marker_landed_still_finishes(
+    flaky_s3: tuple[S3, Any], s3: S3, tmp_path: Path
+) -> None:
+    """``_ENRICHED`` lands but every answer to it is lost, so finishing fails; the retry must
+    recognise its own marker (not renew into it and call the run lost) and drop the lease."""
+    via, proxy = flaky_s3
+    Where(tmp_path, s3).make_run("r")
+    root = RunsRoot(via.url("runs"), via.storage_options)
+    (run,) = root.runs()
+    lease = root.acquire(run, 600)
+    assert lease is not None
+    keeper = LeaseKeeper(root, run, lease, heartbeat_s=0.05).start()
+    proxy.lose_answer_on(b"/runs/r/_ENRICHED ", times=20)  # the first PUT and all of s3fs's retries
+    with pytest.raises(Exception) as failed:
+        keeper.finish({"rollouts": 3})
+    assert not isinstance(failed.value, LeaseLost)
+    assert proxy.lost >= 1
+    proxy.lose_answer_on(b"", times=0)  # answers get through again
+    keeper.finish({"rollouts": 3})  # the retry
+    assert keeper.lost is None
+    names = Where(tmp_path, s3).names("r")
+    assert "_ENRICHED" in names and not any(n.startswith("_ENRICHING") for n in names)
+    marker = orjson.loads(s3.fs().cat(f"{s3.bucket}/runs/r/_ENRICHED"))
+    assert marker["enriched_by"] == lease.owner
