@@ -83,3 +83,19 @@ def test_a_small_job_lists_each_rollout(flaky_s3: tuple[S3, Any], s3: S3) -> Non
     proxy.reset_counts()
     assert enrich_lines(lines, [store]).stats.calls == 6
     assert proxy.reset_counts() == {"LIST": 3, "GET": 6}
+
+
+def test_a_claim_released_after_the_jobs_listing_brings_its_row_in(s3: S3) -> None:
+    """The job's one listing saw a claim and no row; by a later batch the call has finished.
+    The vanished claim means a row landed after the listing: that rollout is listed again."""
+    lines = fill(s3, rollouts=40, rows=1)
+    late = orjson.dumps({"_ng_task_index": 99, "_ng_rollout_index": 0})
+    store = CaptureStore(s3.url("caps"), storage_options=s3.storage_options)
+    job = ListingScope(key="flow-run-late", rollouts=41)
+    with store.claim("99-0", model_call_id="late"):
+        first = enrich_lines(lines, [store], scope=job, quiescence_timeout_s=0)  # lists the root
+        assert first.stats.calls == 40
+        store.record("99-0", {**ROW, "model_call_id": "late"})
+    assert not store.live_claims("99-0")
+    second = enrich_lines([late], [store], scope=job, quiescence_timeout_s=0)
+    assert second.stats.calls == 1 and not second.stats.gaps

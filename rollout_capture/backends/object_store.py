@@ -34,6 +34,7 @@ KEYS_PER_PAGE = 1000
 # Below this many rollouts, and with nothing learnt yet, one listing per rollout is cheapest.
 _FLAT_MIN_IDS = 32
 _CLEAR_ATTEMPTS = 3
+_RELIST_ATTEMPTS = 4  # listings of a rollout whose claims keep vanishing as they are read
 
 _memory_create_lock = threading.Lock()
 
@@ -331,10 +332,24 @@ class ObjectFetched(Fetched):
         self._bodies: dict[str, bytes | None] = {}
 
     def add(self, listings: dict[str, RolloutListing]) -> None:
-        """Read the files of these listings (replacing what was known of their rollouts)."""
-        paths = [path for listing in listings.values() for path in listed_paths(listing)]
-        self._bodies.update(zip(paths, self._backend.read_many(paths), strict=True))
-        self._listings.update(listings)
+        """Read the files of these listings (replacing what was known of their rollouts).
+
+        A listed claim gone by the time it is read was released after the listing, so its
+        row landed after it too: those rollouts are listed and read again, until no claim
+        vanishes (a listing shared by a whole job is minutes old by its last batch).
+        """
+        for _ in range(_RELIST_ATTEMPTS):
+            paths = [path for listing in listings.values() for path in listed_paths(listing)]
+            self._bodies.update(zip(paths, self._backend.read_many(paths), strict=True))
+            self._listings.update(listings)
+            released = [
+                rollout_id
+                for rollout_id, listing in listings.items()
+                if any(self._bodies.get(entry.path) is None for _, entry in listing.claims)
+            ]
+            if not released:
+                return
+            listings = self._backend.list_rollouts(released)
 
     def found(self, rollout_id: str) -> bool:
         listing = self._listings.get(rollout_id)
