@@ -99,3 +99,19 @@ def test_a_claim_released_after_the_jobs_listing_brings_its_row_in(s3: S3) -> No
     assert not store.live_claims("99-0")
     second = enrich_lines([late], [store], scope=job, quiescence_timeout_s=0)
     assert second.stats.calls == 1 and not second.stats.gaps
+
+
+def test_jobs_sharing_a_store_in_parallel_each_keep_their_listing(flaky_s3: tuple[S3, Any], s3: S3) -> None:
+    """Runs enriched side by side share one store: their batches interleave, and each job
+    still lists the root once."""
+    via, proxy = flaky_s3
+    lines = fill(s3, rollouts=300, rows=4)  # 1,200 keys: a flat listing is two pages
+    store = CaptureStore(via.url("caps"), storage_options=via.storage_options)
+    jobs = [ListingScope(key=f"run-{n}", rollouts=len(lines)) for n in range(3)]
+    proxy.reset_counts()
+    calls = 0
+    for start in range(0, 60, 10):
+        for job in jobs:
+            calls += enrich_lines(lines[start : start + 10], [store], scope=job).stats.calls
+    assert calls == 3 * 240
+    assert proxy.reset_counts() == {"LIST": 3 * 2, "GET": 3 * 240}

@@ -34,6 +34,7 @@ KEYS_PER_PAGE = 1000
 # Below this many rollouts, and with nothing learnt yet, one listing per rollout is cheapest.
 _FLAT_MIN_IDS = 32
 _CLEAR_ATTEMPTS = 3
+_SCOPES_KEPT = 4  # jobs whose listing is kept at once
 _RELIST_ATTEMPTS = 4  # listings of a rollout whose claims keep vanishing as they are read
 
 _memory_create_lock = threading.Lock()
@@ -88,7 +89,9 @@ class ObjectStoreBackend(Backend):
         self._read_kwargs: dict[str, Any] = {"max_concurrency": 1} if self._s3 else {}
         self._atomic_create = self._s3 or protocol_of(fs) in {"gs", "gcs"}
         self._root_keys: int | None = None  # keys in the root at its last flat listing
-        self._scoped: tuple[str, dict[str, RolloutListing] | None] | None = None
+        # The listing of each job (flow run) recently served, newest last: jobs sharing this
+        # store in parallel (runs enriched side by side) each keep theirs.
+        self._scoped: dict[str, dict[str, RolloutListing] | None] = {}
         self._scope_lock = threading.Lock()
 
     def path(self, name: str) -> str:
@@ -197,17 +200,20 @@ class ObjectStoreBackend(Backend):
     def _scoped_listings(self, ids: list[str], scope: ListingScope) -> dict[str, RolloutListing]:
         """Listings for a batch of a job, from the job's one flat listing when it has (or takes) one."""
         with self._scope_lock:  # batches of one job run in threads: one of them lists
-            if self._scoped is None or self._scoped[0] != scope.key:
-                self._scoped = (scope.key, self._listings(ids, max(scope.rollouts, len(ids))))
-            flat = self._scoped[1]
+            if scope.key in self._scoped:
+                flat = self._scoped[scope.key]
+            else:
+                flat = self._listings(ids, max(scope.rollouts, len(ids)))
+                while len(self._scoped) >= _SCOPES_KEPT:
+                    del self._scoped[next(iter(self._scoped))]  # the oldest job's
+                self._scoped[scope.key] = flat
         if flat is None:
             return self._one_by_one(ids)
         return {r: flat.get(r) or RolloutListing() for r in ids}
 
     def end_scope(self, key: str) -> None:
         with self._scope_lock:
-            if self._scoped is not None and self._scoped[0] == key:
-                self._scoped = None
+            self._scoped.pop(key, None)
 
     # ------------------------------------------------------------------ reading
 
