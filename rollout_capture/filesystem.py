@@ -1,6 +1,6 @@
 """URL to filesystem, with the defaults object stores need to be read correctly and fast.
 
-s3fs caches listings (stale reads of a capture being written) and botocore pools only
+s3fs, gcsfs and adlfs cache listings (stale reads of a capture being written) and botocore pools only
 10 connections (concurrent reads queue behind them); both are fixed here, once.
 """
 
@@ -17,6 +17,9 @@ from rollout_capture.secret_options import refuse_secret_options
 
 DEFAULT_READ_CONCURRENCY = 32
 _S3_PROTOCOLS = {"s3", "s3a"}
+# Object stores whose fsspec filesystem caches listings (a stale listing misses new rows,
+# leases and markers): S3 and the others that keep a dircache.
+_LISTING_CACHES = _S3_PROTOCOLS | {"gs", "gcs", "az", "abfs", "abfss", "adl"}
 
 
 def protocol_of(fs: fsspec.AbstractFileSystem) -> str:
@@ -34,8 +37,9 @@ def with_defaults(url: str, storage_options: Mapping[str, Any] | None, concurren
     """Storage options plus safe defaults for the URL's scheme (never overriding the caller)."""
     options = dict(storage_options or {})
     scheme = url.split("://", 1)[0] if "://" in url else "file"
-    if scheme in _S3_PROTOCOLS:
+    if scheme in _LISTING_CACHES:
         options.setdefault("use_listings_cache", False)
+    if scheme in _S3_PROTOCOLS:
         config_kwargs = dict(options.get("config_kwargs") or {})
         config_kwargs.setdefault("max_pool_connections", max(10, concurrency + 8))
         options["config_kwargs"] = config_kwargs

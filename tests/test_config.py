@@ -58,3 +58,13 @@ def test_secret_looking_storage_options_are_refused(options: dict[str, object]) 
 
 def test_ordinary_storage_options_pass() -> None:
     refuse_secret_options({"anon": False, "client_kwargs": {"endpoint_url": "http://x"}, "profile": "dev"})
+
+
+@pytest.mark.parametrize("url", ["s3://b/caps", "gs://b/caps", "gcs://b/caps", "az://c/caps", "abfs://c/caps"])
+def test_object_stores_that_cache_listings_get_the_cache_off(url: str) -> None:
+    """A cached listing would miss rows, leases and markers written since; the caller may still choose."""
+    from rollout_capture.filesystem import with_defaults
+
+    assert with_defaults(url, None, 8)["use_listings_cache"] is False
+    assert with_defaults(url, {"use_listings_cache": True}, 8)["use_listings_cache"] is True
+    assert "use_listings_cache" not in with_defaults("/local/caps", None, 8)
