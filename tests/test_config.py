@@ -60,7 +60,9 @@ def test_ordinary_storage_options_pass() -> None:
     refuse_secret_options({"anon": False, "client_kwargs": {"endpoint_url": "http://x"}, "profile": "dev"})
 
 
-@pytest.mark.parametrize("url", ["s3://b/caps", "gs://b/caps", "gcs://b/caps", "az://c/caps", "abfs://c/caps"])
+@pytest.mark.parametrize(
+    "url", ["s3://b/caps", "gs://b/caps", "gcs://b/caps", "az://c/caps", "abfs://c/caps"]
+)
 def test_object_stores_that_cache_listings_get_the_cache_off(url: str) -> None:
     """A cached listing would miss rows, leases and markers written since; the caller may still choose."""
     from rollout_capture.filesystem import with_defaults
