@@ -7,6 +7,7 @@ sequence of objects on object stores (which have no append). Reads understand bo
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import threading
@@ -361,15 +362,19 @@ def shared_store(
     storage_options: Mapping[str, Any] | None = None,
     *,
     credentials: Mapping[str, Any] | None = None,
-    credentials_name: str | None = None,
 ) -> CaptureStore:
-    """One store per URL and options in this process, reused across batches.
+    """One store per URL, options and credentials in this process, reused across batches.
 
     Reuse keeps what a store learns (the size of its root, sequence hints, a job's shared
-    listing) and its filesystem's connection pool. ``credentials_name`` keys the
-    credentials' source. The least recently used stores are let go past a few.
+    listing) and its filesystem's connection pool; renewed credentials get a store of
+    their own (keyed by a digest, never the secret). The least recently used are let go.
     """
-    key = (url, orjson.dumps(dict(storage_options or {}), option=orjson.OPT_SORT_KEYS), credentials_name)
+    digest = (
+        hashlib.sha256(orjson.dumps(dict(credentials), option=orjson.OPT_SORT_KEYS)).hexdigest()
+        if credentials
+        else None
+    )
+    key = (url, orjson.dumps(dict(storage_options or {}), option=orjson.OPT_SORT_KEYS), digest)
     with _shared_lock:
         store = _shared.get(key)
         if store is None:

@@ -10,7 +10,6 @@ go through the pipes, so the parent stays free to orchestrate (retries, the UI).
 from __future__ import annotations
 
 import atexit
-import hashlib
 import multiprocessing
 import os
 import threading
@@ -18,8 +17,6 @@ import uuid
 from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
-
-import orjson
 
 from rollout_capture.backends import ListingScope
 from rollout_capture.batch import BatchStats, enrich_blob
@@ -83,12 +80,7 @@ def enrich_in_worker(
     :class:`TransientStorageFault`.
     """
     try:
-        key = (
-            hashlib.sha256(orjson.dumps(credentials, option=orjson.OPT_SORT_KEYS)).hexdigest()
-            if credentials
-            else None
-        )
-        store = shared_store(capture_dir, storage_options, credentials=credentials, credentials_name=key)
+        store = shared_store(capture_dir, storage_options, credentials=credentials)
         blob, lines, stats = enrich_blob(
             batch.read(),
             [store],

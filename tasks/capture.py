@@ -30,12 +30,7 @@ def capture_store(
     capture_dir: str, storage_options: dict[str, Any] | None = None, credentials_block: str | None = None
 ) -> CaptureStore:
     """This process's store for the dir, with credentials resolved here from the named block."""
-    return shared_store(
-        capture_dir,
-        storage_options,
-        credentials=credentials_from_block(credentials_block),
-        credentials_name=credentials_block,
-    )
+    return shared_store(capture_dir, storage_options, credentials=credentials_from_block(credentials_block))
 
 
 @task(name="check_capture_dir", cache_policy=NO_CACHE, **storage_retries())

@@ -6,19 +6,32 @@ handed to the filesystem, never logged, returned, or stored in an artifact.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any, cast
 
+# A block is loaded (and a role assumed) once per this long in a process, not per batch;
+# credentials that expire sooner are resolved again this long before they do.
+CREDENTIALS_REUSE_S = 900.0
+_RENEW_BEFORE_EXPIRY_S = 300.0
+_resolved: dict[str, tuple[dict[str, Any], float]] = {}  # block name -> (options, reuse until)
+_resolved_lock = threading.Lock()
 
-def s3fs_options(block: Any) -> dict[str, Any]:
+
+def s3fs_options(block: Any, now: float | None = None) -> tuple[dict[str, Any], float]:
     """s3fs options from an ``AwsCredentials`` block, through prefect-aws's own API.
 
     ``get_boto3_session()`` resolves keys, session token, profile and assume-role;
     ``aws_client_parameters.get_params_override()`` gives the client settings (endpoint,
     TLS verification, SSL, API version), and the block's botocore config becomes s3fs's
-    ``config_kwargs``. s3fs takes no boto3 session, hence the frozen credentials.
+    ``config_kwargs``. s3fs takes no boto3 session, hence the frozen credentials, and
+    the time until which they may be reused (earlier when they expire).
     """
+    now = time.time() if now is None else now
+    reuse_until = now + CREDENTIALS_REUSE_S
     session = block.get_boto3_session()
     parameters = block.aws_client_parameters
     client_kwargs: dict[str, Any] = dict(parameters.get_params_override())
@@ -37,18 +50,36 @@ def s3fs_options(block: Any) -> dict[str, Any]:
         credentials = session.get_credentials()  # None: nothing in the chain, s3fs will say so
         if credentials is not None:
             frozen = credentials.get_frozen_credentials()
+            expiry = getattr(credentials, "_expiry_time", None)  # botocore's refreshable credentials
+            if isinstance(expiry, datetime):
+                reuse_until = min(reuse_until, expiry.timestamp() - _RENEW_BEFORE_EXPIRY_S)
             options["key"], options["secret"] = frozen.access_key, frozen.secret_key
             if frozen.token:
                 options["token"] = frozen.token
     if config_kwargs:
         options["config_kwargs"] = config_kwargs
-    return options
+    return options, reuse_until
 
 
 def credentials_from_block(block_name: str | None) -> dict[str, Any] | None:
-    """s3fs options from an ``AwsCredentials`` block (``prefect-aws``), or None without a name."""
+    """s3fs options from an ``AwsCredentials`` block (``prefect-aws``), or None without a name.
+
+    Resolved once per :data:`CREDENTIALS_REUSE_S` in a process (every batch asks), and
+    again before temporary credentials expire, so a long run keeps valid ones.
+    """
     if not block_name:
         return None
+    with _resolved_lock:
+        cached = _resolved.get(block_name)
+    if cached is not None and time.time() < cached[1]:
+        return cached[0]
+    options, reuse_until = s3fs_options(_load_block(block_name))
+    with _resolved_lock:
+        _resolved[block_name] = (options, reuse_until)
+    return options
+
+
+def _load_block(block_name: str) -> Any:
     try:
         from prefect_aws import AwsCredentials
     except ImportError as exc:
@@ -56,8 +87,7 @@ def credentials_from_block(block_name: str | None) -> dict[str, Any] | None:
             f"credentials block {block_name!r} needs prefect-aws: pip install 'rollout-capture[aws]'"
         ) from exc
     # _sync: this also runs inside async tasks, where load() would return a coroutine.
-    block = cast(AwsCredentials, AwsCredentials.load(block_name, _sync=True))  # type: ignore[call-arg]
-    return s3fs_options(block)
+    return cast(AwsCredentials, AwsCredentials.load(block_name, _sync=True))  # type: ignore[call-arg]
 
 
 @contextmanager
@@ -69,5 +99,8 @@ def access_denied_names(block_name: str | None) -> Iterator[None]:
     try:
         yield
     except PermissionError as exc:
+        if block_name:  # the block may be fixed before the next run: load it afresh then
+            with _resolved_lock:
+                _resolved.pop(block_name, None)
         source = f"credentials block {block_name!r}" if block_name else "the AWS credential chain"
         raise PermissionError(f"access denied with {source}: {exc}") from exc

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import uuid
 from collections.abc import Iterator
+from datetime import UTC
 from pathlib import Path
 
 import orjson
@@ -195,3 +196,79 @@ def test_batches_never_persist_their_bytes_whatever_the_result_settings(tmp_path
     stored = [base64.b64decode(path.read_bytes()) for path in results.rglob("*") if path.is_file()]
     assert stored  # results were persisted (the setting took effect)...
     assert not any(marker in data for data in stored)  # ...but never a batch's bytes (pickled as they are)
+
+
+@pytest.mark.usefixtures("no_aws_environment")
+def test_a_block_is_loaded_once_for_all_the_batches_of_a_run(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every batch asks for the credentials; the block is loaded (a role assumed) once."""
+    import tasks.credentials
+
+    loads: list[str] = []
+    load = tasks.credentials._load_block
+
+    def counted(name: str) -> object:
+        loads.append(name)
+        return load(name)
+
+    monkeypatch.setattr(tasks.credentials, "_load_block", counted)
+    store = CaptureStore(s3.url("caps-once"), storage_options=s3.storage_options, credentials=TEST_KEYS)
+    for task in range(4):
+        store.record(f"{task}-0", ROW)
+    rollouts_file(tmp_path / "r.jsonl", 4)
+    block = save_block(s3.endpoint)
+    summary = enrich_rollouts(
+        str(tmp_path / "r.jsonl"),
+        s3.url("caps-once"),
+        output=str(tmp_path / "out.jsonl"),
+        batch_size=1,
+        credentials_block=block,
+    )
+    assert summary.stats.calls == 4 and summary.batches == 4
+    assert loads == [block]
+
+
+def test_temporary_credentials_are_resolved_again_before_they_expire() -> None:
+    """Reused for a while, but never past five minutes before their expiry."""
+    from datetime import datetime
+
+    import boto3
+    from botocore.credentials import RefreshableCredentials
+    from prefect_aws import AwsClientParameters, AwsCredentials
+
+    from tasks.credentials import CREDENTIALS_REUSE_S, s3fs_options
+
+    now = 1_800_000_000.0
+    expiry = datetime.fromtimestamp(now + 600, tz=UTC)
+    temporary = RefreshableCredentials.create_from_metadata(
+        {"access_key": "AK", "secret_key": "SK", "token": "TK", "expiry_time": expiry.isoformat()},
+        refresh_using=lambda: {},
+        method="test",
+    )
+
+    class Block:  # an assumed role's block, as far as s3fs_options looks at it
+        aws_client_parameters = AwsClientParameters()
+
+        def get_boto3_session(self) -> boto3.Session:
+            session = boto3.Session(region_name="us-east-1")
+            session._session._credentials = temporary
+            return session
+
+    options, reuse_until = s3fs_options(Block(), now=now)
+    assert (options["key"], options["secret"], options["token"]) == ("AK", "SK", "TK")
+    assert reuse_until == now + 300
+    static = AwsCredentials(aws_access_key_id="a", aws_secret_access_key="b")
+    options, reuse_until = s3fs_options(static, now=now)
+    assert options["key"] == "a" and reuse_until == now + CREDENTIALS_REUSE_S
+
+
+def test_refused_credentials_are_not_reused() -> None:
+    """A block fixed after a refusal is loaded afresh by the next run in the same process."""
+    from tasks import credentials
+
+    credentials._resolved["fixed-later"] = ({"key": "old"}, float("inf"))
+    refused = pytest.raises(PermissionError, match="credentials block 'fixed-later'")
+    with refused, credentials.access_denied_names("fixed-later"):
+        raise PermissionError("InvalidAccessKeyId")
+    assert "fixed-later" not in credentials._resolved
