@@ -204,7 +204,7 @@ class RunsRoot:
         runs.sort(key=lambda run: run.name)
         if update_index:
             enriched = sorted(run.name for run in runs if run.enriched)
-            if enriched != sorted(set(index or ())) or (index is None and enriched):
+            if enriched != sorted(set(index or ())):
                 self._write_index(enriched)
         return Discovery(runs=runs, listed=len(to_list), indexed=len(known))
 

@@ -21,6 +21,7 @@ import orjson
 
 from rollout_capture import layout as names
 from rollout_capture.backends import Backend, Fetched, ListingScope, open_backend
+from rollout_capture.backends.base import nothing
 from rollout_capture.claims import DEFAULT_CLAIM_TTL_S, Claim, claim_body, new_claim, partition
 from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY
 from rollout_capture.identity import validate_rollout_id
@@ -34,10 +35,6 @@ T = TypeVar("T")
 Layout = Literal["auto", "jsonl", "objects"]
 
 _MAX_SEQ_HINTS = 10_000
-
-
-def _nothing() -> None:
-    """Nothing left to do."""
 
 
 async def finish_shielded(future: asyncio.Future[T]) -> T:
@@ -185,7 +182,7 @@ class CaptureStore:
         if not isinstance(row, Mapping):
             raise ValueError(f"a capture row must be a JSON object; got {type(row).__name__}")
         if self.layout != "jsonl":
-            return (lambda: self._guarded(rollout_id, self._append_object, rollout_id, row)), _nothing
+            return (lambda: self._guarded(rollout_id, self._append_object, rollout_id, row)), nothing
         line = orjson.dumps(row, default=str, option=orjson.OPT_APPEND_NEWLINE)
         path = self._backend.path(names.jsonl_name(rollout_id))
         blocking, finish = self._guarded(rollout_id, self._backend.append_line_staged, path, line)

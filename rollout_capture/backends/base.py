@@ -19,8 +19,8 @@ from rollout_capture.snapshot import RolloutSnapshot, claims_of, listed_paths
 RowLayout = Literal["jsonl", "objects"]
 
 
-def _done() -> None:
-    """Nothing left to do."""
+def nothing() -> None:
+    """Nothing left to do: the second step of a write whose first did it all."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +141,7 @@ class Backend(ABC):
         ``blocking`` makes it durable (for a thread); ``finish`` (cheap, for the caller's
         loop) lets readers see it. By default everything happens in ``blocking``.
         """
-        return (lambda: self.append_line(path, line)), _done
+        return (lambda: self.append_line(path, line)), nothing
 
     @abstractmethod
     def create(self, path: str, data: bytes) -> None:

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Collection, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
-from rollout_capture.backends.base import Backend, Fetched, ListingScope, Named, RowLayout
+from rollout_capture.backends.base import Backend, Fetched, ListingScope, Named, RowLayout, nothing
 from rollout_capture.claims import Claim
 from rollout_capture.identity import validate_rollout_id
 from rollout_capture.layout import (
@@ -44,10 +44,6 @@ _SETTLED_NS = 2_000_000_000
 _LIVE_FOLDERS_KEPT = 10_000
 # Most captures fit in one read this size, which saves an fstat per file; larger ones are sized.
 _FIRST_READ = 64 << 10
-
-
-def _nothing() -> None:
-    """Nothing left to do."""
 
 
 def _stat_entry(path: str) -> Entry | None:
@@ -292,7 +288,7 @@ class PosixBackend(Backend):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            return (lambda: self.append_line(path, line)), _nothing
+            return (lambda: self.append_line(path, line)), nothing
         except BaseException:
             os.close(fd)
             raise
