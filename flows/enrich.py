@@ -137,6 +137,33 @@ def enrich_to_spool(
     return Spooled(spool=spool, stats=stats, batches=batches)
 
 
+def publish_spool(
+    done: Spooled,
+    source: str,
+    target: str,
+    started: float,
+    storage_options: dict[str, Any] | None,
+    credentials_block: str | None,
+    before: Callable[[], object] | None = None,
+) -> EnrichSummary:
+    """Write the spooled output to its target (``before`` it, e.g. a lease's fence) and
+    sum up the enrichment; the spool is let go either way."""
+    try:
+        if before is not None:
+            before()
+        write_enriched(done.spool.path, target, done.spool.lines, storage_options, credentials_block)
+    except BaseException:
+        done.spool.discard()
+        raise
+    return EnrichSummary(
+        source=source,
+        output=target,
+        batches=done.batches,
+        seconds=round(time.perf_counter() - started, 3),
+        stats=done.stats,
+    )
+
+
 def report_enrichment(summary: EnrichSummary, max_gap_share: float | None = None) -> None:
     """Log what an enrichment found, publish its artifacts, and emit its event."""
     logger = get_run_logger()
@@ -219,20 +246,9 @@ def enrich_rollouts(
             storage_options=storage_options,
             credentials_block=credentials_block,
         )
-        try:
-            write_enriched(done.spool.path, target, done.spool.lines, storage_options, credentials_block)
-        except BaseException:
-            done.spool.discard()
-            raise
+        summary = publish_spool(done, rollouts, target, started, storage_options, credentials_block)
     except Exception as exc:
         emit_failed(rollouts, target, exc)
         raise
-    summary = EnrichSummary(
-        source=rollouts,
-        output=target,
-        batches=done.batches,
-        seconds=round(time.perf_counter() - started, 3),
-        stats=done.stats,
-    )
     report_enrichment(summary, max_gap_share)
     return summary

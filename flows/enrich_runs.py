@@ -18,7 +18,7 @@ from prefect.context import FlowRunContext, TaskRunContext
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, Field
 
-from flows.enrich import DEFAULT_BATCH_SIZE, enrich_to_spool, report_enrichment
+from flows.enrich import DEFAULT_BATCH_SIZE, enrich_to_spool, publish_spool, report_enrichment
 from flows.events import emit_failed
 from flows.guard import StorageOptions, check_inputs, guarded_flow
 from flows.report import EnrichSummary, show_core_logs
@@ -34,7 +34,6 @@ from rollout_capture.run_folders import (
     new_owner,
 )
 from tasks.credentials import credentials_from_block
-from tasks.rollout_files import write_enriched
 from tasks.run_folders import fence_run, find_runs, finish_run, release_run, remember_enriched, take_run
 
 DEFAULT_MAX_PARALLEL_RUNS = 4
@@ -124,20 +123,14 @@ def enrich_run(
                 credentials_block=credentials_block,
                 between_batches=keeper.check,
             )
-            try:
-                fence_run(keeper)
-                write_enriched(
-                    done.spool.path, run.output, done.spool.lines, storage_options, credentials_block
-                )
-            except BaseException:
-                done.spool.discard()
-                raise
-            summary = EnrichSummary(
-                source=run.rollouts,
-                output=run.output,
-                batches=done.batches,
-                seconds=round(time.perf_counter() - started, 3),
-                stats=done.stats,
+            summary = publish_spool(
+                done,
+                run.rollouts,
+                run.output,
+                started,
+                storage_options,
+                credentials_block,
+                before=lambda: fence_run(keeper),
             )
             marker = summary.model_dump(mode="json", exclude={"stats": {"problems"}})
             marker["unparseable_lines"] = [p.line for p in done.stats.problems]
