@@ -5,6 +5,8 @@ writes, a failing app, a client that leaves, and S3."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,8 @@ from starlette.routing import Route
 
 from rollout_capture import CaptureStore, merge_model_call_capture_into_record
 from rollout_capture.producer import CaptureMiddleware, ProducerSettings
+from rollout_capture.producer.proxy import CaptureProxy
+from rollout_capture.producer.settings import ProxySettings
 
 from .conftest import S3
 from .producer_calls import DIALECTS, check_row, openai_client, sdk_call
@@ -255,3 +259,41 @@ def test_the_middleware_writes_objects_on_s3(s3: S3) -> None:
         assert on_s3.store.claims(["mw-s3"]) == {}
     finally:
         on_s3.server.stop()
+
+
+@pytest.mark.parametrize("producer", ["middleware", "proxy"])
+async def test_a_call_cancelled_while_claiming_leaves_no_claim(producer: str, monkeypatch: Any) -> None:
+    """Spec 3: on an object store the claim is written on a thread; a cancel meanwhile must not
+    leave it live (it would hold enrichment for a whole TTL)."""
+    capture_dir = f"memory://claiming-{uuid.uuid4().hex}"
+    app: Any
+    if producer == "middleware":
+        app = CaptureMiddleware(ScriptedUpstream(), capture_dir=capture_dir)
+    else:  # the upstream is never reached
+        app = CaptureProxy(ProxySettings(capture_dir=capture_dir, upstream="http://127.0.0.1:9"))
+    store = app.writer.store
+    entered, gate = threading.Event(), threading.Event()
+    put_live = store._backend.put_live
+
+    def slow_put_live(path: str, data: bytes) -> None:
+        entered.set()
+        gate.wait(10)
+        put_live(path, data)
+
+    monkeypatch.setattr(store._backend, "put_live", slow_put_live)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b'{"model": "scripted"}', "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        raise AssertionError(f"nothing is answered: {message}")
+
+    path = "/ng-rollout/r1/v1/chat/completions"
+    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "headers": []}
+    call = asyncio.ensure_future(app(scope, receive, send))
+    assert await asyncio.to_thread(entered.wait, 10)
+    call.cancel()
+    gate.set()  # the claim lands after the cancel
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert store.claims(["r1"]) == {} and store.read("r1") == []

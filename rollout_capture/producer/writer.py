@@ -128,8 +128,7 @@ class CaptureWriter:
                 if not self._pending:
                     self._idle.notify_all()
 
-    def _claim(self, rollout_id: str, model_call_id: str) -> ClaimContext | None:
-        context = self.store.claim(rollout_id, model_call_id, ttl_s=self.claim_ttl_s)
+    def _claim(self, context: ClaimContext, rollout_id: str, model_call_id: str) -> ClaimContext | None:
         try:
             context.__enter__()
         except Exception:
@@ -220,14 +219,23 @@ class CaptureWriter:
             )
 
     async def claim(self, rollout_id: str, model_call_id: str) -> ClaimContext | None:
-        """Claim the rollout for one call; None (logged, marker written) when the claim failed."""
+        """Claim the rollout for one call; None (logged, marker written) when the claim failed.
+
+        A caller cancelled while the claim is written on a thread gets no context to release:
+        the claim that landed is released here before the cancellation goes on (spec 3).
+        """
+        context = self.store.claim(rollout_id, model_call_id, ttl_s=self.claim_ttl_s)
         if self._local:
             started = time.perf_counter()
             try:
-                return self._claim(rollout_id, model_call_id)
+                return self._claim(context, rollout_id, model_call_id)
             finally:
                 self._inline(started)
-        return await self._shielded(self._claim, rollout_id, model_call_id)
+        try:
+            return await self._shielded(self._claim, context, rollout_id, model_call_id)
+        except asyncio.CancelledError:
+            await self.release(context)
+            raise
 
     async def record(
         self,
