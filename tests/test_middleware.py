@@ -5,6 +5,7 @@ writes, a failing app, a client that leaves, and S3."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import uuid
 from collections.abc import Iterator
@@ -297,3 +298,26 @@ async def test_a_call_cancelled_while_claiming_leaves_no_claim(producer: str, mo
     with pytest.raises(asyncio.CancelledError):
         await call
     assert store.claims(["r1"]) == {} and store.read("r1") == []
+
+
+@pytest.mark.parametrize("where", ["local", "object_store"])
+async def test_a_failed_row_write_is_logged_once(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store logs a failed write and marks the rollout; the producer adds no second traceback."""
+    capture_dir = str(tmp_path) if where == "local" else f"memory://unwritten-{uuid.uuid4().hex}"
+    middleware = CaptureMiddleware(starlette_app(), capture_dir=capture_dir)
+    store = middleware.writer.store
+    if where == "local":
+        (tmp_path / "w-2.capture.jsonl").mkdir()  # the row cannot be appended
+    else:
+
+        def refuse(path: str, data: bytes) -> None:
+            raise OSError("the bucket refused it")
+
+        monkeypatch.setattr(store._backend, "create", refuse)
+    with caplog.at_level(logging.WARNING, logger="rollout_capture"):
+        answer = await post(middleware, "/ng-rollout/w-2/v1/chat/completions", {"model": "m"})
+    assert answer.status_code == 200 and store.is_incomplete("w-2")
+    (warning,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "w-2" in warning.getMessage() and warning.exc_info is not None
