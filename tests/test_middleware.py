@@ -5,6 +5,7 @@ writes, a failing app, a client that leaves, and S3."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import uuid
@@ -27,7 +28,7 @@ from rollout_capture.producer.settings import ProxySettings
 
 from .conftest import S3
 from .producer_calls import DIALECTS, check_row, openai_client, sdk_call
-from .scripted_upstream import CHAT, ScriptedUpstream
+from .scripted_upstream import CHAT, CUT_ANSWERS, ScriptedUpstream
 from .servers import ThreadedServer
 
 SERVER = "policy-mw"
@@ -321,3 +322,17 @@ async def test_a_failed_row_write_is_logged_once(
     assert answer.status_code == 200 and store.is_incomplete("w-2")
     (warning,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert "w-2" in warning.getMessage() and warning.exc_info is not None
+
+
+@pytest.mark.parametrize(("model", "stream", "expected"), CUT_ANSWERS)
+def test_an_answer_cut_off_is_classified_as_the_proxy_does(
+    served: Served, model: str, stream: bool, expected: tuple[int, str]
+) -> None:
+    rollout_id = f"cut-off-{model}"
+    request = {"model": model, "messages": [], "stream": stream}
+    # The upstream dropped the connection: so does the producer.
+    with httpx.Client(base_url=served.url) as client, contextlib.suppress(httpx.HTTPError):
+        client.post(f"/ng-rollout/{rollout_id}/v1/chat/completions", json=request).read()
+    (row,) = served.store.read(rollout_id)
+    assert (row["status_code"], row["error_category"]) == expected
+    assert served.store.claims([rollout_id]) == {}

@@ -65,6 +65,8 @@ class Exchange:
         self.hide_usage = False  # we asked a chat stream for usage its client did not want
         self.status_code: int | None = None
         self.fault: ErrorCategory | None = None
+        self.broken = False  # the upstream's answer stopped before its end
+        self._timed_out = False
         self.relay: StreamRelay | None = None
         self._body = bytearray()
         self._body_size = 0
@@ -154,11 +156,27 @@ class Exchange:
         return held
 
     def failed(self, category: ErrorCategory) -> None:
-        """Something other than the upstream's status decided the call's fate."""
+        """Something other than the upstream's answer decided the call's fate (the client left,
+        no answer came, the producer failed): it wins over what the answer says."""
         if self.fault is None:
             self.fault = category
         if self._ended is None:
             self._ended = time.perf_counter()
+
+    def broke_off(self, *, timed_out: bool = False) -> None:
+        """The upstream's answer stopped before its end (dropped, fell silent, or the app raised or
+        returned early). The row still classifies it like any answer (see :meth:`_category`)."""
+        self.broken = True
+        self._timed_out = self._timed_out or timed_out
+        if self._ended is None:
+            self._ended = time.perf_counter()
+
+    def server_failed(self) -> None:
+        """The server raised: an ``exception`` before its answer began, an answer broken off after."""
+        if self.status_code is None:
+            self.failed(ErrorCategory.EXCEPTION)
+        else:
+            self.broke_off()
 
     # ------------------------------------------------------------------ row
 
@@ -174,6 +192,8 @@ class Exchange:
             if not self.relay.complete:
                 return response, raw, self.relay.cut, ErrorCategory.STREAM_TRUNCATED
             return response, raw, self.relay.cut, None
+        if self.broken:  # a body cut short is no JSON to read
+            return None, _decode(bytes(self._body)) if self._body else None, False, ErrorCategory.INCOMPLETE
         if not self._body_size:
             return None, None, False, None
         if self._body_size > len(self._body):
@@ -186,13 +206,22 @@ class Exchange:
             return parsed, None, False, None
         return None, _decode(bytes(self._body)), False, ErrorCategory.CAPTURE_PARSE_ERROR
 
+    def _category(self, reading: ErrorCategory | None) -> ErrorCategory | None:
+        """Spec 5 and 11, for both producers: a fault outside the answer, else the upstream's error
+        status as it is, else a timeout that cut the answer, else what reading the answer showed
+        (``stream_truncated`` for a stream without its terminal event, ``incomplete`` for a body)."""
+        if self.fault is not None:
+            return self.fault
+        timed_out = ErrorCategory.TIMEOUT if self._timed_out else None
+        return category_for_status(self.status_code) or timed_out or reading
+
     def row(self) -> dict[str, Any]:
         """The row of spec 4 for this call."""
         now = time.perf_counter()
         ended = self._ended if self._ended is not None else now
         forwarded = self._forwarded if self._forwarded is not None else self._arrived
         response, response_raw, cut, reading = self._response()
-        category = self.fault or category_for_status(self.status_code) or reading
+        category = self._category(reading)
         row: dict[str, Any] = {
             "model_call_id": self.model_call_id,
             "dialect": self.dialect,

@@ -156,15 +156,18 @@ class CaptureMiddleware:
             exchange.failed(ErrorCategory.CANCELLED)
             raise
         except Exception:
-            exchange.failed(ErrorCategory.CANCELLED if client_gone else ErrorCategory.EXCEPTION)
+            if client_gone:
+                exchange.failed(ErrorCategory.CANCELLED)
+            else:
+                exchange.server_failed()
             raise
         finally:
             if not exchange.row_written:
                 if not exchange.finished:
                     if client_gone:
                         exchange.failed(ErrorCategory.CANCELLED)
-                    elif not exchange.streaming:
-                        exchange.failed(ErrorCategory.INCOMPLETE)
+                    else:  # the app returned before the end of its answer
+                        exchange.broke_off()
                 exchange.end()
                 await self._write(exchange)
             await self.writer.release(claim)

@@ -299,16 +299,8 @@ class CaptureProxy:
                 now = exchange.body(chunk)
                 if now:
                     await send({"type": "http.response.body", "body": now, "more_body": True})
-        except UpstreamError as exc:
-            exchange.failed(
-                ErrorCategory.TIMEOUT
-                if exc.timed_out
-                else ErrorCategory.STREAM_TRUNCATED
-                if exchange.streaming
-                else ErrorCategory.CONNECTION
-            )
-            exchange.end()
-            await self._write(exchange)
+        except UpstreamError as exc:  # _forward writes the row, then the client's connection is cut
+            exchange.broke_off(timed_out=exc.timed_out)
             logger.warning("upstream broke off a call of rollout %s: %s", exchange.rollout_id, exc.kind)
             raise UpstreamBroken(exc.kind) from None
         held = exchange.end()
