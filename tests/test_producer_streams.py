@@ -209,6 +209,11 @@ def test_settings_from_the_environment() -> None:
         ProducerSettings.from_env({**env, "ROLLOUT_CAPTURE_STORAGE_OPTIONS": '{"secret": "x"}'})
     with pytest.raises(ValueError, match="upstream"):
         ProxySettings(capture_dir="/x", upstream="ftp://nope")
+    # Spec 10, as the core checks it: a relative path would be relative to each server's cwd.
+    for bad in ("captures", "./captures", "nope://bucket/captures"):
+        with pytest.raises(ValueError, match="ROLLOUT_CAPTURE_DIR or --capture-dir"):
+            ProducerSettings.from_env({"ROLLOUT_CAPTURE_DIR": bad})
+    assert ProducerSettings(capture_dir="file:///tmp/caps").capture_dir == "file:///tmp/caps"
 
 
 # ---------------------------------------------------------------- rows
