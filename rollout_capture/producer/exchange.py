@@ -30,10 +30,8 @@ def _decode(body: bytes) -> str:
 
 
 def _is_event_stream(headers: Sequence[tuple[bytes, bytes]]) -> bool:
-    for key, value in headers:
-        if key.lower() == b"content-type":
-            return value.lower().startswith(b"text/event-stream")
-    return False
+    kind = header(headers, b"content-type")
+    return kind is not None and kind.lower().startswith(b"text/event-stream")
 
 
 class Exchange:
@@ -261,12 +259,13 @@ async def start_exchange(
     client left before its request was whole, so no call was made and nothing is written.
     """
     assert found.rollout_id is not None and found.dialect is not None
+    verifier = header(scope["headers"], VERIFIER_HEADER)
     exchange = Exchange(
         found.rollout_id,
         found.dialect,
         server_name=settings.server_name,
         max_body_bytes=settings.max_body_bytes,
-        verifier_invocation_id=header(scope["headers"], VERIFIER_HEADER),
+        verifier_invocation_id=None if verifier is None else verifier.decode("latin-1"),
     )
     body, whole, gone = await read_body(receive, settings.max_body_bytes)
     if gone:

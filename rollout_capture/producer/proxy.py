@@ -13,11 +13,10 @@ import logging
 import math
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import httpx
 import uvicorn
 
 from rollout_capture.producer.asgi import (
@@ -32,7 +31,7 @@ from rollout_capture.producer.asgi import (
 )
 from rollout_capture.producer.classify import ErrorCategory
 from rollout_capture.producer.exchange import Exchange, start_exchange
-from rollout_capture.producer.routing import Route
+from rollout_capture.producer.routing import Route, header
 from rollout_capture.producer.settings import ProxySettings
 from rollout_capture.producer.upstream import Upstream, UpstreamError, UpstreamResponse, open_upstream
 from rollout_capture.producer.writer import writer_for
@@ -94,23 +93,12 @@ def _response_headers(response: UpstreamResponse, *, drop: frozenset[bytes] = fr
     return [(k, v) for k, v in response.headers if k.lower() not in _HOP_BY_HOP and k.lower() not in drop]
 
 
-def _header_value(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | None:
-    for key, value in headers:
-        if key.lower() == name:
-            return value
-    return None
-
-
 class CaptureProxy:
-    """ASGI app: everything to the upstream; calls under ``/ng-rollout/<id>/v1/`` captured on the way.
+    """ASGI app: everything to the upstream; calls under ``/ng-rollout/<id>/v1/`` captured on the way."""
 
-    ``transport`` (an httpx transport, for tests) makes the upstream client httpx.
-    """
-
-    def __init__(self, settings: ProxySettings, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(self, settings: ProxySettings) -> None:
         self.settings = settings
         self.writer = writer_for(settings)
-        self._transport = transport
         self._client: Upstream | None = None
         _install_log_filter()
 
@@ -125,7 +113,6 @@ class CaptureProxy:
             connect_timeout_s=s.connect_timeout_s,
             read_timeout_s=s.read_timeout_s,
             write_timeout_s=s.write_timeout_s,
-            transport=self._transport,
         )
 
     @property
@@ -283,7 +270,7 @@ class CaptureProxy:
     async def _relay(self, exchange: Exchange, response: UpstreamResponse, send: Send) -> None:
         exchange.response_started(response.status, response.headers)
         drop = {b"content-length"} if exchange.streaming else set()
-        encoding = _header_value(response.headers, b"content-encoding")
+        encoding = header(response.headers, b"content-encoding")
         if encoding is not None and encoding.strip().lower() != b"identity":
             # Asked for identity but compressed anyway: forwarded decoded, as captured.
             drop |= {b"content-encoding", b"content-length"}
