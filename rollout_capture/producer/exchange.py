@@ -1,7 +1,8 @@
 """One captured call, from the client's request to its row (spec 4 and 11).
 
-Shared by the middleware and the proxy: they move bytes, this decides what the row says.
-Bodies are kept up to a cap; past it the row keeps the first bytes and says it was cut.
+Shared by the middleware and the proxy: they move bytes, this decides what the row says and
+keeps its lifecycle (claim, durable row, release). Bodies are kept up to a cap; past it the
+row keeps the first bytes and says it was cut.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -19,6 +20,9 @@ from rollout_capture.producer.routing import VERIFIER_HEADER, Dialect, Route, he
 from rollout_capture.producer.settings import ProducerSettings
 from rollout_capture.producer.streams import JsonObject, StreamRelay
 from rollout_capture.store import ClaimContext
+
+if TYPE_CHECKING:
+    from rollout_capture.producer.writer import CaptureWriter
 
 MODEL_REF_TYPE = "responses_api_models"
 _ASK_USAGE = b'{"stream_options":{"include_usage":true},'
@@ -71,7 +75,7 @@ class Exchange:
         self._held = b""
         self.finished = False  # the upstream's answer ended normally
         self.row_written = False
-        self.claim: ClaimContext | None = None  # released together with the row
+        self._claim: ClaimContext | None = None  # released together with the row
 
     # ------------------------------------------------------------------ request
 
@@ -175,6 +179,35 @@ class Exchange:
             self.failed(ErrorCategory.EXCEPTION)
         else:
             self.broke_off()
+
+    # ------------------------------------------------------------------ lifecycle (spec 3, 11)
+
+    async def claim(self, writer: CaptureWriter) -> None:
+        """Claim the rollout before the call is forwarded (a failed claim is logged, not raised)."""
+        self._claim = await writer.claim(self.rollout_id, self.model_call_id)
+
+    async def write_row(self, writer: CaptureWriter) -> None:
+        """Write the row durably, then release the claim (both shielded from cancellation)."""
+        self.row_written = True
+        await writer.record(self.rollout_id, self.row, release=self._claim)
+
+    async def complete(self, writer: CaptureWriter) -> bytes:
+        """The upstream's answer ended normally: write its row, then return what was held back
+        (the client's last bytes go after the row)."""
+        held = self.end()
+        self.finished = True
+        await self.write_row(writer)
+        return held
+
+    async def close(self, writer: CaptureWriter) -> None:
+        """Last, in every outcome: a call whose row is not written yet did not end normally; its
+        row keeps what came so far (and releases the claim)."""
+        if self.row_written:
+            return
+        if self.fault is None:
+            self.broke_off()
+        self.end()
+        await self.write_row(writer)
 
     # ------------------------------------------------------------------ row
 

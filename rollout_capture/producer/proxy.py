@@ -209,7 +209,7 @@ class CaptureProxy:
             return  # the client left before its request was whole: no call was made
         exchange, forward, whole, _ = started
         content: bytes | AsyncIterator[bytes] = forward if whole else _body_stream(forward, receive)
-        claim = exchange.claim = await self.writer.claim(exchange.rollout_id, exchange.model_call_id)
+        await exchange.claim(self.writer)
         try:
             if not whole:  # the body is still being received: the upstream request reads it
                 await self._forward(scope, found, exchange, content, send)
@@ -229,7 +229,7 @@ class CaptureProxy:
             finally:
                 watch.cancel()
         finally:
-            await self.writer.release(claim)
+            await exchange.close(self.writer)  # the row of a call that did not end normally
 
     async def _forward(
         self,
@@ -239,14 +239,14 @@ class CaptureProxy:
         content: bytes | AsyncIterator[bytes],
         send: Send,
     ) -> None:
-        """One upstream exchange; the row is written in every outcome, before the last byte."""
+        """One upstream exchange; the caller writes the row of one that does not end normally."""
         try:
             exchange.forwarding()
             try:
                 response = await self._send(scope, found, content, captured=True)
             except UpstreamError as exc:
                 exchange.failed(ErrorCategory.TIMEOUT if exc.timed_out else ErrorCategory.CONNECTION)
-                await self._write(exchange)
+                await exchange.write_row(self.writer)  # before the client's last byte
                 await _send_upstream_error(send, exc)
                 return
             try:
@@ -262,10 +262,6 @@ class CaptureProxy:
             logger.exception("capture proxy failed on a call of rollout %s", exchange.rollout_id)
             exchange.failed(ErrorCategory.EXCEPTION)
             raise
-        finally:
-            if not exchange.row_written:
-                exchange.end()
-                await self._write(exchange)
 
     async def _relay(self, exchange: Exchange, response: UpstreamResponse, send: Send) -> None:
         exchange.response_started(response.status, response.headers)
@@ -286,18 +282,12 @@ class CaptureProxy:
                 now = exchange.body(chunk)
                 if now:
                     await send({"type": "http.response.body", "body": now, "more_body": True})
-        except UpstreamError as exc:  # _forward writes the row, then the client's connection is cut
+        except UpstreamError as exc:  # the row is written on the way out, then the connection is cut
             exchange.broke_off(timed_out=exc.timed_out)
             logger.warning("upstream broke off a call of rollout %s: %s", exchange.rollout_id, exc.kind)
             raise UpstreamBroken(exc.kind) from None
-        held = exchange.end()
-        exchange.finished = True
-        await self._write(exchange)  # durable before the client's last byte
+        held = await exchange.complete(self.writer)  # durable before the client's last byte
         await send({"type": "http.response.body", "body": held, "more_body": False})
-
-    async def _write(self, exchange: Exchange) -> None:
-        exchange.row_written = True
-        await self.writer.record(exchange.rollout_id, exchange.row, release=exchange.claim)
 
 
 async def _send_upstream_error(send: Send, exc: UpstreamError) -> None:
