@@ -3,7 +3,9 @@
 The request's ``model`` picks the script: ``scripted`` answers normally (tool calls,
 reasoning, cached-token usage), ``scripted-429`` / ``-500`` / ``-400`` answer that error,
 ``scripted-slow-<s>`` streams with ``s`` seconds between events, ``scripted-cut`` ends a
-stream without its terminal event, ``scripted-abort`` drops the connection mid-stream,
+stream without its terminal event, ``scripted-abort`` drops the connection mid-stream
+(``scripted-abort-500`` too, with status 500), ``scripted-cut-body`` drops it in the middle
+of a plain JSON answer,
 ``scripted-gated-<name>`` streams its first event and waits for ``gate(name)`` before the
 rest, ``scripted-hang`` answers after 3 s, ``scripted-text`` answers 200 with plain text,
 ``scripted-big`` answers a large JSON body, ``scripted-gzip`` a gzipped one whatever was
@@ -356,6 +358,16 @@ def _error(dialect: str, status: int) -> bytes:
     )
 
 
+# Answers the script cuts off: (model, stream, the (status_code, error_category) of the row that
+# either producer writes). An error status wins (spec 11: classified by spec 5's rules).
+CUT_ANSWERS: list[tuple[str, bool, tuple[int, str]]] = [
+    ("scripted-cut", True, (200, "stream_truncated")),  # ends cleanly without its terminal event
+    ("scripted-abort", True, (200, "stream_truncated")),  # the connection dropped mid-stream
+    ("scripted-abort-500", True, (500, "upstream_error")),
+    ("scripted-cut-body", False, (200, "incomplete")),
+]
+
+
 class ScriptAbort(Exception):
     """Raised inside the scripted server to drop a connection mid-answer."""
 
@@ -448,6 +460,20 @@ class ScriptedUpstream:
             )
             await send({"type": "http.response.body", "body": body, "more_body": False})
             return
+        if model == "scripted-cut-body":
+            body = orjson.dumps(CHAT)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body[: len(body) // 2], "more_body": True})
+            raise ScriptAbort("connection dropped by the script")
         if model == "scripted-big":
             big = {**copy.deepcopy(CHAT), "padding": "x" * 200_000}
             await self._json(send, 200, big)
@@ -467,12 +493,12 @@ class ScriptedUpstream:
 
     async def _stream(self, send: Any, model: str, events: list[bytes]) -> None:
         gap = float(model.rsplit("-", 1)[1]) if model.startswith("scripted-slow-") else 0.0
-        if model in ("scripted-cut", "scripted-abort"):
+        if model in ("scripted-cut", "scripted-abort", "scripted-abort-500"):
             events = events[: len(events) // 2]
         await send(
             {
                 "type": "http.response.start",
-                "status": 200,
+                "status": 500 if model == "scripted-abort-500" else 200,
                 "headers": [
                     (b"content-type", b"text/event-stream; charset=utf-8"),
                     (b"cache-control", b"no-cache"),
@@ -491,7 +517,7 @@ class ScriptedUpstream:
                     if gate.is_set():
                         break
                     await asyncio.sleep(0.01)
-        if model == "scripted-abort":
+        if model in ("scripted-abort", "scripted-abort-500"):
             raise ScriptAbort("connection dropped by the script")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

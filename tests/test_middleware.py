@@ -5,6 +5,10 @@ writes, a failing app, a client that leaves, and S3."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,10 +23,12 @@ from starlette.routing import Route
 
 from rollout_capture import CaptureStore, merge_model_call_capture_into_record
 from rollout_capture.producer import CaptureMiddleware, ProducerSettings
+from rollout_capture.producer.proxy import CaptureProxy
+from rollout_capture.producer.settings import ProxySettings
 
 from .conftest import S3
 from .producer_calls import DIALECTS, check_row, openai_client, sdk_call
-from .scripted_upstream import CHAT, ScriptedUpstream
+from .scripted_upstream import CHAT, CUT_ANSWERS, ScriptedUpstream
 from .servers import ThreadedServer
 
 SERVER = "policy-mw"
@@ -255,3 +261,78 @@ def test_the_middleware_writes_objects_on_s3(s3: S3) -> None:
         assert on_s3.store.claims(["mw-s3"]) == {}
     finally:
         on_s3.server.stop()
+
+
+@pytest.mark.parametrize("producer", ["middleware", "proxy"])
+async def test_a_call_cancelled_while_claiming_leaves_no_claim(producer: str, monkeypatch: Any) -> None:
+    """Spec 3: on an object store the claim is written on a thread; a cancel meanwhile must not
+    leave it live (it would hold enrichment for a whole TTL)."""
+    capture_dir = f"memory://claiming-{uuid.uuid4().hex}"
+    app: Any
+    if producer == "middleware":
+        app = CaptureMiddleware(ScriptedUpstream(), capture_dir=capture_dir)
+    else:  # the upstream is never reached
+        app = CaptureProxy(ProxySettings(capture_dir=capture_dir, upstream="http://127.0.0.1:9"))
+    store = app.writer.store
+    entered, gate = threading.Event(), threading.Event()
+    put_live = store._backend.put_live
+
+    def slow_put_live(path: str, data: bytes) -> None:
+        entered.set()
+        gate.wait(10)
+        put_live(path, data)
+
+    monkeypatch.setattr(store._backend, "put_live", slow_put_live)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b'{"model": "scripted"}', "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        raise AssertionError(f"nothing is answered: {message}")
+
+    path = "/ng-rollout/r1/v1/chat/completions"
+    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "headers": []}
+    call = asyncio.ensure_future(app(scope, receive, send))
+    assert await asyncio.to_thread(entered.wait, 10)
+    call.cancel()
+    gate.set()  # the claim lands after the cancel
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert store.claims(["r1"]) == {} and store.read("r1") == []
+
+
+@pytest.mark.parametrize("where", ["local", "object_store"])
+async def test_a_failed_row_write_is_logged_once(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store logs a failed write and marks the rollout; the producer adds no second traceback."""
+    capture_dir = str(tmp_path) if where == "local" else f"memory://unwritten-{uuid.uuid4().hex}"
+    middleware = CaptureMiddleware(starlette_app(), capture_dir=capture_dir)
+    store = middleware.writer.store
+    if where == "local":
+        (tmp_path / "w-2.capture.jsonl").mkdir()  # the row cannot be appended
+    else:
+
+        def refuse(path: str, data: bytes) -> None:
+            raise OSError("the bucket refused it")
+
+        monkeypatch.setattr(store._backend, "create", refuse)
+    with caplog.at_level(logging.WARNING, logger="rollout_capture"):
+        answer = await post(middleware, "/ng-rollout/w-2/v1/chat/completions", {"model": "m"})
+    assert answer.status_code == 200 and store.is_incomplete("w-2")
+    (warning,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "w-2" in warning.getMessage() and warning.exc_info is not None
+
+
+@pytest.mark.parametrize(("model", "stream", "expected"), CUT_ANSWERS)
+def test_an_answer_cut_off_is_classified_as_the_proxy_does(
+    served: Served, model: str, stream: bool, expected: tuple[int, str]
+) -> None:
+    rollout_id = f"cut-off-{model}"
+    request = {"model": model, "messages": [], "stream": stream}
+    # The upstream dropped the connection: so does the producer.
+    with httpx.Client(base_url=served.url) as client, contextlib.suppress(httpx.HTTPError):
+        client.post(f"/ng-rollout/{rollout_id}/v1/chat/completions", json=request).read()
+    (row,) = served.store.read(rollout_id)
+    assert (row["status_code"], row["error_category"]) == expected
+    assert served.store.claims([rollout_id]) == {}

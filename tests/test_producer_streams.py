@@ -209,6 +209,11 @@ def test_settings_from_the_environment() -> None:
         ProducerSettings.from_env({**env, "ROLLOUT_CAPTURE_STORAGE_OPTIONS": '{"secret": "x"}'})
     with pytest.raises(ValueError, match="upstream"):
         ProxySettings(capture_dir="/x", upstream="ftp://nope")
+    # Spec 10, as the core checks it: a relative path would be relative to each server's cwd.
+    for bad in ("captures", "./captures", "nope://bucket/captures"):
+        with pytest.raises(ValueError, match="ROLLOUT_CAPTURE_DIR or --capture-dir"):
+            ProducerSettings.from_env({"ROLLOUT_CAPTURE_DIR": bad})
+    assert ProducerSettings(capture_dir="file:///tmp/caps").capture_dir == "file:///tmp/caps"
 
 
 # ---------------------------------------------------------------- rows
@@ -271,3 +276,26 @@ def test_imports_stay_light() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[] [] []"
+
+
+@pytest.mark.parametrize(
+    ("status", "streamed", "timed_out", "expected"),
+    [
+        (200, True, False, "stream_truncated"),
+        (200, False, False, "incomplete"),
+        (200, True, True, "timeout"),
+        (503, True, False, "upstream_error"),  # the error status wins over how the answer ended
+        (429, False, True, "rate_limit"),
+    ],
+)
+def test_an_answer_broken_off_is_classified_from_its_status_then_how_it_ended(
+    status: int, streamed: bool, timed_out: bool, expected: str
+) -> None:
+    exchange = Exchange("1-0", "chat", server_name=None, max_body_bytes=1000)
+    exchange.prepare_request(b'{"model": "m"}', whole=True)
+    kind = b"text/event-stream" if streamed else b"application/json"
+    exchange.response_started(status, [(b"content-type", kind)])
+    exchange.body(chat_events(include_usage=True)[0] if streamed else b'{"id": "chatcmpl')
+    exchange.broke_off(timed_out=timed_out)
+    exchange.end()
+    assert exchange.row()["error_category"] == expected

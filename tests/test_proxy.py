@@ -3,6 +3,7 @@ captures, pass-through, faults, a client that leaves, S3, a killed and a stopped
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -30,7 +31,7 @@ from rollout_capture.producer.settings import ProxySettings
 
 from .conftest import ROOT, S3
 from .producer_calls import DIALECTS, anthropic_client, check_row, openai_client, sdk_call
-from .scripted_upstream import CHAT, chat_events
+from .scripted_upstream import CHAT, CUT_ANSWERS, chat_events
 from .servers import ThreadedServer
 
 SERVER = "policy"
@@ -656,3 +657,17 @@ async def test_a_slow_disk_moves_capture_writes_off_the_event_loop(
     assert staged_on[0] != threading.current_thread().name  # the first claim was slow: all threaded after
     assert [r["model_call_id"] for r in store.read("slow-1")] == ["c1", "c2"]
     assert store.claims(["slow-1"]) == {}
+
+
+@pytest.mark.parametrize(("model", "stream", "expected"), CUT_ANSWERS)
+def test_an_answer_cut_off_is_classified_as_the_middleware_does(
+    proxy: Proxy, model: str, stream: bool, expected: tuple[int, str]
+) -> None:
+    rollout_id = f"cut-off-{model}"
+    request = {"model": model, "messages": [], "stream": stream}
+    # The upstream dropped the connection: so does the producer.
+    with httpx.Client(base_url=proxy.url) as client, contextlib.suppress(httpx.HTTPError):
+        client.post(f"/ng-rollout/{rollout_id}/v1/chat/completions", json=request).read()
+    (row,) = proxy.wait_rows(rollout_id)
+    assert (row["status_code"], row["error_category"]) == expected
+    assert proxy.store.claims([rollout_id]) == {}

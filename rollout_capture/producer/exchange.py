@@ -1,7 +1,8 @@
 """One captured call, from the client's request to its row (spec 4 and 11).
 
-Shared by the middleware and the proxy: they move bytes, this decides what the row says.
-Bodies are kept up to a cap; past it the row keeps the first bytes and says it was cut.
+Shared by the middleware and the proxy: they move bytes, this decides what the row says and
+keeps its lifecycle (claim, durable row, release). Bodies are kept up to a cap; past it the
+row keeps the first bytes and says it was cut.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -19,6 +20,9 @@ from rollout_capture.producer.routing import VERIFIER_HEADER, Dialect, Route, he
 from rollout_capture.producer.settings import ProducerSettings
 from rollout_capture.producer.streams import JsonObject, StreamRelay
 from rollout_capture.store import ClaimContext
+
+if TYPE_CHECKING:
+    from rollout_capture.producer.writer import CaptureWriter
 
 MODEL_REF_TYPE = "responses_api_models"
 _ASK_USAGE = b'{"stream_options":{"include_usage":true},'
@@ -30,10 +34,8 @@ def _decode(body: bytes) -> str:
 
 
 def _is_event_stream(headers: Sequence[tuple[bytes, bytes]]) -> bool:
-    for key, value in headers:
-        if key.lower() == b"content-type":
-            return value.lower().startswith(b"text/event-stream")
-    return False
+    kind = header(headers, b"content-type")
+    return kind is not None and kind.lower().startswith(b"text/event-stream")
 
 
 class Exchange:
@@ -65,13 +67,15 @@ class Exchange:
         self.hide_usage = False  # we asked a chat stream for usage its client did not want
         self.status_code: int | None = None
         self.fault: ErrorCategory | None = None
+        self.broken = False  # the upstream's answer stopped before its end
+        self._timed_out = False
         self.relay: StreamRelay | None = None
         self._body = bytearray()
         self._body_size = 0
         self._held = b""
         self.finished = False  # the upstream's answer ended normally
         self.row_written = False
-        self.claim: ClaimContext | None = None  # released together with the row
+        self._claim: ClaimContext | None = None  # released together with the row
 
     # ------------------------------------------------------------------ request
 
@@ -154,11 +158,56 @@ class Exchange:
         return held
 
     def failed(self, category: ErrorCategory) -> None:
-        """Something other than the upstream's status decided the call's fate."""
+        """Something other than the upstream's answer decided the call's fate (the client left,
+        no answer came, the producer failed): it wins over what the answer says."""
         if self.fault is None:
             self.fault = category
         if self._ended is None:
             self._ended = time.perf_counter()
+
+    def broke_off(self, *, timed_out: bool = False) -> None:
+        """The upstream's answer stopped before its end (dropped, fell silent, or the app raised or
+        returned early). The row still classifies it like any answer (see :meth:`_category`)."""
+        self.broken = True
+        self._timed_out = self._timed_out or timed_out
+        if self._ended is None:
+            self._ended = time.perf_counter()
+
+    def server_failed(self) -> None:
+        """The server raised: an ``exception`` before its answer began, an answer broken off after."""
+        if self.status_code is None:
+            self.failed(ErrorCategory.EXCEPTION)
+        else:
+            self.broke_off()
+
+    # ------------------------------------------------------------------ lifecycle (spec 3, 11)
+
+    async def claim(self, writer: CaptureWriter) -> None:
+        """Claim the rollout before the call is forwarded (a failed claim is logged, not raised)."""
+        self._claim = await writer.claim(self.rollout_id, self.model_call_id)
+
+    async def write_row(self, writer: CaptureWriter) -> None:
+        """Write the row durably, then release the claim (both shielded from cancellation)."""
+        self.row_written = True
+        await writer.record(self.rollout_id, self.row, release=self._claim)
+
+    async def complete(self, writer: CaptureWriter) -> bytes:
+        """The upstream's answer ended normally: write its row, then return what was held back
+        (the client's last bytes go after the row)."""
+        held = self.end()
+        self.finished = True
+        await self.write_row(writer)
+        return held
+
+    async def close(self, writer: CaptureWriter) -> None:
+        """Last, in every outcome: a call whose row is not written yet did not end normally; its
+        row keeps what came so far (and releases the claim)."""
+        if self.row_written:
+            return
+        if self.fault is None:
+            self.broke_off()
+        self.end()
+        await self.write_row(writer)
 
     # ------------------------------------------------------------------ row
 
@@ -174,6 +223,8 @@ class Exchange:
             if not self.relay.complete:
                 return response, raw, self.relay.cut, ErrorCategory.STREAM_TRUNCATED
             return response, raw, self.relay.cut, None
+        if self.broken:  # a body cut short is no JSON to read
+            return None, _decode(bytes(self._body)) if self._body else None, False, ErrorCategory.INCOMPLETE
         if not self._body_size:
             return None, None, False, None
         if self._body_size > len(self._body):
@@ -186,13 +237,22 @@ class Exchange:
             return parsed, None, False, None
         return None, _decode(bytes(self._body)), False, ErrorCategory.CAPTURE_PARSE_ERROR
 
+    def _category(self, reading: ErrorCategory | None) -> ErrorCategory | None:
+        """Spec 5 and 11, for both producers: a fault outside the answer, else the upstream's error
+        status as it is, else a timeout that cut the answer, else what reading the answer showed
+        (``stream_truncated`` for a stream without its terminal event, ``incomplete`` for a body)."""
+        if self.fault is not None:
+            return self.fault
+        timed_out = ErrorCategory.TIMEOUT if self._timed_out else None
+        return category_for_status(self.status_code) or timed_out or reading
+
     def row(self) -> dict[str, Any]:
         """The row of spec 4 for this call."""
         now = time.perf_counter()
         ended = self._ended if self._ended is not None else now
         forwarded = self._forwarded if self._forwarded is not None else self._arrived
         response, response_raw, cut, reading = self._response()
-        category = self.fault or category_for_status(self.status_code) or reading
+        category = self._category(reading)
         row: dict[str, Any] = {
             "model_call_id": self.model_call_id,
             "dialect": self.dialect,
@@ -232,12 +292,13 @@ async def start_exchange(
     client left before its request was whole, so no call was made and nothing is written.
     """
     assert found.rollout_id is not None and found.dialect is not None
+    verifier = header(scope["headers"], VERIFIER_HEADER)
     exchange = Exchange(
         found.rollout_id,
         found.dialect,
         server_name=settings.server_name,
         max_body_bytes=settings.max_body_bytes,
-        verifier_invocation_id=header(scope["headers"], VERIFIER_HEADER),
+        verifier_invocation_id=None if verifier is None else verifier.decode("latin-1"),
     )
     body, whole, gone = await read_body(receive, settings.max_body_bytes)
     if gone:

@@ -23,7 +23,7 @@ from rollout_capture.producer.asgi import (
     route_or_refuse,
 )
 from rollout_capture.producer.classify import ErrorCategory
-from rollout_capture.producer.exchange import Exchange, start_exchange
+from rollout_capture.producer.exchange import start_exchange
 from rollout_capture.producer.routing import Route
 from rollout_capture.producer.settings import ProducerSettings
 from rollout_capture.producer.writer import writer_for
@@ -104,7 +104,7 @@ class CaptureMiddleware:
             headers = replace_header(headers, b"content-length", str(len(forward)).encode())
         # The app is asked for an uncompressed answer: the row needs readable bytes.
         scope["headers"] = replace_header(headers, b"accept-encoding", b"identity")
-        claim = exchange.claim = await self.writer.claim(exchange.rollout_id, exchange.model_call_id)
+        await exchange.claim(self.writer)
         replayed = False
         client_gone = False
 
@@ -142,9 +142,7 @@ class CaptureMiddleware:
                     if now:
                         await forward_send({"type": "http.response.body", "body": now, "more_body": True})
                     return
-                held = exchange.end()
-                exchange.finished = True
-                await self._write(exchange)  # durable before the client's last byte
+                held = await exchange.complete(self.writer)  # durable before the client's last byte
                 await forward_send({"type": "http.response.body", "body": now + held, "more_body": False})
             else:
                 await forward_send(message)
@@ -156,19 +154,12 @@ class CaptureMiddleware:
             exchange.failed(ErrorCategory.CANCELLED)
             raise
         except Exception:
-            exchange.failed(ErrorCategory.CANCELLED if client_gone else ErrorCategory.EXCEPTION)
+            if client_gone:
+                exchange.failed(ErrorCategory.CANCELLED)
+            else:
+                exchange.server_failed()
             raise
         finally:
-            if not exchange.row_written:
-                if not exchange.finished:
-                    if client_gone:
-                        exchange.failed(ErrorCategory.CANCELLED)
-                    elif not exchange.streaming:
-                        exchange.failed(ErrorCategory.INCOMPLETE)
-                exchange.end()
-                await self._write(exchange)
-            await self.writer.release(claim)
-
-    async def _write(self, exchange: Exchange) -> None:
-        exchange.row_written = True
-        await self.writer.record(exchange.rollout_id, exchange.row, release=exchange.claim)
+            if client_gone and not exchange.finished:
+                exchange.failed(ErrorCategory.CANCELLED)
+            await exchange.close(self.writer)  # an app that returned early: its answer broke off

@@ -13,11 +13,10 @@ import logging
 import math
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import httpx
 import uvicorn
 
 from rollout_capture.producer.asgi import (
@@ -32,7 +31,7 @@ from rollout_capture.producer.asgi import (
 )
 from rollout_capture.producer.classify import ErrorCategory
 from rollout_capture.producer.exchange import Exchange, start_exchange
-from rollout_capture.producer.routing import Route
+from rollout_capture.producer.routing import Route, header
 from rollout_capture.producer.settings import ProxySettings
 from rollout_capture.producer.upstream import Upstream, UpstreamError, UpstreamResponse, open_upstream
 from rollout_capture.producer.writer import writer_for
@@ -94,23 +93,12 @@ def _response_headers(response: UpstreamResponse, *, drop: frozenset[bytes] = fr
     return [(k, v) for k, v in response.headers if k.lower() not in _HOP_BY_HOP and k.lower() not in drop]
 
 
-def _header_value(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | None:
-    for key, value in headers:
-        if key.lower() == name:
-            return value
-    return None
-
-
 class CaptureProxy:
-    """ASGI app: everything to the upstream; calls under ``/ng-rollout/<id>/v1/`` captured on the way.
+    """ASGI app: everything to the upstream; calls under ``/ng-rollout/<id>/v1/`` captured on the way."""
 
-    ``transport`` (an httpx transport, for tests) makes the upstream client httpx.
-    """
-
-    def __init__(self, settings: ProxySettings, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(self, settings: ProxySettings) -> None:
         self.settings = settings
         self.writer = writer_for(settings)
-        self._transport = transport
         self._client: Upstream | None = None
         _install_log_filter()
 
@@ -125,7 +113,6 @@ class CaptureProxy:
             connect_timeout_s=s.connect_timeout_s,
             read_timeout_s=s.read_timeout_s,
             write_timeout_s=s.write_timeout_s,
-            transport=self._transport,
         )
 
     @property
@@ -222,7 +209,7 @@ class CaptureProxy:
             return  # the client left before its request was whole: no call was made
         exchange, forward, whole, _ = started
         content: bytes | AsyncIterator[bytes] = forward if whole else _body_stream(forward, receive)
-        claim = exchange.claim = await self.writer.claim(exchange.rollout_id, exchange.model_call_id)
+        await exchange.claim(self.writer)
         try:
             if not whole:  # the body is still being received: the upstream request reads it
                 await self._forward(scope, found, exchange, content, send)
@@ -242,7 +229,7 @@ class CaptureProxy:
             finally:
                 watch.cancel()
         finally:
-            await self.writer.release(claim)
+            await exchange.close(self.writer)  # the row of a call that did not end normally
 
     async def _forward(
         self,
@@ -252,14 +239,14 @@ class CaptureProxy:
         content: bytes | AsyncIterator[bytes],
         send: Send,
     ) -> None:
-        """One upstream exchange; the row is written in every outcome, before the last byte."""
+        """One upstream exchange; the caller writes the row of one that does not end normally."""
         try:
             exchange.forwarding()
             try:
                 response = await self._send(scope, found, content, captured=True)
             except UpstreamError as exc:
                 exchange.failed(ErrorCategory.TIMEOUT if exc.timed_out else ErrorCategory.CONNECTION)
-                await self._write(exchange)
+                await exchange.write_row(self.writer)  # before the client's last byte
                 await _send_upstream_error(send, exc)
                 return
             try:
@@ -275,15 +262,11 @@ class CaptureProxy:
             logger.exception("capture proxy failed on a call of rollout %s", exchange.rollout_id)
             exchange.failed(ErrorCategory.EXCEPTION)
             raise
-        finally:
-            if not exchange.row_written:
-                exchange.end()
-                await self._write(exchange)
 
     async def _relay(self, exchange: Exchange, response: UpstreamResponse, send: Send) -> None:
         exchange.response_started(response.status, response.headers)
         drop = {b"content-length"} if exchange.streaming else set()
-        encoding = _header_value(response.headers, b"content-encoding")
+        encoding = header(response.headers, b"content-encoding")
         if encoding is not None and encoding.strip().lower() != b"identity":
             # Asked for identity but compressed anyway: forwarded decoded, as captured.
             drop |= {b"content-encoding", b"content-length"}
@@ -299,26 +282,12 @@ class CaptureProxy:
                 now = exchange.body(chunk)
                 if now:
                     await send({"type": "http.response.body", "body": now, "more_body": True})
-        except UpstreamError as exc:
-            exchange.failed(
-                ErrorCategory.TIMEOUT
-                if exc.timed_out
-                else ErrorCategory.STREAM_TRUNCATED
-                if exchange.streaming
-                else ErrorCategory.CONNECTION
-            )
-            exchange.end()
-            await self._write(exchange)
+        except UpstreamError as exc:  # the row is written on the way out, then the connection is cut
+            exchange.broke_off(timed_out=exc.timed_out)
             logger.warning("upstream broke off a call of rollout %s: %s", exchange.rollout_id, exc.kind)
             raise UpstreamBroken(exc.kind) from None
-        held = exchange.end()
-        exchange.finished = True
-        await self._write(exchange)  # durable before the client's last byte
+        held = await exchange.complete(self.writer)  # durable before the client's last byte
         await send({"type": "http.response.body", "body": held, "more_body": False})
-
-    async def _write(self, exchange: Exchange) -> None:
-        exchange.row_written = True
-        await self.writer.record(exchange.rollout_id, exchange.row, release=exchange.claim)
 
 
 async def _send_upstream_error(send: Send, exc: UpstreamError) -> None:

@@ -6,6 +6,7 @@ it: it is validated as one segment before anything is written.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import unquote
@@ -66,9 +67,9 @@ def route(method: str, path: str, raw_path: bytes | None) -> Route:
     return Route(forward_path, forward_raw, rollout_id, dialect)
 
 
-def header(headers: list[tuple[bytes, bytes]] | tuple[tuple[bytes, bytes], ...], name: bytes) -> str | None:
-    """The first value of a header (names compared lower-case, as ASGI gives them)."""
+def header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    """The first value of header ``name`` (given lower-case; names may come in any case)."""
     for key, value in headers:
         if key.lower() == name:
-            return value.decode("latin-1")
+            return value
     return None

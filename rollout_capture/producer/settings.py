@@ -13,11 +13,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rollout_capture.claims import DEFAULT_CLAIM_TTL_S
+from rollout_capture.config import check_capture_url
 from rollout_capture.secret_options import refuse_secret_options
 
 ENV_PREFIX = "ROLLOUT_CAPTURE_"
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-DEFAULT_CLAIM_TTL_S = 300.0
 
 # Field name -> environment variable (spec 11 names the first three).
 ENV_NAMES: dict[str, str] = {
@@ -38,7 +39,7 @@ class ProducerSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    capture_dir: str = Field(min_length=1, description="Capture root: a local path or fsspec URL.")
+    capture_dir: str = Field(min_length=1, description="Capture root: an absolute local path or fsspec URL.")
     server_name: str | None = Field(None, description="The row's model_ref name (null when unset).")
     claim_ttl_s: float = Field(DEFAULT_CLAIM_TTL_S, gt=0, description="Seconds a claim stays live.")
     max_body_bytes: int = Field(
@@ -47,6 +48,15 @@ class ProducerSettings(BaseModel):
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options (no secrets).")
     layout: Literal["auto", "jsonl", "objects"] = "auto"
     io_threads: int = Field(32, ge=1, le=1024, description="Threads writing claims and rows.")
+
+    @field_validator("capture_dir")
+    @classmethod
+    def _capture_url(cls, value: str) -> str:
+        """As the core's config (spec 10): a relative path would depend on each server's cwd."""
+        try:
+            return check_capture_url(value)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (set by ROLLOUT_CAPTURE_DIR or --capture-dir)") from None
 
     @field_validator("storage_options")
     @classmethod

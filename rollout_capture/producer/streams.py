@@ -344,16 +344,14 @@ class StreamRelay:
         self.max_bytes = max_bytes
         self.bytes_seen = 0
         self.events = 0
-        self.unparsed = 0  # data that was not a JSON object
         self.cut = False  # past max_bytes: content no longer accumulated
         self._framer = SseFramer()
         self._held: list[bytes] = []
-        self._terminal = False
 
     @property
     def complete(self) -> bool:
         """The terminal event was seen (the stream was not cut short)."""
-        return self._terminal
+        return self.assembler.complete
 
     def feed(self, chunk: bytes) -> bytes:
         """Take upstream bytes; return the bytes to forward now."""
@@ -363,7 +361,7 @@ class StreamRelay:
         out: list[bytes] = []
         for event in self._framer.feed(chunk):
             self.events += 1
-            if self._terminal:
+            if self.assembler.complete:
                 self._held.append(event.raw)
                 continue
             text = event.data
@@ -371,7 +369,7 @@ class StreamRelay:
                 out.append(event.raw)  # comments, keep-alives
                 continue
             if self.dialect == "chat" and text.strip() == "[DONE]":
-                self._terminal = self.assembler.complete = True
+                self.assembler.complete = True
                 self._held.append(event.raw)
                 continue
             try:
@@ -379,7 +377,6 @@ class StreamRelay:
             except orjson.JSONDecodeError:
                 data = None
             if not isinstance(data, dict):
-                self.unparsed += 1
                 out.append(event.raw)
                 continue
             raw = event.raw
@@ -388,8 +385,7 @@ class StreamRelay:
                     self.assembler.feed(event.event, data)  # the chunk we asked for: keep it from the client
                     continue
                 raw = strip_usage(raw, data)
-            if self.assembler.feed(event.event, data):
-                self._terminal = True
+            if self.assembler.feed(event.event, data):  # the terminal event: it waits for the row
                 self._held.append(raw)
             else:
                 out.append(raw)

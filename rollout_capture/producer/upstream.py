@@ -265,7 +265,6 @@ class HttpxUpstream:
         connect_timeout_s: float,
         read_timeout_s: float,
         write_timeout_s: float,
-        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         timeout = httpx.Timeout(
@@ -276,7 +275,7 @@ class HttpxUpstream:
             timeout=timeout,
             limits=limits,
             follow_redirects=False,  # the client sees redirects
-            transport=transport or ShardedTransport(limits),
+            transport=ShardedTransport(limits),
         )
         self._url = UrlCache(base_url, httpx.URL)
 
@@ -396,17 +395,15 @@ def open_upstream(
     connect_timeout_s: float,
     read_timeout_s: float,
     write_timeout_s: float,
-    transport: httpx.AsyncBaseTransport | None = None,
 ) -> Upstream:
     """The client every proxied call goes through; call inside the event loop that will use it."""
-    if kind == "httpx" or transport is not None:
+    if kind == "httpx":
         return HttpxUpstream(
             base_url,
             max_connections=max_connections,
             connect_timeout_s=connect_timeout_s,
             read_timeout_s=read_timeout_s,
             write_timeout_s=write_timeout_s,
-            transport=transport,
         )
     return AiohttpUpstream(
         base_url,

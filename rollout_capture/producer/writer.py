@@ -128,8 +128,7 @@ class CaptureWriter:
                 if not self._pending:
                     self._idle.notify_all()
 
-    def _claim(self, rollout_id: str, model_call_id: str) -> ClaimContext | None:
-        context = self.store.claim(rollout_id, model_call_id, ttl_s=self.claim_ttl_s)
+    def _claim(self, context: ClaimContext, rollout_id: str, model_call_id: str) -> ClaimContext | None:
         try:
             context.__enter__()
         except Exception:
@@ -147,7 +146,7 @@ class CaptureWriter:
         staged = None
         try:
             staged = self._stage(rollout_id, row)
-            return staged is not None and self._durable(rollout_id, staged[0])
+            return staged is not None and self._durable(staged[0])
         finally:  # the claim, then the lock (see record)
             if claim is not None:
                 self._release(claim)
@@ -160,6 +159,8 @@ class CaptureWriter:
         """The row built and staged (:meth:`CaptureStore.record_staged`); None (logged) on failure."""
         try:
             built = row() if callable(row) else row
+            if not isinstance(built, Mapping):
+                raise TypeError(f"a capture row must be a mapping; got {type(built).__name__}")
         except Exception:
             logger.warning(
                 "a capture row of rollout %s could not be built; the rollout is marked incomplete",
@@ -169,16 +170,16 @@ class CaptureWriter:
             self._mark(rollout_id)  # the store never saw it
             return None
         try:
-            return self.store.record_staged(rollout_id, built)  # marks the rollout incomplete on failure
-        except Exception:
-            self._log_unwritten(rollout_id)
+            return self.store.record_staged(rollout_id, built)
+        except Exception:  # the store logged it and marked the rollout incomplete
             return None
 
-    def _durable(self, rollout_id: str, blocking: Callable[[], None]) -> bool:
+    @staticmethod
+    def _durable(blocking: Callable[[], None]) -> bool:
+        """Run the row's blocking step; False when it failed."""
         try:
-            blocking()  # marks the rollout incomplete itself on failure
-        except Exception:
-            self._log_unwritten(rollout_id)
+            blocking()
+        except Exception:  # the store logged it and marked the rollout incomplete
             return False
         return True
 
@@ -188,14 +189,6 @@ class CaptureWriter:
             finish()
         except Exception:
             logger.warning("could not close a capture file", exc_info=True)
-
-    @staticmethod
-    def _log_unwritten(rollout_id: str) -> None:
-        logger.warning(
-            "a capture row of rollout %s was not written; the rollout is marked incomplete",
-            rollout_id,
-            exc_info=True,
-        )
 
     def _release(self, context: ClaimContext) -> None:
         try:
@@ -220,14 +213,23 @@ class CaptureWriter:
             )
 
     async def claim(self, rollout_id: str, model_call_id: str) -> ClaimContext | None:
-        """Claim the rollout for one call; None (logged, marker written) when the claim failed."""
+        """Claim the rollout for one call; None (logged, marker written) when the claim failed.
+
+        A caller cancelled while the claim is written on a thread gets no context to release:
+        the claim that landed is released here before the cancellation goes on (spec 3).
+        """
+        context = self.store.claim(rollout_id, model_call_id, ttl_s=self.claim_ttl_s)
         if self._local:
             started = time.perf_counter()
             try:
-                return self._claim(rollout_id, model_call_id)
+                return self._claim(context, rollout_id, model_call_id)
             finally:
                 self._inline(started)
-        return await self._shielded(self._claim, rollout_id, model_call_id)
+        try:
+            return await self._shielded(self._claim, context, rollout_id, model_call_id)
+        except asyncio.CancelledError:
+            await self.release(context)
+            raise
 
     async def record(
         self,
@@ -249,7 +251,7 @@ class CaptureWriter:
             self._inline(started)
             if staged is None:
                 return False
-            return await self._shielded(self._durable, rollout_id, staged[0])  # the fsync: one hop
+            return await self._shielded(self._durable, staged[0])  # the fsync: one hop
         finally:  # after the fsync, even if cancelled meanwhile (the hop is shielded)
             # The claim goes before the lock: a reader that sees no claim and then reads
             # (under the shared lock) finds the row; no await between the two.
