@@ -116,15 +116,11 @@ class _WithoutTraceback(logging.Formatter):
 
 def _terminal_logging() -> None:
     """At a terminal, a failed run is one line from Prefect and one ``error:`` line from us."""
-    from prefect.logging.handlers import PrefectConsoleHandler
+    from flows.terminal import prefect_console_handlers
 
-    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
-    for logger in loggers:
-        for handler in getattr(logger, "handlers", ()):
-            if isinstance(handler, PrefectConsoleHandler) and not isinstance(
-                handler.formatter, _WithoutTraceback
-            ):
-                handler.setFormatter(_WithoutTraceback(handler.formatter))
+    for handler in prefect_console_handlers():
+        if not isinstance(handler.formatter, _WithoutTraceback):
+            handler.setFormatter(_WithoutTraceback(handler.formatter))
 
 
 def _flow_input(url: str, storage_options: str | None, what: str) -> dict[str, Any] | None:

@@ -26,14 +26,19 @@ from rich.progress import (
 from flows.report import listening_to_progress
 
 
-@contextmanager
-def _prefect_console_through(console: Console) -> Iterator[None]:
-    handlers = {
+def prefect_console_handlers() -> set[PrefectConsoleHandler]:
+    """Every handler through which Prefect prints to the terminal, on any logger."""
+    return {
         handler
         for name in [None, *logging.root.manager.loggerDict]
         for handler in logging.getLogger(name).handlers
         if isinstance(handler, PrefectConsoleHandler)
     }
+
+
+@contextmanager
+def _prefect_console_through(console: Console) -> Iterator[None]:
+    handlers = prefect_console_handlers()
     saved = {handler: handler.console for handler in handlers}
     for handler in handlers:
         handler.console = console
