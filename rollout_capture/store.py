@@ -107,6 +107,11 @@ class ClaimContext:
         await finish_in_thread(self._release)
 
 
+def _row_line(row: Mapping[str, Any]) -> bytes:
+    """One JSONL line of a row (values JSON cannot hold become strings)."""
+    return orjson.dumps(row, default=str, option=orjson.OPT_APPEND_NEWLINE)
+
+
 class CaptureStore:
     """One capture root (a local path or any fsspec URL) and the rollouts under it."""
 
@@ -163,7 +168,7 @@ class CaptureStore:
         if self.layout != "jsonl":
             self._guarded(rollout_id, self._append_object, rollout_id, row)
             return
-        line = orjson.dumps(row, default=str, option=orjson.OPT_APPEND_NEWLINE)
+        line = self._guarded(rollout_id, _row_line, row)  # a row orjson cannot write is a failed write too
         self._guarded(
             rollout_id, self._backend.append_line, self._backend.path(names.jsonl_name(rollout_id)), line
         )
@@ -183,7 +188,7 @@ class CaptureStore:
             raise ValueError(f"a capture row must be a JSON object; got {type(row).__name__}")
         if self.layout != "jsonl":
             return (lambda: self._guarded(rollout_id, self._append_object, rollout_id, row)), nothing
-        line = orjson.dumps(row, default=str, option=orjson.OPT_APPEND_NEWLINE)
+        line = self._guarded(rollout_id, _row_line, row)
         path = self._backend.path(names.jsonl_name(rollout_id))
         blocking, finish = self._guarded(rollout_id, self._backend.append_line_staged, path, line)
         return (lambda: self._guarded(rollout_id, blocking)), finish

@@ -181,3 +181,20 @@ def test_a_reused_listing_of_the_root_never_hides_a_new_capture(tmp_path: Path) 
     store.record("40-0", {"model_call_id": "late"})
     second = enrich_lines(lines, [store])
     assert second.stats.calls == 41 and not second.stats.gaps
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_row_json_cannot_hold_marks_the_rollout_incomplete(tmp_path: Path, staged: bool) -> None:
+    """orjson refuses a value nested past its limit: that is a failed write like any other."""
+    deep: dict[str, object] = {}
+    inner = deep
+    for _ in range(300):
+        inner["x"] = {}
+        inner = inner["x"]  # type: ignore[assignment]
+    store = CaptureStore(tmp_path / "caps")
+    with pytest.raises(orjson.JSONEncodeError):
+        if staged:
+            store.record_staged("1-0", {"model_call_id": "a", "request": deep})
+        else:
+            store.record("1-0", {"model_call_id": "a", "request": deep})
+    assert store.is_incomplete("1-0")
