@@ -7,7 +7,7 @@ import itertools
 
 import orjson
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from rollout_capture.call_records import call_record_dict
@@ -299,3 +299,44 @@ def test_an_answer_broken_off_is_classified_from_its_status_then_how_it_ended(
     exchange.broke_off(timed_out=timed_out)
     exchange.end()
     assert exchange.row()["error_category"] == expected
+
+
+EVENT_TYPES = {
+    "chat": [None],
+    "responses": ["response.output_text.delta", "response.output_item.added", "response.content_part.added"],
+    "messages": ["content_block_start", "content_block_delta", "message_delta"],
+}
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+FIELDS = st.sampled_from(
+    ["choices", "delta", "index", "output_index", "content_index", "item", "part", "usage"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@example(dialect="chat", at=2, junk={"choices": 5}, kind=0)
+@example(dialect="responses", at=3, junk={"output_index": 0, "content_index": -5, "delta": "x"}, kind=0)
+@given(
+    dialect=st.sampled_from(sorted(STREAMS)),
+    at=st.integers(0, 5),
+    junk=st.dictionaries(FIELDS, JSON_VALUES, max_size=4),
+    kind=st.integers(0, 2),
+)
+def test_a_malformed_event_is_forwarded_as_it_came_and_never_fails_the_call(
+    dialect: str, at: int, junk: dict[str, object], kind: int
+) -> None:
+    """Whatever shape an upstream event has, the client still gets every byte: the capture
+    never fails the call it records."""
+    events = STREAMS[dialect][0]()
+    types = EVENT_TYPES[dialect]
+    event_type = types[kind % len(types)]
+    body = {**junk, "type": event_type} if event_type else junk
+    head = f"event: {event_type}\n".encode() if event_type and dialect != "chat" else b""
+    bad = head + b"data: " + orjson.dumps(body) + b"\n\n"
+    stream = [*events[:at], bad, *events[at:]]
+    relay = StreamRelay(dialect)  # type: ignore[arg-type]
+    forwarded = b"".join(relay.feed(event) for event in stream) + relay.finish()
+    assert forwarded == b"".join(stream)

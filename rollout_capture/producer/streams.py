@@ -9,6 +9,7 @@ hides what the producer's added ``stream_options.include_usage`` brought.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Protocol
 
@@ -17,6 +18,8 @@ import orjson
 from rollout_capture.producer.classify import ErrorCategory, category_for_stream_error
 from rollout_capture.producer.routing import Dialect
 from rollout_capture.producer.sse import SseFramer
+
+logger = logging.getLogger(__name__)
 
 JsonObject = dict[str, Any]
 
@@ -345,6 +348,7 @@ class StreamRelay:
         self.bytes_seen = 0
         self.events = 0
         self.cut = False  # past max_bytes: content no longer accumulated
+        self.unreadable_events = 0  # events the assembler could not take (forwarded all the same)
         self._framer = SseFramer()
         self._held: list[bytes] = []
 
@@ -382,14 +386,27 @@ class StreamRelay:
             raw = event.raw
             if self.hide_usage and "usage" in data:
                 if data.get("usage") is not None and not data.get("choices"):
-                    self.assembler.feed(event.event, data)  # the chunk we asked for: keep it from the client
+                    self._assemble(event.event, data)  # the chunk we asked for: keep it from the client
                     continue
                 raw = strip_usage(raw, data)
-            if self.assembler.feed(event.event, data):  # the terminal event: it waits for the row
+            if self._assemble(event.event, data):  # the terminal event: it waits for the row
                 self._held.append(raw)
             else:
                 out.append(raw)
         return b"".join(out)
+
+    def _assemble(self, event: str | None, data: JsonObject) -> bool:
+        """Feed the assembler; an event of a shape it cannot take is forwarded as it came
+        (and logged): the capture never fails the call it records."""
+        try:
+            return self.assembler.feed(event, data)
+        except Exception as exc:
+            self.unreadable_events += 1
+            if self.unreadable_events == 1:
+                logger.warning(
+                    "a %s stream event could not be reassembled (%r); forwarded as is", self.dialect, exc
+                )
+            return False
 
     def finish(self) -> bytes:
         """The bytes held back for after the row: the terminal event onwards, and any partial event."""
