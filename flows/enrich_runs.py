@@ -101,7 +101,8 @@ def enrich_run(
     """
     show_core_logs()
     check_inputs(capture_dir, storage_options)
-    root = RunsRoot(runs_root, storage_options, credentials=credentials_from_block(credentials_block))
+    # Asked at each use: the lease is renewed for as long as the run takes, past temporary credentials.
+    root = RunsRoot(runs_root, storage_options, credentials=lambda: credentials_from_block(credentials_block))
     keeper = LeaseKeeper(root, run, lease, heartbeat_s)
     started = time.perf_counter()
     finished = False

@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Literal
 
 import orjson
@@ -164,11 +164,26 @@ class RunsRoot:
         url: str,
         storage_options: Mapping[str, Any] | None = None,
         *,
-        credentials: Mapping[str, Any] | None = None,
+        credentials: Mapping[str, Any] | Callable[[], Mapping[str, Any] | None] | None = None,
     ) -> None:
+        """``credentials`` may be a provider, asked at each use: a lease held for hours keeps
+        renewing with credentials that are renewed in turn (temporary ones expire)."""
         self.url = url.rstrip("/")
-        self.backend: Backend = open_backend(url, storage_options, credentials=credentials)
-        self.root = self.backend.root
+        self._storage_options = storage_options
+        self._provider = credentials if callable(credentials) else None
+        self._credentials = credentials() if callable(credentials) else credentials
+        self._backend: Backend = open_backend(url, storage_options, credentials=self._credentials)
+        self.root = self._backend.root
+
+    @property
+    def backend(self) -> Backend:
+        """The root's storage, opened again when the credentials provider hands out new ones."""
+        if self._provider is not None:
+            current = self._provider()
+            if current is not self._credentials:
+                self._credentials = current
+                self._backend = open_backend(self.url, self._storage_options, credentials=current)
+        return self._backend
 
     # ------------------------------------------------------------------ discovery
 

@@ -217,3 +217,27 @@ def test_a_finish_retried_after_its_marker_landed_still_finishes(
     assert "_ENRICHED" in names and not any(n.startswith("_ENRICHING") for n in names)
     marker = orjson.loads(s3.fs().cat(f"{s3.bucket}/runs/r/_ENRICHED"))
     assert marker["enriched_by"] == lease.owner
+
+
+def test_a_lease_keeps_renewing_with_credentials_renewed_meanwhile(s3: S3, tmp_path: Path) -> None:
+    """The root asks its credentials provider at each use: renewed credentials (temporary ones
+    expire within the hour) reach the lease's renewals without restarting the run."""
+    Where(tmp_path, s3).make_run("r")
+    handed_out: list[dict[str, str]] = []
+
+    def provider() -> dict[str, str]:
+        if not handed_out:
+            handed_out.append({"key": "testing", "secret": "testing"})
+        return handed_out[-1]
+
+    root = RunsRoot(s3.url("runs"), s3.storage_options, credentials=provider)
+    (run,) = root.runs()
+    lease = root.acquire(run, 600)
+    assert lease is not None
+    first = root.backend
+    assert root.backend is first  # the same credentials: the same storage
+    handed_out.append({"key": "testing", "secret": "testing", "token": "renewed"})
+    renewed = root.renew(run, lease)
+    assert root.backend is not first and renewed.generation == lease.generation + 1
+    current = root.current_lease(run)  # read back through the storage opened anew
+    assert current is not None and (current.generation, current.owner) == (renewed.generation, lease.owner)
