@@ -87,13 +87,22 @@ def read_claim(claim_id: str, body: bytes | None, mtime: float | None, *, trust_
         except (orjson.JSONDecodeError, ValidationError):
             claim = None
     if claim is None:
-        basis = mtime if mtime is not None else time.time()
-        claim = Claim(claim_id=claim_id, claimed_at=basis)
-    if trust_mtime and mtime is not None:
-        claim.expires_at = mtime + claim.ttl_s
-    else:
-        claim.expires_at = claim.claimed_at + claim.ttl_s
+        claim = Claim(claim_id=claim_id, claimed_at=mtime if mtime is not None else time.time())
+    claim.expires_at = lapses_at(claim.claimed_at + claim.ttl_s, claim.ttl_s, mtime, trust_mtime=trust_mtime)
     return claim
+
+
+def lapses_at(deadline: float | None, ttl_s: float, mtime: float | None, *, trust_mtime: bool) -> float:
+    """When a file that holds while its writer lives (a claim, a run's lease generation) lapses.
+
+    By the store's clock where it keeps one (``mtime + ttl_s``), else by the writer's own
+    ``deadline``; one whose body says nothing (``deadline`` None) counts from its mtime.
+    """
+    if trust_mtime and mtime is not None:
+        return mtime + ttl_s
+    if deadline is not None:
+        return deadline
+    return (mtime if mtime is not None else time.time()) + ttl_s
 
 
 def partition(claims: Iterable[Claim], now: float | None = None) -> tuple[list[Claim], list[Claim]]:

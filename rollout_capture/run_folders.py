@@ -37,6 +37,7 @@ import orjson
 from pydantic import BaseModel, Field, ValidationError
 
 from rollout_capture.backends import Backend, Named, open_backend
+from rollout_capture.claims import lapses_at
 from rollout_capture.faults import is_transient_storage_error
 from rollout_capture.filesystem import join
 
@@ -259,13 +260,12 @@ class RunsRoot:
 
     def _expires_at(self, lease: Lease | None, entry: Named) -> float:
         """When a listed generation stops holding: by the store's clock where it keeps one."""
-        if lease is None:  # unreadable: counts from its modification time, like a claim
-            return (entry.mtime if entry.mtime is not None else time.time()) + DEFAULT_LEASE_S
+        trust_mtime = self.backend.trust_mtime
+        if lease is None:  # unreadable: counts from its modification time
+            return lapses_at(None, DEFAULT_LEASE_S, entry.mtime, trust_mtime=trust_mtime)
         if lease.released:
             return -math.inf
-        if self.backend.trust_mtime and entry.mtime is not None:
-            return entry.mtime + lease.duration_s
-        return lease.expires_at
+        return lapses_at(lease.expires_at, lease.duration_s, entry.mtime, trust_mtime=trust_mtime)
 
     def current_lease(self, run: RunFolder) -> Lease | None:
         """The run's newest lease generation, ``expires_at`` as judged here; None when there is none."""
