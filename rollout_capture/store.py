@@ -162,16 +162,11 @@ class CaptureStore:
         If the write fails, the rollout is marked incomplete (so readers know its capture
         is partial) and the error is raised.
         """
-        validate_rollout_id(rollout_id)
-        if not isinstance(row, Mapping):
-            raise ValueError(f"a capture row must be a JSON object; got {type(row).__name__}")
-        if self.layout != "jsonl":
-            self._guarded(rollout_id, self._append_object, rollout_id, row)
-            return
-        line = self._guarded(rollout_id, _row_line, row)  # a row orjson cannot write is a failed write too
-        self._guarded(
-            rollout_id, self._backend.append_line, self._backend.path(names.jsonl_name(rollout_id)), line
-        )
+        blocking, finish = self.record_staged(rollout_id, row)
+        try:
+            blocking()
+        finally:
+            finish()
 
     def record_staged(
         self, rollout_id: str, row: Mapping[str, Any]
@@ -188,7 +183,7 @@ class CaptureStore:
             raise ValueError(f"a capture row must be a JSON object; got {type(row).__name__}")
         if self.layout != "jsonl":
             return (lambda: self._guarded(rollout_id, self._append_object, rollout_id, row)), nothing
-        line = self._guarded(rollout_id, _row_line, row)
+        line = self._guarded(rollout_id, _row_line, row)  # a row orjson cannot write is a failed write too
         path = self._backend.path(names.jsonl_name(rollout_id))
         blocking, finish = self._guarded(rollout_id, self._backend.append_line_staged, path, line)
         return (lambda: self._guarded(rollout_id, blocking)), finish
