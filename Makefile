@@ -25,6 +25,9 @@ test: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	@# mypy checks the package as it installs: flows/, tasks/, deployments/ linked in as rollout_capture.*
+	rm -rf build/typecheck && mkdir -p build/typecheck/rollout_capture
+	for e in rollout_capture/* flows tasks deployments; do ln -s ../../../$$e build/typecheck/rollout_capture/; done
 	$(BIN)/mypy
 
 bench: setup
@@ -48,4 +51,4 @@ sample: setup
 	$(BIN)/python examples/build_sample.py
 
 clean:
-	rm -rf out benchmarks/_corpus benchmarks/results .pytest_cache .ruff_cache .mypy_cache
+	rm -rf out build dist benchmarks/_corpus benchmarks/results .pytest_cache .ruff_cache .mypy_cache

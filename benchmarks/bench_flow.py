@@ -59,7 +59,7 @@ def flow_run(
     """
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-    from flows import enrich_rollouts
+    from rollout_capture.flows import enrich_rollouts
 
     updates = {} if heartbeats else {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
     with temporary_settings(updates=updates):

@@ -91,7 +91,7 @@ def start_proxy(upstream: str, capture_dir: str, extra: list[str]) -> tuple[subp
         [
             sys.executable,
             "-m",
-            "flows.cli",
+            "rollout_capture.cli",
             "proxy",
             "--upstream",
             upstream,

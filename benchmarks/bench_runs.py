@@ -96,7 +96,7 @@ def measured(seconds: float, counts: dict[str, int], runs: int) -> dict[str, Any
 
 
 def one_size(endpoint: str, proxy: FaultProxy, runs: int, latency_s: float, baseline: bool) -> dict[str, Any]:
-    from flows import enrich_completed_runs
+    from rollout_capture.flows import enrich_completed_runs
 
     bucket = f"bench-runs-{runs}"
     build(endpoint, bucket, runs)
@@ -163,7 +163,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.getLogger("prefect").setLevel(logging.WARNING)
 
-    from flows import enrich_completed_runs
+    from rollout_capture.flows import enrich_completed_runs
 
     host, port = "127.0.0.1", free_port()
     server = subprocess.Popen(

@@ -16,7 +16,7 @@ from prefect import serve
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.deployments.runner import RunnerDeployment
 
-from flows import enrich_completed_runs, enrich_rollouts, prepare_dispatch
+from rollout_capture.flows import enrich_completed_runs, enrich_rollouts, prepare_dispatch
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Regenerate ``examples/sample/`` from the shared corpus: deterministic, byte for byte.
+"""Regenerate ``rollout_capture/sample/`` (package data) from the shared corpus, byte for byte.
 
     python examples/build_sample.py [--corpus ../shared/corpus/nemo-gym-example-rollouts]
 
@@ -99,7 +99,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
-    parser.add_argument("--out", type=Path, default=HERE / "sample")
+    parser.add_argument("--out", type=Path, default=HERE.parent / "rollout_capture" / "sample")
     args = parser.parse_args()
     build(args.corpus, args.out)
     print(f"wrote {args.out}")

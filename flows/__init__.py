@@ -8,16 +8,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from flows.dispatch import prepare_dispatch
-    from flows.enrich import enrich_rollouts
-    from flows.enrich_runs import enrich_completed_runs
+    from rollout_capture.flows.dispatch import prepare_dispatch
+    from rollout_capture.flows.enrich import enrich_rollouts
+    from rollout_capture.flows.enrich_runs import enrich_completed_runs
 
 __all__ = ["enrich_completed_runs", "enrich_rollouts", "prepare_dispatch"]
 
 _WHERE = {
-    "prepare_dispatch": "flows.dispatch",
-    "enrich_rollouts": "flows.enrich",
-    "enrich_completed_runs": "flows.enrich_runs",
+    "prepare_dispatch": "rollout_capture.flows.dispatch",
+    "enrich_rollouts": "rollout_capture.flows.enrich",
+    "enrich_completed_runs": "rollout_capture.flows.enrich_runs",
 }
 
 
@@ -26,4 +26,4 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return getattr(importlib.import_module(_WHERE[name]), name)
-    raise AttributeError(f"module 'flows' has no attribute {name!r}")
+    raise AttributeError(f"module rollout_capture.flows has no attribute {name!r}")

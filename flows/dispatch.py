@@ -10,13 +10,13 @@ from prefect import get_run_logger
 from prefect.futures import wait
 from pydantic import Field
 
-from flows.enrich import DEFAULT_BATCH_SIZE
-from flows.guard import StorageOptions, check_inputs, guarded_flow
-from flows.report import show_core_logs
 from rollout_capture.clear import rollout_ids_of
+from rollout_capture.flows.enrich import DEFAULT_BATCH_SIZE
+from rollout_capture.flows.guard import StorageOptions, check_inputs, guarded_flow
+from rollout_capture.flows.report import show_core_logs
 from rollout_capture.rollout_files import iter_line_batches, remove_staged, split_lines
-from tasks.capture import clear_captures
-from tasks.rollout_files import read_rollouts
+from rollout_capture.tasks.capture import clear_captures
+from rollout_capture.tasks.rollout_files import read_rollouts
 
 
 def _ids_from_file(path: str, source: str) -> list[str]:

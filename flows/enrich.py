@@ -17,17 +17,23 @@ from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 from pydantic import Field
 
-from flows.events import emit_completed, emit_failed
-from flows.guard import StorageOptions, check_inputs, guarded_flow
-from flows.report import EnrichSummary, advance_progress, publish_summary, show_core_logs, start_progress
-from flows.runners import Runner, api_shared_with_workers, effective_workers, make_task_runner
 from rollout_capture.backends import ListingScope
 from rollout_capture.batch import BatchStats
+from rollout_capture.flows.events import emit_completed, emit_failed
+from rollout_capture.flows.guard import StorageOptions, check_inputs, guarded_flow
+from rollout_capture.flows.report import (
+    EnrichSummary,
+    advance_progress,
+    publish_summary,
+    show_core_logs,
+    start_progress,
+)
+from rollout_capture.flows.runners import Runner, api_shared_with_workers, effective_workers, make_task_runner
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
 from rollout_capture.rollout_files import OutputSpool, default_output, iter_line_ranges, remove_staged
 from rollout_capture.store import end_scope
-from tasks.capture import BatchInput, BatchOutput, check_capture_dir, merge_batch
-from tasks.rollout_files import read_rollouts, write_enriched
+from rollout_capture.tasks.capture import BatchInput, BatchOutput, check_capture_dir, merge_batch
+from rollout_capture.tasks.rollout_files import read_rollouts, write_enriched
 
 DEFAULT_BATCH_SIZE = 1000
 

@@ -18,11 +18,11 @@ from prefect.context import FlowRunContext, TaskRunContext
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, Field
 
-from flows.enrich import DEFAULT_BATCH_SIZE, enrich_to_spool, publish_spool, report_enrichment
-from flows.events import emit_failed
-from flows.guard import StorageOptions, check_inputs, guarded_flow
-from flows.report import EnrichSummary, show_core_logs
-from flows.runners import Runner
+from rollout_capture.flows.enrich import DEFAULT_BATCH_SIZE, enrich_to_spool, publish_spool, report_enrichment
+from rollout_capture.flows.events import emit_failed
+from rollout_capture.flows.guard import StorageOptions, check_inputs, guarded_flow
+from rollout_capture.flows.report import EnrichSummary, show_core_logs
+from rollout_capture.flows.runners import Runner
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
 from rollout_capture.run_folders import (
     DEFAULT_LEASE_S,
@@ -33,8 +33,15 @@ from rollout_capture.run_folders import (
     RunsRoot,
     new_owner,
 )
-from tasks.credentials import credentials_from_block
-from tasks.run_folders import fence_run, find_runs, finish_run, release_run, remember_enriched, take_run
+from rollout_capture.tasks.credentials import credentials_from_block
+from rollout_capture.tasks.run_folders import (
+    fence_run,
+    find_runs,
+    finish_run,
+    release_run,
+    remember_enriched,
+    take_run,
+)
 
 DEFAULT_MAX_PARALLEL_RUNS = 4
 

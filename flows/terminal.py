@@ -23,7 +23,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from flows.report import listening_to_progress
+from rollout_capture.flows.report import listening_to_progress
 
 
 def prefect_console_handlers() -> set[PrefectConsoleHandler]:

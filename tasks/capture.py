@@ -21,9 +21,9 @@ from rollout_capture.batch import BatchStats, enrich_blob
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
 from rollout_capture.rollout_files import LineRange
 from rollout_capture.store import CaptureStore, shared_store
+from rollout_capture.tasks.credentials import access_denied_names, credentials_from_block
+from rollout_capture.tasks.retry import storage_retries
 from rollout_capture.worker_pool import ClaimsPending, enrich_in_worker, worker_pool
-from tasks.credentials import access_denied_names, credentials_from_block
-from tasks.retry import storage_retries
 
 
 def capture_store(

@@ -12,8 +12,8 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rollout_capture.rollout_files import StagedRollouts, publish, stage_rollouts
-from tasks.credentials import access_denied_names, credentials_from_block
-from tasks.retry import storage_retries
+from rollout_capture.tasks.credentials import access_denied_names, credentials_from_block
+from rollout_capture.tasks.retry import storage_retries
 
 
 @task(name="read_rollouts", cache_policy=NO_CACHE, **storage_retries())

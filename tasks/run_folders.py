@@ -12,8 +12,8 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rollout_capture.run_folders import DEFAULT_LEASE_S, Lease, LeaseKeeper, RunFolder, RunsRoot, Taken
-from tasks.credentials import credentials_from_block
-from tasks.retry import storage_retries
+from rollout_capture.tasks.credentials import credentials_from_block
+from rollout_capture.tasks.retry import storage_retries
 
 
 def _root(runs_root: str, storage_options: dict[str, Any] | None, credentials_block: str | None) -> RunsRoot:

@@ -43,7 +43,7 @@ logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request log
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 CORPUS = DATA / "corpus"
-SAMPLE = ROOT / "examples" / "sample"
+SAMPLE = ROOT / "rollout_capture" / "sample"
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,7 @@ def run_tick(api_url: str, root: str, options: dict[str, Any] | None, lease_s: f
     import os
 
     os.environ["PREFECT_API_URL"] = api_url  # before Prefect is imported here
-    from flows import enrich_completed_runs
+    from rollout_capture.flows import enrich_completed_runs
 
     enrich_completed_runs(root, lease_s=lease_s, quiescence_timeout_s=600.0, storage_options=options)
 

@@ -30,7 +30,7 @@ def cli(*args: str, api: str | None = None) -> subprocess.CompletedProcess[str]:
     if api:
         env["PREFECT_API_URL"] = api
     return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args],
+        [sys.executable, "-m", "rollout_capture.cli", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -111,7 +111,7 @@ def test_a_progress_bar_on_a_terminal(prefect_api: str, tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "flows.cli",
+            "rollout_capture.cli",
             "enrich",
             str(SAMPLE / "rollouts.jsonl"),
             "--capture-dir",

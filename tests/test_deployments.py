@@ -17,8 +17,8 @@ from typing import Any
 import orjson
 import pytest
 
-from flows import enrich_rollouts
 from rollout_capture import CaptureStore
+from rollout_capture.flows import enrich_rollouts
 
 from .conftest import ROOT, S3
 from .prefect_api import wait_for_events

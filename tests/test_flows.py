@@ -11,9 +11,9 @@ import orjson
 import pytest
 
 from examples.samples import capture_rows, corpus_records, jsonl_bytes
-from flows import enrich_rollouts, prepare_dispatch
-from flows.report import artifact_key
 from rollout_capture import CaptureStore
+from rollout_capture.flows import enrich_rollouts, prepare_dispatch
+from rollout_capture.flows.report import artifact_key
 
 from .conftest import S3
 from .prefect_api import artifacts, flow_run, state_history, task_runs, wait_for_logs

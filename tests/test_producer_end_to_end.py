@@ -17,12 +17,12 @@ import openai
 import orjson
 import pytest
 
-from flows import enrich_rollouts
 from rollout_capture import (
     CaptureStore,
     await_model_call_capture_quiescence,
     merge_model_call_capture_into_record,
 )
+from rollout_capture.flows import enrich_rollouts
 from rollout_capture.producer.proxy import CaptureProxy
 from rollout_capture.producer.settings import ProxySettings
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from flows import enrich_rollouts
-from flows.events import COMPLETED, FAILED, GAPS_EXCEEDED, RESOURCE_PREFIX
 from rollout_capture import CaptureStore
+from rollout_capture.flows import enrich_rollouts
+from rollout_capture.flows.events import COMPLETED, FAILED, GAPS_EXCEEDED, RESOURCE_PREFIX
 
 from .conftest import S3
 from .prefect_api import task_runs, wait_for_events, wait_for_logs
@@ -203,16 +203,16 @@ def test_a_block_is_loaded_once_for_all_the_batches_of_a_run(
     s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every batch asks for the credentials; the block is loaded (a role assumed) once."""
-    import tasks.credentials
+    from rollout_capture.tasks import credentials
 
     loads: list[str] = []
-    load = tasks.credentials._load_block
+    load = credentials._load_block
 
     def counted(name: str) -> object:
         loads.append(name)
         return load(name)
 
-    monkeypatch.setattr(tasks.credentials, "_load_block", counted)
+    monkeypatch.setattr(credentials, "_load_block", counted)
     store = CaptureStore(s3.url("caps-once"), storage_options=s3.storage_options, credentials=TEST_KEYS)
     for task in range(4):
         store.record(f"{task}-0", ROW)
@@ -237,7 +237,7 @@ def test_temporary_credentials_are_resolved_again_before_they_expire() -> None:
     from botocore.credentials import RefreshableCredentials
     from prefect_aws import AwsClientParameters, AwsCredentials
 
-    from tasks.credentials import CREDENTIALS_REUSE_S, s3fs_options
+    from rollout_capture.tasks.credentials import CREDENTIALS_REUSE_S, s3fs_options
 
     now = 1_800_000_000.0
     expiry = datetime.fromtimestamp(now + 600, tz=UTC)
@@ -265,7 +265,7 @@ def test_temporary_credentials_are_resolved_again_before_they_expire() -> None:
 
 def test_refused_credentials_are_not_reused() -> None:
     """A block fixed after a refusal is loaded afresh by the next run in the same process."""
-    from tasks import credentials
+    from rollout_capture.tasks import credentials
 
     credentials._resolved["fixed-later"] = ({"key": "old"}, float("inf"))
     refused = pytest.raises(PermissionError, match="credentials block 'fixed-later'")

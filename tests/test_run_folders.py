@@ -15,10 +15,10 @@ from typing import Any
 import orjson
 import pytest
 
-from flows import enrich_completed_runs
-from flows.enrich_runs import RunsSummary
-from flows.report import artifact_key
 from rollout_capture import CaptureStore
+from rollout_capture.flows import enrich_completed_runs
+from rollout_capture.flows.enrich_runs import RunsSummary
+from rollout_capture.flows.report import artifact_key
 from rollout_capture.run_folders import BEATS_PER_LEASE, Lease, RunsRoot
 
 from .conftest import S3
@@ -277,7 +277,7 @@ def test_a_tick_past_its_lease_keeps_its_run_and_a_killed_one_is_taken_over(
 def test_a_failing_run_fails_the_tick_but_not_the_others(tmp_path: Path) -> None:
     """One run's capture dir is missing: that run fails (named, its lease given back, no
     _ENRICHED, tried again next tick); the other run is enriched; the tick fails, saying which."""
-    from flows.enrich_runs import RunsFailed
+    from rollout_capture.flows.enrich_runs import RunsFailed
 
     root = tmp_path / "runs"
     good = make_run(root, "good", finished=True)

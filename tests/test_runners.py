@@ -11,8 +11,8 @@ import orjson
 import pytest
 
 from examples.samples import capture_rows, corpus_records, jsonl_bytes
-from flows import enrich_rollouts
 from rollout_capture import CaptureStore
+from rollout_capture.flows import enrich_rollouts
 from rollout_capture.layout import jsonl_name
 
 from .conftest import S3

@@ -116,7 +116,7 @@ class _WithoutTraceback(logging.Formatter):
 
 def _terminal_logging() -> None:
     """At a terminal, a failed run is one line from Prefect and one ``error:`` line from us."""
-    from flows.terminal import prefect_console_handlers
+    from rollout_capture.flows.terminal import prefect_console_handlers
 
     for handler in prefect_console_handlers():
         if not isinstance(handler.formatter, _WithoutTraceback):
@@ -182,7 +182,7 @@ def _progress(as_json: bool) -> Iterator[None]:
     if as_json:
         yield
         return
-    from flows.terminal import progress_bars
+    from rollout_capture.flows.terminal import progress_bars
 
     with progress_bars():
         yield
@@ -193,7 +193,7 @@ def _flow_run(
 ) -> T:
     """Check the input exists, then run a flow: Prefect's console tamed, progress bars at a TTY."""
     options = _flow_input(url, storage_options, what)
-    import flows.enrich  # noqa: F401 - Prefect sets its console handlers up on import
+    import rollout_capture.flows.enrich  # noqa: F401 - Prefect sets its console handlers up on import
 
     _terminal_logging()
     with _progress(as_json):
@@ -223,7 +223,7 @@ def enrich(
     """Enrich every rollout of ROLLOUTS with its captured model calls."""
     _prefect_env()
     with _exits(as_json):
-        from flows import enrich_rollouts
+        from rollout_capture.flows import enrich_rollouts
 
         summary = _flow_run(
             rollouts,
@@ -277,7 +277,7 @@ def clear(
     """Remove the captures of the rollouts about to be dispatched."""
     _prefect_env()
     with _exits(as_json):
-        from flows import prepare_dispatch
+        from rollout_capture.flows import prepare_dispatch
 
         cleared = _flow_run(
             rollouts,
@@ -349,7 +349,7 @@ def enrich_runs(
     """Enrich every finished, not yet enriched run under RUNS_ROOT (what the schedule runs)."""
     _prefect_env()
     with _exits(as_json):
-        from flows import enrich_completed_runs
+        from rollout_capture.flows import enrich_completed_runs
 
         summary = _flow_run(
             runs_root,
@@ -578,7 +578,7 @@ def serve(as_json: JsonOpt = False) -> None:
     """Serve the deployments from this machine (Ctrl-C to stop)."""
     _prefect_env()
     with _exits(as_json):
-        from deployments.serve import main as serve_main
+        from rollout_capture.deployments.serve import main as serve_main
 
         serve_main()
 
