@@ -79,6 +79,9 @@ class Backend(ABC):
     writes_in_place: bool = False
     """Whether small writes are page-cache work, quick enough for an event loop (a local disk);
     only their fsync blocks. Object stores go over the network: never on a loop."""
+    folders_exist: bool = False
+    """Whether a folder exists apart from what it holds (a disk), so a missing root is a mistyped
+    path; under an object prefix a folder is there only once a key is, and none is fine."""
 
     @abstractmethod
     def path(self, name: str) -> str:

@@ -129,6 +129,7 @@ class PosixBackend(Backend):
     supports_append = True
     trust_mtime = False  # a local file's mtime is the writer's own clock
     writes_in_place = True
+    folders_exist = True
 
     def __init__(self, root: str) -> None:
         self.root = root
