@@ -9,7 +9,11 @@ of a plain JSON answer,
 ``scripted-gated-<name>`` streams its first event and waits for ``gate(name)`` before the
 rest, ``scripted-hang`` answers after 3 s, ``scripted-text`` answers 200 with plain text,
 ``scripted-big`` answers a large JSON body, ``scripted-gzip`` a gzipped one whatever was
-asked. Streamed and plain answers carry the same content, so their reassembly can be compared.
+asked, ``scripted-status-<n>`` answers status ``n`` with a JSON body (999: one no server knows),
+``scripted-garbled`` streams a chat answer with a non-JSON event in its middle. Each ``seen``
+request also says whether its body arrived whole (``complete``) and its ``raw_path``; the
+first body bytes of each request are in ``receiving`` as soon as they arrive. Streamed and
+plain answers carry the same content, so their reassembly can be compared.
 """
 
 from __future__ import annotations
@@ -175,6 +179,13 @@ def chat_events(include_usage: bool) -> list[bytes]:
         events.append(b"data: " + orjson.dumps(usage) + b"\n\n")
     events.append(b"data: [DONE]\n\n")
     return events
+
+
+def garbled(events: list[bytes]) -> list[bytes]:
+    """``events`` with the one carrying the second content delta mangled into no JSON at all."""
+    found = [i for i, e in enumerate(events) if b'"content":"' in e and b'"content":""' not in e]
+    at = found[1]
+    return [*events[:at], b"data: {not json, " + events[at][6:30] + b"\n\n", *events[at + 1 :]]
 
 
 def _event(kind: str, body: dict[str, Any]) -> bytes:
@@ -387,6 +398,7 @@ class ScriptedUpstream:
     def __init__(self, delay_s: float = 0.0) -> None:
         self.delay_s = delay_s  # before the first byte of every answer (the benchmark's 20 ms)
         self.seen: list[dict[str, Any]] = []
+        self.receiving: list[bytes] = []  # the first body bytes of each request, as they arrive
         self._gates: dict[str, threading.Event] = {}
         logging.getLogger("uvicorn.error").addFilter(_QuietAborts())
 
@@ -406,11 +418,16 @@ class ScriptedUpstream:
         if scope["type"] != "http":
             return
         body = b""
+        first = True
         while True:
             message = await receive()
+            if first:
+                self.receiving.append(message.get("body", b""))
+                first = False
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
+        complete = message["type"] == "http.request"  # else the sender went away mid-body
         try:
             request = orjson.loads(body) if body else None
         except orjson.JSONDecodeError:
@@ -419,6 +436,8 @@ class ScriptedUpstream:
             {
                 "method": scope["method"],
                 "path": scope["path"],
+                "raw_path": scope.get("raw_path"),
+                "complete": complete,
                 "query": scope["query_string"].decode(),
                 "headers": {k.decode(): v.decode() for k, v in scope["headers"]},
                 "body": request,
@@ -440,6 +459,10 @@ class ScriptedUpstream:
             if model == f"scripted-{status}":
                 await self._raw(send, status, b"application/json", _error(dialect, status))
                 return
+        if model.startswith("scripted-status-"):
+            status = int(model.removeprefix("scripted-status-"))
+            await self._raw(send, status, b"application/json", b'{"error": {"message": "odd status"}}')
+            return
         if model == "scripted-hang":
             await asyncio.sleep(3.0)
         if model == "scripted-text":
@@ -485,6 +508,8 @@ class ScriptedUpstream:
         if dialect == "chat":
             options = request.get("stream_options") or {}
             events = chat_events(bool(options.get("include_usage")))
+            if model == "scripted-garbled":
+                events = garbled(events)
         elif dialect == "responses":
             events = responses_events()
         else:

@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from rollout_capture.producer.routing import BadRolloutId, Route, route
+from rollout_capture.producer.routing import BadPath, BadRolloutId, Route, check_forward_path, route
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -56,13 +56,23 @@ async def send_json_error(send: Send, status: int, message: str, kind: str) -> N
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def route_or_refuse(scope: Scope, send: Send) -> Route | None:
-    """The route of an HTTP request, or None once a bad rollout id has been answered with 400."""
+async def route_or_refuse(scope: Scope, send: Send, *, every_path: bool = False) -> Route | None:
+    """The route of an HTTP request, or None once a bad rollout id or a path that would not go
+    where it says (dot segments, encoded slashes) has been answered with 400.
+
+    ``every_path``: paths without the rollout prefix are checked too (the proxy forwards them
+    under its upstream's base path; the middleware hands them to its app untouched).
+    """
     try:
-        return route(scope["method"], scope["path"], scope.get("raw_path"))
+        found = route(scope["method"], scope["path"], scope.get("raw_path"))
+        if every_path and found.rollout_id is None:
+            check_forward_path(found.raw_path)
+        return found
     except BadRolloutId as exc:
         await send_json_error(send, 400, str(exc), "invalid_rollout_id")
-        return None
+    except BadPath as exc:
+        await send_json_error(send, 400, str(exc), "invalid_path")
+    return None
 
 
 def replace_header(headers: Headers, name: bytes, value: bytes | None) -> Headers:

@@ -150,7 +150,7 @@ class CaptureProxy:
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1003})
             return
-        found = await route_or_refuse(scope, send)
+        found = await route_or_refuse(scope, send, every_path=True)
         if found is None:
             return
         if found.captured:

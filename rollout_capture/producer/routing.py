@@ -1,7 +1,10 @@
 """NeMo Gym's URL convention (spec 11): ``/ng-rollout/<rollout_id>/v1/...`` names the rollout.
 
 The id is read from the raw path, so an encoded ``/`` or ``..`` cannot split or escape
-it: it is validated as one segment before anything is written.
+it: it is validated as one segment before anything is written. A forwarded path with a dot
+segment or an encoded slash is refused too (:func:`check_forward_path`): a server that
+resolves it would leave the upstream's base path, or serve another endpoint than the one
+captured.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import unquote
+from urllib.parse import unquote, unquote_to_bytes
 
 from rollout_capture.identity import validate_rollout_id
 
@@ -32,6 +35,34 @@ class BadRolloutId(ValueError):
         self.rollout_id = rollout_id
 
 
+class BadPath(ValueError):
+    """A path that cannot be forwarded as it is (answered 400, nothing written, nothing forwarded)."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"refused request path {path!r}: {why}")
+        self.path = path
+
+
+def check_forward_path(raw: bytes, shown: bytes | None = None) -> None:
+    """Refuse a raw path with a ``.`` or ``..`` segment (percent-encoded or not) or an encoded
+    ``/`` or a ``\\`` (raw or encoded): a normalizing server would resolve it elsewhere than the
+    path says (outside the upstream's base path, or to an endpoint other than the one captured).
+
+    One scan of the path for the usual one (no ``/.``, ``%`` or ``\\``). Raises :class:`BadPath`
+    naming ``shown`` (the path as the client sent it), else ``raw``.
+    """
+    if b"/." not in raw and b"%" not in raw and b"\\" not in raw:
+        return
+    for segment in raw.split(b"/"):
+        decoded = unquote_to_bytes(segment) if b"%" in segment else segment
+        if decoded in (b".", b".."):
+            raise BadPath((shown or raw).decode("latin-1"), "dot segments are not forwarded")
+        if b"/" in decoded or b"\\" in decoded:
+            raise BadPath(
+                (shown or raw).decode("latin-1"), "an encoded slash or a backslash is not forwarded"
+            )
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
     """Where a request goes: the path to forward, and for captured calls whose and which dialect."""
@@ -50,7 +81,9 @@ class Route:
 def route(method: str, path: str, raw_path: bytes | None) -> Route:
     """Strip the rollout prefix, if any, and say whether the call is captured.
 
-    Raises :class:`BadRolloutId` when the prefix names an invalid id.
+    Raises :class:`BadRolloutId` when the prefix names an invalid id, :class:`BadPath` when
+    the path after it has dot segments or encoded slashes (a path without the prefix is the
+    caller's to check: the proxy refuses it the same way, the middleware passes it on).
     """
     raw = raw_path if raw_path is not None else path.encode("utf-8")
     if not raw.startswith(ROLLOUT_PREFIX):
@@ -62,6 +95,7 @@ def route(method: str, path: str, raw_path: bytes | None) -> Route:
     except ValueError:
         raise BadRolloutId(text) from None
     forward_raw = slash + tail if slash else b"/"
+    check_forward_path(forward_raw, raw)
     forward_path = unquote(forward_raw.decode("latin-1"))
     dialect = CAPTURED_PATHS.get(forward_path) if method == "POST" else None
     return Route(forward_path, forward_raw, rollout_id, dialect)
