@@ -17,20 +17,39 @@ ATTEMPT_INDEX_KEY = "_ng_attempt_index"
 
 # fullmatch, never match(): "$" would accept a trailing newline.
 _ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+NAME_MAX = 255
+"""The longest file name the common local filesystems take (bytes; ids are ASCII)."""
+LONGEST_SUFFIX = ".capture.incomplete"
+"""The longest suffix a capture file name adds to a rollout id (layout.MARKER_SUFFIX)."""
+MAX_ROLLOUT_ID_LENGTH = NAME_MAX - len(LONGEST_SUFFIX)
+"""236: every capture file of the longest id still fits one name, so no write of it can fail
+with ENAMETOOLONG after the call was served."""
 
 
 def validate_rollout_id(rollout_id: object) -> str:
     """Return the id unchanged if it is a safe capture key, else raise ``ValueError``.
 
     Safe means non-empty ASCII letters, digits, ``.``, ``_``, ``-`` with an alphanumeric
-    first character: no separators, no ``..`` escape, no hidden files, no NUL.
+    first character: no separators, no ``..`` escape, no hidden files, no NUL; and at most
+    :data:`MAX_ROLLOUT_ID_LENGTH` characters, so each of its file names fits the filesystem.
     """
     if not isinstance(rollout_id, str) or _ROLLOUT_ID_RE.fullmatch(rollout_id) is None:
         raise ValueError(
-            f"invalid rollout id {rollout_id!r}: use ASCII letters, digits, '.', '_' or '-', "
+            f"invalid rollout id {_shown(rollout_id)}: use ASCII letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
         )
+    if len(rollout_id) > MAX_ROLLOUT_ID_LENGTH:
+        raise ValueError(
+            f"invalid rollout id {_shown(rollout_id)}: {len(rollout_id)} characters, at most "
+            f"{MAX_ROLLOUT_ID_LENGTH} fit in a capture file name"
+        )
     return rollout_id
+
+
+def _shown(rollout_id: object) -> str:
+    """The id as an error names it: whole unless very long (a log line, not a dump)."""
+    text = repr(rollout_id)
+    return text if len(text) <= 80 else f"{text[:60]}...{text[-12:]}"
 
 
 def _attempt_number(value: Any) -> int:
@@ -105,9 +124,11 @@ def rollout_id_of(record: Mapping[str, Any] | None) -> str | None:
             and (attempt is None or type(attempt) is int)
             and get(ROLLOUT_ID_KEY) is None
         ):
-            # Digits, "-", digits (and "-a", digits): always a valid id.
+            # Digits, "-", digits (and "-a", digits): a valid id unless absurdly long.
+            derived = f"{task}-{rollout}"
             if attempt is not None and attempt > 0:
-                return f"{task}-{rollout}-a{attempt}"
-            return f"{task}-{rollout}"
+                derived = f"{derived}-a{attempt}"
+            if len(derived) <= MAX_ROLLOUT_ID_LENGTH:
+                return derived
     rollout_id = maybe_rollout_id_from_run_body(record)
     return None if rollout_id is None else validate_rollout_id(rollout_id)

@@ -105,6 +105,15 @@ class Entry:
     mtime: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """An entry of a rollout that is not read: a symbolic link (never followed inside a root,
+    it could lead anywhere) or not a regular file. Readers count it as one damaged row."""
+
+    path: str
+    reason: str
+
+
 @dataclass(slots=True)
 class RolloutListing:
     """Everything one store holds for one rollout, by part."""
@@ -113,14 +122,15 @@ class RolloutListing:
     marker: Entry | None = None
     objects: list[tuple[int, Entry]] = field(default_factory=list)
     claims: list[tuple[str, Entry]] = field(default_factory=list)
+    refused: list[Refused] = field(default_factory=list)
 
     @property
     def found(self) -> bool:
-        """True when the store holds anything for the rollout (rows, objects, marker or claims)."""
-        return bool(self.jsonl or self.marker or self.objects or self.claims)
+        """True when the store holds anything for the rollout (rows, objects, marker, claims, refused)."""
+        return bool(self.jsonl or self.marker or self.objects or self.claims or self.refused)
 
     def paths(self) -> list[str]:
-        """Every path of the rollout, for clearing."""
+        """Every readable path of the rollout, for clearing."""
         out = [e.path for e in (self.jsonl, self.marker) if e is not None]
         out.extend(e.path for _, e in self.objects)
         out.extend(e.path for _, e in self.claims)

@@ -25,13 +25,15 @@ def nothing() -> None:
 
 @dataclass(frozen=True, slots=True)
 class Named:
-    """One name directly under a folder: a file (with size and modification time) or a folder."""
+    """One name directly under a folder: a file (with size and modification time) or a folder,
+    or (local disks) a symbolic link, which is never followed: neither file nor folder."""
 
     name: str
     path: str
     folder: bool
     size: int | None = None
     mtime: float | None = None
+    link: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,17 +4,24 @@ It talks to the OS directly (flock, O_APPEND, link-based put-if-absent) because 
 local layer offers neither locks nor exclusive creation. Probing a rollout costs a few
 syscalls, so a batch is read rollout by rollout; one listing of the root's names replaces
 the probes when the root is small enough for that to pay.
+
+Nothing outside the root is read or written through a symbolic link: every entry inside
+the root is opened without following one (``O_NOFOLLOW``, folders through their own fds),
+so a planted link is refused when written and reported as damage when read. The root
+itself may be a link; that is the user's choice.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import shutil
+import stat
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from collections.abc import Set as AbstractSet
 
 from rollout_capture.backends.base import Backend, Fetched, ListingScope, Named, RowLayout, nothing
@@ -26,12 +33,14 @@ from rollout_capture.layout import (
     MARKER_SUFFIX,
     OBJECTS_SUFFIX,
     Entry,
+    Refused,
     RolloutListing,
     claims_dir,
     group_entries,
     objects_dir,
+    parse_capture_name,
 )
-from rollout_capture.rows import add_jsonl
+from rollout_capture.rows import Damage, add_jsonl
 from rollout_capture.snapshot import RolloutSnapshot, listed_paths, parse_snapshot
 
 _ALL_SUFFIXES = (JSONL_SUFFIX, MARKER_SUFFIX, OBJECTS_SUFFIX, CLAIMS_SUFFIX)
@@ -41,44 +50,101 @@ _NAMES_PER_PROBE = 16
 _LIST_NAMES_MIN_IDS = 32
 # A listing is reused only if the root last changed this long before it was taken.
 _SETTLED_NS = 2_000_000_000
-_LIVE_FOLDERS_KEPT = 10_000
 # Most captures fit in one read this size, which saves an fstat per file; larger ones are sized.
 _FIRST_READ = 64 << 10
 
 
-def _stat_entry(path: str) -> Entry | None:
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO never blocks a reader
+_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# Read-write: an append looks at the last byte first (see _append_locked).
+_APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+LINK_REASON = "a symbolic link, never followed inside a capture root"
+NOT_A_FILE = "not a regular file"
+NOT_A_FOLDER = "not a folder"
+
+
+class LinkedEntryError(OSError):
+    """An entry inside a capture or runs root is a symbolic link: nothing is read or written
+    through it (a planted link would lead out of the root)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(errno.ELOOP, "a symbolic link inside the root; refused, never followed", path)
+
+
+def _is_link(name: str, dir_fd: int | None = None) -> bool:
     try:
-        st = os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return Entry(path, st.st_size, st.st_mtime)
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
-def _scan_names(folder: str) -> dict[str, Named]:
-    """One folder's names via scandir: a stat per file, none per folder."""
-    out = {}
+def _refused(exc: OSError, shown: str, name: str, dir_fd: int | None) -> OSError:
+    """The error to raise for a failed no-follow open: a link is named as one."""
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK) and _is_link(name, dir_fd):
+        return LinkedEntryError(shown)
+    return exc
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _append_locked(fd: int, line: bytes) -> int:
+    """Append ``line`` (the exclusive lock held) and return the size it started from.
+
+    A file not ending in a newline holds a torn line (a writer killed mid-write): the new
+    line starts on a fresh one, so that torn row stays the only damage. A write that fails
+    (a full disk) is cut off again: the file holds what it held before.
+    """
+    end = os.lseek(fd, 0, os.SEEK_END)
+    if end and os.pread(fd, 1, end - 1) != b"\n":
+        line = b"\n" + line
     try:
-        with os.scandir(folder) as it:
-            for item in it:
-                try:
-                    if item.is_dir():
-                        out[item.name] = Named(item.name, item.path, True)
-                        continue
-                    st = item.stat()
-                except FileNotFoundError:  # removed while listed
-                    continue
-                out[item.name] = Named(item.name, item.path, False, st.st_size, st.st_mtime)
-    except (FileNotFoundError, NotADirectoryError):
-        return {}
-    return out
+        _write_all(fd, line)
+    except BaseException:
+        _cut(fd, end)
+        raise
+    return end
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _cut(fd: int, end: int) -> None:
+    """Take a failed append back (shrinking needs no space); if even that fails, the next
+    append still starts on a fresh line."""
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, end)
+
+
+def _fsync_or_cut(fd: int, end: int) -> None:
     try:
         os.fsync(fd)
-    finally:
-        os.close(fd)
+    except BaseException:
+        _cut(fd, end)  # a line not known durable is not left behind as if it were
+        raise
+
+
+def _scan_names(fd: int, folder: str) -> dict[str, Named]:
+    """One folder's names via scandir of its fd: a stat per file, none per folder; links named as such."""
+    out = {}
+    with os.scandir(fd) as it:
+        for item in it:
+            name = item.name
+            path = os.path.join(folder, name)
+            try:
+                if item.is_symlink():
+                    out[name] = Named(name, path, False, link=True)
+                    continue
+                if item.is_dir(follow_symlinks=False):
+                    out[name] = Named(name, path, True)
+                    continue
+                st = item.stat(follow_symlinks=False)
+            except FileNotFoundError:  # removed while listed
+                continue
+            out[name] = Named(name, path, False, st.st_size, st.st_mtime)
+    return out
 
 
 def _read_whole(fd: int) -> bytes:
@@ -100,17 +166,13 @@ def _read_whole(fd: int) -> bytes:
         want = 1 << 20
 
 
-def _read_locked(path: str) -> bytes | None:
-    """A file's bytes, every line whole; None if absent.
+def _read_locked(fd: int) -> bytes:
+    """An open file's bytes, every line whole; closes ``fd``.
 
     Each JSONL append is one line with its newline, written under an exclusive lock, so
     bytes ending in a newline hold only whole lines: read without the lock first, and take
     the shared lock only when a write may be in progress (they do not end in one).
     """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
     try:
         data = _read_whole(fd)
         if not data or data.endswith(b"\n"):
@@ -136,29 +198,161 @@ class PosixBackend(Backend):
         self._base = os.path.join(root, "")  # root with its separator, for fast concatenation
         self._names_hint: int | None = None  # how many names the root held when last listed
         self._names_cache: tuple[int, set[str]] | None = None  # (root mtime, its names)
-        self._live_folders: set[str] = set()  # claims folders known to exist (saves a failed open)
 
     def path(self, name: str) -> str:
         return self._base + name
 
+    # ------------------------------------------------------------------ no-follow opens
+
+    def _relative(self, path: str) -> str:
+        if not path.startswith(self._base):
+            raise ValueError(f"{path}: not under the root {self.root}")
+        return path[len(self._base) :]
+
+    def _open_root(self, create: bool) -> int:
+        """The root's own fd, following it if it is a link (the root is the user's choice)."""
+        try:
+            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if not create:
+                raise
+            os.makedirs(self.root, exist_ok=True)
+            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def _enter(self, dir_fd: int | None, name: str, shown: str, create: bool) -> int:
+        """Open one folder below the root without following a link; ``mkdir`` it when asked."""
+        target = shown if dir_fd is None else name
+        for attempt in range(2):
+            try:
+                return os.open(target, _FOLDER, dir_fd=dir_fd)
+            except FileNotFoundError:
+                if not create or attempt:
+                    raise
+                try:
+                    os.mkdir(target, 0o755, dir_fd=dir_fd)  # never follows a link either
+                except FileExistsError:
+                    pass
+                except FileNotFoundError:  # the root is not there yet
+                    if dir_fd is not None:
+                        raise
+                    os.makedirs(self.root, exist_ok=True)
+                    os.mkdir(target, 0o755)
+            except OSError as exc:
+                raise _refused(exc, shown, target, dir_fd) from None
+        raise AssertionError("unreachable")
+
+    def _parent(self, path: str, *, create: bool = False) -> tuple[int, str]:
+        """``(fd of the folder holding path, its last name)``: each folder below the root opened
+        without following a link (a linked one raises :class:`LinkedEntryError`)."""
+        head, _, name = self._relative(path).rpartition("/")
+        if not head:
+            return self._open_root(create), name
+        fd: int | None = None
+        shown = self.root
+        try:
+            for part in head.split("/"):
+                shown = f"{shown}/{part}"
+                entered = self._enter(fd, part, shown, create)
+                if fd is not None:
+                    os.close(fd)
+                fd = entered
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
+        assert fd is not None
+        return fd, name
+
+    def _open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        """Open a file inside the root, never through a link (flags carry ``O_NOFOLLOW``).
+
+        A file directly under the root costs one ``open`` (the root's own path is followed,
+        the name is not); a deeper one opens its folders first, each without following.
+        """
+        if "/" not in self._relative(path):
+            try:
+                return os.open(path, flags, mode)
+            except OSError as exc:
+                raise _refused(exc, path, path, None) from None
+        dir_fd, name = self._parent(path)
+        try:
+            return os.open(name, flags, mode, dir_fd=dir_fd)
+        except OSError as exc:
+            raise _refused(exc, path, name, dir_fd) from None
+        finally:
+            os.close(dir_fd)
+
+    def _read(self, path: str) -> bytes | None:
+        """A file's bytes (lines whole); None if absent; ``LinkedEntryError`` for a link."""
+        try:
+            fd = self._open(path, _READ)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return _read_locked(fd)
+
     # ------------------------------------------------------------------ reading
 
-    def _scan(self, folder: str) -> Iterable[tuple[str, Entry]]:
+    def _entry(self, path: str, listing: RolloutListing) -> Entry | None:
+        """A file directly under the root, by ``lstat``: anything but a regular file is refused."""
         try:
-            with os.scandir(self.path(folder)) as it:
-                for item in it:
-                    if item.is_file(follow_symlinks=False):
-                        st = item.stat(follow_symlinks=False)
-                        yield f"{folder}/{item.name}", Entry(item.path, st.st_size, st.st_mtime)
+            st = os.lstat(path)
         except (FileNotFoundError, NotADirectoryError):
-            return
+            return None
+        if stat.S_ISREG(st.st_mode):
+            return Entry(path, st.st_size, st.st_mtime)
+        listing.refused.append(Refused(path, LINK_REASON if stat.S_ISLNK(st.st_mode) else NOT_A_FILE))
+        return None
+
+    def _scan(self, rollout_id: str, folder: str, listing: RolloutListing) -> list[tuple[str, Entry]]:
+        """The files of a rollout's folder; a linked folder, or a link in it, is refused, not read."""
+        path = self.path(folder)
+        try:
+            fd = os.open(path, _FOLDER)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            if _is_link(path):
+                listing.refused.append(Refused(path, LINK_REASON))
+            elif exc.errno == errno.ENOTDIR:
+                listing.refused.append(Refused(path, NOT_A_FOLDER))
+            else:
+                raise
+            return []
+        out = []
+        try:
+            with os.scandir(fd) as it:
+                for item in it:
+                    try:
+                        regular = item.is_file(follow_symlinks=False)
+                        st = item.stat(follow_symlinks=False) if regular else None
+                    except FileNotFoundError:  # removed while listed
+                        continue
+                    relative = f"{folder}/{item.name}"
+                    if st is not None:
+                        out.append((relative, Entry(f"{path}/{item.name}", st.st_size, st.st_mtime)))
+                        continue
+                    name = parse_capture_name(relative)
+                    if name is not None and name.rollout_id == rollout_id:
+                        reason = LINK_REASON if item.is_symlink() else NOT_A_FILE
+                        listing.refused.append(Refused(f"{path}/{item.name}", reason))
+        finally:
+            os.close(fd)
+        return out
 
     def _list_one(self, rollout_id: str) -> RolloutListing:
         listing = RolloutListing()
-        listing.jsonl = _stat_entry(self.path(rollout_id + JSONL_SUFFIX))
-        listing.marker = _stat_entry(self.path(rollout_id + MARKER_SUFFIX))
+        listing.jsonl = self._entry(self.path(rollout_id + JSONL_SUFFIX), listing)
+        try:  # a marker is never read, only seen: whatever holds its name says "incomplete"
+            st = os.lstat(self.path(rollout_id + MARKER_SUFFIX))
+            listing.marker = Entry(self.path(rollout_id + MARKER_SUFFIX), st.st_size, st.st_mtime)
+        except (FileNotFoundError, NotADirectoryError):
+            pass
         grouped = group_entries(
-            [*self._scan(objects_dir(rollout_id)), *self._scan(claims_dir(rollout_id))], {rollout_id}
+            [
+                *self._scan(rollout_id, objects_dir(rollout_id), listing),
+                *self._scan(rollout_id, claims_dir(rollout_id), listing),
+            ],
+            {rollout_id},
         )
         found = grouped.get(rollout_id)
         if found is not None:
@@ -216,67 +410,121 @@ class PosixBackend(Backend):
         """One rollout with the fewest syscalls.
 
         ``names`` (a listing of the root) answers which parts exist; without it each absent
-        part costs one ``access`` call. Rollouts with object rows or claims (rare on a local
-        disk) are listed and parsed like any store's.
+        part costs one ``access`` call (never following a link). Rollouts with object rows or
+        claims (rare on a local disk) are listed and parsed like any store's. An entry that is
+        a link (or not a file) is never read: it counts as one damaged row, after the others.
         """
         base = self._base + rollout_id
         jsonl = base + JSONL_SUFFIX
         if names is None:
-            has_dirs = os.access(base + OBJECTS_SUFFIX, os.F_OK) or os.access(base + CLAIMS_SUFFIX, os.F_OK)
+            has_dirs = os.access(base + OBJECTS_SUFFIX, os.F_OK, follow_symlinks=False) or os.access(
+                base + CLAIMS_SUFFIX, os.F_OK, follow_symlinks=False
+            )
         else:
             has_dirs = rollout_id + OBJECTS_SUFFIX in names or rollout_id + CLAIMS_SUFFIX in names
         if has_dirs:
             listing = self._list_one(rollout_id)
             paths = listed_paths(listing)
-            bodies = dict(zip(paths, self.read_many(paths), strict=True))
-            return parse_snapshot(rollout_id, listing, bodies, trust_mtime=False)
+            bodies = dict(zip(paths, [self._read_listed(path, listing) for path in paths], strict=True))
+            snap = parse_snapshot(rollout_id, listing, bodies, trust_mtime=False)
+            for refused in listing.refused:
+                snap.parsed.add_damage(Damage(refused.path, None, refused.reason))
+            return snap
+        data: bytes | None = None
+        refused: str | None = None
         if names is None:
-            has_marker = os.access(base + MARKER_SUFFIX, os.F_OK)
-            data = _read_locked(jsonl)
+            has_marker = os.access(base + MARKER_SUFFIX, os.F_OK, follow_symlinks=False)
+            data, refused = self._read_or_refuse(jsonl)
         else:
             has_marker = rollout_id + MARKER_SUFFIX in names
-            data = _read_locked(jsonl) if rollout_id + JSONL_SUFFIX in names else None
-        snap = RolloutSnapshot(rollout_id, found=data is not None or has_marker, incomplete=has_marker)
+            if rollout_id + JSONL_SUFFIX in names:
+                data, refused = self._read_or_refuse(jsonl)
+        snap = RolloutSnapshot(
+            rollout_id, found=data is not None or has_marker or refused is not None, incomplete=has_marker
+        )
         if data:
             add_jsonl(snap.parsed, data, jsonl)
+        if refused is not None:
+            snap.parsed.add_damage(Damage(jsonl, None, refused))
         return snap
 
+    def _read_or_refuse(self, path: str) -> tuple[bytes | None, str | None]:
+        """``(bytes or None if absent, None)``, or ``(None, why it is not read)``."""
+        try:
+            return self._read(path), None
+        except LinkedEntryError:
+            return None, LINK_REASON
+        except IsADirectoryError:
+            return None, NOT_A_FILE
+
+    def _read_listed(self, path: str, listing: RolloutListing) -> bytes | None:
+        """A listed file's bytes; one swapped for a link since it was listed joins the refused."""
+        data, refused = self._read_or_refuse(path)
+        if refused is not None:
+            listing.refused.append(Refused(path, refused))
+        return data
+
     def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
-        return [_read_locked(path) for path in paths]
+        return [self._read(path) for path in paths]
 
     def exists(self, path: str) -> bool:
-        return os.path.lexists(path)
+        if "/" not in self._relative(path):
+            return os.path.lexists(path)
+        try:
+            dir_fd, name = self._parent(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        try:
+            os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        finally:
+            os.close(dir_fd)
+        return True
 
     def root_found(self) -> bool:
         return os.path.isdir(self.root)
 
     def list_names(self, folders: Sequence[str]) -> list[dict[str, Named]]:
-        return [_scan_names(folder) for folder in folders]
+        # The root is followed (the user chose it); a folder below it is not (LinkedEntryError).
+        out = []
+        for folder in folders:
+            top = folder.rstrip("/") == self.root.rstrip("/")
+            try:
+                fd = self._open_root(False) if top else self._folder_fd(folder)
+            except (FileNotFoundError, NotADirectoryError):
+                out.append({})
+                continue
+            try:
+                out.append(_scan_names(fd, folder))
+            finally:
+                os.close(fd)
+        return out
+
+    def _folder_fd(self, folder: str, *, create: bool = False) -> int:
+        """A folder below the root, each part of it opened without following a link."""
+        dir_fd, name = self._parent(folder, create=create)
+        try:
+            return self._enter(dir_fd, name, folder, create)
+        finally:
+            os.close(dir_fd)
 
     # ------------------------------------------------------------------ writing
 
     def _open_append(self, path: str) -> int:
         try:
-            return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            return self._open(path, _APPEND)
         except FileNotFoundError:  # the root is not there yet
             os.makedirs(self.root, exist_ok=True)
-            return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    @staticmethod
-    def _write_all(fd: int, line: bytes) -> None:
-        view = memoryview(line)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
+            return self._open(path, _APPEND)
 
     def append_line(self, path: str, line: bytes) -> None:
         # The exclusive lock is held until the line is durable: a reader (shared lock) sees
-        # whole lines only, and only once they are on disk.
+        # whole lines only, and only once they are on disk. A failed append is taken back.
         fd = self._open_append(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            self._write_all(fd, line)
-            os.fsync(fd)
+            _fsync_or_cut(fd, _append_locked(fd, line))
         finally:
             os.close(fd)  # also releases the lock
 
@@ -294,69 +542,94 @@ class PosixBackend(Backend):
             os.close(fd)
             raise
         try:
-            self._write_all(fd, line)
+            end = _append_locked(fd, line)
         except BaseException:
             os.close(fd)
             raise
-        return (lambda: os.fsync(fd)), (lambda: os.close(fd))  # closing releases the lock
+        return (lambda: _fsync_or_cut(fd, end)), (lambda: os.close(fd))  # closing releases the lock
 
-    def _write_temp(self, path: str, data: bytes) -> str:
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        temp = os.path.join(folder, f".tmp-{uuid.uuid4().hex}")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    def _write_temp(self, path: str, data: bytes) -> tuple[int, str, str]:
+        """``data`` written durably to a fresh temp file beside ``path``: ``(folder fd, temp, name)``.
+
+        The temp file is removed again if anything fails; the caller closes the fd.
+        """
+        dir_fd, name = self._parent(path, create=True)
+        temp = f".tmp-{uuid.uuid4().hex}"
         try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return temp
+            fd = os.open(temp, _NEW, 0o644, dir_fd=dir_fd)
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=dir_fd)
+            os.close(dir_fd)
+            raise
+        return dir_fd, temp, name
 
     def create(self, path: str, data: bytes) -> None:
-        # link() fails with EEXIST atomically and the file appears whole, never empty.
-        temp = self._write_temp(path, data)
+        # link() fails with EEXIST atomically (a link planted there too) and the file appears
+        # whole, never empty.
+        dir_fd, temp, name = self._write_temp(path, data)
         try:
-            os.link(temp, path)
+            try:
+                os.link(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            finally:
+                os.unlink(temp, dir_fd=dir_fd)
+            os.fsync(dir_fd)
         finally:
-            os.unlink(temp)
-        _fsync_dir(os.path.dirname(path))
+            os.close(dir_fd)
 
     def put(self, path: str, data: bytes) -> None:
-        temp = self._write_temp(path, data)
-        os.replace(temp, path)
+        # rename() replaces whatever held the name, a link included, and never follows it.
+        dir_fd, temp, name = self._write_temp(path, data)
+        try:
+            os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=dir_fd)
+            raise
+        finally:
+            os.close(dir_fd)
 
     def put_live(self, path: str, data: bytes) -> None:
         # One write of a fresh file, no fsync: a claim is for the living. A reader that catches
         # it empty still counts it (from its mtime), and the old temp-and-rename never fsynced
-        # the folder either, so a crash could always lose a claim.
-        folder = os.path.dirname(path)
-        if folder not in self._live_folders:  # a new rollout: its claims folder first
-            self._make_folder(folder)
+        # the folder either, so a crash could always lose a claim. A claim whose write failed
+        # (a full disk) is removed at once: left empty, it would hold enrichment for its TTL.
+        dir_fd, name = self._parent(path, create=True)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileNotFoundError:  # cleared meanwhile
-            self._make_folder(folder)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.write(fd, data)
-        finally:
+            fd = os.open(name, _NEW, 0o644, dir_fd=dir_fd)
+            try:
+                _write_all(fd, data)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=dir_fd)
+                raise
             os.close(fd)
-
-    def _make_folder(self, folder: str) -> None:
-        try:
-            os.mkdir(folder)  # one syscall when the root is there, as it mostly is
-        except FileExistsError:
-            pass
-        except FileNotFoundError:
-            os.makedirs(folder, exist_ok=True)
-        if len(self._live_folders) >= _LIVE_FOLDERS_KEPT:
-            self._live_folders.clear()
-        self._live_folders.add(folder)
+        except OSError as exc:
+            raise _refused(exc, path, name, dir_fd) from None
+        finally:
+            os.close(dir_fd)
 
     def remove(self, paths: Sequence[str]) -> None:
         for path in paths:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            if "/" not in self._relative(path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)  # removes a link itself, never what it points to
+                continue
+            try:
+                dir_fd, name = self._parent(path)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # its folder is gone: so is the file
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=dir_fd)
+            finally:
+                os.close(dir_fd)
 
     def clear_rollouts(self, rollout_ids: Collection[str]) -> None:
         for rollout_id in rollout_ids:
@@ -366,7 +639,7 @@ class PosixBackend(Backend):
                 if os.path.islink(path):
                     os.unlink(path)  # never follow a link out of the root
                 elif os.path.isdir(path):
-                    shutil.rmtree(path)
+                    shutil.rmtree(path)  # fd-based: a link met inside is removed, not followed
 
 
 class PosixFetched(Fetched):
