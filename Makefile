@@ -16,8 +16,7 @@ setup: $(STAMP)
 
 # Enrich the bundled sample on an embedded Prefect server (no server to start).
 demo: setup
-	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/rollout-capture enrich examples/sample/rollouts.jsonl \
-		--capture-dir examples/sample/captures --output out/sample.enriched.jsonl
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/rollout-capture demo --output out/sample.enriched.jsonl
 
 test: setup
 	$(BIN)/pytest -q
@@ -37,16 +36,16 @@ bench: setup
 	$(BIN)/python benchmarks/bench_proxy.py
 	$(BIN)/python benchmarks/bench_runs.py
 
-# Register the deployments on the server PREFECT_API_URL names (a fresh one needs the pool).
+# Register the shipped deployments on the server PREFECT_API_URL names (the pool is created if missing):
+#   make deploy RUNS_ROOT=/data/runs   (or s3://bucket/runs, with DEPLOY_ARGS="--credentials-block NAME")
 deploy: setup
-	$(BIN)/prefect work-pool create rollout-capture --type process --overwrite
-	$(BIN)/prefect --no-prompt deploy --all --prefect-file deployments/prefect.yaml
+	$(BIN)/rollout-capture deploy --runs-root "$(RUNS_ROOT)" --pool rollout-capture $(DEPLOY_ARGS)
 
 # Serve the flows from this machine (no work pool or worker needed).
 serve: setup
 	$(BIN)/rollout-capture serve
 
-# Regenerate examples/sample/ from the shared corpus (deterministic).
+# Regenerate rollout_capture/sample/ from the shared corpus (deterministic).
 sample: setup
 	$(BIN)/python examples/build_sample.py
 

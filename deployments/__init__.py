@@ -1,1 +1,1 @@
-"""Deployments of the flows: prefect.yaml (work pools) and serve.py (this machine)."""
+"""Deployments: the shipped definitions (``shipped``), ``rollout-capture deploy``, ``serve``."""

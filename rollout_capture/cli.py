@@ -9,6 +9,7 @@ input. ``--json`` prints one machine-readable summary on stdout instead, failure
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -90,12 +91,35 @@ def _options(text: str | None) -> dict[str, Any] | None:
     return value
 
 
+# A loaded node (a training job beside it) takes far longer than Prefect's 20 s default.
+TEMPORARY_SERVER_STARTUP_S = "180"
+TEMPORARY_SERVER_NOTE = "starting a temporary Prefect server; set PREFECT_API_URL to use your own"
+
+
 def _prefect_env() -> None:
-    """No telemetry; an embedded temporary server unless PREFECT_API_URL names one; core logs in the UI."""
+    """No telemetry; a patient temporary server unless PREFECT_API_URL names one; core logs in the UI.
+
+    Environment defaults only (the user's own settings win); set before Prefect is imported.
+    """
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rollout_capture")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", TEMPORARY_SERVER_STARTUP_S)
+
+
+def _api_url() -> str | None:
+    """The Prefect API this process talks to (environment or profile); None: a temporary server."""
+    from prefect.settings import get_current_settings
+
+    return get_current_settings().api.url
+
+
+def _start_prefect() -> None:
+    """Called once the input is known to be good: say when a temporary server is about to start."""
+    _prefect_env()
+    if not _api_url():
+        typer.echo(TEMPORARY_SERVER_NOTE, err=True)
 
 
 class _WithoutTraceback(logging.Formatter):
@@ -123,15 +147,72 @@ def _terminal_logging() -> None:
             handler.setFormatter(_WithoutTraceback(handler.formatter))
 
 
-def _flow_input(url: str, storage_options: str | None, what: str) -> dict[str, Any] | None:
-    """Parse the storage options and check the input exists, before any flow run starts."""
+def _check_file(url: str, options: dict[str, Any] | None, credentials: Any, what: str) -> None:
+    """The input is there and is a regular file (a FIFO or a folder would hang or mislead the read)."""
     from rollout_capture.filesystem import open_filesystem
 
+    fs, path = open_filesystem(url, options, credentials=credentials)
+    try:
+        info = fs.info(path)
+    except FileNotFoundError:
+        raise InputError(f"{what} not found: {url}") from None
+    if info.get("type") != "file":
+        raise InputError(f"{what} is not a regular file: {url} ({info.get('type')})")
+
+
+def _preflight(
+    storage_options: str | None,
+    credentials_block: str | None = None,
+    *,
+    files: Sequence[tuple[str, str]] = (),
+    capture_dirs: Sequence[str] = (),
+    folders: Sequence[tuple[str, str]] = (),
+    prefect: bool = True,
+) -> dict[str, Any] | None:
+    """Check every input before any Prefect server starts, with the credentials the flow will use.
+
+    ``files``: (url, what) that must be regular files; ``capture_dirs``: capture roots that must
+    be there (a folder on disk, a key under an object prefix); ``folders``: (url, what) roots that
+    must exist where folders exist apart from their contents (a disk; an object prefix with
+    nothing under it is fine). Only a credentials block needs Prefect (its API holds the block):
+    then the server is started first, and the block's absence is bad input too.
+    """
+    from rollout_capture.backends import open_backend
+    from rollout_capture.faults import missing_capture_dir
+    from rollout_capture.secret_options import refuse_secret_options
+    from rollout_capture.store import CaptureStore
+
     options = _options(storage_options)
-    fs, path = open_filesystem(url, options)
-    if not fs.exists(path):
-        raise InputError(f"{what} not found: {url}")
+    refuse_secret_options(options)
+    credentials = None
+    if credentials_block:
+        if importlib.util.find_spec("prefect_aws") is None:
+            raise InputError("--credentials-block needs prefect-aws: pip install 'rollout-capture[aws]'")
+        if prefect:
+            _start_prefect()
+        from rollout_capture.tasks.credentials import credentials_from_block
+
+        try:
+            credentials = credentials_from_block(credentials_block)
+        except ValueError as exc:
+            raise InputError(f"credentials block {credentials_block!r}: {exc}") from None
+    for url, what in files:
+        _check_file(url, options, credentials, what)
+    for url in capture_dirs:
+        if not CaptureStore(url, storage_options=options, credentials=credentials).root_found():
+            raise InputError(missing_capture_dir(url))
+    for url, what in folders:
+        backend = open_backend(url, options, credentials=credentials)
+        if backend.folders_exist and not backend.root_found():
+            raise InputError(f"{what} not found: {url}")
+    if prefect and not credentials_block:
+        _start_prefect()
     return options
+
+
+def _runner_available(runner: RunnerName) -> None:
+    if runner is RunnerName.dask and importlib.util.find_spec("prefect_dask") is None:
+        raise InputError("--runner dask needs prefect-dask: pip install 'rollout-capture[dask]'")
 
 
 def _print_json(value: Any) -> None:
@@ -150,8 +231,11 @@ def _exits(as_json: bool = False) -> Iterator[None]:
     except (InputError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         code, message = 2, str(exc)
     except Exception as exc:
-        kind = "storage fault (after retries)" if is_transient_storage_error(exc) else type(exc).__name__
-        code, message = 1, f"{kind}: {exc}"
+        if type(exc).__name__ == "NoCredentialsError":  # botocore's: nothing in the credential chain
+            code, message = 2, f"{exc}: set AWS credentials (environment, profile, role) or a block"
+        else:
+            kind = "storage fault (after retries)" if is_transient_storage_error(exc) else type(exc).__name__
+            code, message = 1, f"{kind}: {exc}"
     else:
         return
     typer.echo(f"error: {message}", err=True)
@@ -188,16 +272,65 @@ def _progress(as_json: bool) -> Iterator[None]:
         yield
 
 
-def _flow_run(
-    url: str, storage_options: str | None, what: str, as_json: bool, start: Callable[[Any], T]
-) -> T:
-    """Check the input exists, then run a flow: Prefect's console tamed, progress bars at a TTY."""
-    options = _flow_input(url, storage_options, what)
+def _flow_run(as_json: bool, start: Callable[[], T]) -> T:
+    """Run a flow (its input already checked): Prefect's console tamed, progress bars at a TTY."""
     import rollout_capture.flows.enrich  # noqa: F401 - Prefect sets its console handlers up on import
 
     _terminal_logging()
     with _progress(as_json):
-        return start(options)
+        return start()
+
+
+def _enrich(
+    rollouts: str,
+    capture_dir: str,
+    *,
+    allow_empty: bool,
+    storage_options: str | None,
+    credentials_block: str | None,
+    runner: RunnerName,
+    as_json: bool,
+    **parameters: Any,
+) -> None:
+    """``enrich`` and ``demo``: check the input, run the flow, print the summary."""
+    _runner_available(runner)
+    options = _preflight(
+        storage_options,
+        credentials_block,
+        files=[(rollouts, "rollouts file")],
+        capture_dirs=[] if allow_empty else [capture_dir],
+    )
+    from rollout_capture.flows import enrich_rollouts
+
+    summary = _flow_run(
+        as_json,
+        lambda: enrich_rollouts(
+            rollouts,
+            capture_dir,
+            runner=runner.value,
+            allow_empty=allow_empty,
+            storage_options=options,
+            credentials_block=credentials_block,
+            **parameters,
+        ),
+    )
+    stats = summary.stats
+    if as_json:
+        _print_json({"ok": True, **summary.model_dump(mode="json"), "gap_share": stats.gap_share})
+        return
+    rows = [
+        ("output", summary.output),
+        ("lines", str(stats.lines)),
+        ("rollouts enriched", str(stats.rollouts)),
+        ("model calls", str(stats.calls)),
+        ("tokens in / out / total", f"{stats.tokens_in} / {stats.tokens_out} / {stats.tokens_total}"),
+        ("rollouts with any gap", f"{stats.rollouts_with_gaps} ({100 * stats.gap_share:.1f}%)"),
+        ("lines passed through", str(len(stats.problems))),
+    ]
+    rows += [(f"gap {code}", str(count)) for code, count in stats.gaps.items()]
+    _show(rows)
+    for problem in stats.problems[:10]:
+        typer.echo(f"{rollouts}:{problem.line}: {problem.reason}", err=True)
 
 
 @app.command()
@@ -221,70 +354,73 @@ def enrich(
     as_json: JsonOpt = False,
 ) -> None:
     """Enrich every rollout of ROLLOUTS with its captured model calls."""
-    _prefect_env()
     with _exits(as_json):
-        from rollout_capture.flows import enrich_rollouts
-
-        summary = _flow_run(
+        _enrich(
             rollouts,
-            storage_options,
-            "rollouts file",
-            as_json,
-            lambda options: enrich_rollouts(
-                rollouts,
-                capture_dir,
-                output=output,
-                include_payloads=include_payloads,
-                quiescence_timeout_s=quiescence_timeout,
-                batch_size=batch_size,
-                max_workers=max_workers,
-                runner=runner.value,
-                dask_address=dask_address,
-                strict=strict,
-                allow_empty=allow_empty,
-                max_gap_share=max_gap_share,
-                storage_options=options,
-                credentials_block=credentials_block,
-            ),
+            capture_dir,
+            allow_empty=allow_empty,
+            storage_options=storage_options,
+            credentials_block=credentials_block,
+            runner=runner,
+            as_json=as_json,
+            output=output,
+            include_payloads=include_payloads,
+            quiescence_timeout_s=quiescence_timeout,
+            batch_size=batch_size,
+            max_workers=max_workers,
+            dask_address=dask_address,
+            strict=strict,
+            max_gap_share=max_gap_share,
         )
-        stats = summary.stats
-        if as_json:
-            _print_json({"ok": True, **summary.model_dump(mode="json"), "gap_share": stats.gap_share})
-            return
-        rows = [
-            ("output", summary.output),
-            ("lines", str(stats.lines)),
-            ("rollouts enriched", str(stats.rollouts)),
-            ("model calls", str(stats.calls)),
-            ("tokens in / out / total", f"{stats.tokens_in} / {stats.tokens_out} / {stats.tokens_total}"),
-            ("rollouts with any gap", f"{stats.rollouts_with_gaps} ({100 * stats.gap_share:.1f}%)"),
-            ("lines passed through", str(len(stats.problems))),
-        ]
-        rows += [(f"gap {code}", str(count)) for code, count in stats.gaps.items()]
-        _show(rows)
-        for problem in stats.problems[:10]:
-            typer.echo(f"{rollouts}:{problem.line}: {problem.reason}", err=True)
+
+
+@app.command()
+def demo(
+    output: Annotated[str, typer.Option(help="Where the enriched sample goes.")] = os.path.join(
+        "rollout-capture-demo", "sample.enriched.jsonl"
+    ),
+    as_json: JsonOpt = False,
+) -> None:
+    """Enrich the bundled sample (ten NeMo Gym rollouts and their captures), from any folder."""
+    from importlib.resources import files
+
+    sample = files("rollout_capture") / "sample"
+    with _exits(as_json):
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        _enrich(
+            str(sample / "rollouts.jsonl"),
+            str(sample / "captures"),
+            allow_empty=False,
+            storage_options=None,
+            credentials_block=None,
+            runner=RunnerName.threads,
+            as_json=as_json,
+            output=output,
+        )
 
 
 @app.command()
 def clear(
     rollouts: Annotated[str, typer.Argument(help="Rollouts JSONL about to be dispatched.")],
     capture_dir: CaptureDirOpt,
+    allow_empty: AllowEmptyOpt = False,
     storage_options: OptionsOpt = None,
     credentials_block: BlockOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Remove the captures of the rollouts about to be dispatched."""
-    _prefect_env()
     with _exits(as_json):
+        options = _preflight(
+            storage_options,
+            credentials_block,
+            files=[(rollouts, "rollouts file")],
+            capture_dirs=[] if allow_empty else [capture_dir],
+        )
         from rollout_capture.flows import prepare_dispatch
 
         cleared = _flow_run(
-            rollouts,
-            storage_options,
-            "rollouts file",
             True,  # quick: no progress to show
-            lambda options: prepare_dispatch(
+            lambda: prepare_dispatch(
                 rollouts, capture_dir, storage_options=options, credentials_block=credentials_block
             ),
         )
@@ -294,20 +430,31 @@ def clear(
             typer.echo(f"cleared captures of {cleared} rollout id(s)")
 
 
+def _capture_store(capture_dir: str, storage_options: str | None, allow_empty: bool) -> Any:
+    """``wait`` and ``inspect``: a store whose root is there (no Prefect involved)."""
+    from rollout_capture import CaptureStore
+
+    options = _preflight(storage_options, capture_dirs=[] if allow_empty else [capture_dir], prefect=False)
+    return CaptureStore(capture_dir, storage_options=options)
+
+
 @app.command()
 def wait(
     rollout_id: Annotated[str, typer.Argument(help="Rollout id, e.g. 12-3 or 12-3-a1.")],
     capture_dir: CaptureDirOpt,
     timeout: Annotated[float, typer.Option(help="Seconds before giving up.")] = 10.0,
     poll: Annotated[float, typer.Option(help="Seconds between checks.")] = 0.05,
+    allow_empty: AllowEmptyOpt = False,
     storage_options: OptionsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Wait until no claimed capture write of the rollout is outstanding (exit 1 on timeout)."""
     with _exits(as_json):
-        from rollout_capture import CaptureStore, await_model_call_capture_quiescence
+        from rollout_capture import await_model_call_capture_quiescence
+        from rollout_capture.identity import validate_rollout_id
 
-        store = CaptureStore(capture_dir, storage_options=_options(storage_options))
+        validate_rollout_id(rollout_id)
+        store = _capture_store(capture_dir, storage_options, allow_empty)
         quiet = asyncio.run(await_model_call_capture_quiescence(rollout_id, [store], timeout, poll))
         if as_json:
             _print_json({"ok": quiet, "rollout_id": rollout_id, "quiescent": quiet, "timeout_s": timeout})
@@ -347,16 +494,19 @@ def enrich_runs(
     as_json: JsonOpt = False,
 ) -> None:
     """Enrich every finished, not yet enriched run under RUNS_ROOT (what the schedule runs)."""
-    _prefect_env()
     with _exits(as_json):
+        _runner_available(runner)
+        options = _preflight(
+            storage_options,
+            credentials_block,
+            folders=[(runs_root, "runs root")],
+            capture_dirs=[capture_dir] if capture_dir and not allow_empty else [],
+        )
         from rollout_capture.flows import enrich_completed_runs
 
         summary = _flow_run(
-            runs_root,
-            storage_options,
-            "runs root",
             as_json,
-            lambda options: enrich_completed_runs(
+            lambda: enrich_completed_runs(
                 runs_root,
                 capture_dir=capture_dir,
                 runner=runner.value,
@@ -390,18 +540,18 @@ def enrich_runs(
 def inspect(
     rollout_id: Annotated[str, typer.Argument(help="Rollout id, e.g. 12-3.")],
     capture_dir: CaptureDirOpt,
+    allow_empty: AllowEmptyOpt = False,
     storage_options: OptionsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Show a rollout's captured calls: tokens, latency, status and gaps."""
     with _exits(as_json):
-        from rollout_capture import CaptureStore
         from rollout_capture.attachment import build_attachment
         from rollout_capture.evidence import gather_evidence
         from rollout_capture.identity import validate_rollout_id
 
-        store = CaptureStore(capture_dir, storage_options=_options(storage_options))
         validate_rollout_id(rollout_id)
+        store = _capture_store(capture_dir, storage_options, allow_empty)
         attachment = build_attachment(rollout_id, gather_evidence([rollout_id], [store])[rollout_id])
         if as_json:
             _print_json({"ok": True, **attachment})
@@ -574,10 +724,70 @@ def proxy(
 
 
 @app.command()
+def deploy(
+    runs_root: Annotated[
+        str,
+        typer.Option(help="Runs root the schedule enriches, as the workers see it: absolute path or URL."),
+    ],
+    pool: Annotated[str, typer.Option(help="Work pool (created as a process pool if missing).")] = (
+        "rollout-capture"
+    ),
+    cron: Annotated[str, typer.Option(help="When the scheduled enrichment runs.")] = "*/15 * * * *",
+    capture_dir: Annotated[str | None, typer.Option(help="One capture root for all runs.")] = None,
+    runner: RunnerOpt = RunnerName.threads,
+    max_workers: Annotated[int, typer.Option(min=1, help="Batches at once, per run.")] = 8,
+    max_parallel_runs: Annotated[int, typer.Option(min=1, help="Runs enriched at once.")] = 4,
+    storage_options: OptionsOpt = None,
+    credentials_block: BlockOpt = None,
+    automation: Annotated[
+        bool, typer.Option(help="Also create the gaps-exceeded automation (once per server).")
+    ] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """Register the shipped deployments on the server PREFECT_API_URL names, from this install.
+
+    Workers need rollout-capture installed (pip install 'rollout-capture[aws]' for S3); the
+    entrypoints are module paths, so no code is pushed anywhere.
+    """
+    with _exits(as_json):
+        if "://" not in runs_root and not os.path.isabs(runs_root):
+            raise InputError(f"--runs-root must be absolute or a URL (workers resolve it): {runs_root}")
+        options = _options(storage_options)
+        from rollout_capture.secret_options import refuse_secret_options
+
+        refuse_secret_options(options)
+        _prefect_env()
+        api = _api_url()
+        if not api:
+            raise InputError("deploy registers on your Prefect server: set PREFECT_API_URL first")
+        from rollout_capture.deployments.register import register
+
+        parameters: dict[str, Any] = {
+            "runner": runner.value,
+            "max_workers": max_workers,
+            "max_parallel_runs": max_parallel_runs,
+        }
+        if capture_dir:
+            parameters["capture_dir"] = capture_dir
+        if options:
+            parameters["storage_options"] = options
+        if credentials_block:
+            parameters["credentials_block"] = credentials_block
+        done = register(runs_root, pool=pool, cron=cron, parameters=parameters, automation=automation)
+        if as_json:
+            _print_json({"ok": True, "api": api, **done})
+        else:
+            _show([(name, str(ident)) for name, ident in done["deployments"].items()], ("deployment", "id"))
+            typer.echo(
+                f"work pool {pool}: start a worker with `prefect worker start --pool {pool}`", err=True
+            )
+
+
+@app.command()
 def serve(as_json: JsonOpt = False) -> None:
     """Serve the deployments from this machine (Ctrl-C to stop)."""
-    _prefect_env()
     with _exits(as_json):
+        _start_prefect()
         from rollout_capture.deployments.serve import main as serve_main
 
         serve_main()

@@ -56,3 +56,8 @@ def is_transient_storage_error(exc: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
+
+
+def missing_capture_dir(url: str, allow: str = "--allow-empty") -> str:
+    """The one message for a capture root that is not there (a mistyped path, a wrong prefix)."""
+    return f"capture dir {url} does not exist or holds no capture (pass {allow} if that is expected)"

@@ -28,10 +28,37 @@ def find_runs(
     full_scan: bool = False,
     recheck: list[str] | None = None,
 ) -> list[RunFolder]:
-    """Every run folder under the root, finished or not; the index spares listing enriched ones."""
-    found = _root(runs_root, storage_options, credentials_block).discover(
-        use_index=not full_scan, recheck=recheck or ()
-    )
+    """Every run folder under the root, finished or not; the index spares listing enriched ones.
+
+    Examples:
+        ```python
+        import shutil
+        import tempfile
+        from importlib.resources import files
+        from pathlib import Path
+
+        from prefect import flow
+
+        from rollout_capture.tasks.run_folders import find_runs
+
+        runs = Path(tempfile.mkdtemp())  # a runs root with one finished run, r1
+        shutil.copytree(str(files("rollout_capture") / "sample"), runs / "r1")
+        (runs / "r1" / "_SUCCESS").touch()
+
+
+        @flow
+        def listed() -> list[tuple[str, bool, bool]]:
+            return [(run.name, run.finished, run.enriched) for run in find_runs(str(runs))]
+
+
+        print(listed())  # [('r1', True, False)]
+        ```
+    """
+    root = _root(runs_root, storage_options, credentials_block)
+    if root.backend.folders_exist and not root.backend.root_found():
+        # A mistyped or unmounted root would otherwise read as "0 runs", green every tick.
+        raise FileNotFoundError(f"runs root {runs_root} does not exist")
+    found = root.discover(use_index=not full_scan, recheck=recheck or ())
     ready = [r.name for r in found.runs if r.finished and not r.enriched]
     get_run_logger().info(
         "%d run(s) under %s (%d folder(s) listed, %d known enriched from the index); ready to enrich: %s",
@@ -56,13 +83,73 @@ def take_run(
     """The run's lease, or ``"busy"`` (another flow run holds it) or ``"enriched"`` (done meanwhile).
 
     ``owner`` stays the same across retries, so a retry finds a lease an earlier try took.
+
+    Examples:
+        Two flow runs want the same run; the second is told it is busy:
+
+        ```python
+        import shutil
+        import tempfile
+        from importlib.resources import files
+        from pathlib import Path
+
+        from prefect import flow
+
+        from rollout_capture.tasks.run_folders import find_runs, take_run
+
+        runs = Path(tempfile.mkdtemp())  # a runs root with one finished run, r1
+        shutil.copytree(str(files("rollout_capture") / "sample"), runs / "r1")
+        (runs / "r1" / "_SUCCESS").touch()
+
+
+        @flow
+        def take_twice() -> list[object]:
+            run = find_runs(str(runs))[0]
+            first = take_run(str(runs), run, lease_s=60)  # a Lease, generation 0
+            second = take_run(str(runs), run, lease_s=60)  # another owner, while the lease lives
+            return [first.generation, second]
+
+
+        print(take_twice())  # [0, 'busy']
+        ```
     """
     return _root(runs_root, storage_options, credentials_block).take(run, lease_s, owner)
 
 
 @task(name="fence_run", cache_policy=NO_CACHE, **storage_retries())
 def fence_run(keeper: LeaseKeeper) -> Lease:
-    """Renew the lease right before publishing: only its current holder gets past this."""
+    """Renew the lease right before publishing: only its current holder gets past this.
+
+    Examples:
+        ```python
+        import shutil
+        import tempfile
+        from importlib.resources import files
+        from pathlib import Path
+
+        from prefect import flow
+
+        from rollout_capture.run_folders import LeaseKeeper, RunsRoot
+        from rollout_capture.tasks.run_folders import fence_run, find_runs, finish_run, release_run, take_run
+
+        runs = Path(tempfile.mkdtemp())  # a runs root with one finished run, r1
+        shutil.copytree(str(files("rollout_capture") / "sample"), runs / "r1")
+        (runs / "r1" / "_SUCCESS").touch()
+
+
+
+        @flow
+        def fenced() -> int:
+            run = find_runs(str(runs))[0]
+            with LeaseKeeper(RunsRoot(str(runs)), run, take_run(str(runs), run)) as keeper:
+                lease = fence_run(keeper)  # publish the output right after this
+                release_run(keeper)
+            return lease.generation
+
+
+        print(fenced())  # 1: the fence renewed generation 0
+        ```
+    """
     lease = keeper.fence()
     get_run_logger().info("%s: lease generation %d is ours; publishing", keeper.run.name, lease.generation)
     return lease
@@ -70,13 +157,75 @@ def fence_run(keeper: LeaseKeeper) -> Lease:
 
 @task(name="finish_run", cache_policy=NO_CACHE, **storage_retries())
 def finish_run(keeper: LeaseKeeper, summary: dict[str, Any]) -> None:
-    """Fence, write ``_ENRICHED``, then drop the lease."""
+    """Fence, write ``_ENRICHED``, then drop the lease.
+
+    Examples:
+        The whole life of a lease: take, fence, finish:
+
+        ```python
+        import shutil
+        import tempfile
+        from importlib.resources import files
+        from pathlib import Path
+
+        from prefect import flow
+
+        from rollout_capture.run_folders import LeaseKeeper, RunsRoot
+        from rollout_capture.tasks.run_folders import fence_run, find_runs, finish_run, release_run, take_run
+
+        runs = Path(tempfile.mkdtemp())  # a runs root with one finished run, r1
+        shutil.copytree(str(files("rollout_capture") / "sample"), runs / "r1")
+        (runs / "r1" / "_SUCCESS").touch()
+
+
+
+        @flow
+        def finished() -> list[str]:
+            run = find_runs(str(runs))[0]
+            with LeaseKeeper(RunsRoot(str(runs)), run, take_run(str(runs), run)) as keeper:
+                finish_run(keeper, {"rollouts": 10})  # the marker's body
+            return sorted(p.name for p in (runs / "r1").iterdir() if p.name.startswith("_"))
+
+
+        print(finished())  # ['_ENRICHED', '_SUCCESS']
+        ```
+    """
     keeper.finish(summary)
 
 
 @task(name="release_run", cache_policy=NO_CACHE, **storage_retries())
 def release_run(keeper: LeaseKeeper) -> None:
-    """Give the lease back after a failure, so the next flow run may take the run at once."""
+    """Give the lease back after a failure, so the next flow run may take the run at once.
+
+    Examples:
+        ```python
+        import shutil
+        import tempfile
+        from importlib.resources import files
+        from pathlib import Path
+
+        from prefect import flow
+
+        from rollout_capture.run_folders import LeaseKeeper, RunsRoot
+        from rollout_capture.tasks.run_folders import fence_run, find_runs, finish_run, release_run, take_run
+
+        runs = Path(tempfile.mkdtemp())  # a runs root with one finished run, r1
+        shutil.copytree(str(files("rollout_capture") / "sample"), runs / "r1")
+        (runs / "r1" / "_SUCCESS").touch()
+
+
+
+        @flow
+        def given_back() -> object:
+            run = find_runs(str(runs))[0]
+            with LeaseKeeper(RunsRoot(str(runs)), run, take_run(str(runs), run)) as keeper:
+                release_run(keeper)  # the enrichment failed: let the next flow run take it
+            return take_run(str(runs), run).generation
+
+
+        print(given_back())  # a new generation, taken at once
+        ```
+    """
     keeper.release()
 
 
@@ -87,5 +236,33 @@ def remember_enriched(
     storage_options: dict[str, Any] | None = None,
     credentials_block: str | None = None,
 ) -> None:
-    """Add the runs just enriched to the root's index, so the next flow runs skip them unlisted."""
+    """Add the runs just enriched to the root's index, so the next flow runs skip them unlisted.
+
+    Examples:
+        ```python
+        import shutil
+        import tempfile
+        from importlib.resources import files
+        from pathlib import Path
+
+        from prefect import flow
+
+        from rollout_capture.tasks.run_folders import find_runs, remember_enriched
+
+        runs = Path(tempfile.mkdtemp())  # a runs root with one finished run, r1
+        shutil.copytree(str(files("rollout_capture") / "sample"), runs / "r1")
+        (runs / "r1" / "_SUCCESS").touch()
+
+        (runs / "r1" / "_ENRICHED").write_text("{}")
+
+
+        @flow
+        def indexed() -> list[str]:
+            remember_enriched(str(runs), ["r1"])  # next time r1 is not listed at all
+            return [run.name for run in find_runs(str(runs)) if run.enriched]
+
+
+        print(indexed(), (runs / "_rollout_capture_index.json").exists())  # ['r1'] True
+        ```
+    """
     _root(runs_root, storage_options, credentials_block).remember_enriched(names)

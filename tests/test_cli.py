@@ -14,7 +14,7 @@ import pytest
 
 from rollout_capture import CaptureStore
 
-from .conftest import SAMPLE
+from .conftest import S3, SAMPLE
 
 ROW = {
     "model_call_id": "c",
@@ -193,3 +193,132 @@ def test_clear(prefect_api: str, tmp_path: Path) -> None:
     done = cli("clear", str(rollouts), "--capture-dir", str(tmp_path / "caps"), api=prefect_api)
     assert done.returncode == 0 and "cleared captures of 1 rollout id(s)" in done.stdout
     assert not store.has_any("0-0")
+
+
+def cold_cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI as on a fresh machine: no PREFECT_API_URL, a Prefect home of its own."""
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(home)}
+    env.pop("PREFECT_API_URL", None)
+    return subprocess.run(
+        [sys.executable, "-m", "rollout_capture.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def no_server_started(home: Path, done: subprocess.CompletedProcess[str]) -> bool:
+    """Nothing announced, no Prefect database made: bad input was refused before any server."""
+    return "temporary" not in done.stderr and not list(home.rglob("*.db"))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "enrich-capture-dir",
+        "clear-capture-dir",
+        "fifo",
+        "folder",
+        "runs-root",
+        "wait",
+        "inspect",
+        "runner",
+    ],
+)
+def test_bad_input_is_refused_before_any_prefect_server_starts(tmp_path: Path, case: str) -> None:
+    rollouts = tmp_path / "r.jsonl"
+    rollouts.write_bytes(b'{"_ng_task_index": 0, "_ng_rollout_index": 0}\n')
+    missing = tmp_path / "does" / "not" / "exist"
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    args, message = {
+        "enrich-capture-dir": (
+            ["enrich", str(rollouts), "-c", str(missing)],
+            f"capture dir {missing} does not",
+        ),
+        "clear-capture-dir": (
+            ["clear", str(rollouts), "-c", str(missing)],
+            f"capture dir {missing} does not",
+        ),
+        "fifo": (["enrich", str(fifo), "-c", str(tmp_path)], f"not a regular file: {fifo}"),
+        "folder": (["clear", str(tmp_path), "-c", str(tmp_path)], f"not a regular file: {tmp_path}"),
+        "runs-root": (["enrich-runs", str(missing)], f"runs root not found: {missing}"),
+        "wait": (["wait", "1-0", "-c", str(missing)], f"capture dir {missing} does not"),
+        "inspect": (["inspect", "1-0", "-c", str(missing)], f"capture dir {missing} does not"),
+        "runner": (["enrich", str(rollouts), "-c", str(missing), "--runner", "fibers"], "fibers"),
+    }[case]
+    home = tmp_path / "home"
+    done = cold_cli(home, *args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert no_server_started(home, done)
+
+
+def test_allow_empty_lets_clear_wait_and_inspect_take_a_missing_dir(prefect_api: str, tmp_path: Path) -> None:
+    rollouts = tmp_path / "r.jsonl"
+    rollouts.write_bytes(b'{"_ng_task_index": 0, "_ng_rollout_index": 0}\n')
+    missing = str(tmp_path / "later")
+    assert cli("clear", str(rollouts), "-c", missing, "--allow-empty", api=prefect_api).returncode == 0
+    assert cli("wait", "0-0", "-c", missing, "--allow-empty").returncode == 0
+    shown = cli("inspect", "0-0", "-c", missing, "--allow-empty", "--json")
+    assert (
+        shown.returncode == 0
+        and json.loads(shown.stdout)["gaps"][0]["code"] == "model_call_capture_no_records"
+    )
+
+
+def test_a_temporary_server_is_announced_and_waited_for(tmp_path: Path) -> None:
+    """No PREFECT_API_URL: the user is told what starts and how to avoid it; the work is done."""
+    caps = tmp_path / "caps"
+    CaptureStore(caps).record("0-0", ROW)
+    rollouts = tmp_path / "r.jsonl"
+    rollouts.write_bytes(b'{"_ng_task_index": 0, "_ng_rollout_index": 0}\n')
+    done = cold_cli(tmp_path / "home", "clear", str(rollouts), "-c", str(caps))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.startswith(
+        "starting a temporary Prefect server; set PREFECT_API_URL to use your own\n"
+    ), done.stderr
+    assert not CaptureStore(caps).has_any("0-0")
+
+
+def test_demo_enriches_the_bundled_sample_from_any_folder(prefect_api: str, tmp_path: Path) -> None:
+    out = tmp_path / "elsewhere" / "demo.jsonl"
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": prefect_api}
+    done = subprocess.run(
+        [sys.executable, "-m", "rollout_capture.cli", "demo", "--output", str(out), "--json"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["stats"]["rollouts"] == 10
+    assert len(out.read_bytes().splitlines()) == len((SAMPLE / "rollouts.jsonl").read_bytes().splitlines())
+
+
+def test_the_pre_flight_check_uses_the_credentials_block(prefect_api: str, s3: S3, tmp_path: Path) -> None:
+    """With no AWS variables at all, the block alone lets the CLI check and read S3, as the flow does."""
+    from prefect_aws import AwsClientParameters, AwsCredentials
+
+    AwsCredentials(
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+        aws_client_parameters=AwsClientParameters(endpoint_url=s3.endpoint),
+    ).save("cli-preflight", overwrite=True)
+    CaptureStore(s3.url("caps"), storage_options=s3.storage_options).record("0-0", ROW)
+    s3.fs().pipe_file(f"{s3.bucket}/r.jsonl", b'{"_ng_task_index": 0, "_ng_rollout_index": 0}\n')
+    env = {key: value for key, value in os.environ.items() if not key.startswith("AWS_")}
+    env |= {"PREFECT_API_URL": prefect_api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    run = [sys.executable, "-m", "rollout_capture.cli", "enrich", s3.url("r.jsonl"), "-c", s3.url("caps")]
+    done = subprocess.run(
+        [*run, "--credentials-block", "cli-preflight", "--json"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["stats"]["calls"] == 1
+    unknown = subprocess.run(
+        [*run, "--credentials-block", "no-such-block"], env=env, capture_output=True, text=True
+    )
+    assert unknown.returncode == 2 and "credentials block 'no-such-block'" in unknown.stderr, unknown.stderr

@@ -1,13 +1,12 @@
-"""Deployments as a user makes them: `prefect deploy` on a real API, a deployment run refused by
-its parameter schema, the S3 variant run by a process worker whose Python lacks
-rollout-capture, and the shipped automation firing on an event."""
+"""Deployments as a user makes them from an install: `rollout-capture deploy` on a real API
+(module entrypoints, no checkout), a deployment run refused by its parameter schema, the S3
+variant run by a process worker in a user's own Prefect project, a tick whose root is missing,
+and the shipped automation firing on an event."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import site
 import subprocess
 import sys
 import time
@@ -18,27 +17,27 @@ import orjson
 import pytest
 
 from rollout_capture import CaptureStore
-from rollout_capture.flows import enrich_rollouts
+from rollout_capture.flows import enrich_completed_runs, enrich_rollouts
 
 from .conftest import ROOT, S3
 from .prefect_api import wait_for_events
 
 ROW = {"model_call_id": "c", "dialect": "chat", "response": {"usage": {"prompt_tokens": 3}}}
-DEPLOY = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file"]
+CLI = [sys.executable, "-m", "rollout_capture.cli"]
 
 
-def environment(api: str, **extra: str) -> dict[str, str]:
-    return {**os.environ, "PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **extra}
+def environment(api: str | None, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **extra}
+    env.pop("PREFECT_API_URL", None)
+    if api:
+        env["PREFECT_API_URL"] = api
+    return env
 
 
-def ensure_pool() -> None:
-    """Prefect will not deploy to a missing pool in non-interactive mode (`make deploy` creates it)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectAlreadyExists
-
-    with get_client(sync_client=True) as client, contextlib.suppress(ObjectAlreadyExists):
-        client.create_work_pool(WorkPoolCreate(name="rollout-capture", type="process"))
+def deploy(api: str | None, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, "deploy", *args], cwd=cwd, env=environment(api), capture_output=True, text=True, timeout=300
+    )
 
 
 def deployments() -> dict[str, Any]:
@@ -48,21 +47,15 @@ def deployments() -> dict[str, Any]:
         return {d.name: d for d in client.read_deployments()}
 
 
-def test_deployment_file_deploys(prefect_api: str) -> None:
-    """``prefect deploy --all --prefect-file deployments/prefect.yaml`` on a fresh server."""
-    ensure_pool()
-    done = subprocess.run(
-        [*DEPLOY, "deployments/prefect.yaml"],
-        cwd=ROOT,
-        env=environment(prefect_api),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def test_the_deploy_command_registers_the_shipped_deployments(prefect_api: str, tmp_path: Path) -> None:
+    """From any folder: the pool is created, the entrypoints are module paths, runs_root as given."""
+    done = deploy(prefect_api, "--runs-root", "/data/runs", "--pool", "rollout-capture", cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     found = deployments()
     scheduled = found["enrich-completed-runs"]
     assert {"enrich-completed-runs", "enrich-rollouts", "prepare-dispatch"} <= set(found)
+    assert scheduled.entrypoint == "rollout_capture.flows.enrich_runs.enrich_completed_runs"
+    assert found["enrich-rollouts"].entrypoint == "rollout_capture.flows.enrich.enrich_rollouts"
     assert scheduled.work_pool_name == "rollout-capture"
     assert scheduled.parameters["runs_root"] == "/data/runs"
     assert [s.schedule.cron for s in scheduled.schedules] == ["*/15 * * * *"]
@@ -75,6 +68,42 @@ def test_deployment_file_deploys(prefect_api: str) -> None:
     assert schema["capture_dir"]["description"].startswith("Where the captures are")
     assert "propertyNames" in str(schema["storage_options"])
 
+    from prefect.automations import Automation
+
+    assert Automation.read(name="rollout-capture-gaps-exceeded")  # created once...
+    again = deploy(prefect_api, "--runs-root", "/data/runs", "--json", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert orjson.loads(again.stdout)["automations_created"] == []  # ...and not twice
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "--runs-root"),
+        (["--runs-root", "runs"], "must be absolute or a URL"),
+        (["--runs-root", "/data/runs", "--storage-options", '{"secret": "x"}'], "storage_options.secret"),
+    ],
+)
+def test_deploy_refuses_bad_input_naming_it(prefect_api: str, args: list[str], message: str) -> None:
+    done = deploy(prefect_api, *args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_deploy_without_a_server_says_so_and_starts_none(tmp_path: Path) -> None:
+    env = environment(None, PREFECT_HOME=str(tmp_path / "home"))
+    done = subprocess.run(
+        [*CLI, "deploy", "--runs-root", "/data/runs"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and "set PREFECT_API_URL" in done.stderr, done.stderr
+    assert "temporary" not in done.stderr and not list(tmp_path.rglob("*.db"))
+
+
+def test_a_scheduled_tick_whose_local_root_is_missing_fails_naming_it(prefect_api: str, s3: S3) -> None:
+    with pytest.raises(FileNotFoundError, match="runs root /does/not/exist does not exist"):
+        enrich_completed_runs("/does/not/exist")
+    empty = enrich_completed_runs(s3.url("runs"), storage_options=s3.storage_options)  # no runs yet: fine
+    assert empty.enriched == [] and empty.unfinished == []
+
 
 def test_a_deployment_run_with_a_secret_option_is_refused_and_never_stored(prefect_api: str) -> None:
     """A deployment's parameters are stored by the server before any flow code runs: the schema
@@ -84,7 +113,7 @@ def test_a_deployment_run_with_a_secret_option_is_refused_and_never_stored(prefe
     from prefect.exceptions import PrefectHTTPStatusError
 
     if "enrich-rollouts" not in deployments():
-        test_deployment_file_deploys(prefect_api)
+        assert deploy(prefect_api, "--runs-root", "/data/runs").returncode == 0
     deployment = deployments()["enrich-rollouts"]
     secret = {"client_kwargs": {"aws_secret_access_key": "hunter2"}}
     with get_client(sync_client=True) as client:
@@ -105,38 +134,9 @@ def test_a_deployment_run_with_a_secret_option_is_refused_and_never_stored(prefe
     assert "hunter2" not in orjson.dumps([run.parameters for run in runs]).decode()
 
 
-def bare_worker_python(tmp_path: Path) -> Path:
-    """A Python with Prefect and the project's dependencies but no rollout-capture at all.
-
-    Built in a second: a venv whose site-packages links to this one's, minus the project.
-    """
-    venv = tmp_path / "worker-venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    target = Path(
-        subprocess.run(
-            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    )
-    linked = tmp_path / "linked-site-packages"
-    linked.mkdir()
-    (source,) = (Path(p) for p in site.getsitepackages() if Path(p, "prefect").exists())
-    for entry in source.iterdir():
-        if "rollout_capture" in entry.name or entry.name.startswith("__editable__"):
-            continue
-        (linked / entry.name).symlink_to(entry)
-    (target / "linked.pth").write_text(f"{linked}\n")
-    return python
-
-
-def test_s3_variant_runs_on_a_worker_without_rollout_capture(
-    prefect_api: str, s3: S3, tmp_path: Path
-) -> None:
-    """Push the code to S3, deploy, and let a process worker whose Python has never seen
-    rollout-capture run one flow run: the pull steps install it from the pulled code."""
+def test_s3_variant_runs_on_a_worker_in_a_users_own_project(prefect_api: str, s3: S3, tmp_path: Path) -> None:
+    """Deploy for S3 with a credentials block, then a process worker started in a Prefect project
+    that has its own ``flows`` and ``tasks`` packages runs one flow run with no AWS variables."""
     from prefect.client.orchestration import get_client
     from prefect_aws import AwsClientParameters, AwsCredentials
 
@@ -146,7 +146,6 @@ def test_s3_variant_runs_on_a_worker_without_rollout_capture(
         region_name="us-east-1",
         aws_client_parameters=AwsClientParameters(endpoint_url=s3.endpoint),
     ).save("rollout-capture", overwrite=True)
-    ensure_pool()
     run = tmp_path / "runs" / "run-1"
     (run / "captures").mkdir(parents=True)
     for task in range(3):
@@ -156,40 +155,33 @@ def test_s3_variant_runs_on_a_worker_without_rollout_capture(
     (run / "_SUCCESS").write_bytes(b"")
     s3.fs().put(str(run), f"{s3.bucket}/runs/run-1", recursive=True)
 
-    done = subprocess.run(
-        [*DEPLOY, "deployments/prefect-s3.yaml"],
-        cwd=ROOT,
-        env=environment(
-            prefect_api, ROLLOUT_CAPTURE_CODE_BUCKET=s3.bucket, ROLLOUT_CAPTURE_RUNS_BUCKET=s3.bucket
-        ),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    project = tmp_path / "project"  # the common layout of a user's own Prefect project
+    for package in ("flows", "tasks"):
+        (project / package).mkdir(parents=True)
+        (project / package / "__init__.py").write_text("OWNER = 'user'\n")
+    pool = "rollout-capture-s3"
+    done = deploy(
+        prefect_api,
+        *("--runs-root", f"s3://{s3.bucket}/runs", "--pool", pool, "--credentials-block", "rollout-capture"),
+        cwd=project,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    pushed = {p.split("/rollout-capture/", 1)[1] for p in s3.fs().find(f"{s3.bucket}/rollout-capture")}
-    assert {"flows/enrich_runs.py", "rollout_capture/store.py", "pyproject.toml"} <= pushed
-    assert "deployments/worker-requirements.txt" in pushed
-    assert not any(p.startswith((".venv/", ".git/", "tests/")) for p in pushed)
-    deployment = deployments()["enrich-completed-runs-s3"]
+    deployment = deployments()["enrich-completed-runs"]
     assert deployment.parameters["runs_root"] == f"s3://{s3.bucket}/runs"
-    assert "testing" not in str(deployment.pull_steps)  # the block is referenced, not inlined
+    assert deployment.parameters["credentials_block"] == "rollout-capture"
+    assert "testing" not in orjson.dumps(deployment.parameters).decode()  # the block is named, not inlined
     with get_client(sync_client=True) as client:
         flow_run = client.create_flow_run_from_deployment(deployment.id)
 
-    python = bare_worker_python(tmp_path)
-    probe = subprocess.run([str(python), "-c", "import rollout_capture"], capture_output=True, cwd=tmp_path)
-    assert probe.returncode != 0  # the worker's Python really lacks it
     worker_env = {
         key: value
         for key, value in environment(prefect_api).items()
-        if not key.startswith(("AWS_", "VIRTUAL_ENV", "PYTHONPATH"))
+        if not key.startswith(("AWS_", "PYTHONPATH"))
     }
-    worker_env["PATH"] = f"{python.parent}:/usr/bin:/bin"
     worker_env["PREFECT_HOME"] = str(tmp_path / "worker-home")
     worker = subprocess.run(
-        [str(python), "-m", "prefect", "worker", "start", "--pool", "rollout-capture", "--run-once"],
-        cwd=tmp_path,
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--run-once"],
+        cwd=project,
         env=worker_env,
         capture_output=True,
         text=True,
@@ -200,12 +192,6 @@ def test_s3_variant_runs_on_a_worker_without_rollout_capture(
     assert finished.state is not None and finished.state.is_completed(), (
         worker.stdout[-4000:] + worker.stderr[-4000:]
     )
-    installed = subprocess.run(
-        [str(python), "-m", "pip", "show", "rollout-capture"], capture_output=True, text=True, env=worker_env
-    )
-    assert (
-        installed.returncode == 0 and str(python.parent.parent) in installed.stdout
-    )  # into the worker's env
     out = s3.fs().cat_file(f"{s3.bucket}/runs/run-1/rollouts.enriched.jsonl").splitlines()
     assert [orjson.loads(line)["ng_model_call_capture"]["metrics"]["num_calls"] for line in out] == [1, 1, 1]
     assert s3.fs().exists(f"{s3.bucket}/runs/run-1/_ENRICHED")
@@ -224,7 +210,7 @@ def test_the_shipped_automation_fires_when_gaps_exceed_the_threshold(
             "automation",
             "create",
             "--from-file",
-            "deployments/automations.yaml",
+            str(ROOT / "deployments" / "automations.yaml"),
         ],
         cwd=ROOT,
         env=environment(prefect_api),

@@ -1,0 +1,64 @@
+"""The deployments rollout-capture ships, defined once for ``serve`` and ``rollout-capture deploy``.
+
+Entrypoints are module paths (``rollout_capture.flows.enrich_runs.enrich_completed_runs``),
+so a worker or a served process runs the installed package from any folder; no checkout,
+no code storage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+from prefect.deployments.runner import RunnerDeployment
+from prefect.types.entrypoint import EntrypointType
+
+from rollout_capture.flows.dispatch import prepare_dispatch
+from rollout_capture.flows.enrich import enrich_rollouts
+from rollout_capture.flows.enrich_runs import enrich_completed_runs
+
+SCHEDULED = "enrich-completed-runs"
+DEFAULT_CRON = "*/15 * * * *"
+TAGS = ["rollout-capture"]
+# Flow runs are child processes of a worker or of serve: the core's logger reaches the UI.
+JOB_VARIABLES = {"env": {"PREFECT_LOGGING_EXTRA_LOGGERS": "rollout_capture"}}
+
+
+def shipped_deployments(
+    runs_root: str,
+    *,
+    cron: str = DEFAULT_CRON,
+    scheduled_parameters: dict[str, Any] | None = None,
+) -> list[RunnerDeployment]:
+    """The scheduled enrichment of ``runs_root`` plus the two on-demand flows.
+
+    ``scheduled_parameters`` are the scheduled flow's other parameters (capture dir,
+    runner, credentials block name: never a secret, the parameter schema refuses them).
+    """
+    common: dict[str, Any] = {
+        "tags": TAGS,
+        "job_variables": JOB_VARIABLES,
+        "entrypoint_type": EntrypointType.MODULE_PATH,
+    }
+    scheduled = enrich_completed_runs.to_deployment(
+        name=SCHEDULED,
+        description=f"Every schedule tick ({cron}), enrich each finished run under {runs_root}.",
+        cron=cron,
+        parameters={"runs_root": runs_root, **(scheduled_parameters or {})},
+        # A tick still running when the next is due: the new one is cancelled, never queued.
+        concurrency_limit=ConcurrencyLimitConfig(
+            limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW
+        ),
+        **common,
+    )
+    on_demand = [
+        enrich_rollouts.to_deployment(
+            name="enrich-rollouts", description="Enrich one rollouts file on demand.", **common
+        ),
+        prepare_dispatch.to_deployment(
+            name="prepare-dispatch",
+            description="Clear stale captures of the rollouts about to be dispatched.",
+            **common,
+        ),
+    ]
+    return [d for d in (scheduled, *on_demand) if isinstance(d, RunnerDeployment)]
