@@ -122,7 +122,12 @@ class Exchange:
         """The upstream answered with a status and headers."""
         self.status_code = status
         if _is_event_stream(headers):
-            self.relay = StreamRelay(self.dialect, hide_usage=self.hide_usage, max_bytes=self.max_body_bytes)
+            self.relay = StreamRelay(
+                self.dialect,
+                hide_usage=self.hide_usage,
+                max_bytes=self.max_body_bytes,
+                label=f"rollout {self.rollout_id}",
+            )
 
     @property
     def streaming(self) -> bool:
@@ -222,6 +227,8 @@ class Exchange:
                 return response, raw, self.relay.cut, self.relay.assembler.error
             if not self.relay.complete:
                 return response, raw, self.relay.cut, ErrorCategory.STREAM_TRUNCATED
+            if self.relay.unparsed_events:  # the response lacks what those events said
+                return response, raw, self.relay.cut, ErrorCategory.CAPTURE_PARSE_ERROR
             return response, raw, self.relay.cut, None
         if self.broken:  # a body cut short is no JSON to read
             return None, _decode(bytes(self._body)) if self._body else None, False, ErrorCategory.INCOMPLETE
@@ -280,6 +287,8 @@ class Exchange:
             row["request_truncated"] = True
         if cut:
             row["response_truncated"] = True
+        if self.relay is not None and self.relay.unparsed_events:
+            row["stream_events_unparsed"] = self.relay.unparsed_events
         return row
 
 

@@ -340,8 +340,16 @@ class StreamRelay:
     (the terminal event and anything after it, or a trailing partial event).
     """
 
-    def __init__(self, dialect: Dialect, *, hide_usage: bool = False, max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        dialect: Dialect,
+        *,
+        hide_usage: bool = False,
+        max_bytes: int | None = None,
+        label: str = "a call",
+    ) -> None:
         self.dialect = dialect
+        self.label = label  # names the call in a log line (never its content)
         self.assembler = new_assembler(dialect)
         self.hide_usage = hide_usage
         self.max_bytes = max_bytes
@@ -349,6 +357,7 @@ class StreamRelay:
         self.events = 0
         self.cut = False  # past max_bytes: content no longer accumulated
         self.unreadable_events = 0  # events the assembler could not take (forwarded all the same)
+        self.unparsed_events = 0  # events whose data is no JSON object (forwarded all the same)
         self._framer = SseFramer()
         self._held: list[bytes] = []
 
@@ -381,6 +390,7 @@ class StreamRelay:
             except orjson.JSONDecodeError:
                 data = None
             if not isinstance(data, dict):
+                self._unparsed(text)
                 out.append(event.raw)
                 continue
             raw = event.raw
@@ -394,6 +404,22 @@ class StreamRelay:
             else:
                 out.append(raw)
         return b"".join(out)
+
+    def _unparsed(self, text: str) -> None:
+        """An event the response cannot be built from: counted for the row, logged once a stream.
+        ``[DONE]`` (some servers end every dialect with it) and empty data are no damage."""
+        stripped = text.strip()
+        if not stripped or stripped == "[DONE]":
+            return
+        self.unparsed_events += 1
+        if self.unparsed_events == 1:
+            logger.warning(
+                "a %s stream event of %s is not JSON (%d bytes); forwarded as is, left out of the "
+                "reassembled response and counted in the row",
+                self.dialect,
+                self.label,
+                len(text),
+            )
 
     def _assemble(self, event: str | None, data: JsonObject) -> bool:
         """Feed the assembler; an event of a shape it cannot take is forwarded as it came
