@@ -69,7 +69,7 @@ class Middleware:
 
 @pytest.fixture(scope="module")
 def proxy(scripted_upstream: tuple[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
-    served = Proxy(scripted_upstream[0], str(tmp_path_factory.mktemp("hostile-proxy")), max_body_bytes=1024)
+    served = Proxy(scripted_upstream[0], str(tmp_path_factory.mktemp("hostile-proxy")))
     yield served
     served.server.stop()
 
@@ -84,13 +84,21 @@ def middleware(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Middleware]
 # ---------------------------------------------------------------- 3: a request body cut after the cap
 
 
+@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
 @pytest.mark.parametrize("ending", ["disconnect", "malformed-chunk"])
 def test_a_request_body_cut_after_the_cap_is_aborted_upstream_and_cancelled(
-    proxy: Proxy, scripted_upstream: tuple[str, Any], ending: str
+    scripted_upstream: tuple[str, Any], tmp_path: Path, ending: str, client: str
 ) -> None:
-    app = scripted_upstream[1]
-    rollout_id = f"cut-request-{ending}"
-    marker = f"marker-{ending}".encode()
+    url, app = scripted_upstream
+    proxy = Proxy(url, str(tmp_path), max_body_bytes=1024, upstream_client=client)
+    try:
+        _cut_request(proxy, app, f"cut-request-{ending}-{client}", ending)
+    finally:
+        proxy.server.stop()
+
+
+def _cut_request(proxy: Proxy, app: ScriptedUpstream, rollout_id: str, ending: str) -> None:
+    marker = f"marker-{rollout_id}".encode()
     # Over the 1024-byte cap: the proxy forwards it while the rest is still to come.
     first = b'{"model": "scripted", "messages": [{"role": "user", "content": "' + marker + b"y" * 4000
     head = (

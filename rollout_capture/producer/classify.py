@@ -23,6 +23,20 @@ class ErrorCategory(StrEnum):
     CAPTURE_PARSE_ERROR = "capture_parse_error"
 
 
+def is_valid_status(status: int) -> bool:
+    """RFC 9110 15: a status is three digits from 100 to 599. ASGI servers know no others
+    (uvicorn fails on the status line of 999): the producers answer 502 in its place."""
+    return 100 <= status <= 599
+
+
+def invalid_status_message(status: int) -> str:
+    """The 502's message, naming the status the model server answered."""
+    return f"the model server answered HTTP status {status}, which is not a valid status (100-599)"
+
+
+INVALID_STATUS_KIND = "upstream_invalid_status"
+
+
 def category_for_status(status: int | None) -> ErrorCategory | None:
     """Spec 5: <400 null; 408/504 timeout; 429 rate_limit; 401/403 auth; 404 not_found;
     other 4xx client_error; >=500 upstream_error."""

@@ -21,8 +21,14 @@ from rollout_capture.producer.asgi import (
     Send,
     replace_header,
     route_or_refuse,
+    send_json_error,
 )
-from rollout_capture.producer.classify import ErrorCategory
+from rollout_capture.producer.classify import (
+    INVALID_STATUS_KIND,
+    ErrorCategory,
+    invalid_status_message,
+    is_valid_status,
+)
 from rollout_capture.producer.exchange import start_exchange
 from rollout_capture.producer.routing import Route
 from rollout_capture.producer.settings import ProducerSettings
@@ -107,6 +113,8 @@ class CaptureMiddleware:
         await exchange.claim(self.writer)
         replayed = False
         client_gone = False
+        refused: int | None = None  # a status no server can send: the client gets a 502 instead
+        answered = False
 
         async def inner_receive() -> Message:
             nonlocal replayed, client_gone
@@ -126,10 +134,32 @@ class CaptureMiddleware:
                 client_gone = True
                 raise
 
+        async def refuse() -> None:  # after the row, as for any answer
+            nonlocal answered
+            answered = True
+            assert refused is not None
+            await send_json_error(forward_send, 502, invalid_status_message(refused), INVALID_STATUS_KIND)
+
         async def inner_send(message: Message) -> None:
+            nonlocal refused
             kind = message["type"]
+            if refused is not None:  # the app's answer goes to the row only
+                if kind == "http.response.body":
+                    exchange.body(message.get("body", b""))
+                    if not message.get("more_body", False) and not answered:
+                        await exchange.complete(self.writer)
+                        await refuse()
+                return
             if kind == "http.response.start":
                 exchange.response_started(message["status"], message.get("headers") or [])
+                if not is_valid_status(message["status"]):
+                    refused = message["status"]
+                    logger.warning(
+                        "the app answered status %d to a call of rollout %s: answered 502",
+                        refused,
+                        exchange.rollout_id,
+                    )
+                    return
                 if exchange.streaming:  # events may be held or hidden: the length is not the app's
                     message = {
                         **message,
@@ -163,3 +193,5 @@ class CaptureMiddleware:
             if client_gone and not exchange.finished:
                 exchange.failed(ErrorCategory.CANCELLED)
             await exchange.close(self.writer)  # an app that returned early: its answer broke off
+            if refused is not None and not answered and not client_gone:
+                await refuse()

@@ -29,7 +29,12 @@ from rollout_capture.producer.asgi import (
     route_or_refuse,
     send_json_error,
 )
-from rollout_capture.producer.classify import ErrorCategory
+from rollout_capture.producer.classify import (
+    INVALID_STATUS_KIND,
+    ErrorCategory,
+    invalid_status_message,
+    is_valid_status,
+)
 from rollout_capture.producer.exchange import Exchange, start_exchange
 from rollout_capture.producer.routing import Route, header
 from rollout_capture.producer.settings import ProxySettings
@@ -176,15 +181,27 @@ class CaptureProxy:
     async def _passthrough(self, scope: Scope, found: Route, receive: Receive, send: Send) -> None:
         headers = scope["headers"]
         streamed = any(k.lower() in (b"content-length", b"transfer-encoding") for k, _ in headers)
-        content: bytes | AsyncIterator[bytes]
+        content: bytes | _BodyStream
         if streamed:
-            content = _body_stream(b"", receive)
+            content = _BodyStream(b"", receive)
         else:
             content, _, _ = await read_body(receive, 1 << 62)
         try:
             response = await self._send(scope, found, content, captured=False)
-        except UpstreamError as exc:
-            await _send_upstream_error(send, exc)
+        except (UpstreamError, ClientLeft) as exc:
+            if isinstance(content, _BodyStream) and content.left:
+                logger.info(
+                    "a client left mid-body: its request to the upstream was aborted (%s)", found.path
+                )
+            elif isinstance(exc, UpstreamError):
+                await _send_upstream_error(send, exc)
+            return
+        if not is_valid_status(response.status):
+            await response.aclose()
+            logger.warning(
+                "upstream answered status %d to %s %s", response.status, scope["method"], found.path
+            )
+            await send_json_error(send, 502, invalid_status_message(response.status), INVALID_STATUS_KIND)
             return
         try:
             await send(
@@ -208,7 +225,11 @@ class CaptureProxy:
         if started is None:
             return  # the client left before its request was whole: no call was made
         exchange, forward, whole, _ = started
-        content: bytes | AsyncIterator[bytes] = forward if whole else _body_stream(forward, receive)
+        content: bytes | _BodyStream = (
+            forward
+            if whole
+            else _BodyStream(forward, receive, lambda: exchange.failed(ErrorCategory.CANCELLED))
+        )
         await exchange.claim(self.writer)
         try:
             if not whole:  # the body is still being received: the upstream request reads it
@@ -244,7 +265,15 @@ class CaptureProxy:
             exchange.forwarding()
             try:
                 response = await self._send(scope, found, content, captured=True)
-            except UpstreamError as exc:
+            except (UpstreamError, ClientLeft) as exc:  # httpx hands the body's own ClientLeft back
+                if isinstance(content, _BodyStream) and content.left:  # the row says cancelled
+                    logger.warning(
+                        "a client of rollout %s left mid-body: its upstream request was aborted",
+                        exchange.rollout_id,
+                    )
+                    await exchange.write_row(self.writer)
+                    return
+                assert isinstance(exc, UpstreamError)
                 exchange.failed(ErrorCategory.TIMEOUT if exc.timed_out else ErrorCategory.CONNECTION)
                 await exchange.write_row(self.writer)  # before the client's last byte
                 await _send_upstream_error(send, exc)
@@ -265,6 +294,9 @@ class CaptureProxy:
 
     async def _relay(self, exchange: Exchange, response: UpstreamResponse, send: Send) -> None:
         exchange.response_started(response.status, response.headers)
+        if not is_valid_status(response.status):
+            await self._refuse_status(exchange, response, send)
+            return
         drop = {b"content-length"} if exchange.streaming else set()
         encoding = header(response.headers, b"content-encoding")
         if encoding is not None and encoding.strip().lower() != b"identity":
@@ -289,6 +321,31 @@ class CaptureProxy:
         held = await exchange.complete(self.writer)  # durable before the client's last byte
         await send({"type": "http.response.body", "body": held, "more_body": False})
 
+    async def _refuse_status(self, exchange: Exchange, response: UpstreamResponse, send: Send) -> None:
+        """A status no HTTP server can send (999): the row keeps it and the body (up to the cap),
+        the client gets a 502 naming it."""
+        logger.warning(
+            "upstream answered status %d to a call of rollout %s: answered 502",
+            response.status,
+            exchange.rollout_id,
+        )
+        read = 0
+        try:
+            async for chunk in response.chunks():
+                exchange.body(chunk)  # not forwarded
+                read += len(chunk)
+                if read > exchange.max_body_bytes:
+                    exchange.broke_off()  # enough for the row: the rest is not waited for
+                    break
+        except UpstreamError as exc:
+            exchange.broke_off(timed_out=exc.timed_out)
+        if exchange.broken:
+            exchange.end()
+            await exchange.write_row(self.writer)
+        else:
+            await exchange.complete(self.writer)
+        await send_json_error(send, 502, invalid_status_message(response.status), INVALID_STATUS_KIND)
+
 
 async def _send_upstream_error(send: Send, exc: UpstreamError) -> None:
     if exc.timed_out:
@@ -297,19 +354,47 @@ async def _send_upstream_error(send: Send, exc: UpstreamError) -> None:
         await send_json_error(send, 502, f"upstream unreachable: {exc.kind}", "upstream_connection_error")
 
 
-async def _body_stream(first: bytes, receive: Receive) -> AsyncIterator[bytes]:
-    """The request body: ``first``, then whatever the client still sends."""
-    if first:
-        yield first
-    while True:
-        message: Message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-        chunk = message.get("body", b"")
-        if chunk:
-            yield chunk
-        if not message.get("more_body", False):
-            return
+class ClientLeft(Exception):
+    """The client went away before its request body was whole (or sent one uvicorn could not parse)."""
+
+
+class _BodyStream:
+    """The request body forwarded as it arrives: ``first``, then whatever the client still sends.
+
+    A client that goes away mid-body ends it with :class:`ClientLeft`, never a clean end: the
+    upstream client then aborts the request instead of closing it as if it were whole (a
+    chunked body would get its last chunk, a cut body would reach the model as a request).
+    """
+
+    __slots__ = ("_done", "_first", "_on_leave", "_receive", "left")
+
+    def __init__(self, first: bytes, receive: Receive, on_leave: Callable[[], None] | None = None) -> None:
+        self._first = first
+        self._receive = receive
+        self._on_leave = on_leave
+        self._done = False
+        self.left = False
+
+    def __aiter__(self) -> _BodyStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._first:
+            first, self._first = self._first, b""
+            return first
+        while not self._done:
+            message: Message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self._done = self.left = True
+                if self._on_leave is not None:
+                    self._on_leave()
+                raise ClientLeft("the client went away before its request body was whole")
+            if not message.get("more_body", False):
+                self._done = True
+            chunk: bytes = message.get("body", b"")
+            if chunk:
+                return chunk
+        raise StopAsyncIteration
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
