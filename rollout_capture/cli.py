@@ -636,6 +636,16 @@ class Layout(StrEnum):
     objects = "objects"
 
 
+PROXY_STACK = ("aiohttp", "uvicorn", "httptools")
+
+
+def _proxy_stack_available() -> None:
+    """The proxy's HTTP stack is an extra: name it, as httpx's CLI does, rather than fail on import."""
+    missing = [name for name in PROXY_STACK if importlib.util.find_spec(name) is None]
+    if missing:
+        raise InputError(f"the proxy needs {', '.join(missing)}: pip install 'rollout-capture[proxy]'")
+
+
 @app.command()
 def proxy(
     upstream: Annotated[
@@ -690,6 +700,7 @@ def proxy(
 ) -> None:
     """Reverse proxy in front of a model server, capturing calls under /ng-rollout/<id>/v1/."""
     with _exits(as_json):
+        _proxy_stack_available()
         from rollout_capture.producer.proxy import serve_proxy
         from rollout_capture.producer.settings import ProxySettings
 

@@ -322,3 +322,17 @@ def test_the_pre_flight_check_uses_the_credentials_block(prefect_api: str, s3: S
         [*run, "--credentials-block", "no-such-block"], env=env, capture_output=True, text=True
     )
     assert unknown.returncode == 2 and "credentials block 'no-such-block'" in unknown.stderr, unknown.stderr
+
+
+def test_the_proxy_names_its_extra_when_its_http_stack_is_missing(tmp_path: Path) -> None:
+    """As installed without ``[proxy]`` (httptools absent): one line naming the extra, exit 2."""
+    script = (
+        "import sys\n"
+        "sys.modules['httptools'] = None  # what an install without the extra looks like to find_spec\n"
+        "from rollout_capture.cli import main\n"
+        "sys.argv = ['rollout-capture', 'proxy', '--upstream', 'http://127.0.0.1:9', '-c', sys.argv[1]]\n"
+        "main()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr == "error: the proxy needs httptools: pip install 'rollout-capture[proxy]'\n"
