@@ -148,7 +148,7 @@ def test_nemo_gym_typed_records_shape_is_joined_too(root: Path) -> None:
 
 
 def test_a_foreign_ownership_gap_is_kept(root: Path) -> None:
-    """Section 8: the join drops only the gaps it wrote (detail ``capture:<id>:call_index=<n>``)."""
+    """Section 8: the join drops only the gaps it wrote (no invocation, a ``capture:`` detail)."""
     foreign = [
         {"code": "model_call_ownership_unavailable"},
         {"code": "model_call_ownership_unavailable", "detail": "harness lost its trace"},
@@ -160,3 +160,19 @@ def test_a_foreign_ownership_gap_is_kept(root: Path) -> None:
     assert {"code": "model_call_ownership_unavailable", "detail": "capture:c0:call_index=0"} in gaps
     merge_model_call_capture_into_record(record, [root])  # a second join keeps them too
     assert record["ng_agent_observations"]["gaps"] == gaps
+
+
+def test_an_earlier_runs_capture_gap_of_any_detail_is_dropped_as_nemo_gym_does(root: Path) -> None:
+    """NeMo Gym's rule: before recomputing, drop ownership gaps with no invocation whose detail
+    starts with ``capture:`` (the join's own, whatever their shape); keep every other one."""
+    kept = [
+        {"code": "model_call_ownership_unavailable"},
+        {"code": "model_call_ownership_unavailable", "detail": "direct_provider"},
+        {"code": "model_call_ownership_unavailable", "invocation_id": "main", "detail": "capture:x"},
+    ]
+    stale = {"code": "model_call_ownership_unavailable", "detail": "capture:stale"}
+    observations = {"source": "h", "invocations": [], "gaps": [stale, *copy.deepcopy(kept)]}
+    gaps = merged(root, observations)["ng_agent_observations"]["gaps"]
+    assert stale not in gaps
+    assert gaps[:3] == kept
+    assert {"code": "model_call_ownership_unavailable", "detail": "capture:c0:call_index=0"} in gaps
