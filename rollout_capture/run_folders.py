@@ -24,6 +24,7 @@ modification time) and from the holder's timestamps on a local disk.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -53,6 +54,9 @@ BEATS_PER_LEASE = 3
 """Renewals per lease period: two may fail (a storage hiccup) before the lease lapses."""
 
 Taken = Literal["busy", "enriched"]
+_RUN_PARTS = frozenset({ROLLOUTS, CAPTURES, SUCCESS, ENRICHED, OUTPUT})
+_LINKED = "a symbolic link, never followed inside a runs root"
+logger = logging.getLogger(__name__)
 
 
 class RunFolder(BaseModel):
@@ -131,6 +135,9 @@ class Discovery(BaseModel):
     """Folders listed this time (one request each)."""
     indexed: int
     """Runs taken from the index as enriched, without listing their folders."""
+    refused: dict[str, str] = Field(default_factory=dict)
+    """Names under the root left alone, and why: a link (never followed out of the root), or
+    a run folder holding one where its parts belong."""
 
 
 def new_owner() -> str:
@@ -147,12 +154,17 @@ def _parse_lease(body: bytes | None) -> Lease | None:
         return None
 
 
+def _is_run_part(name: str) -> bool:
+    """Whether a name in a run folder is one the job reads, writes or enriches from."""
+    return name in _RUN_PARTS or name.partition(".")[0] == LEASE
+
+
 def _generations(names: Mapping[str, Named]) -> dict[int, Named]:
     """Generation -> entry of the lease objects among a run folder's names."""
     out = {}
     for name, entry in names.items():
         prefix, dot, generation = name.partition(".")
-        if prefix == LEASE and dot and generation.isdigit() and not entry.folder:
+        if prefix == LEASE and dot and generation.isdigit() and not entry.folder and not entry.link:
             out[int(generation)] = entry
     return out
 
@@ -204,8 +216,9 @@ class RunsRoot:
         differs from it (``update_index``).
         """
         (top,) = self.backend.list_names([self.root])
+        refused = {name: _LINKED for name, entry in top.items() if entry.link}
         folders = sorted(name for name, entry in top.items() if entry.folder)
-        index = self._read_index() if use_index and INDEX in top else None
+        index = self._read_index() if use_index and INDEX in top and not top[INDEX].link else None
         known = set(index or ()) & set(folders)
         known -= set(recheck)
         to_list = [name for name in folders if name not in known]
@@ -216,13 +229,19 @@ class RunsRoot:
             rollouts = names.get(ROLLOUTS)
             if rollouts is None or rollouts.folder:
                 continue  # not a run (yet)
+            linked = sorted(part for part, entry in names.items() if entry.link and _is_run_part(part))
+            if linked:
+                refused[name] = f"{', '.join(linked)}: {_LINKED}"
+                continue
             runs.append(self._run(name, finished=SUCCESS in names, enriched=ENRICHED in names))
         runs.sort(key=lambda run: run.name)
+        for name, why in sorted(refused.items()):
+            logger.warning("%s/%s is left alone: %s", self.url, name, why)
         if update_index:
             enriched = sorted(run.name for run in runs if run.enriched)
             if enriched != sorted(set(index or ())):
                 self._write_index(enriched)
-        return Discovery(runs=runs, listed=len(to_list), indexed=len(known))
+        return Discovery(runs=runs, listed=len(to_list), indexed=len(known), refused=refused)
 
     def runs(self) -> list[RunFolder]:
         """Every run folder, each listed now (the index neither read nor written)."""
