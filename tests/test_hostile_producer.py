@@ -120,6 +120,36 @@ def _cut_request(proxy: Proxy, app: ScriptedUpstream, rollout_id: str, ending: s
     wait_for(lambda: proxy.store.claims([rollout_id]) == {})
 
 
+def test_a_client_that_leaves_mid_answer_after_a_body_past_the_cap_leaves_a_cancelled_row(
+    scripted_upstream: tuple[str, Any], tmp_path: Path
+) -> None:
+    url, app = scripted_upstream
+    # Patient with the upstream: it waits at its gate as long as the test needs.
+    proxy = Proxy(url, str(tmp_path), max_body_bytes=1024, read_timeout_s=60.0)
+    marker = b"marker-left-1"
+    content = {"role": "user", "content": marker.decode() + "y" * 4000}
+    body = orjson.dumps({"model": "scripted-gated-left-1", "stream": True, "messages": [content]})
+
+    def sent() -> Iterator[bytes]:
+        yield body[:2000]
+        wait_for(lambda: any(marker in got for got in app.receiving))  # forwarded before it is whole
+        yield body[2000:]
+
+    try:
+        with (
+            httpx.Client(base_url=proxy.url) as client,
+            client.stream("POST", "/ng-rollout/left-1/v1/chat/completions", content=sent()) as answer,
+        ):
+            chunks = answer.iter_raw()  # held: a discarded iterator closes the connection at once
+            assert next(chunks).startswith(b"data: ")
+        (row,) = proxy.wait_rows("left-1")  # the client is gone, the upstream still at its gate
+        assert (row["status_code"], row["error_category"]) == (200, "cancelled")
+        assert row["request_truncated"] is True
+    finally:
+        app.gate("left-1").set()
+        proxy.server.stop()
+
+
 # ---------------------------------------------------------------- 4: a damaged stream event
 
 

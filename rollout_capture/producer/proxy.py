@@ -80,11 +80,16 @@ def _install_log_filter() -> None:
         target.addFilter(_QuietBrokenStreams())
 
 
-async def _watch_client(receive: Receive, exchange: Exchange, call: asyncio.Task[Any]) -> bool:
+async def _watch_client(
+    receive: Receive, exchange: Exchange, call: asyncio.Task[Any], body_whole: asyncio.Event | None = None
+) -> bool:
     """Wait for the client to go away; then cancel its call, unless the answer was complete.
 
     True when it cancelled. uvicorn also says "disconnect" once the answer is sent: not a leaver.
+    ``body_whole``: the request body is still being forwarded; watch once it is all in.
     """
+    if body_whole is not None:
+        await body_whole.wait()
     while (await receive())["type"] != "http.disconnect":
         pass
     if exchange.finished:
@@ -225,22 +230,26 @@ class CaptureProxy:
         if started is None:
             return  # the client left before its request was whole: no call was made
         exchange, forward, whole, _ = started
-        content: bytes | _BodyStream = (
-            forward
-            if whole
-            else _BodyStream(forward, receive, lambda: exchange.failed(ErrorCategory.CANCELLED))
-        )
+        body_whole: asyncio.Event | None = None  # set once a body forwarded as it arrives is all in
+        content: bytes | _BodyStream = forward
+        if not whole:
+            body_whole = asyncio.Event()
+            content = _BodyStream(
+                forward,
+                receive,
+                on_leave=lambda: exchange.failed(ErrorCategory.CANCELLED),
+                on_end=body_whole.set,
+            )
         await exchange.claim(self.writer)
         try:
-            if not whole:  # the body is still being received: the upstream request reads it
-                await self._forward(scope, found, exchange, content, send)
-                return
             # The call runs in this task; a watcher cancels it if the client goes away
             # (no second task per call). _forward then stops the upstream call, keeps what it
-            # said so far and writes the row before the cancellation goes on.
+            # said so far and writes the row before the cancellation goes on. While a body is
+            # still being received, the body stream reads the client's messages: the watcher
+            # waits for its end (a client that leaves before it is seen by the body stream).
             task = asyncio.current_task()
             assert task is not None
-            watch = asyncio.get_running_loop().create_task(_watch_client(receive, exchange, task))
+            watch = asyncio.get_running_loop().create_task(_watch_client(receive, exchange, task, body_whole))
             try:
                 await self._forward(scope, found, exchange, content, send)
             except asyncio.CancelledError:
@@ -366,12 +375,20 @@ class _BodyStream:
     chunked body would get its last chunk, a cut body would reach the model as a request).
     """
 
-    __slots__ = ("_done", "_first", "_on_leave", "_receive", "left")
+    __slots__ = ("_done", "_first", "_on_end", "_on_leave", "_receive", "left")
 
-    def __init__(self, first: bytes, receive: Receive, on_leave: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        first: bytes,
+        receive: Receive,
+        *,
+        on_leave: Callable[[], None] | None = None,
+        on_end: Callable[[], None] | None = None,
+    ) -> None:
         self._first = first
         self._receive = receive
         self._on_leave = on_leave
+        self._on_end = on_end
         self._done = False
         self.left = False
 
@@ -391,6 +408,8 @@ class _BodyStream:
                 raise ClientLeft("the client went away before its request body was whole")
             if not message.get("more_body", False):
                 self._done = True
+                if self._on_end is not None:
+                    self._on_end()
             chunk: bytes = message.get("body", b"")
             if chunk:
                 return chunk
