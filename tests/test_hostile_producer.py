@@ -120,6 +120,28 @@ def _cut_request(proxy: Proxy, app: ScriptedUpstream, rollout_id: str, ending: s
     wait_for(lambda: proxy.store.claims([rollout_id]) == {})
 
 
+def test_a_request_body_cut_after_the_cap_is_cancelled_by_the_middleware(middleware: Middleware) -> None:
+    """The app is told the client left (http.disconnect); an app that answers all the same (the
+    scripted one does) answers a call that was cancelled: the row says so."""
+    rollout_id = "cut-request-mw"
+    marker = b"marker-cut-request-mw"
+    first = b'{"model": "scripted", "messages": [{"role": "user", "content": "' + marker + b"y" * 4000
+    head = (
+        b"POST /ng-rollout/%s/v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+        b"content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n" % rollout_id.encode()
+    )
+    small = Middleware(str(middleware.settings.capture_dir) + "-small", max_body_bytes=1024)
+    try:
+        with socket.create_connection(("127.0.0.1", small.port), timeout=30) as sock:
+            sock.sendall(head + b"%x\r\n%s\r\n" % (len(first), first))
+            wait_for(lambda: any(marker in got for got in small.app.receiving))
+        row = wait_for(lambda: small.store.read(rollout_id))[0]
+        assert row["error_category"] == "cancelled" and row["request_truncated"] is True
+        assert [s["complete"] for s in small.app.seen] == [False]
+    finally:
+        small.server.stop()
+
+
 def test_a_client_that_leaves_mid_answer_after_a_body_past_the_cap_leaves_a_cancelled_row(
     scripted_upstream: tuple[str, Any], tmp_path: Path
 ) -> None:

@@ -116,14 +116,20 @@ class CaptureMiddleware:
         refused: int | None = None  # a status no server can send: the client gets a 502 instead
         answered = False
 
+        body_whole = whole
+
         async def inner_receive() -> Message:
-            nonlocal replayed, client_gone
+            nonlocal replayed, client_gone, body_whole
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": forward, "more_body": not whole}
             message = await receive()
             if message["type"] == "http.disconnect":
                 client_gone = True
+                if not body_whole:  # the app got a cut body: whatever it answers, the call was cancelled
+                    exchange.failed(ErrorCategory.CANCELLED)
+            elif not message.get("more_body", False):
+                body_whole = True
             return message
 
         async def forward_send(message: Message) -> None:
