@@ -1,0 +1,734 @@
+"""What a run's evidence says, counted: failed calls, latency, tokens, models, gaps, orphans.
+
+An :class:`EvidenceSummary` is built one enriched record at a time (:meth:`~EvidenceSummary.add`)
+and batches are summed (:meth:`~EvidenceSummary.merge`), so a flow never keeps its records.
+Memory is bounded whatever the corpus size (1M rollouts x 20 calls is 20M latencies):
+distributions are kept in a :class:`Sketch`, exact values while there are at most
+:data:`EXACT_LIMIT` of them, else log-spaced buckets 2 % wide (any percentile within 1 % of the
+true value, at most ~1,100 buckets for 1 ms .. 10 h); models beyond :data:`MAX_MODELS` fold into
+``(other models)``; only the first :data:`MAX_EXAMPLES` rollout ids of each gap are named.
+
+Percentiles use the nearest-rank rule: p50 of ``n`` values is the ``ceil(0.5 n)``-th smallest.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, Field
+
+from rollout_capture.attachment import ATTACHMENT_KEY, OBSERVATIONS_KEY
+from rollout_capture.layout import parse_capture_name
+
+EXACT_LIMIT = 1024
+"""A sketch keeps its values (exact percentiles) while it holds at most this many."""
+GAMMA = 1.02
+"""Ratio between the edges of one bucket: a bucket's value is within 1 % of any value in it."""
+_LOG_GAMMA = math.log(GAMMA)
+_MID = 2 * GAMMA / (1 + GAMMA)  # representative of [g^i, g^(i+1)) is g^i * _MID
+MAX_MODELS = 50
+"""Distinct models counted by name; the rest are summed as ``(other models)``."""
+OTHER_MODELS = "(other models)"
+UNKNOWN_MODEL = "(unknown)"
+MAX_EXAMPLES = 5
+"""Rollout ids named for each gap code, and orphan captures named."""
+NO_STATUS = "no status"
+"""The status class of a call that got no HTTP status (connection refused, cancelled)."""
+FAIL_SHARE_WARN = 0.05
+"""Above this share of failed calls or gapped rollouts a report shows the figure in red."""
+PERCENTILES = (50, 90, 99)
+
+
+class EvidenceShapeError(ValueError):
+    """An enriched record whose attachment does not have the shape the summary reads."""
+
+
+class Sketch(BaseModel):
+    """A distribution of non-negative numbers in bounded memory, mergeable.
+
+    Exact while ``count <= EXACT_LIMIT`` (``values`` kept), else bucketed on a log scale
+    (``buckets``: index ``floor(log_GAMMA(v))`` -> count; ``zeros`` counts the values <= 0).
+    ``min``/``max``/``total`` are always exact.
+    """
+
+    count: int = 0
+    total: float = 0.0
+    min: float | None = None
+    max: float | None = None
+    zeros: int = 0
+    buckets: dict[int, int] = Field(default_factory=dict)
+    values: list[float] | None = Field(default_factory=list)
+
+    def add(self, value: float) -> None:
+        """Count one value (negative values count as 0: a clock step, not a duration)."""
+        self.add_many((value,))
+
+    def add_many(self, values: Iterable[float]) -> None:
+        """Count several values; one write of each attribute (pydantic writes are not free)."""
+        buckets, log, floor, inv = self.buckets, math.log, math.floor, 1 / _LOG_GAMMA
+        count, total, zeros, low, high = self.count, self.total, self.zeros, self.min, self.max
+        kept = self.values
+        for value in values:
+            if value <= 0:
+                value = 0.0
+                zeros += 1
+            else:
+                key = floor(log(value) * inv)
+                buckets[key] = buckets.get(key, 0) + 1
+            count += 1
+            total += value
+            if low is None or value < low:
+                low = value
+            if high is None or value > high:
+                high = value
+            if kept is not None:
+                if count <= EXACT_LIMIT:
+                    kept.append(float(value))
+                else:
+                    kept = None
+        if count == self.count:
+            return
+        self.count, self.total, self.zeros, self.min, self.max = count, total, zeros, low, high
+        if kept is None and self.values is not None:
+            self.values = None
+
+    def merge(self, other: Sketch) -> Sketch:
+        """Add another sketch's values into this one; returns self."""
+        if other.count == 0:
+            return self
+        for key, n in other.buckets.items():
+            self.buckets[key] = self.buckets.get(key, 0) + n
+        self.zeros += other.zeros
+        self.count += other.count
+        self.total += other.total
+        if other.min is not None and (self.min is None or other.min < self.min):
+            self.min = other.min
+        if other.max is not None and (self.max is None or other.max > self.max):
+            self.max = other.max
+        if self.values is not None and other.values is not None and self.count <= EXACT_LIMIT:
+            self.values.extend(other.values)
+        else:
+            self.values = None
+        return self
+
+    @property
+    def exact(self) -> bool:
+        """True when percentiles come from the values themselves."""
+        return self.values is not None
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+    def percentile(self, q: float) -> float | None:
+        """The nearest-rank ``q``-th percentile (0 < q <= 100); ``None`` when empty."""
+        if not self.count:
+            return None
+        rank = max(1, math.ceil(q / 100 * self.count))
+        if self.values is not None:
+            return sorted(self.values)[rank - 1]
+        if rank <= self.zeros:
+            return 0.0
+        seen = self.zeros
+        for key in sorted(self.buckets):
+            seen += self.buckets[key]
+            if seen >= rank:
+                value = GAMMA**key * _MID
+                return min(max(value, self.min or 0.0), self.max or value)
+        return self.max
+
+    def percentiles(self) -> dict[str, int | None]:
+        """p50, p90, p99 rounded to whole units (ms, tokens), as the summary shows them."""
+        out: dict[str, int | None] = {}
+        for q in PERCENTILES:
+            value = self.percentile(q)
+            out[f"p{q}"] = None if value is None else round(value)
+        return out
+
+    def histogram(self, bins: int = 24) -> list[tuple[float, float, int]]:
+        """``(low, high, count)`` bins for a chart: log-spaced when the values span 10x or more.
+
+        Zeros get a bin of their own at the start (``(0, 0, n)``). Bucketed values are placed
+        by their bucket's representative value, so a bin edge is exact to within 1 %.
+        """
+        if not self.count or self.max is None:
+            return []
+        points: list[tuple[float, int]]
+        if self.values is not None:
+            points = [(v, 1) for v in self.values if v > 0]
+        else:
+            points = [(GAMMA**k * _MID, n) for k, n in self.buckets.items()]
+        out: list[tuple[float, float, int]] = []
+        if self.zeros:
+            out.append((0.0, 0.0, self.zeros))
+        positive = [p for p in points if p[0] > 0]
+        if not positive:
+            return out
+        low = min(v for v, _ in positive)
+        high = max(v for v, _ in positive)
+        if high <= low:
+            return [*out, (low, high, sum(n for _, n in positive))]
+        use_log = high / low >= 10
+        if use_log:
+            edges = [
+                math.exp(math.log(low) + (math.log(high) - math.log(low)) * i / bins) for i in range(bins + 1)
+            ]
+        else:
+            edges = [low + (high - low) * i / bins for i in range(bins + 1)]
+        counts = [0] * bins
+        span_low, span = (math.log(low), math.log(high) - math.log(low)) if use_log else (low, high - low)
+        for value, n in positive:
+            position = ((math.log(value) if use_log else value) - span_low) / span
+            counts[min(bins - 1, max(0, int(position * bins)))] += n
+        out.extend((edges[i], edges[i + 1], counts[i]) for i in range(bins))
+        return out
+
+
+class ModelStats(BaseModel):
+    """Calls and tokens of one model (the response's model, else the request's, else the server name)."""
+
+    calls: int = 0
+    failed_calls: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    tokens_total: int = 0
+    latency_ms_total: float = 0.0
+    latency_calls: int = 0
+
+    def merge(self, other: ModelStats) -> ModelStats:
+        self.calls += other.calls
+        self.failed_calls += other.failed_calls
+        self.tokens_in += other.tokens_in
+        self.tokens_out += other.tokens_out
+        self.tokens_total += other.tokens_total
+        self.latency_ms_total += other.latency_ms_total
+        self.latency_calls += other.latency_calls
+        return self
+
+    @property
+    def mean_latency_ms(self) -> float | None:
+        return self.latency_ms_total / self.latency_calls if self.latency_calls else None
+
+
+def status_class(status_code: int | None) -> str:
+    """``2xx``, ``4xx``, ``5xx``, ... or :data:`NO_STATUS` for a call that got no answer."""
+    return NO_STATUS if status_code is None else f"{status_code // 100}xx"
+
+
+def is_failed(status_code: int | None, error_category: str | None) -> bool:
+    """A call failed when it has an error category or its status is not 2xx (no status included)."""
+    return error_category is not None or status_code is None or not 200 <= status_code < 300
+
+
+def model_of(call: Mapping[str, Any]) -> str:
+    """The name a call is counted under per model."""
+    model = call.get("model")
+    if isinstance(model, str) and model:
+        return model
+    ref = call.get("model_ref")
+    if isinstance(ref, Mapping) and isinstance(ref.get("name"), str) and ref["name"]:
+        return str(ref["name"])
+    return UNKNOWN_MODEL
+
+
+def _bump(counts: dict[str, int], key: str, n: int = 1) -> None:
+    counts[key] = counts.get(key, 0) + n
+
+
+def _sorted_counts(counts: Mapping[str, int]) -> dict[str, int]:
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
+def _number(call: Mapping[str, Any], name: str, where: str) -> float | None:
+    value = call.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise EvidenceShapeError(f"{where}.{name}: expected a number or null, got {value!r}")
+    return float(value)
+
+
+def _count(call: Mapping[str, Any], name: str, where: str) -> int | None:
+    value = _number(call, name, where)
+    return None if value is None else int(value)
+
+
+def _text(call: Mapping[str, Any], name: str, where: str) -> str | None:
+    value = call.get(name)
+    if value is None or isinstance(value, str):
+        return value
+    raise EvidenceShapeError(f"{where}.{name}: expected a string or null, got {value!r}")
+
+
+def _gap_codes(gaps: Any, where: str) -> list[str]:
+    if gaps is None:
+        return []
+    if not isinstance(gaps, list):
+        raise EvidenceShapeError(f"{where}: expected a list of gaps")
+    codes: list[str] = []
+    for index, gap in enumerate(gaps):
+        code = gap.get("code") if isinstance(gap, Mapping) else None
+        if not isinstance(code, str):
+            raise EvidenceShapeError(f"{where}[{index}]: a gap needs a string code")
+        codes.append(code)
+    return list(dict.fromkeys(codes))
+
+
+def attachment_of(record: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The record's ``ng_model_call_capture``, checked for the parts a summary reads."""
+    attachment = record.get(ATTACHMENT_KEY)
+    if attachment is None:
+        return None
+    if not isinstance(attachment, Mapping):
+        raise EvidenceShapeError(f"{ATTACHMENT_KEY}: expected an object")
+    if not isinstance(attachment.get("rollout_id"), str):
+        raise EvidenceShapeError(f"{ATTACHMENT_KEY}.rollout_id: expected a string")
+    calls = attachment.get("calls")
+    if not isinstance(calls, list) or not all(isinstance(c, Mapping) for c in calls):
+        raise EvidenceShapeError(f"{ATTACHMENT_KEY}.calls: expected a list of objects")
+    if not isinstance(attachment.get("metrics", {}), Mapping):
+        raise EvidenceShapeError(f"{ATTACHMENT_KEY}.metrics: expected an object")
+    return attachment
+
+
+def observation_gap_codes(record: Mapping[str, Any]) -> list[str]:
+    """The distinct codes of ``ng_agent_observations.gaps`` (ownership), in first-seen order."""
+    observations = record.get(OBSERVATIONS_KEY)
+    if not isinstance(observations, Mapping):
+        return []
+    return _gap_codes(observations.get("gaps"), f"{OBSERVATIONS_KEY}.gaps")
+
+
+class EvidenceSummary(BaseModel):
+    """The counted evidence of enriched rollouts: built record by record, summed across batches."""
+
+    rollouts: int = 0
+    records_without_capture: int = 0
+    """JSON records that carry no ``ng_model_call_capture`` (no id, or capture off)."""
+    calls: int = 0
+    failed_calls: int = 0
+    """Calls with an error category or a status that is not 2xx (see :func:`is_failed`)."""
+    calls_by_status_class: dict[str, int] = Field(default_factory=dict)
+    calls_by_error_category: dict[str, int] = Field(default_factory=dict)
+    calls_by_dialect: dict[str, int] = Field(default_factory=dict)
+    verifier_calls: int = 0
+    verifier_invocations: int = 0
+    latency_ms: Sketch = Field(default_factory=Sketch)
+    ttft_ms: Sketch = Field(default_factory=Sketch)
+    tokens_per_rollout: Sketch = Field(default_factory=Sketch)
+    """``metrics.tokens_total`` of each rollout that reports one."""
+    calls_per_rollout: Sketch = Field(default_factory=Sketch)
+    tokens_in: int = 0
+    tokens_out: int = 0
+    tokens_total: int = 0
+    models: dict[str, ModelStats] = Field(default_factory=dict)
+    rollouts_with_gaps: int = 0
+    gaps: dict[str, int] = Field(default_factory=dict)
+    """Rollouts having each capture gap code (``ng_model_call_capture.gaps``)."""
+    observation_gaps: dict[str, int] = Field(default_factory=dict)
+    """Rollouts having each ownership gap code (``ng_agent_observations.gaps``)."""
+    gap_examples: dict[str, list[str]] = Field(default_factory=dict)
+    """The first few rollout ids having each gap code (capture and ownership codes)."""
+    orphan_captures: int = 0
+    """Rollout ids under the capture root that no input line names (set by :meth:`set_orphans`)."""
+    orphan_examples: list[str] = Field(default_factory=list)
+    orphan_near: dict[str, str] = Field(default_factory=dict)
+    """For a named orphan, the input id it was probably meant to be (``24-1`` -> ``24-1-a1``)."""
+
+    # ------------------------------------------------------------------ building
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        """Count one enriched rollout record (a line of an enriched JSONL, parsed).
+
+        Raises :class:`EvidenceShapeError` naming the field when the attachment is malformed.
+        """
+        attachment = attachment_of(record)
+        if attachment is None:
+            self.records_without_capture += 1
+            return
+        self.add_attachment(attachment, observation_gap_codes(record))
+
+    def add_attachment(self, attachment: Mapping[str, Any], observation_gaps: Iterable[str] = ()) -> None:
+        """Count one rollout from its attachment (the flows hold it before it is spliced in).
+
+        Counts go to locals and are written once a rollout: attribute writes on a pydantic
+        model cost more than the counting itself, and this runs for every call of a corpus.
+        """
+        rollout_id = str(attachment.get("rollout_id"))
+        calls = attachment.get("calls") or []
+        by_status, by_category, by_dialect = (
+            self.calls_by_status_class,
+            self.calls_by_error_category,
+            self.calls_by_dialect,
+        )
+        failed_calls = verifier_calls = tokens_in_sum = tokens_out_sum = tokens_total_sum = 0
+        latencies: list[float] = []
+        ttfts: list[float] = []
+        per_model: dict[str, list[Any]] = {}
+        for index, call in enumerate(calls):
+            where = f"{ATTACHMENT_KEY}.calls[{index}]"
+            status = call.get("status_code")
+            if status is not None and type(status) is not int:
+                status = _count(call, "status_code", where)
+            category = call.get("error_category")
+            if category is not None and type(category) is not str:
+                category = _text(call, "error_category", where)
+            failed = category is not None or status is None or not 200 <= status < 300
+            key = NO_STATUS if status is None else f"{status // 100}xx"
+            by_status[key] = by_status.get(key, 0) + 1
+            if category is not None:
+                by_category[category] = by_category.get(category, 0) + 1
+            dialect = call.get("dialect")
+            if dialect is not None and type(dialect) is not str:
+                dialect = _text(call, "dialect", where)
+            dialect = dialect or "(unknown)"
+            by_dialect[dialect] = by_dialect.get(dialect, 0) + 1
+            if call.get("verifier_invocation_id"):
+                verifier_calls += 1
+            latency = call.get("latency_total_ms")
+            if latency is not None:
+                if type(latency) is not float and type(latency) is not int:
+                    latency = _number(call, "latency_total_ms", where)
+                latencies.append(latency)
+            ttft = call.get("latency_ttft_ms")
+            if ttft is not None:
+                if type(ttft) is not float and type(ttft) is not int:
+                    ttft = _number(call, "latency_ttft_ms", where)
+                ttfts.append(ttft)
+            tokens_in = call.get("tokens_in")
+            if tokens_in is not None and type(tokens_in) is not int:
+                tokens_in = _count(call, "tokens_in", where)
+            tokens_out = call.get("tokens_out")
+            if tokens_out is not None and type(tokens_out) is not int:
+                tokens_out = _count(call, "tokens_out", where)
+            tokens_total = call.get("tokens_total")
+            if tokens_total is not None and type(tokens_total) is not int:
+                tokens_total = _count(call, "tokens_total", where)
+            tokens_in, tokens_out, tokens_total = tokens_in or 0, tokens_out or 0, tokens_total or 0
+            failed_calls += failed
+            tokens_in_sum += tokens_in
+            tokens_out_sum += tokens_out
+            tokens_total_sum += tokens_total
+            name = model_of(call)
+            acc = per_model.get(name)
+            if acc is None:
+                acc = per_model[name] = [0, 0, 0, 0, 0, 0.0, 0]
+            acc[0] += 1
+            acc[1] += failed
+            acc[2] += tokens_in
+            acc[3] += tokens_out
+            acc[4] += tokens_total
+            if latency is not None:
+                acc[5] += latency
+                acc[6] += 1
+        for name, acc in per_model.items():
+            stats = self._model_stats(name)
+            stats.calls += acc[0]
+            stats.failed_calls += acc[1]
+            stats.tokens_in += acc[2]
+            stats.tokens_out += acc[3]
+            stats.tokens_total += acc[4]
+            stats.latency_ms_total += acc[5]
+            stats.latency_calls += acc[6]
+        self.rollouts += 1
+        self.calls += len(calls)
+        self.failed_calls += failed_calls
+        self.verifier_calls += verifier_calls
+        self.tokens_in += tokens_in_sum
+        self.tokens_out += tokens_out_sum
+        self.tokens_total += tokens_total_sum
+        self.latency_ms.add_many(latencies)
+        self.ttft_ms.add_many(ttfts)
+        self.calls_per_rollout.add(len(calls))
+        metrics = attachment.get("metrics") or {}
+        tokens = _count(metrics, "tokens_total", f"{ATTACHMENT_KEY}.metrics")
+        if tokens is not None:
+            self.tokens_per_rollout.add(tokens)
+        verifiers = attachment.get("verifier_invocations")
+        if verifiers:
+            self.verifier_invocations += len(verifiers)
+        codes = _gap_codes(attachment.get("gaps"), f"{ATTACHMENT_KEY}.gaps")
+        if codes:
+            self.rollouts_with_gaps += 1
+        for code in codes:
+            _bump(self.gaps, code)
+            self._example(code, rollout_id)
+        for code in dict.fromkeys(observation_gaps):
+            _bump(self.observation_gaps, code)
+            self._example(code, rollout_id)
+
+    def _model_stats(self, name: str) -> ModelStats:
+        stats = self.models.get(name)
+        if stats is None:
+            if len(self.models) >= MAX_MODELS:
+                name = OTHER_MODELS
+                stats = self.models.get(name)
+            if stats is None:
+                stats = self.models[name] = ModelStats()
+        return stats
+
+    def _example(self, code: str, rollout_id: str) -> None:
+        examples = self.gap_examples.setdefault(code, [])
+        if len(examples) < MAX_EXAMPLES and rollout_id not in examples:
+            examples.append(rollout_id)
+
+    def merge(self, other: EvidenceSummary) -> EvidenceSummary:
+        """Add another summary (another batch) into this one; returns self."""
+        for name in (
+            "rollouts",
+            "records_without_capture",
+            "calls",
+            "failed_calls",
+            "verifier_calls",
+            "verifier_invocations",
+            "tokens_in",
+            "tokens_out",
+            "tokens_total",
+            "rollouts_with_gaps",
+            "orphan_captures",
+        ):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("calls_by_status_class", "calls_by_error_category", "calls_by_dialect", "gaps"):
+            mine: dict[str, int] = getattr(self, name)
+            for key, n in getattr(other, name).items():
+                _bump(mine, key, n)
+        for key, n in other.observation_gaps.items():
+            _bump(self.observation_gaps, key, n)
+        self.latency_ms.merge(other.latency_ms)
+        self.ttft_ms.merge(other.ttft_ms)
+        self.tokens_per_rollout.merge(other.tokens_per_rollout)
+        self.calls_per_rollout.merge(other.calls_per_rollout)
+        for name, stats in other.models.items():
+            if name not in self.models and len(self.models) >= MAX_MODELS:
+                name = OTHER_MODELS
+            self.models.setdefault(name, ModelStats()).merge(stats)
+        for code, ids in other.gap_examples.items():
+            for rollout_id in ids:
+                self._example(code, rollout_id)
+        for rollout_id in other.orphan_examples:
+            if len(self.orphan_examples) < MAX_EXAMPLES and rollout_id not in self.orphan_examples:
+                self.orphan_examples.append(rollout_id)
+        self.orphan_near.update({k: v for k, v in other.orphan_near.items() if k in self.orphan_examples})
+        return self
+
+    def __add__(self, other: EvidenceSummary) -> EvidenceSummary:
+        return self.model_copy(deep=True).merge(other)
+
+    def set_orphans(self, listed_ids: Iterable[str], input_ids: Collection[str]) -> None:
+        """Count the capture root's rollout ids that no input line names (see :func:`orphans`)."""
+        found = orphans(listed_ids, input_ids)
+        self.orphan_captures = len(found)
+        self.orphan_examples = found[:MAX_EXAMPLES]
+        self.orphan_near = {}
+        for orphan in self.orphan_examples:
+            near = near_input_id(orphan, input_ids)
+            if near is not None:
+                self.orphan_near[orphan] = near
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def failed_share(self) -> float:
+        """Failed calls over all calls (0 when there are none)."""
+        return self.failed_calls / self.calls if self.calls else 0.0
+
+    @property
+    def gap_share(self) -> float:
+        """Rollouts with any capture gap over all rollouts (0 when there are none)."""
+        return self.rollouts_with_gaps / self.rollouts if self.rollouts else 0.0
+
+    def models_by_calls(self) -> list[tuple[str, ModelStats]]:
+        return sorted(self.models.items(), key=lambda item: (-item[1].calls, item[0]))
+
+    def to_rows(self) -> list[dict[str, Any]]:
+        """The summary as ``{section, name, value}`` rows (a table artifact, a CSV)."""
+        rows: list[dict[str, Any]] = []
+
+        def row(section: str, name: str, value: Any) -> None:
+            rows.append({"section": section, "name": name, "value": value})
+
+        row("totals", "rollouts", self.rollouts)
+        row("totals", "calls", self.calls)
+        row("totals", "failed calls", self.failed_calls)
+        row("totals", "failed share", round(self.failed_share, 4))
+        row("totals", "rollouts with gaps", self.rollouts_with_gaps)
+        row("totals", "gap share", round(self.gap_share, 4))
+        row(
+            "totals", "tokens in / out / total", f"{self.tokens_in} / {self.tokens_out} / {self.tokens_total}"
+        )
+        if self.records_without_capture:
+            row("totals", "records without capture", self.records_without_capture)
+        if self.verifier_invocations or self.verifier_calls:
+            row(
+                "totals",
+                "verifier invocations / judge calls",
+                f"{self.verifier_invocations} / {self.verifier_calls}",
+            )
+        for key, n in _sorted_counts(self.calls_by_status_class).items():
+            row("calls by status class", key, n)
+        for key, n in _sorted_counts(self.calls_by_error_category).items():
+            row("calls by error category", key, n)
+        for label, sketch, unit in (
+            ("latency", self.latency_ms, "ms"),
+            ("TTFT", self.ttft_ms, "ms"),
+            ("tokens per rollout", self.tokens_per_rollout, "tokens"),
+        ):
+            for key, value in sketch.percentiles().items():
+                row(f"{label} ({unit})", key, value)
+        for name, stats in self.models_by_calls():
+            row(
+                "per model",
+                name,
+                f"{stats.calls} calls, {stats.failed_calls} failed, {stats.tokens_total} tokens",
+            )
+        for code, n in _sorted_counts({**self.gaps, **self.observation_gaps}).items():
+            row("gaps (rollouts)", code, f"{n}: {', '.join(self.gap_examples.get(code, []))}")
+        row("orphan captures", "count", self.orphan_captures)
+        if self.orphan_examples:
+            row("orphan captures", "first", ", ".join(self._orphan_labels()))
+        return rows
+
+    def _orphan_labels(self) -> list[str]:
+        return [
+            f"{o} (input has {self.orphan_near[o]})" if o in self.orphan_near else o
+            for o in self.orphan_examples
+        ]
+
+    def to_markdown(self) -> str:
+        """A markdown digest (a Prefect markdown artifact, a PR comment)."""
+        lines = [
+            f"**{self.rollouts} rollouts, {self.calls} calls**: {self.failed_calls} failed "
+            f"({self.failed_share:.1%}), {self.rollouts_with_gaps} rollouts with gaps "
+            f"({self.gap_share:.1%}), {self.orphan_captures} orphan captures",
+            "",
+            "| | p50 | p90 | p99 |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for label, sketch in (
+            ("latency (ms)", self.latency_ms),
+            ("TTFT (ms)", self.ttft_ms),
+            ("tokens per rollout", self.tokens_per_rollout),
+        ):
+            p = sketch.percentiles()
+            lines.append(f"| {label} | {_md(p['p50'])} | {_md(p['p90'])} | {_md(p['p99'])} |")
+        lines += ["", "| status class | calls |", "| --- | ---: |"]
+        lines += [f"| {k} | {n} |" for k, n in _sorted_counts(self.calls_by_status_class).items()]
+        if self.calls_by_error_category:
+            lines += ["", "| error category | calls |", "| --- | ---: |"]
+            lines += [f"| {k} | {n} |" for k, n in _sorted_counts(self.calls_by_error_category).items()]
+        if self.models:
+            lines += ["", "| model | calls | failed | tokens in | tokens out | tokens total |"]
+            lines += ["| --- | ---: | ---: | ---: | ---: | ---: |"]
+            lines += [
+                f"| {_escape(name)} | {m.calls} | {m.failed_calls} | {m.tokens_in} | {m.tokens_out} "
+                f"| {m.tokens_total} |"
+                for name, m in self.models_by_calls()
+            ]
+        all_gaps = _sorted_counts({**self.gaps, **self.observation_gaps})
+        if all_gaps:
+            lines += ["", "| gap | rollouts | first rollout ids |", "| --- | ---: | --- |"]
+            lines += [
+                f"| {code} | {n} | {', '.join(self.gap_examples.get(code, []))} |"
+                for code, n in all_gaps.items()
+            ]
+        if self.orphan_captures:
+            lines += [
+                "",
+                f"Orphan captures (no input line names them): {self.orphan_captures}, first: "
+                + ", ".join(self._orphan_labels()),
+            ]
+        return "\n".join(lines) + "\n"
+
+
+def _md(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+# ---------------------------------------------------------------------- orphans
+
+_ATTEMPT = re.compile(r"(.+)-a\d+")
+
+
+def orphans(listed_ids: Iterable[str], input_ids: Collection[str]) -> list[str]:
+    """Rollout ids found under a capture root that no input line names, sorted.
+
+    A harness that named its rollout ``24-1`` where the input says ``24-1-a1`` leaves
+    captures no enrichment will ever read; they are counted, never ignored in silence.
+    """
+    wanted = input_ids if isinstance(input_ids, set | frozenset | dict) else set(input_ids)
+    return sorted({r for r in listed_ids if r not in wanted})
+
+
+def near_input_id(orphan: str, input_ids: Collection[str]) -> str | None:
+    """The input id an orphan was probably meant to be: the same id with or without ``-aN``."""
+    match = _ATTEMPT.fullmatch(orphan)
+    if match is not None and match.group(1) in input_ids:
+        return match.group(1)
+    for attempt in range(1, 4):
+        candidate = f"{orphan}-a{attempt}"
+        if candidate in input_ids:
+            return candidate
+    return None
+
+
+def capture_ids_from_names(names: Iterable[str]) -> set[str]:
+    """The rollout ids that names relative to a capture root belong to (foreign names ignored)."""
+    out: set[str] = set()
+    for name in names:
+        parsed = parse_capture_name(name)
+        if parsed is not None:
+            out.add(parsed.rollout_id)
+    return out
+
+
+# ---------------------------------------------------------------------- files
+
+
+def iter_enriched(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
+    """``(line number, record)`` for each non-blank line of an enriched JSONL; ``None`` for a
+    line that is not a JSON object (enrichment passes such lines through unchanged)."""
+    with open(path, "rb") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                yield number, None
+                continue
+            yield number, record if isinstance(record, dict) else None
+
+
+def summarize_records(records: Iterable[Mapping[str, Any]]) -> EvidenceSummary:
+    """The summary of parsed enriched records."""
+    summary = EvidenceSummary()
+    for record in records:
+        summary.add(record)
+    return summary
+
+
+def summarize_file(path: str | Path) -> tuple[EvidenceSummary, int]:
+    """The summary of an enriched JSONL and its count of lines that are not JSON objects.
+
+    A malformed attachment raises :class:`EvidenceShapeError` naming the file, line and field.
+    """
+    summary = EvidenceSummary()
+    unreadable = 0
+    for number, record in iter_enriched(path):
+        if record is None:
+            unreadable += 1
+            continue
+        try:
+            summary.add(record)
+        except EvidenceShapeError as exc:
+            raise EvidenceShapeError(f"{path}:{number}: {exc}") from None
+    return summary, unreadable
