@@ -58,6 +58,21 @@ def prepare_dispatch(
         batch_size: Rollout ids per clearing task.
         storage_options: fsspec options for every URL, without secrets (those come from credentials_block).
         credentials_block: Name of a prefect-aws AwsCredentials block to read and write S3 with.
+
+    Examples:
+        Clear an old attempt's capture before dispatching the rollout again:
+
+        ```python
+        import tempfile
+
+        from rollout_capture import CaptureStore
+        from rollout_capture.flows import prepare_dispatch
+
+        captures = tempfile.mkdtemp()
+        CaptureStore(captures).record("12-3", {"model_call_id": "a1", "dialect": "chat"})
+        records = [{"_ng_task_index": 12, "_ng_rollout_index": 3, "prompt": "..."}]
+        print(prepare_dispatch(records, captures))  # 1: rollout 12-3 starts from an empty capture
+        ```
     """
     show_core_logs()
     check_inputs(capture_dir, storage_options)

@@ -232,6 +232,23 @@ def enrich_rollouts(
         max_gap_share: Above this share of rollouts with a gap, also emit the gaps-exceeded event.
         storage_options: fsspec options for every URL, without secrets (those come from credentials_block).
         credentials_block: Name of a prefect-aws AwsCredentials block to read and write S3 with.
+
+    Examples:
+        Enrich the bundled sample (what ``make demo`` does):
+
+        ```python
+        from importlib.resources import files
+
+        from rollout_capture.flows import enrich_rollouts
+
+        sample = files("rollout_capture") / "sample"
+        summary = enrich_rollouts(
+            str(sample / "rollouts.jsonl"), str(sample / "captures"), output="sample.enriched.jsonl"
+        )
+        print(summary.stats.rollouts, summary.stats.calls, summary.stats.gaps)
+        # On S3: enrich_rollouts("s3://bucket/r1/rollouts.jsonl.gz", "s3://bucket/r1/captures",
+        #                        credentials_block="rollout-capture")
+        ```
     """
     show_core_logs()
     target = output or default_output(rollouts)

@@ -288,6 +288,25 @@ def enrich_completed_runs(
         max_gap_share: Above this share of rollouts with a gap, a run also emits the gaps-exceeded event.
         storage_options: fsspec options for every URL, without secrets (those come from credentials_block).
         credentials_block: Name of a prefect-aws AwsCredentials block to read and write S3 with.
+
+    Examples:
+        Enrich every finished run under a root, once:
+
+        ```python
+        import shutil, tempfile
+        from importlib.resources import files
+        from pathlib import Path
+
+        from rollout_capture.flows import enrich_completed_runs
+
+        runs = Path(tempfile.mkdtemp())  # a runs root with one finished run, r1
+        shutil.copytree(str(files("rollout_capture") / "sample"), runs / "r1")  # rollouts.jsonl, captures/
+        (runs / "r1" / "_SUCCESS").touch()
+
+        summary = enrich_completed_runs(str(runs))  # what each scheduled tick runs
+        print(summary.enriched)  # ['r1']: r1/rollouts.enriched.jsonl, then r1/_ENRICHED
+        print(enrich_completed_runs(str(runs)).already_enriched)  # ['r1']: the next tick skips it
+        ```
     """
     show_core_logs()
     check_inputs(capture_dir, storage_options)

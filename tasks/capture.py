@@ -29,7 +29,20 @@ from rollout_capture.worker_pool import ClaimsPending, enrich_in_worker, worker_
 def capture_store(
     capture_dir: str, storage_options: dict[str, Any] | None = None, credentials_block: str | None = None
 ) -> CaptureStore:
-    """This process's store for the dir, with credentials resolved here from the named block."""
+    """This process's store for the dir, with credentials resolved here from the named block.
+
+    Examples:
+        Open the store of a capture root (with a block's credentials, if named):
+
+        ```python
+        from importlib.resources import files
+
+        from rollout_capture.tasks import capture_store
+
+        store = capture_store(str(files("rollout_capture") / "sample" / "captures"))
+        print(len(store.read("0-0")), store.live_claims("0-0"))  # its rows; no call in flight
+        ```
+    """
     return shared_store(capture_dir, storage_options, credentials=credentials_from_block(credentials_block))
 
 
@@ -44,6 +57,29 @@ def check_capture_dir(
 
     Otherwise every rollout would come out ``model_call_capture_no_records`` and the run
     would pass. A refused request (wrong key) fails here too, at once and named.
+
+    Examples:
+        Refuse a mistyped capture dir before reading anything:
+
+        ```python
+        import tempfile
+
+        from prefect import flow
+
+        from rollout_capture.tasks.capture import check_capture_dir
+
+
+        @flow
+        def checked(capture_dir: str) -> str:
+            try:
+                check_capture_dir(capture_dir)
+            except FileNotFoundError as exc:
+                return str(exc)  # "capture dir ... does not exist or holds no capture ..."
+            return "ok"
+
+
+        print(checked(tempfile.mkdtemp() + "/captrues"))
+        ```
     """
     with access_denied_names(credentials_block):
         found = capture_store(capture_dir, storage_options, credentials_block).root_found()
@@ -63,7 +99,29 @@ def clear_captures(
     storage_options: dict[str, Any] | None = None,
     credentials_block: str | None = None,
 ) -> int:
-    """Remove the captures of a batch of (already validated) rollout ids."""
+    """Remove the captures of a batch of (already validated) rollout ids.
+
+    Examples:
+        ```python
+        import tempfile
+
+        from prefect import flow
+
+        from rollout_capture import CaptureStore
+        from rollout_capture.tasks import clear_captures
+
+        captures = tempfile.mkdtemp()
+        CaptureStore(captures).record("12-3", {"model_call_id": "a1", "dialect": "chat"})
+
+
+        @flow
+        def before_retry() -> int:
+            return clear_captures(["12-3", "12-4"], captures)
+
+
+        print(before_retry(), CaptureStore(captures).has_any("12-3"))  # 2 False
+        ```
+    """
     with access_denied_names(credentials_block):
         cleared = capture_store(capture_dir, storage_options, credentials_block).clear(rollout_ids)
     get_run_logger().info("cleared captures of %d rollout(s) in %s", len(cleared), capture_dir)
@@ -83,6 +141,28 @@ async def await_quiescence(
 
     The wait is bounded by its own deadline (not ``timeout_seconds``, which cannot
     interrupt a sync wait), and it is async so it never holds a worker thread idle.
+
+    Examples:
+        ```python
+        import asyncio
+        import tempfile
+
+        from prefect import flow
+
+        from rollout_capture import CaptureStore
+        from rollout_capture.tasks import await_quiescence
+
+        captures = tempfile.mkdtemp()
+
+
+        @flow
+        async def wait_for_writes() -> list[str]:
+            with CaptureStore(captures).claim("12-3", model_call_id="a1"):  # a call still streaming
+                return await await_quiescence(["12-3", "12-4"], captures, timeout_s=0.5)
+
+
+        print(asyncio.run(wait_for_writes()))  # ['12-3']: still claimed after half a second
+        ```
     """
     with access_denied_names(credentials_block):
         store = capture_store(capture_dir, storage_options, credentials_block)
@@ -150,6 +230,31 @@ def merge_batch(
     many workers, which write their output to part files in ``parts_dir``; the task run
     (its retries, its nested wait) stays here, in the UI. The batches of one ``scope``
     (the flow run) share one listing of an object-store capture root.
+
+    Examples:
+        Merge the first five lines of the bundled sample, as one batch of ``enrich_rollouts``:
+
+        ```python
+        from importlib.resources import files
+
+        from prefect import flow
+
+        from rollout_capture.rollout_files import iter_line_ranges
+        from rollout_capture.tasks import merge_batch
+        from rollout_capture.tasks.capture import BatchInput
+
+        sample = files("rollout_capture") / "sample"
+
+
+        @flow
+        def first_batch() -> dict[str, int]:
+            lines = next(iter_line_ranges(str(sample / "rollouts.jsonl"), 5))
+            merged = merge_batch(BatchInput(lines=lines), str(sample / "captures"))
+            return merged.stats.gaps  # gap counts of those five rollouts
+
+
+        print(first_batch())
+        ```
     """
 
     def wait(pending: set[str]) -> set[str]:

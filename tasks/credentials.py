@@ -66,6 +66,15 @@ def credentials_from_block(block_name: str | None) -> dict[str, Any] | None:
 
     Resolved once per :data:`CREDENTIALS_REUSE_S` in a process (every batch asks), and
     again before temporary credentials expire, so a long run keeps valid ones.
+
+    Examples:
+        ```python
+        from rollout_capture.tasks.credentials import credentials_from_block
+
+        print(credentials_from_block(None))  # None: s3fs uses the standard AWS chain
+        # With a block saved as "rollout-capture" (pip install 'rollout-capture[aws]'):
+        # options = credentials_from_block("rollout-capture")  # key, secret, client_kwargs...
+        ```
     """
     if not block_name:
         return None

@@ -23,7 +23,27 @@ JITTER = 0.5
 
 
 def retry_on_transient(task: Task[Any, Any], task_run: TaskRun, state: State[Any]) -> bool:
-    """Retry only when the failure is a transient storage fault."""
+    """Retry only when the failure is a transient storage fault.
+
+    Examples:
+        ```python
+        from prefect import task
+
+        from rollout_capture.tasks import retry_on_transient
+
+
+        @task(retries=3, retry_delay_seconds=1, retry_condition_fn=retry_on_transient)
+        def head(path: str) -> bytes:
+            with open(path, "rb") as f:
+                return f.read(100)
+
+
+        try:
+            head("/no/such/rollouts.jsonl")
+        except FileNotFoundError as exc:  # bad input: failed at once, never retried
+            print("not retried:", exc)
+        ```
+    """
     try:
         state.result()
     except Exception as exc:
@@ -32,7 +52,27 @@ def retry_on_transient(task: Task[Any, Any], task_run: TaskRun, state: State[Any
 
 
 def storage_retries() -> dict[str, Any]:
-    """Keyword arguments for ``@task``: retries, backoff, jitter and the retry condition."""
+    """Keyword arguments for ``@task``: retries, backoff, jitter and the retry condition.
+
+    Examples:
+        ```python
+        from importlib.resources import files
+
+        import fsspec
+        from prefect import task
+
+        from rollout_capture.tasks import storage_retries
+
+
+        @task(**storage_retries())  # backoff with jitter, for transient storage faults only
+        def names(url: str) -> list[str]:
+            fs, path = fsspec.core.url_to_fs(url)
+            return sorted(fs.ls(path, detail=False))
+
+
+        print(names(str(files("rollout_capture") / "sample")))
+        ```
+    """
     return {
         "retries": RETRIES,
         "retry_delay_seconds": exponential_backoff(backoff_factor=BASE_DELAY_S),

@@ -20,7 +20,26 @@ from rollout_capture.tasks.retry import storage_retries
 def read_rollouts(
     source: str, storage_options: dict[str, Any] | None = None, credentials_block: str | None = None
 ) -> StagedRollouts:
-    """Make the rollouts file a local, uncompressed file to stream batches from."""
+    """Make the rollouts file a local, uncompressed file to stream batches from.
+
+    Examples:
+        ```python
+        from importlib.resources import files
+
+        from prefect import flow
+
+        from rollout_capture.tasks import read_rollouts
+
+
+        @flow
+        def stage(source: str) -> str:
+            staged = read_rollouts(source)  # a .gz or s3:// input is copied to a local spool first
+            return f"{staged.path}: {staged.size} bytes, copied: {staged.temporary}"
+
+
+        print(stage(str(files("rollout_capture") / "sample" / "rollouts.jsonl")))
+        ```
+    """
     with access_denied_names(credentials_block):
         staged = stage_rollouts(
             source, storage_options, credentials=credentials_from_block(credentials_block)
@@ -38,7 +57,30 @@ def write_enriched(
     storage_options: dict[str, Any] | None = None,
     credentials_block: str | None = None,
 ) -> int:
-    """Publish the finished output atomically (rename on local disk, one object on S3)."""
+    """Publish the finished output atomically (rename on local disk, one object on S3).
+
+    Examples:
+        ```python
+        import tempfile
+        from pathlib import Path
+
+        from prefect import flow
+
+        from rollout_capture.tasks import write_enriched
+
+        out = Path(tempfile.mkdtemp())
+
+
+        @flow
+        def publish() -> int:
+            spool = out / "spool.jsonl"  # finished output, written elsewhere first
+            spool.write_text('{"reward": 1.0}\\n')
+            return write_enriched(str(spool), str(out / "rollouts.enriched.jsonl"), lines=1)
+
+
+        print(publish(), sorted(p.name for p in out.iterdir()))  # 16 ['rollouts.enriched.jsonl']
+        ```
+    """
     with access_denied_names(credentials_block):
         credentials = credentials_from_block(credentials_block)
         size = publish(spool_path, output, storage_options, credentials=credentials)

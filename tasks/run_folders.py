@@ -223,7 +223,7 @@ def release_run(keeper: LeaseKeeper) -> None:
             return take_run(str(runs), run).generation
 
 
-        print(given_back())  # a new generation, taken at once
+        print(given_back())  # 2: the generation after the released one, taken at once
         ```
     """
     keeper.release()
