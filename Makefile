@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed-stamp
 
-.PHONY: setup demo test lint bench sample deploy serve clean
+.PHONY: setup demo test lint bench sample deploy serve clean docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ deploy: setup
 # Serve the flows from this machine (no work pool or worker needed).
 serve: setup
 	$(BIN)/rollout-capture serve
+
+# Build the documentation into site/ (mkdocs; the API reference from the docstrings).
+docs: setup
+	$(BIN)/mkdocs build --strict --site-dir site
 
 # Regenerate rollout_capture/sample/ from the shared corpus (deterministic).
 sample: setup
