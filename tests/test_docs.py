@@ -63,6 +63,18 @@ def test_readme_does_not_point_outside_the_repository() -> None:
     assert "shared/spec" not in text
 
 
+def test_readme_links_lead_to_files_of_the_repository() -> None:
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text())
+    local = [link for link in links if "://" not in link]
+    assert any(link.startswith("docs/") for link in local)
+    missing = [
+        link
+        for link in local
+        if not (ROOT / link).resolve().is_relative_to(ROOT) or not (ROOT / link).exists()
+    ]
+    assert not missing, f"README links to files that are not in the repository: {missing}"
+
+
 def _commands_named(markdown: str) -> set[str]:
     """The ``rollout-capture <command>`` invocations in the README's code (blocks and spans).
 
