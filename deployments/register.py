@@ -44,11 +44,12 @@ def register(
     ids = [d.apply(work_pool_name=pool) for d in deployments]  # no code to build or push: module paths
     created: list[str] = []
     if automation:
+        automations: Any = Automation  # async_dispatch methods: typed as coroutines, run sync here
         for spec in yaml.safe_load(AUTOMATIONS.read_text())["automations"]:
             try:
-                Automation.read(name=spec["name"])
+                automations.read(name=spec["name"], _sync=True)
             except ValueError:  # not there yet: prefect automation create does not deduplicate
-                Automation.model_validate(spec).create()
+                automations.model_validate(spec).create(_sync=True)
                 created.append(spec["name"])
     return {
         "work_pool": pool,
