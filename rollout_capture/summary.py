@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -150,43 +151,44 @@ class Sketch(BaseModel):
             out[f"p{q}"] = None if value is None else round(value)
         return out
 
-    def histogram(self, bins: int = 24) -> list[tuple[float, float, int]]:
-        """``(low, high, count)`` bins for a chart: log-spaced when the values span 10x or more.
+    def histogram(self, bins: int = 24) -> Histogram:
+        """Bins for a chart: log-spaced when the positive values span 10x or more, else linear.
 
-        Zeros get a bin of their own at the start (``(0, 0, n)``). Bucketed values are placed
-        by their bucket's representative value, so a bin edge is exact to within 1 %.
+        Values <= 0 are counted apart (``zeros``). Bucketed values are placed by their
+        bucket's representative value, so a bin edge is exact to within 1 %.
         """
-        if not self.count or self.max is None:
-            return []
         points: list[tuple[float, int]]
         if self.values is not None:
             points = [(v, 1) for v in self.values if v > 0]
         else:
-            points = [(GAMMA**k * _MID, n) for k, n in self.buckets.items()]
-        out: list[tuple[float, float, int]] = []
-        if self.zeros:
-            out.append((0.0, 0.0, self.zeros))
-        positive = [p for p in points if p[0] > 0]
-        if not positive:
-            return out
-        low = min(v for v, _ in positive)
-        high = max(v for v, _ in positive)
+            lowest, highest = self.min or 0.0, self.max or 0.0
+            points = [(min(max(GAMMA**k * _MID, lowest), highest), n) for k, n in self.buckets.items()]
+        if not points:
+            return Histogram(zeros=self.zeros)
+        low = min(v for v, _ in points)
+        high = max(v for v, _ in points)
         if high <= low:
-            return [*out, (low, high, sum(n for _, n in positive))]
-        use_log = high / low >= 10
-        if use_log:
-            edges = [
-                math.exp(math.log(low) + (math.log(high) - math.log(low)) * i / bins) for i in range(bins + 1)
-            ]
-        else:
-            edges = [low + (high - low) * i / bins for i in range(bins + 1)]
+            return Histogram(zeros=self.zeros, edges=[low, high], counts=[sum(n for _, n in points)])
+        log = high / low >= 10
+        start, span = (math.log(low), math.log(high / low)) if log else (low, high - low)
+        edges = [
+            (math.exp(start + span * i / bins) if log else start + span * i / bins) for i in range(bins + 1)
+        ]
         counts = [0] * bins
-        span_low, span = (math.log(low), math.log(high) - math.log(low)) if use_log else (low, high - low)
-        for value, n in positive:
-            position = ((math.log(value) if use_log else value) - span_low) / span
+        for value, n in points:
+            position = ((math.log(value) if log else value) - start) / span
             counts[min(bins - 1, max(0, int(position * bins)))] += n
-        out.extend((edges[i], edges[i + 1], counts[i]) for i in range(bins))
-        return out
+        return Histogram(zeros=self.zeros, edges=edges, counts=counts, log=log)
+
+
+@dataclass(slots=True)
+class Histogram:
+    """Chart bins: ``counts[i]`` values in ``[edges[i], edges[i+1])``, plus ``zeros`` (values <= 0)."""
+
+    zeros: int = 0
+    edges: list[float] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    log: bool = False
 
 
 class ModelStats(BaseModel):
