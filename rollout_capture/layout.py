@@ -107,8 +107,8 @@ class Entry:
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """An entry of a rollout that is not read: a symbolic link (never followed inside a root,
-    it could lead anywhere) or not a regular file. Readers count it as one damaged row."""
+    """An entry of a rollout that is not read: a symbolic link, never followed inside a root
+    (it could lead anywhere). Readers count it as one damaged row, naming it."""
 
     path: str
     reason: str

@@ -60,8 +60,6 @@ _FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 LINK_REASON = "a symbolic link, never followed inside a capture root"
-NOT_A_FILE = "not a regular file"
-NOT_A_FOLDER = "not a folder"
 
 
 class LinkedEntryError(OSError):
@@ -293,15 +291,15 @@ class PosixBackend(Backend):
     # ------------------------------------------------------------------ reading
 
     def _entry(self, path: str, listing: RolloutListing) -> Entry | None:
-        """A file directly under the root, by ``lstat``: anything but a regular file is refused."""
+        """A file directly under the root, by ``lstat``: a link is refused, never followed."""
         try:
             st = os.lstat(path)
         except (FileNotFoundError, NotADirectoryError):
             return None
-        if stat.S_ISREG(st.st_mode):
-            return Entry(path, st.st_size, st.st_mtime)
-        listing.refused.append(Refused(path, LINK_REASON if stat.S_ISLNK(st.st_mode) else NOT_A_FILE))
-        return None
+        if stat.S_ISLNK(st.st_mode):
+            listing.refused.append(Refused(path, LINK_REASON))
+            return None
+        return Entry(path, st.st_size, st.st_mtime)
 
     def _scan(self, rollout_id: str, folder: str, listing: RolloutListing) -> list[tuple[str, Entry]]:
         """The files of a rollout's folder; a linked folder, or a link in it, is refused, not read."""
@@ -313,9 +311,7 @@ class PosixBackend(Backend):
         except OSError as exc:
             if _is_link(path):
                 listing.refused.append(Refused(path, LINK_REASON))
-            elif exc.errno == errno.ENOTDIR:
-                listing.refused.append(Refused(path, NOT_A_FOLDER))
-            else:
+            elif exc.errno != errno.ENOTDIR:  # a file where the folder belongs holds no rows
                 raise
             return []
         out = []
@@ -332,9 +328,8 @@ class PosixBackend(Backend):
                         out.append((relative, Entry(f"{path}/{item.name}", st.st_size, st.st_mtime)))
                         continue
                     name = parse_capture_name(relative)
-                    if name is not None and name.rollout_id == rollout_id:
-                        reason = LINK_REASON if item.is_symlink() else NOT_A_FILE
-                        listing.refused.append(Refused(f"{path}/{item.name}", reason))
+                    if item.is_symlink() and name is not None and name.rollout_id == rollout_id:
+                        listing.refused.append(Refused(f"{path}/{item.name}", LINK_REASON))
         finally:
             os.close(fd)
         return out
@@ -412,7 +407,7 @@ class PosixBackend(Backend):
         ``names`` (a listing of the root) answers which parts exist; without it each absent
         part costs one ``access`` call (never following a link). Rollouts with object rows or
         claims (rare on a local disk) are listed and parsed like any store's. An entry that is
-        a link (or not a file) is never read: it counts as one damaged row, after the others.
+        a link is never read: it counts as one damaged row (naming it), after the others.
         """
         base = self._base + rollout_id
         jsonl = base + JSONL_SUFFIX
@@ -427,8 +422,8 @@ class PosixBackend(Backend):
             paths = listed_paths(listing)
             bodies = dict(zip(paths, [self._read_listed(path, listing) for path in paths], strict=True))
             snap = parse_snapshot(rollout_id, listing, bodies, trust_mtime=False)
-            for refused in listing.refused:
-                snap.parsed.add_damage(Damage(refused.path, None, refused.reason))
+            for entry in listing.refused:
+                snap.parsed.add_damage(Damage(entry.path, None, entry.reason))
             return snap
         data: bytes | None = None
         refused: str | None = None
@@ -449,13 +444,11 @@ class PosixBackend(Backend):
         return snap
 
     def _read_or_refuse(self, path: str) -> tuple[bytes | None, str | None]:
-        """``(bytes or None if absent, None)``, or ``(None, why it is not read)``."""
+        """``(bytes or None if absent, None)``, or ``(None, why it is not read)`` for a link."""
         try:
             return self._read(path), None
         except LinkedEntryError:
             return None, LINK_REASON
-        except IsADirectoryError:
-            return None, NOT_A_FILE
 
     def _read_listed(self, path: str, listing: RolloutListing) -> bytes | None:
         """A listed file's bytes; one swapped for a link since it was listed joins the refused."""
@@ -487,7 +480,7 @@ class PosixBackend(Backend):
 
     def list_names(self, folders: Sequence[str]) -> list[dict[str, Named]]:
         # The root is followed (the user chose it); a folder below it is not (LinkedEntryError).
-        out = []
+        out: list[dict[str, Named]] = []
         for folder in folders:
             top = folder.rstrip("/") == self.root.rstrip("/")
             try:
