@@ -199,6 +199,9 @@ def test_discovery_refuses_linked_run_folders_and_runs_holding_links(tmp_path: P
     evil = RunFolder(name="evil", url=f"{root}/evil", finished=True, enriched=False)
     with pytest.raises(LinkedEntryError, match="evil"):
         runs.take(evil)
+    leased = RunFolder(name="leased", url=f"{root}/leased", finished=True, enriched=False)
+    with pytest.raises(LinkedEntryError, match=r"_ENRICHING\.000000"):  # its name is taken by the link
+        runs.take(leased)
     assert tree(outside) == before
 
 
