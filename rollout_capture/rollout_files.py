@@ -5,25 +5,100 @@ Input on a local disk is read in place; remote or compressed input is first copi
 reads and a storage fault can only hit that one retryable copy. Output goes to a
 temporary file and appears under its name only when complete: a crash never leaves a
 half file, and the output may even replace the input.
+
+A hostile world: an input that is not a regular file (a FIFO would hang the run) or not
+valid compressed data is refused naming it; the output is never written through a
+symbolic link; a storage fault on the output names it; and the temporary files a killed
+run left beside an output are removed by the next run of that output, never those of a
+writer still alive.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import logging
 import os
+import re
 import shutil
+import socket
+import stat
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import IO, Any
 
 import fsspec
+from fsspec.compression import compr
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.utils import infer_compression
 from pydantic import BaseModel
 
 from rollout_capture.filesystem import open_filesystem
 
+logger = logging.getLogger(__name__)
+
 CHUNK_BYTES = 8 << 20
 _COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+LEGACY_TEMP_STALE_S = 3600.0
+"""A temporary output file of the old naming (no writer named in it) is removed only when
+untouched this long: its writer, if any, never locked it."""
+_HOST = re.sub(r"[^A-Za-z0-9.]", "", socket.gethostname())[:32] or "host"
+_TEMP_SUFFIX = re.compile(r"(?:(?P<host>[A-Za-z0-9.]+)-(?P<pid>[0-9]+)-)?(?P<nonce>[0-9a-f]{12})")
+
+
+class RolloutsFileError(ValueError):
+    """A rollouts file that cannot be read as one (not a regular file, corrupt compressed data)."""
+
+
+class OutputPathError(ValueError):
+    """An output path that must not be written: a symbolic link, or not a regular file."""
+
+
+class StorageWriteError(OSError):
+    """A storage fault writing a file of ours (the output, a spool): a full disk, say, with the file named."""
+
+
+def _kind(mode: int) -> str | None:
+    """What a non-regular file is, in words; None for a regular file."""
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return None if stat.S_ISREG(mode) else "not a regular file"
+
+
+def _refuse_irregular_input(path: str, source: str) -> None:
+    """A FIFO or device would block or never end: only regular files are read (links followed)."""
+    kind = _kind(os.stat(path).st_mode)
+    if kind is not None:
+        raise RolloutsFileError(f"rollouts file {source} is {kind}, not a regular file")
+
+
+class _TrackedReads:
+    """The raw input under a decompressor: remembers whether a read of the storage itself failed,
+    which tells a storage fault (retried) from corrupt compressed data (bad input)."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self._raw = raw
+        self.failed: BaseException | None = None
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return self._raw.read(size)
+        except BaseException as exc:
+            self.failed = exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
 
 
 class StagedRollouts(BaseModel):
@@ -65,19 +140,54 @@ def stage_rollouts(
     fs, path = open_filesystem(source, storage_options, credentials=credentials)
     if not fs.exists(path):
         raise FileNotFoundError(f"rollouts file not found: {source}")
+    if isinstance(fs, LocalFileSystem):
+        _refuse_irregular_input(path, source)
     if _is_plain_local(fs, path):
         return StagedRollouts(source=source, path=path, size=os.path.getsize(path), temporary=False)
     fd, spooled = tempfile.mkstemp(prefix="rollouts-", suffix=".jsonl", dir=spool_dir)
-    size = 0
     try:
-        with os.fdopen(fd, "wb") as out, fs.open(path, "rb", compression="infer") as handle:
-            while chunk := handle.read(CHUNK_BYTES):
-                out.write(chunk)
-                size += len(chunk)
+        with os.fdopen(fd, "wb") as out:
+            size = _copy_decompressed(fs, path, source, out, spooled)
     except BaseException:
         os.unlink(spooled)
         raise
     return StagedRollouts(source=source, path=spooled, size=size, temporary=True)
+
+
+def _copy_decompressed(
+    fs: fsspec.AbstractFileSystem, path: str, source: str, out: IO[bytes], spooled: str
+) -> int:
+    """Copy ``path`` into ``out``, decompressed by its suffix; returns the bytes written.
+
+    Corrupt or truncated compressed data is a :class:`RolloutsFileError` naming the source;
+    a failed read of the storage is raised as it came (it may heal on retry).
+    """
+    compression = infer_compression(path)
+    size = 0
+    with fs.open(path, "rb") as raw:
+        tracked = _TrackedReads(raw)
+        handle = compr[compression](tracked, mode="rb") if compression else tracked
+        while True:
+            try:
+                chunk = handle.read(CHUNK_BYTES)
+            except Exception as exc:
+                if tracked.failed is not None or compression is None:
+                    raise
+                detail = str(exc) or type(exc).__name__
+                raise RolloutsFileError(
+                    f"rollouts file {source} is not valid {compression} data (truncated or not "
+                    f"{compression} at all?): {detail}"
+                ) from exc
+            try:
+                if not chunk:
+                    out.flush()
+                    return size
+                out.write(chunk)
+            except OSError as exc:
+                raise StorageWriteError(
+                    exc.errno, f"{exc.strerror}: copying {source} to the local spool {spooled}"
+                ) from exc
+            size += len(chunk)
 
 
 class LineRange(BaseModel):
@@ -153,48 +263,208 @@ def split_lines(blob: bytes) -> list[bytes]:
     return lines
 
 
+def _pid_alive(pid: int) -> bool:
+    """Whether a process of this id runs on this host (one we may not signal counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _temp_prefix(base: str) -> str:
+    return f".{base}.tmp-"
+
+
+def _temp_name(base: str) -> str:
+    """``.<output>.tmp-<host>-<pid>-<random>``: the writer is named, so a leftover can be told apart."""
+    return f"{_temp_prefix(base)}{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _try_lock(fd: int) -> bool | None:
+    """Take the exclusive lock every live writer holds on its temporary file: True if taken,
+    False if someone holds it, None where the filesystem has no locks."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    return True
+
+
+def remove_stale_temp_files(target: str, now: float | None = None) -> list[str]:
+    """Remove the temporary files that earlier, dead runs writing ``target`` (a local path) left.
+
+    Only files of our naming for this very output, regular files (never a link), owned by
+    this user, and only when no live writer owns them: its process is gone from this host
+    and nobody holds the lock a writer keeps on its file (which also covers writers on other
+    hosts of a shared filesystem). Files of the old naming, which no writer ever locked, go
+    once untouched for :data:`LEGACY_TEMP_STALE_S`. Returns the paths removed.
+    """
+    folder, base = os.path.split(os.path.abspath(target))
+    prefix = _temp_prefix(base)
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        names = [name for name in os.listdir(folder) if name.startswith(prefix)]
+    except FileNotFoundError:
+        return []
+    for name in names:
+        match = _TEMP_SUFFIX.fullmatch(name[len(prefix) :])
+        if match is None:
+            continue
+        path = os.path.join(folder, name)
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            continue
+        pid = match["pid"]
+        if pid is None:
+            if now - info.st_mtime < LEGACY_TEMP_STALE_S:
+                continue
+        elif match["host"] == _HOST and _pid_alive(int(pid)):
+            continue
+        if _remove_if_unowned(path, info):
+            removed.append(path)
+            logger.warning(
+                "removed %s: the temporary file of an earlier run that died (%d bytes)", path, info.st_size
+            )
+    return removed
+
+
+def _remove_if_unowned(path: str, info: os.stat_result) -> bool:
+    """Unlink ``path`` if no writer holds its lock and it is still the file looked at."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if not _try_lock(fd):  # held by a live writer, or no way to know: left alone
+            return False
+        held = os.fstat(fd)
+        if (held.st_dev, held.st_ino) != (info.st_dev, info.st_ino):
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            now = os.lstat(path)
+            if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+                os.unlink(path)
+                return True
+        return False
+    finally:
+        os.close(fd)
+
+
+def refuse_unsafe_output(target: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Refuse a local output path that is a symbolic link or not a regular file.
+
+    Replacing a link would silently drop what it pointed at from the user's view, and
+    writing through it would lead out of the folder: neither is what anyone asked for.
+    """
+    fs, path = open_filesystem(target, storage_options)
+    if not isinstance(fs, LocalFileSystem):
+        return
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(info.st_mode):
+        raise OutputPathError(
+            f"output {target} is a symbolic link (to {os.readlink(path)}); refusing to write through "
+            "or replace it: remove the link or name another output"
+        )
+    kind = _kind(info.st_mode)
+    if kind is not None:
+        raise OutputPathError(f"output {target} is {kind}; refusing to replace it")
+
+
+def _create_locked(folder: str, base: str) -> tuple[str, int]:
+    """A new temporary file beside the output, created without following any link, and locked."""
+    for _ in range(8):
+        path = os.path.join(folder, _temp_name(base))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o666)
+        except FileExistsError:  # a name taken (a link planted there, say): never opened, another name
+            continue
+        if _try_lock(fd) is not False:  # taken, or a filesystem without locks (the name still tells)
+            held, there = os.fstat(fd), None
+            with contextlib.suppress(FileNotFoundError):
+                there = os.lstat(path)
+            if there is not None and (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino):
+                return path, fd
+        os.close(fd)  # a cleaner of another host took it in the instant between: another name
+    raise OSError(errno.EAGAIN, f"could not create a temporary file beside {os.path.join(folder, base)}")
+
+
 class OutputSpool:
-    """An enriched file being written: appended batch by batch, then published at once."""
+    """An enriched file being written: appended batch by batch, then published at once.
+
+    On a local disk the spool sits beside the target (publishing is a rename), named after
+    its writer and locked while it lives; leftovers of dead writers of the same target are
+    removed first.
+    """
 
     def __init__(self, target: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.target = target
         self.storage_options = dict(storage_options or {})
+        refuse_unsafe_output(target, self.storage_options)
         fs, path = open_filesystem(target, self.storage_options)
         self.local = isinstance(fs, LocalFileSystem)
         if self.local:  # beside the target, so publishing is a rename on one filesystem
             folder = os.path.dirname(path) or "."
             os.makedirs(folder, exist_ok=True)
-            self.path = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+            remove_stale_temp_files(path)
+            self.path, fd = _create_locked(folder, os.path.basename(path))
         else:
             fd, self.path = tempfile.mkstemp(prefix="enriched-", suffix=".jsonl")
-            os.close(fd)
-        self._handle = open(self.path, "wb")  # noqa: SIM115 - held across batches, closed in close()
+        self._handle = os.fdopen(fd, "wb")
         self.lines = 0
+
+    def _fault(self, exc: OSError) -> StorageWriteError:
+        where = self.target if self.local else f"{self.target} (its local spool {self.path})"
+        return StorageWriteError(exc.errno, f"{exc.strerror}: writing the output {where}")
 
     def write(self, blob: bytes, lines: int) -> None:
         """Append a batch's output: ``lines`` newline-terminated lines, in order."""
-        self._handle.write(blob)
+        try:
+            self._handle.write(blob)
+        except OSError as exc:
+            raise self._fault(exc) from exc
         self.lines += lines
 
     def append_part(self, part: str, lines: int) -> None:
         """Append a batch's output written to a part file by a worker, then delete the part."""
         with open(part, "rb") as source:
-            shutil.copyfileobj(source, self._handle, CHUNK_BYTES)
+            try:
+                shutil.copyfileobj(source, self._handle, CHUNK_BYTES)
+            except OSError as exc:
+                raise self._fault(exc) from exc
         os.unlink(part)
         self.lines += lines
 
     def close(self) -> None:
         """Flush to disk; the spool is then ready to publish."""
         if not self._handle.closed:
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
-            self._handle.close()
+            try:
+                self._handle.flush()
+                os.fsync(self._handle.fileno())
+            except OSError as exc:
+                raise self._fault(exc) from exc
+            finally:
+                with contextlib.suppress(OSError):  # a failed flush is reported above
+                    self._handle.close()
 
     def discard(self) -> None:
         """Drop the spool: nothing appears at the target."""
         if not self._handle.closed:
-            self._handle.close()
-        if os.path.exists(self.path):
+            with contextlib.suppress(OSError):  # unflushed bytes on a full disk: dropped anyway
+                self._handle.close()
+        if os.path.lexists(self.path):
             os.unlink(self.path)
 
 
@@ -205,10 +475,15 @@ def publish(
     *,
     credentials: Mapping[str, Any] | None = None,
 ) -> int:
-    """Make the spool the target, atomically; returns its size. Safe to retry."""
+    """Make the spool the target, atomically; returns its size. Safe to retry.
+
+    A local target that has become a link (or a folder) meanwhile is refused, never
+    written through; a rename replaces a link planted after this check, it never follows it.
+    """
     fs, path = open_filesystem(target, storage_options, credentials=credentials)
     size = os.path.getsize(spool_path)
     if isinstance(fs, LocalFileSystem):
+        refuse_unsafe_output(target, storage_options)
         os.replace(spool_path, path)
         return size
     fs.put_file(spool_path, path)  # one object: it appears only once the upload completes
