@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -28,7 +29,12 @@ from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, 
 from rollout_capture.rollout_files import split_lines
 from rollout_capture.store import CaptureDir, CaptureStore, as_store
 
+logger = logging.getLogger(__name__)
+
 _KEY_PREFIX = b',"' + ATTACHMENT_KEY.encode() + b'":'
+MAX_LISTED_DUPLICATES = 10
+"""Duplicated rollout ids kept (and named) in a summary; all are counted."""
+_LINES_PER_DUPLICATE = 5
 Waiter = Callable[[set[str]], set[str]]
 """Given the ids holding live claims, wait (bounded) and return those still pending."""
 
@@ -40,8 +46,20 @@ class LineProblem(BaseModel):
     reason: str
 
 
+class DuplicateId(BaseModel):
+    """A rollout id on more than one line of one input: every such line got the same calls."""
+
+    rollout_id: str
+    lines: list[int]
+    """The first few lines holding it."""
+
+
 class BatchStats(BaseModel):
-    """What one batch held and what enrichment found; batches add up with ``+``."""
+    """What one batch held and what enrichment found; batches add up with ``+``.
+
+    ``id_lines`` (the lines of each rollout id in this batch, never serialized) lets the
+    flow find ids repeated across the batches of one input (:class:`DuplicateIds`).
+    """
 
     lines: int = 0
     rollouts: int = 0
@@ -53,6 +71,11 @@ class BatchStats(BaseModel):
     rollouts_with_gaps: int = 0
     gaps: dict[str, int] = Field(default_factory=dict)
     problems: list[LineProblem] = Field(default_factory=list)
+    duplicate_id_lines: int = 0
+    """Rollout lines whose id an earlier line of the same input already had."""
+    duplicate_ids: list[DuplicateId] = Field(default_factory=list)
+    """The first few such ids, with their lines."""
+    id_lines: dict[str, list[int]] = Field(default_factory=dict, exclude=True, repr=False)
 
     @property
     def gap_share(self) -> float:
@@ -73,7 +96,65 @@ class BatchStats(BaseModel):
             rollouts_with_gaps=self.rollouts_with_gaps + other.rollouts_with_gaps,
             gaps=dict(sorted(gaps.items())),
             problems=[*self.problems, *other.problems],
+            duplicate_id_lines=self.duplicate_id_lines + other.duplicate_id_lines,
+            duplicate_ids=[*self.duplicate_ids, *other.duplicate_ids][:MAX_LISTED_DUPLICATES],
         )
+
+
+class DuplicateIds:
+    """The rollout ids of one input, gathered batch by batch, to name those on several lines.
+
+    Each such line gets the same calls attached, which is rarely what was meant (a file
+    concatenated twice, ids reused across runs), so the flow warns and counts them.
+    """
+
+    def __init__(self) -> None:
+        self._lines: dict[str, list[int]] = {}
+        self._repeated: dict[str, None] = {}  # in the order first seen repeated
+        self.repeated_lines = 0
+
+    def add(self, stats: BatchStats) -> None:
+        """Take a batch's ids (and drop them from its stats: they were only carried here)."""
+        for rollout_id, lines in stats.id_lines.items():
+            known = self._lines.get(rollout_id)
+            if known is None:
+                known = self._lines[rollout_id] = []
+            self.repeated_lines += len(lines) - (0 if known else 1)
+            known.extend(lines)
+            if len(known) > 1:
+                self._repeated.setdefault(rollout_id, None)
+        stats.id_lines = {}
+
+    def found(self) -> list[DuplicateId]:
+        """Every id on more than one line, with its first few lines (sorted), first found first."""
+        return [
+            DuplicateId(rollout_id=r, lines=sorted(self._lines[r])[:_LINES_PER_DUPLICATE])
+            for r in self._repeated
+        ]
+
+    def report(self, stats: BatchStats, source: str) -> BatchStats:
+        """``stats`` with the duplicates counted and the first few named; warns when there are any."""
+        found = self.found()
+        stats.duplicate_id_lines = self.repeated_lines
+        stats.duplicate_ids = found[:MAX_LISTED_DUPLICATES]
+        if found:
+            named = "; ".join(
+                f"{d.rollout_id} (lines {', '.join(map(str, d.lines))})" for d in stats.duplicate_ids
+            )
+            more = (
+                f"; and {len(found) - len(stats.duplicate_ids)} more id(s)"
+                if len(found) > len(stats.duplicate_ids)
+                else ""
+            )
+            logger.warning(
+                "%s: %d rollout id(s) appear on more than one line, and each such line got the same "
+                "calls attached: %s%s",
+                source,
+                len(found),
+                named,
+                more,
+            )
+        return stats
 
 
 @dataclass(slots=True)
@@ -213,13 +294,15 @@ def _enrich(
         reader.refresh(sorted(pending))  # rows landed while we waited
 
     out: list[bytes] = []
+    id_lines: dict[str, list[int]] = {}
     gaps: Counter[str] = Counter()
     rollouts = calls = tokens_in = tokens_out = tokens_total = gapped = 0
-    for line, item in zip(lines, identified, strict=True):
+    for number, (line, item) in enumerate(zip(lines, identified, strict=True), first_line):
         if item is None:
             out.append(_bare(line))
             continue
         rollout_id, only_added = item
+        id_lines.setdefault(rollout_id, []).append(number)
         evidence = reader.evidence(rollout_id)
         attachment = build_attachment(rollout_id, evidence, include_payloads=include_payloads)
         if only_added:
@@ -240,6 +323,7 @@ def _enrich(
     stats.tokens_in, stats.tokens_out, stats.tokens_total = tokens_in, tokens_out, tokens_total
     stats.rollouts_with_gaps = gapped
     stats.gaps = dict(sorted(gaps.items()))
+    stats.id_lines = id_lines
     return EnrichedBatch(out, stats)
 
 

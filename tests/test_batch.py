@@ -59,6 +59,8 @@ def test_output_keeps_order_and_count_and_reports_bad_lines(tmp_path: Path) -> N
         "waited_for": 0,
         "rollouts_with_gaps": 1,
         "gaps": {"model_call_capture_no_records": 1},
+        "duplicate_id_lines": 0,
+        "duplicate_ids": [],
     }
 
 
@@ -154,6 +156,8 @@ def test_stats_add_up() -> None:
         "rollouts_with_gaps": 2,
         "gaps": {"x": 3, "y": 1},
         "problems": [],
+        "duplicate_id_lines": 0,
+        "duplicate_ids": [],
     }
     assert (a + b).gap_share == 2 / 3 and BatchStats().gap_share == 0.0
 
