@@ -4,6 +4,11 @@ Object stores answer per request, with a first-byte latency of tens of milliseco
 this backend lists flat (1,000 keys a page, sizes included, never a HEAD) when that is
 quicker than listing each rollout, reads every file of a batch concurrently, and lets the
 batches of one job share a single listing of the root.
+
+Writers need put-if-absent (a row object, a lease, must never replace another writer's):
+S3 and GCS do it in one conditional request; fsspec's in-memory filesystem is one process's,
+so a lock does it there. Any other store (Azure, SFTP, ...) reads fine but is refused for
+writing, naming what it lacks: its emulation (look, then write) would let two hosts both win.
 """
 
 from __future__ import annotations
@@ -38,6 +43,14 @@ _SCOPES_KEPT = 4  # jobs whose listing is kept at once
 _RELIST_ATTEMPTS = 4  # listings of a rollout whose claims keep vanishing as they are read
 
 _memory_create_lock = threading.Lock()
+ATOMIC_CREATE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
+"""Stores whose fsspec filesystem creates a file only if absent in one request (safe for many writers)."""
+PROCESS_LOCAL_PROTOCOLS = frozenset({"memory"})
+"""Stores that live in one process: creating under a lock is atomic there (tests, one-process tools)."""
+
+
+class UnsafeStoreError(ValueError):
+    """A store that cannot create a file only if it is absent, asked to do so: refused, never emulated."""
 
 
 def _mtime(info: dict[str, Any]) -> float | None:
@@ -87,7 +100,9 @@ class ObjectStoreBackend(Backend):
         finder = getattr(type(fs), "_find", None) or type(fs).find
         self._find_takes_prefix = "prefix" in inspect.signature(finder).parameters
         self._read_kwargs: dict[str, Any] = {"max_concurrency": 1} if self._s3 else {}
-        self._atomic_create = self._s3 or protocol_of(fs) in {"gs", "gcs"}
+        protocol = protocol_of(fs)
+        self._atomic_create = self._s3 or protocol in ATOMIC_CREATE_PROTOCOLS
+        self._process_local = protocol in PROCESS_LOCAL_PROTOCOLS
         self._root_keys: int | None = None  # keys in the root at its last flat listing
         # The listing of each job (flow run) recently served, newest last: jobs sharing this
         # store in parallel (runs enriched side by side) each keep theirs.
@@ -299,10 +314,27 @@ class ObjectStoreBackend(Backend):
     def append_line(self, path: str, line: bytes) -> None:
         raise OSError(errno.EOPNOTSUPP, f"{protocol_of(self.fs)} has no safe append; use the object layout")
 
+    @property
+    def writable(self) -> bool:
+        """Whether several writers may share this store: it creates atomically, or lives in one process."""
+        return self._atomic_create or self._process_local
+
+    def refuse_unsafe_writes(self) -> None:
+        """Raise :class:`UnsafeStoreError` naming the store and what it lacks, unless it is writable."""
+        if not self.writable:
+            protocol = protocol_of(self.fs)
+            raise UnsafeStoreError(
+                f"capture store {protocol}://{self.root} cannot be written: {protocol} has no atomic "
+                "create-if-absent (conditional put) in fsspec, so two writers (rows, leases) could "
+                "replace each other's files; write captures to a local disk, s3:// or gs:// "
+                "(reading this store is fine)"
+            )
+
     def create(self, path: str, data: bytes) -> None:
         if self._atomic_create:
             self.fs.pipe_file(path, data, mode="create")  # If-None-Match: * on S3
             return
+        self.refuse_unsafe_writes()
         with _memory_create_lock:  # in-process filesystems (memory): exclusive under one lock
             if self.fs.exists(path):
                 raise FileExistsError(path)
