@@ -18,7 +18,7 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from rollout_capture.backends import ListingScope
-from rollout_capture.batch import BatchStats
+from rollout_capture.batch import BatchStats, DuplicateIds
 from rollout_capture.flows.events import emit_completed, emit_failed
 from rollout_capture.flows.guard import StorageOptions, check_inputs, guarded_flow
 from rollout_capture.flows.report import (
@@ -30,7 +30,13 @@ from rollout_capture.flows.report import (
 )
 from rollout_capture.flows.runners import Runner, api_shared_with_workers, effective_workers, make_task_runner
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
-from rollout_capture.rollout_files import OutputSpool, default_output, iter_line_ranges, remove_staged
+from rollout_capture.rollout_files import (
+    OutputSpool,
+    default_output,
+    iter_line_ranges,
+    refuse_unsafe_output,
+    remove_staged,
+)
 from rollout_capture.store import end_scope
 from rollout_capture.tasks.capture import BatchInput, BatchOutput, check_capture_dir, merge_batch
 from rollout_capture.tasks.rollout_files import read_rollouts, write_enriched
@@ -72,11 +78,13 @@ def enrich_to_spool(
     """
     check_inputs(capture_dir, storage_options)
     check_capture_dir(capture_dir, storage_options, credentials_block, allow_empty)
+    refuse_unsafe_output(target, storage_options)  # before reading anything: a link there is refused
     staged = read_rollouts(rollouts, storage_options, credentials_block)
     progress = start_progress(rollouts, staged.size)
     spool = OutputSpool(target, storage_options)
     parts_dir = tempfile.mkdtemp(prefix="enrich-parts-") if runner == "processes" else None
     stats = BatchStats()
+    duplicates = DuplicateIds()
     batches = done_bytes = 0
     workers = effective_workers(runner, max_workers, capture_dir)
     scope = ListingScope(key=str(flow_run.id or uuid.uuid4()), rollouts=0)
@@ -115,6 +123,7 @@ def enrich_to_spool(
                 else:
                     spool.write(batch.blob, batch.lines)
                 batch.blob = b""  # see BatchOutput: Prefect's engine may hold the object a while
+                duplicates.add(batch.stats)
                 stats += batch.stats
                 batches += 1
                 done_bytes += size
@@ -131,6 +140,7 @@ def enrich_to_spool(
                     collect()
             while in_flight:
                 collect()
+        stats = duplicates.report(stats, rollouts)
         spool.close()
     except BaseException:
         spool.discard()
