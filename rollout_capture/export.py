@@ -69,9 +69,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollout_capture.attachment import ATTACHMENT_KEY, OBSERVATIONS_KEY
 from rollout_capture.summary import (
-    ATTACHMENT_KEY,
-    OBSERVATIONS_KEY,
     EvidenceShapeError,
     _count,
     _gap_codes,
@@ -85,7 +84,7 @@ from rollout_capture.summary import (
     status_class,
 )
 
-ROWS_PER_GROUP = 65_536
+ROWS_PER_GROUP = 32_768
 """Rows buffered before a row group is written."""
 
 

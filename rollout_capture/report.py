@@ -46,7 +46,7 @@ body { margin:0; background:var(--bg); color:var(--fg);
 main { max-width: 1180px; margin: 0 auto; padding: 28px 24px 48px; }
 header h1 { font-size: 22px; margin: 0 0 4px; font-weight: 650; }
 header .sub { color: var(--muted); margin: 0 0 20px; word-break: break-all; }
-.kpis { display:grid; grid-template-columns: repeat(auto-fill, minmax(170px, 1fr)); gap:12px;
+.kpis { display:grid; grid-template-columns: repeat(auto-fill, minmax(128px, 1fr)); gap:12px;
   margin-bottom: 22px; }
 .kpi { background:var(--card); border:1px solid var(--line); border-radius:10px; padding:12px 14px; }
 .kpi .label { color:var(--muted); font-size:12px; text-transform:uppercase; letter-spacing:.04em; }
@@ -89,6 +89,8 @@ def fmt_ms(value: float | None) -> str:
     """A duration in ms as a person reads it: ``850 ms``, ``1.24 s``, ``3.5 min``."""
     if value is None:
         return DASH
+    if value < 10:
+        return f"{value:.2g} ms"
     if value < 1000:
         return f"{value:.0f} ms"
     if value < 60_000:
@@ -104,6 +106,10 @@ def fmt_count(value: float | None) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.3g}{suffix}"
     return f"{value:.3g}" if value != int(value) else str(int(value))
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
 
 
 def fmt_share(part: int, whole: int) -> str:
@@ -123,7 +129,11 @@ def _nice_step(top: float, ticks: int = 4) -> float:
 
 
 def _short(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    """The text cut in the middle: model names differ at the end as often as at the start."""
+    if len(text) <= limit:
+        return text
+    head = (limit - 1) // 2
+    return text[:head] + "\u2026" + text[len(text) - (limit - 1 - head) :]
 
 
 # ---------------------------------------------------------------------- charts
@@ -216,12 +226,13 @@ def histogram_svg(
     # p50/p90/p99: dashed lines, labelled in a row above the plot (never over the bars)
     label_x = float(left)
     for q, dash in ((50, "none"), (90, "5 3"), (99, "2 2")):
-        value = sketch.percentile(q)
-        x = None if value is None else x_of(value)
-        if x is None or value is None:
+        mark = sketch.percentile(q)
+        mark_x = None if mark is None else x_of(mark)
+        if mark_x is None or mark is None:
             continue
+        value = mark
         parts.append(
-            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top - 4}" y2="{axis_y}" stroke="#1d2433" '
+            f'<line x1="{mark_x:.1f}" x2="{mark_x:.1f}" y1="{top - 4}" y2="{axis_y}" stroke="#1d2433" '
             f'stroke-width="1.3" stroke-dasharray="{dash}"><title>p{q} {escape(fmt(value))}</title></line>'
         )
         text = f"p{q} {fmt(value)}"
@@ -359,7 +370,7 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], numeric: Itera
 def _share_cell(part: int, whole: int) -> Any:
     share = part / whole if whole else 0.0
     text = escape(fmt_share(part, whole))
-    return (text, "n bad") if share > FAIL_SHARE_WARN else text
+    return (text, "bad") if share > FAIL_SHARE_WARN else text
 
 
 def _sorted(counts: Mapping[str, int]) -> list[tuple[str, int]]:
@@ -396,7 +407,7 @@ def render_report(
         _kpi(
             "Rollouts",
             fmt_int(s.rollouts),
-            f"{fmt_int(s.records_without_capture)} records without capture"
+            f"{_plural(s.records_without_capture, 'record')} without capture"
             if s.records_without_capture
             else "",
         ),
@@ -405,17 +416,17 @@ def render_report(
             "Failed calls",
             fmt_int(s.failed_calls),
             f"{fmt_share(s.failed_calls, s.calls)} of calls",
-            "bad" if failed_bad else ("good" if s.calls else ""),
+            "bad" if failed_bad else ("good" if s.calls and not s.failed_calls else ""),
         ),
         _kpi(
             "Rollouts with gaps",
             fmt_int(s.rollouts_with_gaps),
             f"{fmt_share(s.rollouts_with_gaps, s.rollouts)} of rollouts",
-            "bad" if gaps_bad else ("good" if s.rollouts else ""),
+            "bad" if gaps_bad else ("good" if s.rollouts and not s.rollouts_with_gaps else ""),
         ),
-        _kpi("Latency p50 / p99", f"{fmt_ms(lat['p50'])}", f"p99 {fmt_ms(lat['p99'])}"),
-        _kpi("TTFT p50 / p99", f"{fmt_ms(ttft['p50'])}", f"p99 {fmt_ms(ttft['p99'])}"),
-        _kpi("Tokens / rollout p50", fmt_count(tokens["p50"]), f"p99 {fmt_count(tokens['p99'])}"),
+        _kpi("Latency p50", f"{fmt_ms(lat['p50'])}", f"p99 {fmt_ms(lat['p99'])}"),
+        _kpi("TTFT p50", f"{fmt_ms(ttft['p50'])}", f"p99 {fmt_ms(ttft['p99'])}"),
+        _kpi("Tokens / rollout", fmt_count(tokens["p50"]), f"p50 · p99 {fmt_count(tokens['p99'])}"),
         _kpi(
             "Orphan captures",
             fmt_int(s.orphan_captures),
@@ -551,7 +562,7 @@ def render_report(
     gap_headers = ["code", "kind", "rollouts", "share", "first rollout ids"]
     gap_table = _card("Rollouts by gap code", _table(gap_headers, gap_rows, (2, 3)))
     orphan_table = _card(
-        f"{fmt_int(s.orphan_captures)} rollout ids under the capture root that no input line names",
+        f"{_plural(s.orphan_captures, 'rollout id')} under the capture root that no input line names",
         _table(["rollout id", "input id it may be meant as"], orphan_rows),
         "their calls are in no enriched record" if s.orphan_captures else "",
     )

@@ -154,31 +154,43 @@ class Sketch(BaseModel):
     def histogram(self, bins: int = 24) -> Histogram:
         """Bins for a chart: log-spaced when the positive values span 10x or more, else linear.
 
-        Values <= 0 are counted apart (``zeros``). Bucketed values are placed by their
-        bucket's representative value, so a bin edge is exact to within 1 %.
+        Values <= 0 are counted apart (``zeros``). Once bucketed, each bucket's count is spread
+        over the bins its range overlaps, so bins finer than a bucket show no false comb.
         """
-        points: list[tuple[float, int]]
         if self.values is not None:
-            points = [(v, 1) for v in self.values if v > 0]
+            spans = [(v, v, 1) for v in self.values if v > 0]
         else:
             lowest, highest = self.min or 0.0, self.max or 0.0
-            points = [(min(max(GAMMA**k * _MID, lowest), highest), n) for k, n in self.buckets.items()]
-        if not points:
+            spans = [
+                (max(GAMMA**k, lowest), min(GAMMA ** (k + 1), highest), n)
+                for k, n in sorted(self.buckets.items())
+            ]
+        if not spans:
             return Histogram(zeros=self.zeros)
-        low = min(v for v, _ in points)
-        high = max(v for v, _ in points)
+        low = min(lo for lo, _, _ in spans)
+        high = max(hi for _, hi, _ in spans)
         if high <= low:
-            return Histogram(zeros=self.zeros, edges=[low, high], counts=[sum(n for _, n in points)])
+            return Histogram(zeros=self.zeros, edges=[low, high], counts=[sum(n for _, _, n in spans)])
         log = high / low >= 10
-        start, span = (math.log(low), math.log(high / low)) if log else (low, high - low)
-        edges = [
-            (math.exp(start + span * i / bins) if log else start + span * i / bins) for i in range(bins + 1)
-        ]
-        counts = [0] * bins
-        for value, n in points:
-            position = ((math.log(value) if log else value) - start) / span
-            counts[min(bins - 1, max(0, int(position * bins)))] += n
-        return Histogram(zeros=self.zeros, edges=edges, counts=counts, log=log)
+
+        def position(value: float) -> float:  # 0 at low, bins at high
+            if log:
+                return math.log(value / low) / math.log(high / low) * bins
+            return (value - low) / (high - low) * bins
+
+        counts = [0.0] * bins
+        for lo, hi, n in spans:
+            start, stop = position(lo), position(max(hi, lo))
+            if stop - start < 1e-9:
+                counts[min(bins - 1, max(0, int(start)))] += n
+                continue
+            for index in range(max(0, int(start)), min(bins, math.ceil(stop))):
+                overlap = min(stop, index + 1) - max(start, index)
+                if overlap > 0:
+                    counts[index] += n * overlap / (stop - start)
+        steps = [i / bins for i in range(bins + 1)]
+        edges = [low * (high / low) ** t for t in steps] if log else [low + (high - low) * t for t in steps]
+        return Histogram(zeros=self.zeros, edges=edges, counts=[round(c) for c in counts], log=log)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,444 @@
+"""Evidence a person can see (issue 16): the summary's numbers, the HTML report in a real
+headless Chromium, and the Parquet tables read back with pyarrow.
+
+The corpus is hand-built with known numbers, written as real capture rows into a real
+store and enriched by the real merge, so every figure below can be checked by hand.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from rollout_capture import CaptureStore, merge_model_call_capture_into_record
+from rollout_capture.report import render_report, write_report
+from rollout_capture.summary import (
+    EXACT_LIMIT,
+    EvidenceShapeError,
+    EvidenceSummary,
+    Sketch,
+    capture_ids_from_names,
+    orphans,
+    summarize_file,
+)
+
+NOTES = Path("/work/notes")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+MODEL_A, MODEL_B = "model-a", "model-b"
+# Calls 0..99 (rollout r-k holds calls 5k..5k+4): latency 10*(i+1) ms, TTFT a tenth of it.
+FAILURES = {
+    **{i: (500, "upstream_error") for i in (7, 17, 27, 37, 47, 57)},
+    **{i: (429, "rate_limit") for i in (66, 76)},
+    86: (None, "connection"),
+    96: (200, "stream_truncated"),
+}
+
+
+def _row(i: int, failures: bool) -> dict[str, Any]:
+    model = MODEL_A if i < 60 else MODEL_B
+    status, category = FAILURES.get(i, (200, None)) if failures else (200, None)
+    tokens_in, tokens_out = (100, 10) if model == MODEL_A else (200, 20)
+    started = 1_780_000_000.0 + i
+    return {
+        "model_call_id": f"{i:032x}",
+        "dialect": "chat",
+        "model_ref": {"type": "responses_api_models", "name": "policy_model"},
+        "started_at": started,
+        "completed_at": started + (i + 1) / 100,
+        "latency_ms": 10.0 * (i + 1),
+        "latency_ttft_ms": 1.0 * (i + 1),
+        "status_code": status,
+        "error_category": category,
+        "request": {"model": model, "messages": [{"role": "user", "content": "hi"}]},
+        "response": {
+            "id": f"chatcmpl-{i}",
+            "model": model,
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+            ],
+            "usage": {
+                "prompt_tokens": tokens_in,
+                "completion_tokens": tokens_out,
+                "total_tokens": tokens_in + tokens_out,
+            },
+        },
+    }
+
+
+def build_corpus(root: Path, *, failures: bool = True) -> tuple[Path, Path]:
+    """Captures under ``root/captures`` and the enriched JSONL ``root/enriched.jsonl``.
+
+    20 rollouts ``r-0`` .. ``r-19`` of 5 calls each (``r-0`` .. ``r-11`` model-a, the rest model-b),
+    ``r-3`` marked incomplete, ``r-5`` with agent observations owning one call of five; ``r-20``
+    and ``24-1-a1`` without captures, while ``24-1`` (the harness dropped the attempt suffix) is
+    an orphan capture; one record without an id and one line that is not JSON.
+    """
+    captures = root / "captures"
+    captures.mkdir(parents=True)
+    store = CaptureStore(captures)
+    records: list[dict[str, Any] | bytes] = []
+    for k in range(20):
+        rollout_id = f"r-{k}"
+        for i in range(5 * k, 5 * k + 5):
+            store.record(rollout_id, _row(i, failures))
+        record: dict[str, Any] = {"_ng_rollout_id": rollout_id, "reward": float(k % 2)}
+        if k == 5:
+            record["ng_agent_observations"] = {
+                "source": "test",
+                "invocations": [{"invocation_id": "inv-1", "model_calls": [{"model_call_id": f"{25:032x}"}]}],
+                "gaps": [],
+            }
+        records.append(record)
+    if failures:  # a poor run: also a torn capture, two rollouts without any, an orphan
+        store.mark_incomplete("r-3")
+        store.record("24-1", _row(0, failures))
+        records.append({"_ng_rollout_id": "r-20", "reward": 0.0})
+        records.append({"_ng_task_index": 24, "_ng_rollout_index": 1, "_ng_attempt_index": 1, "reward": 1.0})
+    records.append({"note": "no id: passed through"})
+    records.append(b"<not json>")
+    lines = []
+    for item in records:
+        if isinstance(item, bytes):
+            lines.append(item)
+        else:
+            lines.append(orjson.dumps(merge_model_call_capture_into_record(item, [captures])))
+    enriched = root / "enriched.jsonl"
+    enriched.write_bytes(b"\n".join(lines) + b"\n")
+    return captures, enriched
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> tuple[Path, Path]:
+    return build_corpus(tmp_path / "bad")
+
+
+def _input_ids(enriched: Path) -> set[str]:
+    out = set()
+    for line in enriched.read_bytes().splitlines():
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if "ng_model_call_capture" in record:
+            out.add(record["ng_model_call_capture"]["rollout_id"])
+    return out
+
+
+# ---------------------------------------------------------------------- summary
+
+
+def test_summary_counts_a_hand_built_corpus(corpus: tuple[Path, Path]) -> None:
+    captures, enriched = corpus
+    summary, unreadable = summarize_file(enriched)
+    summary.set_orphans(capture_ids_from_names(os.listdir(captures)), _input_ids(enriched))
+
+    assert unreadable == 1 and summary.records_without_capture == 1
+    assert (summary.rollouts, summary.calls) == (22, 100)
+    assert summary.failed_calls == 10 and summary.failed_share == pytest.approx(0.10)
+    assert summary.calls_by_status_class == {"2xx": 91, "5xx": 6, "4xx": 2, "no status": 1}
+    assert summary.calls_by_error_category == {
+        "upstream_error": 6,
+        "rate_limit": 2,
+        "connection": 1,
+        "stream_truncated": 1,
+    }
+    # latencies 10, 20, ..., 1000 ms: nearest rank p50 = 50th = 500, p90 = 900, p99 = 990
+    assert summary.latency_ms.percentiles() == {"p50": 500, "p90": 900, "p99": 990}
+    assert summary.ttft_ms.percentiles() == {"p50": 50, "p90": 90, "p99": 99}
+    # 12 rollouts of 5 x 110 tokens, 8 of 5 x 220 (the two without captures report none)
+    assert summary.tokens_per_rollout.count == 20
+    assert summary.tokens_per_rollout.percentiles() == {"p50": 550, "p90": 1100, "p99": 1100}
+    models = {
+        name: (m.calls, m.failed_calls, m.tokens_in, m.tokens_out, m.tokens_total)
+        for name, m in summary.models.items()
+    }
+    assert models == {MODEL_A: (60, 6, 6000, 600, 6600), MODEL_B: (40, 4, 8000, 800, 8800)}
+    assert summary.gaps == {"model_call_capture_incomplete": 1, "model_call_capture_no_records": 2}
+    assert summary.gap_examples["model_call_capture_no_records"] == ["r-20", "24-1-a1"]
+    assert summary.gap_examples["model_call_capture_incomplete"] == ["r-3"]
+    assert summary.observation_gaps == {"model_call_ownership_unavailable": 1}
+    assert summary.gap_examples["model_call_ownership_unavailable"] == ["r-5"]
+    assert summary.rollouts_with_gaps == 3
+    assert (summary.orphan_captures, summary.orphan_examples) == (1, ["24-1"])
+    assert summary.orphan_near == {"24-1": "24-1-a1"}
+
+    text = summary.to_markdown()
+    assert "10 failed (10.0%)" in text and "| latency (ms) | 500 | 900 | 990 |" in text
+    assert "24-1 (input has 24-1-a1)" in text
+    rows = {(r["section"], r["name"]): r["value"] for r in summary.to_rows()}
+    assert rows[("calls by error category", "rate_limit")] == 2
+    assert rows[("TTFT (ms)", "p99")] == 99
+
+
+def test_summaries_of_two_halves_merge_to_the_whole(corpus: tuple[Path, Path], tmp_path: Path) -> None:
+    _, enriched = corpus
+    lines = enriched.read_bytes().splitlines(keepends=True)
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_bytes(b"".join(lines[:11]))
+    second.write_bytes(b"".join(lines[11:]))
+    whole = summarize_file(enriched)[0]
+    halves = summarize_file(first)[0] + summarize_file(second)[0]
+    assert halves.model_dump() == whole.model_dump()
+    # and through JSON, as batch results travel between processes
+    again = EvidenceSummary.model_validate_json(summarize_file(first)[0].model_dump_json())
+    assert again.merge(summarize_file(second)[0]).model_dump() == whole.model_dump()
+
+
+def test_a_large_distribution_stays_bounded_and_within_one_percent() -> None:
+    rng = random.Random(16)
+    values = [rng.lognormvariate(7, 1.2) for _ in range(60_000)]
+    halves = [Sketch(), Sketch()]
+    for index, value in enumerate(values):
+        halves[index % 2].add(value)
+    sketch = halves[0].merge(halves[1])
+    assert not sketch.exact and sketch.count == len(values) > EXACT_LIMIT
+    assert len(sketch.buckets) < 1_000 and len(sketch.model_dump_json()) < 20_000
+    ordered = sorted(values)
+    for q in (50, 90, 99):
+        exact = ordered[math.ceil(q / 100 * len(values)) - 1]
+        assert sketch.percentile(q) == pytest.approx(exact, rel=0.0101)
+    assert sketch.max == ordered[-1] and sketch.min == ordered[0]
+
+
+def test_orphans_are_the_listed_ids_no_input_names() -> None:
+    names = ["24-1.capture.jsonl", "r-1.capture.jsonl", "r-2.capture/000000000000.json", "notes.txt"]
+    listed = capture_ids_from_names(names)
+    assert listed == {"24-1", "r-1", "r-2"}
+    assert orphans(listed, {"r-1", "r-2", "24-1-a1"}) == ["24-1"]
+
+
+def test_a_malformed_call_names_file_line_and_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    attachment = {"rollout_id": "x", "metrics": {}, "calls": [{"latency_total_ms": "fast"}]}
+    bad.write_bytes(b'{"reward": 1}\n' + orjson.dumps({"ng_model_call_capture": attachment}) + b"\n")
+    with pytest.raises(
+        EvidenceShapeError, match=r"bad\.jsonl:2: ng_model_call_capture\.calls\[0\]\.latency_total_ms"
+    ):
+        summarize_file(bad)
+
+
+# ---------------------------------------------------------------------- report
+
+
+# The browser's own background traffic (component updates, network time, sign-in), which it
+# sends for an empty page too; anything else that reaches the trap was asked for by the page.
+BROWSER_HOSTS = re.compile(r"(^|\.)(google\.com|googleapis\.com|gvt1\.com|gstatic\.com)$")
+
+
+class _RequestTrap:
+    """A proxy that answers nothing and records the host of every request a browser sends it."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.requests: list[bytes] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(2)
+                try:
+                    self.requests.append(conn.recv(4096))
+                except OSError:
+                    self.requests.append(b"? ?")
+
+    def hosts(self) -> set[str]:
+        """Hosts asked for, the browser's own services left out."""
+        out = set()
+        for request in self.requests:
+            target = request.split(b"\r\n", 1)[0].split(b" ")[1].decode(errors="replace")
+            host = re.sub(r"^[a-z]+://", "", target).split("/", 1)[0].rsplit(":", 1)[0]
+            if not BROWSER_HOSTS.search(host):
+                out.add(host)
+        return out
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _chromium(url: str, *args: str, proxy_port: int, home: Path) -> subprocess.CompletedProcess[str]:
+    assert CHROMIUM is not None
+    return subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--disable-gpu",
+            "--no-sandbox",
+            "--hide-scrollbars",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--no-first-run",
+            f"--user-data-dir={home}",
+            f"--proxy-server=http://127.0.0.1:{proxy_port}",
+            "--proxy-bypass-list=<-loopback>",
+            *args,
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HOME": str(home)},
+        check=False,
+    )
+
+
+def test_the_report_is_self_contained(corpus: tuple[Path, Path], tmp_path: Path) -> None:
+    _, enriched = corpus
+    write_report(enriched, tmp_path / "r.html")
+    html = (tmp_path / "r.html").read_text()
+    assert not re.search(r"""(src|href|action)\s*=\s*["']?\s*(https?:)?//""", html, re.I)
+    assert "<script" not in html.lower() and "@import" not in html and "url(" not in html
+    assert html.count("<svg") == 8
+    assert "Evidence report: enriched.jsonl" in html
+
+
+def test_poor_runs_look_poor_and_good_runs_do_not(corpus: tuple[Path, Path], tmp_path: Path) -> None:
+    bad = summarize_file(corpus[1])[0]
+    good = summarize_file(build_corpus(tmp_path / "good", failures=False)[1])[0]
+    bad_html, good_html = render_report(bad), render_report(good)
+    # failed calls 10 % and gapped rollouts 3/22 are above 5 %: red cards and cells
+    assert re.search(r'class="kpi bad"><div class="label">Failed calls', bad_html)
+    assert re.search(r'class="kpi bad"><div class="label">Rollouts with gaps', bad_html)
+    assert '<td class="n bad">6.0%</td>' in bad_html  # upstream_error share
+    assert 'class="kpi bad"' not in good_html and 'class="n bad"' not in good_html
+    assert good.failed_calls == 0
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium: apt-get install -y chromium")
+def test_the_report_renders_in_headless_chromium_without_a_request(
+    corpus: tuple[Path, Path], tmp_path: Path
+) -> None:
+    captures, enriched = corpus
+    summary = summarize_file(enriched)[0]
+    summary.set_orphans(capture_ids_from_names(os.listdir(captures)), _input_ids(enriched))
+    report = tmp_path / "report.html"
+    write_report(summary, report, title=enriched.name)
+    probe = tmp_path / "probe.html"  # the control: a page that does ask for something
+    probe.write_text('<html><body><img src="http://probe.example/pixel.png"></body></html>')
+    trap = _RequestTrap()
+    try:
+        _chromium(probe.as_uri(), "--dump-dom", proxy_port=trap.port, home=tmp_path / "home")
+        assert "probe.example" in trap.hosts()  # the trap sees what a page asks for
+        trap.requests.clear()
+        dom = _chromium(report.as_uri(), "--dump-dom", proxy_port=trap.port, home=tmp_path / "home")
+        shot = tmp_path / "report.png"
+        taken = _chromium(
+            report.as_uri(),
+            f"--screenshot={shot}",
+            "--window-size=1280,2600",
+            proxy_port=trap.port,
+            home=tmp_path / "home",
+        )
+    finally:
+        trap.close()
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    rendered = dom.stdout
+    assert rendered.count("<svg") == 8 and rendered.count("<rect") > 40
+    for label in ("latency histogram", "TTFT histogram", "tokens total histogram"):
+        assert f'aria-label="{label}"' in rendered
+    for text in (
+        "upstream_error",
+        "rate_limit",
+        "model_call_capture_no_records",
+        "model-a",
+        "24-1-a1",
+        "p99 990 ms",
+    ):
+        assert text in rendered
+    assert trap.hosts() == set()  # the report asked for nothing outside the file
+    assert taken.returncode == 0 and shot.stat().st_size > 50_000, taken.stderr[-2000:]
+    if NOTES.is_dir():
+        shutil.copyfile(shot, NOTES / "report.png")
+
+
+# ---------------------------------------------------------------------- export
+
+
+def test_export_tables_read_back_with_pyarrow(corpus: tuple[Path, Path], tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from rollout_capture.export import calls_schema, export_tables, rollouts_schema
+
+    _, enriched = corpus
+    calls_path, rollouts_path = tmp_path / "calls.parquet", tmp_path / "rollouts.parquet"
+    counts = export_tables(enriched, calls_path, rollouts_path)
+    assert (counts.calls, counts.rollouts, counts.lines_skipped) == (100, 22, 2)
+
+    calls = pq.read_table(calls_path)
+    rollouts = pq.read_table(rollouts_path)
+    assert calls.schema.equals(calls_schema()) and rollouts.schema.equals(rollouts_schema())
+    assert calls.num_rows == 100 and rollouts.num_rows == 22
+
+    summary = summarize_file(enriched)[0]
+    per_model = calls.group_by("model").aggregate(
+        [
+            ("model", "count"),
+            ("failed", "sum"),
+            ("tokens_in", "sum"),
+            ("tokens_out", "sum"),
+            ("tokens_total", "sum"),
+        ]
+    )
+    got = {
+        row["model"]: (
+            row["model_count"],
+            row["failed_sum"],
+            row["tokens_in_sum"],
+            row["tokens_out_sum"],
+            row["tokens_total_sum"],
+        )
+        for row in per_model.to_pylist()
+    }
+    assert got == {
+        name: (m.calls, m.failed_calls, m.tokens_in, m.tokens_out, m.tokens_total)
+        for name, m in summary.models.items()
+    }
+    by_category = calls.group_by("error_category").aggregate([("error_category", "count")]).to_pylist()
+    assert {r["error_category"]: r["error_category_count"] for r in by_category if r["error_category"]} == (
+        summary.calls_by_error_category
+    )
+    owned = calls.filter(pa.compute.is_valid(calls["owner_invocation_id"])).to_pylist()
+    assert [(r["rollout_id"], r["owner_invocation_id"], r["call_index"]) for r in owned] == [
+        ("r-5", "inv-1", 0)
+    ]
+
+    by_id = {r["rollout_id"]: r for r in rollouts.to_pylist()}
+    assert by_id["r-3"]["gap_codes"] == ["model_call_capture_incomplete"]
+    assert by_id["r-5"]["observation_gap_codes"] == ["model_call_ownership_unavailable"]
+    assert by_id["24-1-a1"]["num_calls"] == 0 and by_id["24-1-a1"]["tokens_total"] is None
+    assert by_id["r-1"]["failed_calls"] == 1 and by_id["r-1"]["reward"] == 1.0
+    assert pa.compute.sum(rollouts["num_calls"]).as_py() == summary.calls
+
+
+def test_export_without_pyarrow_names_the_extra(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['pyarrow'] = None\n"
+        "from rollout_capture.export import export_tables, ExportUnavailable\n"
+        "try:\n    export_tables('x.jsonl', 'c.parquet')\n"
+        "except ExportUnavailable as exc:\n    print(exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
+    assert "pip install 'rollout-capture[export]'" in out.stdout
