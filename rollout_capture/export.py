@@ -202,6 +202,7 @@ class _Table:
 
     def __init__(self, path: Path, schema: Any, pa: Any, pq: Any) -> None:
         self.pa, self.schema = pa, schema
+        path.parent.mkdir(parents=True, exist_ok=True)
         fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.close(fd)
         self.path, self.temp = path, Path(temp)

@@ -584,6 +584,19 @@ def render_report(
     )
 
 
+def default_report_path(output: str) -> str:
+    """Where the report of an enriched output goes: beside it, ``x.jsonl`` -> ``x.report.html``.
+
+    Plain string work, so it serves local paths and object-store URLs alike.
+    """
+    head, sep, name = output.rpartition("/")
+    for suffix in (".jsonl.gz", ".jsonl", ".json"):
+        if name.endswith(suffix) and len(name) > len(suffix):
+            name = name[: -len(suffix)]
+            break
+    return f"{head}{sep}{name}.report.html"
+
+
 def write_report(
     source: str | Path | Iterable[Mapping[str, Any]] | EvidenceSummary,
     out_path: str | Path,

@@ -23,7 +23,7 @@ import orjson
 import pytest
 
 from rollout_capture import CaptureStore, merge_model_call_capture_into_record
-from rollout_capture.report import render_report, write_report
+from rollout_capture.report import default_report_path, render_report, write_report
 from rollout_capture.summary import (
     EXACT_LIMIT,
     EvidenceShapeError,
@@ -211,6 +211,10 @@ def test_a_large_distribution_stays_bounded_and_within_one_percent() -> None:
         exact = ordered[math.ceil(q / 100 * len(values)) - 1]
         assert sketch.percentile(q) == pytest.approx(exact, rel=0.0101)
     assert sketch.max == ordered[-1] and sketch.min == ordered[0]
+    # zeros (and negative clock steps) count as 0 and sit in a bin of their own
+    zeros = Sketch()
+    zeros.add_many([0, -3.0, 0, 5.0])
+    assert zeros.percentiles() == {"p50": 0, "p90": 5, "p99": 5} and zeros.histogram().zeros == 3
 
 
 def test_orphans_are_the_listed_ids_no_input_names() -> None:
@@ -311,6 +315,14 @@ def test_the_report_is_self_contained(corpus: tuple[Path, Path], tmp_path: Path)
     assert "<script" not in html.lower() and "@import" not in html and "url(" not in html
     assert html.count("<svg") == 8
     assert "Evidence report: enriched.jsonl" in html
+    # what a record says is text, never markup
+    hostile = EvidenceSummary()
+    call = {"model": "<script>alert(1)</script>", "status_code": 200, "dialect": "chat"}
+    hostile.add({"ng_model_call_capture": {"rollout_id": "x", "metrics": {}, "calls": [call]}})
+    page = render_report(hostile, title='<img src="http://evil.example/">')
+    assert "<script" not in page and "<img" not in page and "&lt;script&gt;" in page
+    assert default_report_path("s3://b/runs/enriched.jsonl") == "s3://b/runs/enriched.report.html"
+    assert default_report_path("out.jsonl.gz") == "out.report.html"
 
 
 def test_poor_runs_look_poor_and_good_runs_do_not(corpus: tuple[Path, Path], tmp_path: Path) -> None:
@@ -429,6 +441,26 @@ def test_export_tables_read_back_with_pyarrow(corpus: tuple[Path, Path], tmp_pat
     assert by_id["24-1-a1"]["num_calls"] == 0 and by_id["24-1-a1"]["tokens_total"] is None
     assert by_id["r-1"]["failed_calls"] == 1 and by_id["r-1"]["reward"] == 1.0
     assert pa.compute.sum(rollouts["num_calls"]).as_py() == summary.calls
+
+
+def test_a_malformed_line_stops_the_export_and_leaves_no_table(
+    corpus: tuple[Path, Path], tmp_path: Path
+) -> None:
+    pytest.importorskip("pyarrow")
+    from rollout_capture.export import export_tables
+
+    _, enriched = corpus
+    bad = tmp_path / "bad.jsonl"
+    lines = enriched.read_bytes().splitlines(keepends=True)
+    record = orjson.loads(lines[2])
+    record["ng_model_call_capture"]["calls"][1]["status_code"] = "500"
+    bad.write_bytes(b"".join([*lines[:2], orjson.dumps(record) + b"\n", *lines[3:]]))
+    out = tmp_path / "out"
+    with pytest.raises(
+        EvidenceShapeError, match=r"bad\.jsonl:3: ng_model_call_capture\.calls\[1\]\.status_code"
+    ):
+        export_tables(bad, out / "calls.parquet", out / "rollouts.parquet")
+    assert list(out.iterdir()) == []  # neither table, nor a temporary file
 
 
 def test_export_without_pyarrow_names_the_extra(tmp_path: Path) -> None:
