@@ -54,4 +54,4 @@ sample: setup
 	$(BIN)/python examples/build_sample.py
 
 clean:
-	rm -rf out build dist benchmarks/_corpus benchmarks/results .pytest_cache .ruff_cache .mypy_cache
+	rm -rf out build dist site benchmarks/_corpus benchmarks/results .pytest_cache .ruff_cache .mypy_cache
