@@ -28,7 +28,14 @@ from rollout_capture.flows.report import (
     show_core_logs,
     start_progress,
 )
-from rollout_capture.flows.runners import Runner, api_shared_with_workers, effective_workers, make_task_runner
+from rollout_capture.flows.runners import (
+    REMOTE,
+    Runner,
+    api_shared_with_workers,
+    check_runner,
+    effective_workers,
+    make_task_runner,
+)
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
 from rollout_capture.rollout_files import (
     OutputSpool,
@@ -40,6 +47,7 @@ from rollout_capture.rollout_files import (
 from rollout_capture.store import end_scope
 from rollout_capture.tasks.capture import BatchInput, BatchOutput, check_capture_dir, merge_batch
 from rollout_capture.tasks.rollout_files import read_rollouts, write_enriched
+from rollout_capture.worker_pool import absolute_location, sees_capture_root
 
 DEFAULT_BATCH_SIZE = 1000
 
@@ -69,14 +77,18 @@ def enrich_to_spool(
     storage_options: dict[str, Any] | None,
     credentials_block: str | None,
     between_batches: Callable[[], None] | None = None,
+    ray_address: str | None = None,
 ) -> Spooled:
     """Everything of an enrichment but publishing, inside the calling flow run.
 
     The caller publishes the spool (or discards it); on failure nothing is left behind.
     ``between_batches`` runs after each batch is spooled and may raise to stop early.
     The batches share one listing of an object-store capture root (the flow run's scope).
+    A local capture dir is made absolute here: batches may run where the working directory differs.
     """
+    check_runner(runner, dask_address, ray_address)
     check_inputs(capture_dir, storage_options)
+    capture_dir = absolute_location(capture_dir)
     check_capture_dir(capture_dir, storage_options, credentials_block, allow_empty)
     refuse_unsafe_output(target, storage_options)  # before reading anything: a link there is refused
     staged = read_rollouts(rollouts, storage_options, credentials_block)
@@ -107,10 +119,12 @@ def enrich_to_spool(
             "worker_processes": workers if runner == "processes" else 0,
             "parts_dir": parts_dir,
             "scope": scope,
+            # A worker that does not see what this process sees fails its batch, naming itself.
+            "capture_root_seen": sees_capture_root(capture_dir),
         }
         with (
             api_shared_with_workers(runner),
-            make_task_runner(runner, workers, dask_address) as task_runner,
+            make_task_runner(runner, workers, dask_address, ray_address) as task_runner,
         ):
             in_flight: deque[tuple[int, PrefectFuture[BatchOutput]]] = deque()
 
@@ -132,8 +146,8 @@ def enrich_to_spool(
                     between_batches()
 
             for piece in ranges:
-                # Workers elsewhere (Dask) cannot read this machine's files: they get the bytes.
-                blob = piece.read() if runner == "dask" else None
+                # Workers elsewhere (Dask, Ray) cannot read this machine's files: they get the bytes.
+                blob = piece.read() if runner in REMOTE else None
                 parameters = {"batch": BatchInput(lines=piece, blob=blob), **options}
                 in_flight.append((piece.length, task_runner.submit(merge_batch, parameters)))
                 while len(in_flight) > workers:  # bounded: memory stays flat as input grows
@@ -215,6 +229,7 @@ def enrich_rollouts(
     max_workers: Annotated[int, Field(ge=1)] = 8,
     runner: Runner = "threads",
     dask_address: str | None = None,
+    ray_address: str | None = None,
     strict: bool = False,
     allow_empty: bool = False,
     max_gap_share: Annotated[float, Field(ge=0, le=1)] | None = None,
@@ -235,8 +250,10 @@ def enrich_rollouts(
         quiescence_timeout_s: Seconds to wait, per batch, for calls still being written (live claims).
         batch_size: Rollout lines per batch task.
         max_workers: Batches running at once.
-        runner: Where batches run: threads, processes (all cores) or dask.
+        runner: Where batches run: threads, processes (all cores), dask or ray.
         dask_address: The Dask scheduler for runner=dask; default a local cluster.
+        ray_address: The Ray cluster for runner=ray (e.g. head:6379, ray://head:10001); default
+            RAY_ADDRESS, else a local Ray instance.
         strict: Fail on a line that is not a rollout record instead of passing it through.
         allow_empty: Accept a capture dir that does not exist or holds nothing (else the run fails).
         max_gap_share: Above this share of rollouts with a gap, also emit the gaps-exceeded event.
@@ -274,6 +291,7 @@ def enrich_rollouts(
             max_workers=max_workers,
             runner=runner,
             dask_address=dask_address,
+            ray_address=ray_address,
             strict=strict,
             allow_empty=allow_empty,
             storage_options=storage_options,

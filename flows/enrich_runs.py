@@ -22,7 +22,7 @@ from rollout_capture.flows.enrich import DEFAULT_BATCH_SIZE, enrich_to_spool, pu
 from rollout_capture.flows.events import emit_failed
 from rollout_capture.flows.guard import StorageOptions, check_inputs, guarded_flow
 from rollout_capture.flows.report import EnrichSummary, show_core_logs
-from rollout_capture.flows.runners import Runner
+from rollout_capture.flows.runners import Runner, check_runner
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
 from rollout_capture.run_folders import (
     DEFAULT_LEASE_S,
@@ -94,6 +94,8 @@ def enrich_run(
     batch_size: int = DEFAULT_BATCH_SIZE,
     max_workers: int = 8,
     runner: Runner = "threads",
+    dask_address: str | None = None,
+    ray_address: str | None = None,
     heartbeat_s: float | None = None,
     allow_empty: bool = False,
     max_gap_share: float | None = None,
@@ -124,7 +126,8 @@ def enrich_run(
                 batch_size=batch_size,
                 max_workers=max_workers,
                 runner=runner,
-                dask_address=None,
+                dask_address=dask_address,
+                ray_address=ray_address,
                 strict=False,
                 allow_empty=allow_empty,
                 storage_options=storage_options,
@@ -201,6 +204,8 @@ def enrich_run_folder(
     max_gap_share: float | None,
     storage_options: dict[str, Any] | None,
     credentials_block: str | None,
+    dask_address: str | None = None,
+    ray_address: str | None = None,
 ) -> RunOutcome:
     """Take one run and enrich it in its own subflow.
 
@@ -225,6 +230,8 @@ def enrich_run_folder(
             batch_size=batch_size,
             max_workers=max_workers,
             runner=runner,
+            dask_address=dask_address,
+            ray_address=ray_address,
             allow_empty=allow_empty,
             max_gap_share=max_gap_share,
             storage_options=storage_options,
@@ -255,6 +262,8 @@ def enrich_completed_runs(
     batch_size: Annotated[int, Field(ge=1)] = DEFAULT_BATCH_SIZE,
     max_workers: Annotated[int, Field(ge=1)] = 8,
     runner: Runner = "threads",
+    dask_address: str | None = None,
+    ray_address: str | None = None,
     lease_s: Annotated[float, Field(gt=0)] = DEFAULT_LEASE_S,
     max_parallel_runs: Annotated[int, Field(ge=1)] = DEFAULT_MAX_PARALLEL_RUNS,
     full_scan: bool = False,
@@ -279,7 +288,11 @@ def enrich_completed_runs(
         quiescence_timeout_s: Seconds to wait, per batch, for calls still being written (live claims).
         batch_size: Rollout lines per batch task.
         max_workers: Batches running at once, per run.
-        runner: Where batches run: threads, processes (all cores) or dask.
+        runner: Where batches run: threads, processes (all cores), dask or ray.
+        dask_address: The Dask scheduler every run's batches go to (runner=dask); default a
+            local cluster per run.
+        ray_address: The Ray cluster every run's batches go to (runner=ray); default RAY_ADDRESS,
+            else a local Ray instance.
         lease_s: Seconds a run's lease lasts without renewal; a crashed tick's run is free after it.
         max_parallel_runs: Runs enriched at once when a backlog waits.
         full_scan: List every run folder, ignoring the index of runs already enriched.
@@ -309,6 +322,7 @@ def enrich_completed_runs(
         ```
     """
     show_core_logs()
+    check_runner(runner, dask_address, ray_address)
     check_inputs(capture_dir, storage_options)
     logger = get_run_logger()
     summary = RunsSummary()
@@ -330,6 +344,8 @@ def enrich_completed_runs(
             "batch_size": batch_size,
             "max_workers": max_workers,
             "runner": runner,
+            "dask_address": dask_address,
+            "ray_address": ray_address,
             "allow_empty": allow_empty,
             "max_gap_share": max_gap_share,
             "storage_options": storage_options,

@@ -52,9 +52,16 @@ class RunnerName(StrEnum):
     threads = "threads"
     processes = "processes"
     dask = "dask"
+    ray = "ray"
 
 
 RunnerOpt = Annotated[RunnerName, typer.Option(help="Where batches run.")]
+DaskAddressOpt = Annotated[
+    str | None, typer.Option(help="Dask scheduler for --runner dask (tcp://host:8786); default local.")
+]
+RayAddressOpt = Annotated[
+    str | None, typer.Option(help="Ray cluster for --runner ray (host:6379); default RAY_ADDRESS or local.")
+]
 
 
 class InputError(Exception):
@@ -210,9 +217,25 @@ def _preflight(
     return options
 
 
-def _runner_available(runner: RunnerName) -> None:
+def _runner_available(
+    runner: RunnerName, dask_address: str | None = None, ray_address: str | None = None
+) -> None:
+    """The runner's extra is installed, and a cluster address goes with its runner."""
     if runner is RunnerName.dask and importlib.util.find_spec("prefect_dask") is None:
         raise InputError("--runner dask needs prefect-dask: pip install 'rollout-capture[dask]'")
+    if runner is RunnerName.ray and importlib.util.find_spec("prefect_ray") is None:
+        raise InputError("--runner ray needs prefect-ray: pip install 'rollout-capture[ray]'")
+    _addresses_match(runner, dask_address, ray_address)
+
+
+def _addresses_match(runner: RunnerName, dask_address: str | None, ray_address: str | None) -> None:
+    """A cluster address given for another runner than the chosen one is a mix-up: refused."""
+    for option, address, needs in (
+        ("--dask-address", dask_address, RunnerName.dask),
+        ("--ray-address", ray_address, RunnerName.ray),
+    ):
+        if address and runner is not needs:
+            raise InputError(f"{option} is for --runner {needs.value}; the runner is {runner.value}")
 
 
 def _print_json(value: Any) -> None:
@@ -293,7 +316,7 @@ def _enrich(
     **parameters: Any,
 ) -> None:
     """``enrich`` and ``demo``: check the input, run the flow, print the summary."""
-    _runner_available(runner)
+    _runner_available(runner, parameters.get("dask_address"), parameters.get("ray_address"))
     options = _preflight(
         storage_options,
         credentials_block,
@@ -345,7 +368,8 @@ def enrich(
     batch_size: Annotated[int, typer.Option(min=1)] = 1000,
     max_workers: Annotated[int, typer.Option(min=1)] = 8,
     runner: RunnerOpt = RunnerName.threads,
-    dask_address: Annotated[str | None, typer.Option(help="Dask scheduler; default a local cluster.")] = None,
+    dask_address: DaskAddressOpt = None,
+    ray_address: RayAddressOpt = None,
     quiescence_timeout: Annotated[float, typer.Option(help="Seconds to wait for claimed writes.")] = 10.0,
     allow_empty: AllowEmptyOpt = False,
     max_gap_share: MaxGapShareOpt = None,
@@ -369,6 +393,7 @@ def enrich(
             batch_size=batch_size,
             max_workers=max_workers,
             dask_address=dask_address,
+            ray_address=ray_address,
             strict=strict,
             max_gap_share=max_gap_share,
         )
@@ -473,6 +498,8 @@ def enrich_runs(
     ],
     capture_dir: Annotated[str | None, typer.Option(help="One capture root for all runs.")] = None,
     runner: RunnerOpt = RunnerName.threads,
+    dask_address: DaskAddressOpt = None,
+    ray_address: RayAddressOpt = None,
     max_parallel_runs: Annotated[int, typer.Option(min=1, help="Runs enriched at once.")] = 4,
     lease_s: Annotated[
         float,
@@ -495,7 +522,7 @@ def enrich_runs(
 ) -> None:
     """Enrich every finished, not yet enriched run under RUNS_ROOT (what the schedule runs)."""
     with _exits(as_json):
-        _runner_available(runner)
+        _runner_available(runner, dask_address, ray_address)
         options = _preflight(
             storage_options,
             credentials_block,
@@ -510,6 +537,8 @@ def enrich_runs(
                 runs_root,
                 capture_dir=capture_dir,
                 runner=runner.value,
+                dask_address=dask_address,
+                ray_address=ray_address,
                 max_parallel_runs=max_parallel_runs,
                 lease_s=lease_s,
                 full_scan=full_scan,
@@ -746,6 +775,8 @@ def deploy(
     cron: Annotated[str, typer.Option(help="When the scheduled enrichment runs.")] = "*/15 * * * *",
     capture_dir: Annotated[str | None, typer.Option(help="One capture root for all runs.")] = None,
     runner: RunnerOpt = RunnerName.threads,
+    dask_address: DaskAddressOpt = None,
+    ray_address: RayAddressOpt = None,
     max_workers: Annotated[int, typer.Option(min=1, help="Batches at once, per run.")] = 8,
     max_parallel_runs: Annotated[int, typer.Option(min=1, help="Runs enriched at once.")] = 4,
     storage_options: OptionsOpt = None,
@@ -780,6 +811,11 @@ def deploy(
         }
         if capture_dir:
             parameters["capture_dir"] = capture_dir
+        _addresses_match(runner, dask_address, ray_address)  # the workers have the extras, maybe not here
+        if dask_address:
+            parameters["dask_address"] = dask_address
+        if ray_address:
+            parameters["ray_address"] = ray_address
         if options:
             parameters["storage_options"] = options
         if credentials_block:

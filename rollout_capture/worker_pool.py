@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
+import socket
 import threading
 import uuid
 from collections.abc import Mapping
@@ -58,6 +59,62 @@ def _shutdown_pools() -> None:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
+def absolute_location(url: str) -> str:
+    """A path or URL that means the same on every worker: a local path made absolute here.
+
+    Batches run in processes with working directories of their own (a Dask or Ray worker
+    started in another folder); a relative path would name a different folder there.
+    """
+    if url.startswith("file://"):
+        return "file://" + os.path.abspath(url[len("file://") :])
+    return url if "://" in url else os.path.abspath(url)
+
+
+def where_this_runs() -> str:
+    """This worker, for an error message: its host and process."""
+    return f"{socket.gethostname()} (pid {os.getpid()})"
+
+
+def _local_path(url: str) -> str | None:
+    path = url[len("file://") :] if url.startswith("file://") else url
+    return None if "://" in path else path
+
+
+def sees_capture_root(capture_dir: str) -> bool:
+    """Whether this process sees a local capture root with something in it (else: a URL, or nothing)."""
+    return _capture_root_state(capture_dir) is None and _local_path(capture_dir) is not None
+
+
+def _capture_root_state(capture_dir: str) -> str | None:
+    """What is wrong with a local capture root as this process sees it (None: it holds entries)."""
+    path = _local_path(capture_dir)
+    if path is None:
+        return None  # an object store means the same everywhere
+    try:
+        with os.scandir(path) as entries:
+            return None if next(entries, None) is not None else "is empty"
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as exc:
+        return f"cannot be read ({type(exc).__name__}: {exc.strerror or exc})"
+
+
+def require_capture_root(capture_dir: str) -> None:
+    """On a worker: the local capture root the flow saw must be there, with something in it.
+
+    A worker that cannot see it (a share mounted on the flow's machine only, an empty
+    mount point) would read every rollout as uncaptured and the run would pass; this
+    fails the batch instead, naming the path and the worker.
+    """
+    wrong = _capture_root_state(capture_dir)
+    if wrong is not None:
+        raise FileNotFoundError(
+            f"capture dir {_local_path(capture_dir)} {wrong} on worker {where_this_runs()}, though the "
+            "flow found captures there: mount it at the same path on every worker, or use a URL "
+            "every worker can read"
+        )
+
+
 def _raise_pending(pending: set[str]) -> set[str]:
     raise ClaimsPending(sorted(pending))
 
@@ -81,8 +138,12 @@ def enrich_in_worker(
     """
     try:
         store = shared_store(capture_dir, storage_options, credentials=credentials)
+        try:
+            data = batch.read()
+        except OSError as exc:
+            raise _not_visible("input slice", exc) from None
         blob, lines, stats = enrich_blob(
-            batch.read(),
+            data,
             [store],
             first_line=batch.first_line,
             include_payloads=include_payloads,
@@ -92,8 +153,11 @@ def enrich_in_worker(
             scope=scope,
         )
         part = os.path.join(parts_dir, f"part-{batch.first_line:012d}-{uuid.uuid4().hex[:8]}.jsonl")
-        with open(part, "wb") as out:
-            out.write(blob)
+        try:
+            with open(part, "wb") as out:
+                out.write(blob)
+        except FileNotFoundError as exc:
+            raise _not_visible("parts dir", exc) from None
         return part, lines, stats
     except ClaimsPending:
         raise
@@ -103,3 +167,10 @@ def enrich_in_worker(
         if type(exc).__module__ == "builtins":
             raise
         raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
+
+
+def _not_visible(what: str, exc: OSError) -> OSError:
+    """The worker's error for a file of the flow it cannot reach, naming the file and the worker."""
+    return type(exc)(
+        exc.errno, f"{what} not readable on worker {where_this_runs()}: {exc.strerror}", exc.filename
+    )

@@ -23,7 +23,7 @@ from rollout_capture.rollout_files import LineRange
 from rollout_capture.store import CaptureStore, shared_store
 from rollout_capture.tasks.credentials import access_denied_names, credentials_from_block
 from rollout_capture.tasks.retry import storage_retries
-from rollout_capture.worker_pool import ClaimsPending, enrich_in_worker, worker_pool
+from rollout_capture.worker_pool import ClaimsPending, enrich_in_worker, require_capture_root, worker_pool
 
 
 def capture_store(
@@ -223,13 +223,15 @@ def merge_batch(
     worker_processes: int = 0,
     parts_dir: str | None = None,
     scope: ListingScope | None = None,
+    capture_root_seen: bool = False,
 ) -> BatchOutput:
     """Enrich one batch of rollout lines; rollouts still claimed are awaited in a nested task.
 
     With ``worker_processes``, the CPU-bound merge runs in this process's pool of that
     many workers, which write their output to part files in ``parts_dir``; the task run
     (its retries, its nested wait) stays here, in the UI. The batches of one ``scope``
-    (the flow run) share one listing of an object-store capture root.
+    (the flow run) share one listing of an object-store capture root. ``capture_root_seen``:
+    the flow found captures in this local dir, so a worker that does not fails, naming itself.
 
     Examples:
         Merge the first five lines of the bundled sample, as one batch of ``enrich_rollouts``:
@@ -269,6 +271,8 @@ def merge_batch(
         )
         return set(still or ())
 
+    if capture_root_seen:
+        require_capture_root(capture_dir)
     with access_denied_names(credentials_block):
         if worker_processes:
             if parts_dir is None:
