@@ -377,6 +377,9 @@ CUT_ANSWERS: list[tuple[str, bool, tuple[int, str]]] = [
     ("scripted-abort-500", True, (500, "upstream_error")),
     ("scripted-cut-body", False, (200, "incomplete")),
 ]
+# The scripts that raise in the app to drop their connection. Under the middleware the app itself
+# raised: NeMo Gym's rule, ``exception`` (an error status keeps its own category).
+RAISING = frozenset({"scripted-abort", "scripted-abort-500", "scripted-cut-body"})
 
 
 class ScriptAbort(Exception):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 import orjson
@@ -56,7 +56,21 @@ async def send_json_error(send: Send, status: int, message: str, kind: str) -> N
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def route_or_refuse(scope: Scope, send: Send, *, every_path: bool = False) -> Route | None:
+def scope_method(scope: Scope) -> str:
+    """The request's method; a scope without one (NeMo Gym's hand-built test scopes) is taken as
+    a POST, as NeMo Gym's capture takes the model paths whatever the method."""
+    method = scope.get("method")
+    return method if isinstance(method, str) else "POST"
+
+
+def scope_headers(scope: Scope) -> Headers:
+    """The request's headers (none when the scope has no ``headers``)."""
+    return list(scope.get("headers") or ())
+
+
+async def route_or_refuse(
+    scope: Scope, send: Send, *, every_path: bool = False, verify_paths: Sequence[str] = ()
+) -> Route | None:
     """The route of an HTTP request, or None once a bad rollout id or a path that would not go
     where it says (dot segments, encoded slashes) has been answered with 400.
 
@@ -64,7 +78,9 @@ async def route_or_refuse(scope: Scope, send: Send, *, every_path: bool = False)
     under its upstream's base path; the middleware hands them to its app untouched).
     """
     try:
-        found = route(scope["method"], scope["path"], scope.get("raw_path"))
+        found = route(
+            scope_method(scope), scope.get("path") or "/", scope.get("raw_path"), verify_paths=verify_paths
+        )
         if every_path and found.rollout_id is None:
             check_forward_path(found.raw_path)
         return found

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from enum import StrEnum
 from typing import Any
 
@@ -77,3 +78,62 @@ def category_for_stream_error(error: Any) -> ErrorCategory:
         if isinstance(code, int) and not isinstance(code, bool):
             return category_for_status(code) or ErrorCategory.UPSTREAM_ERROR
     return ErrorCategory.UPSTREAM_ERROR
+
+
+def category_for_exception(exc: BaseException) -> ErrorCategory:
+    """The category of an exception the model server raised, by NeMo Gym's rule (so that the same
+    failure reads the same whichever capture recorded it): a cancel is ``cancelled``; a
+    ``TimeoutError`` or a type whose name says ``timeout`` (httpx's ``ReadTimeout``, aiohttp's
+    ``ServerTimeoutError``, openai's ``APITimeoutError``) is ``timeout``; a type whose name says
+    ``conn`` (``ConnectionError``, httpx's ``ConnectError``, aiohttp's ``ClientConnectorError``) is
+    ``connection``; anything else ``exception``."""
+    if isinstance(exc, asyncio.CancelledError):
+        return ErrorCategory.CANCELLED
+    if isinstance(exc, TimeoutError):
+        return ErrorCategory.TIMEOUT
+    name = type(exc).__name__.lower()
+    if "timeout" in name:
+        return ErrorCategory.TIMEOUT
+    if "conn" in name:
+        return ErrorCategory.CONNECTION
+    return ErrorCategory.EXCEPTION
+
+
+def _attribute(value: Any, name: str) -> Any:
+    """``value.name``, or None when reading it fails (a lazy response may raise when touched)."""
+    try:
+        return getattr(value, name, None)
+    except Exception:
+        return None
+
+
+def exception_http_answer(exc: BaseException) -> tuple[int | None, bytes]:
+    """The HTTP answer an exception carries, as NeMo Gym reads it: ``(status, body)``.
+
+    SDK status errors (openai's ``APIStatusError``, httpx's ``HTTPStatusError``, aiohttp's
+    ``ClientResponseError``) carry the status another upstream answered the server, as ``status``,
+    ``status_code`` or ``response.status_code``; the body as ``response_content``,
+    ``response.content`` or ``response.text``. Never raises: what cannot be read is left out
+    ``(None, b"")`` and the exception is then classified by its type alone.
+    """
+    response = _attribute(exc, "response")
+    status = _attribute(exc, "status")
+    if not _is_status(status):
+        status = _attribute(exc, "status_code")
+    if not _is_status(status) and response is not None:
+        status = _attribute(response, "status_code")
+    body = _attribute(exc, "response_content")
+    if body is None and response is not None:
+        body = _attribute(response, "content")
+        if body is None:
+            body = _attribute(response, "text")
+    if isinstance(body, str):
+        body = body.encode("utf-8", "replace")
+    return (
+        status if _is_status(status) else None,
+        bytes(body) if isinstance(body, bytes | bytearray) else b"",
+    )
+
+
+def _is_status(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from rollout_capture.producer.asgi import Receive, Scope, read_body
-from rollout_capture.producer.classify import ErrorCategory, category_for_status
+from rollout_capture.producer.classify import (
+    ErrorCategory,
+    category_for_exception,
+    category_for_status,
+    exception_http_answer,
+)
 from rollout_capture.producer.routing import VERIFIER_HEADER, Dialect, Route, header
 from rollout_capture.producer.settings import ProducerSettings
 from rollout_capture.producer.streams import JsonObject, StreamRelay
@@ -178,12 +183,24 @@ class Exchange:
         if self._ended is None:
             self._ended = time.perf_counter()
 
-    def server_failed(self) -> None:
-        """The server raised: an ``exception`` before its answer began, an answer broken off after."""
+    def server_failed(self, exc: BaseException) -> None:
+        """The server raised, before its answer began or in its middle: classified as NeMo Gym does.
+
+        The status of the answer begun, else the one the exception carries (an SDK status error
+        the server let through), decides by spec 5's rules; below 400 the exception's type does
+        (``timeout``, ``connection``, else ``exception``). An answer begun keeps what came (a
+        stream its partial response); one the exception carries is the row's response.
+        """
         if self.status_code is None:
-            self.failed(ErrorCategory.EXCEPTION)
+            status, body = exception_http_answer(exc)
+            if status is not None:
+                self.status_code = status
+                if body:
+                    self._body_size = len(body)
+                    self._body[:] = body[: self.max_body_bytes]
         else:
-            self.broke_off()
+            self.broken = True  # a body cut short is no JSON to read
+        self.failed(category_for_status(self.status_code) or category_for_exception(exc))
 
     # ------------------------------------------------------------------ lifecycle (spec 3, 11)
 
@@ -219,15 +236,16 @@ class Exchange:
     def _response(self) -> tuple[JsonObject | None, str | None, bool, ErrorCategory | None]:
         """(response, response_raw, cut, what reading it showed) from the upstream's body."""
         if self.relay is not None:
+            # NeMo Gym's order: an error the stream reported (even as its first event, before any
+            # response object), then a missing terminal event, then a stream that could not be
+            # rebuilt (a chat stream of no chat chunk), then events that could not be read.
             response = self.relay.response()
             raw = _decode(bytes(self._body)) if response is None and self._body else None
-            if response is None and self.relay.events:
-                return None, raw, self.relay.cut, ErrorCategory.CAPTURE_PARSE_ERROR
             if self.relay.assembler.error is not None:
                 return response, raw, self.relay.cut, self.relay.assembler.error
             if not self.relay.complete:
                 return response, raw, self.relay.cut, ErrorCategory.STREAM_TRUNCATED
-            if self.relay.unparsed_events:  # the response lacks what those events said
+            if response is None or self.relay.unparsed_events:  # the response lacks what they said
                 return response, raw, self.relay.cut, ErrorCategory.CAPTURE_PARSE_ERROR
             return response, raw, self.relay.cut, None
         if self.broken:  # a body cut short is no JSON to read
@@ -301,7 +319,7 @@ async def start_exchange(
     client left before its request was whole, so no call was made and nothing is written.
     """
     assert found.rollout_id is not None and found.dialect is not None
-    verifier = header(scope["headers"], VERIFIER_HEADER)
+    verifier = header(scope.get("headers") or (), VERIFIER_HEADER)
     exchange = Exchange(
         found.rollout_id,
         found.dialect,

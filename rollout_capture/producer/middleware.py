@@ -19,8 +19,10 @@ from rollout_capture.producer.asgi import (
     Receive,
     Scope,
     Send,
+    read_body,
     replace_header,
     route_or_refuse,
+    scope_headers,
     send_json_error,
 )
 from rollout_capture.producer.classify import (
@@ -29,10 +31,18 @@ from rollout_capture.producer.classify import (
     invalid_status_message,
     is_valid_status,
 )
-from rollout_capture.producer.exchange import start_exchange
-from rollout_capture.producer.routing import Route
+from rollout_capture.producer.exchange import Exchange, start_exchange
+from rollout_capture.producer.routing import VERIFIER_HEADER, Route, header
 from rollout_capture.producer.settings import ProducerSettings
-from rollout_capture.producer.writer import writer_for
+from rollout_capture.producer.verifier import (
+    VerifierCall,
+    VerifierExchange,
+    new_invocation_id,
+    reset_verifier_call,
+    rollout_of_verify_body,
+    set_verifier_call,
+)
+from rollout_capture.producer.writer import CaptureWriter, writer_for
 
 logger = logging.getLogger("rollout_capture.producer")
 
@@ -57,6 +67,7 @@ class CaptureMiddleware:
         storage_options: dict[str, Any] | None = None,
         layout: str | None = None,
         io_threads: int | None = None,
+        enabled: bool | None = None,
         settings: ProducerSettings | None = None,
     ) -> None:
         self.app = app
@@ -69,48 +80,103 @@ class CaptureMiddleware:
                 storage_options=storage_options,
                 layout=layout,
                 io_threads=io_threads,
+                enabled=enabled,
             )
         self.settings = settings
-        self.writer = writer_for(settings)
+        # Capture off: the prefix is still stripped and the call forwarded; nothing is opened.
+        self.writer: CaptureWriter | None = writer_for(settings) if settings.enabled else None
+        self._verify_paths = settings.verify_paths if settings.enabled else ()
+
+    def close(self) -> None:
+        """Finish the capture writes in flight, then stop the writer's threads (a lifespan
+        shutdown does this too; a later call starts them again)."""
+        if self.writer is not None:
+            self.writer.wait_idle(_DRAIN_ON_SHUTDOWN_S)
+            self.writer.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
+        kind = scope.get("type")
+        if kind == "lifespan":
             await self.app(scope, receive, self._lifespan_send(send))
             return
-        if scope["type"] != "http":
+        if kind != "http":
             await self.app(scope, receive, send)
             return
-        found = await route_or_refuse(scope, send)
+        found = await route_or_refuse(scope, send, verify_paths=self._verify_paths)
         if found is None:
             return
-        if found.rollout_id is None:
+        if found.rollout_id is None and not found.verify:
             await self.app(scope, receive, send)
             return
-        inner = {**scope, "path": found.path, "raw_path": found.raw_path}
-        if not found.captured:
+        inner = {**scope, "path": found.path, "raw_path": found.raw_path} if found.rollout_id else scope
+        if self.writer is None or not (found.captured or found.verify):
             await self.app(inner, receive, send)
             return
-        await self._captured(inner, found, receive, send)
+        if found.verify:
+            await self._verify(inner, found, receive, send, self.writer)
+            return
+        started = await start_exchange(inner, found, receive, self.settings)
+        if started is None:
+            return  # the client left before its request was whole: no call was made
+        await self._captured(inner, receive, send, self.writer, *started)
 
     def _lifespan_send(self, send: Send) -> Send:
         async def wrapped(message: Message) -> None:
-            if message["type"] == "lifespan.shutdown.complete":  # rows of calls cut by the stop land first
-                await asyncio.to_thread(self.writer.wait_idle, _DRAIN_ON_SHUTDOWN_S)
+            if message["type"] == "lifespan.shutdown.complete" and self.writer is not None:
+                # Rows of calls cut by the stop land first; then the writer's threads stop.
+                await asyncio.to_thread(self.close)
             await send(message)
 
         return wrapped
 
-    async def _captured(self, scope: Scope, found: Route, receive: Receive, send: Send) -> None:
-        started = await start_exchange(scope, found, receive, self.settings)
-        if started is None:
-            return  # the client left before its request was whole: no call was made
-        exchange, forward, whole, body = started
-        headers: Headers = list(scope["headers"])
+    async def _verify(
+        self, scope: Scope, found: Route, receive: Receive, send: Send, writer: CaptureWriter
+    ) -> None:
+        """A verify call: recorded as a ``verifier_invocation`` row of the rollout it grades."""
+        body, whole, gone = await read_body(receive, self.settings.max_body_bytes)
+        if gone:
+            return
+        rollout_id = found.rollout_id or rollout_of_verify_body(body, whole)
+        headers = scope_headers(scope)
+        if rollout_id is None:  # no rollout to file it under: forwarded as it came
+            await self.app(scope, _replay(body, whole, receive), send)
+            return
+        given = header(headers, VERIFIER_HEADER)
+        invocation_id = given.decode("latin-1") if given else new_invocation_id()
+        exchange = VerifierExchange(
+            rollout_id,
+            invocation_id,
+            server_name=self.settings.server_name,
+            max_body_bytes=self.settings.max_body_bytes,
+        )
+        forward = exchange.prepare_request(body, whole=whole)
+        scope = {
+            **scope,
+            "headers": replace_header(headers, VERIFIER_HEADER, invocation_id.encode("latin-1")),
+        }
+        token = set_verifier_call(VerifierCall(rollout_id, invocation_id))
+        try:
+            await self._captured(scope, receive, send, writer, exchange, forward, whole, body)
+        finally:
+            reset_verifier_call(token)
+
+    async def _captured(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        writer: CaptureWriter,
+        exchange: Exchange,
+        forward: bytes,
+        whole: bool,
+        body: bytes,
+    ) -> None:
+        headers: Headers = scope_headers(scope)
         if forward is not body:
             headers = replace_header(headers, b"content-length", str(len(forward)).encode())
         # The app is asked for an uncompressed answer: the row needs readable bytes.
         scope["headers"] = replace_header(headers, b"accept-encoding", b"identity")
-        await exchange.claim(self.writer)
+        await exchange.claim(writer)
         replayed = False
         client_gone = False
         refused: int | None = None  # a status no server can send: the client gets a 502 instead
@@ -153,7 +219,7 @@ class CaptureMiddleware:
                 if kind == "http.response.body":
                     exchange.body(message.get("body", b""))
                     if not message.get("more_body", False) and not answered:
-                        await exchange.complete(self.writer)
+                        await exchange.complete(writer)
                         await refuse()
                 return
             if kind == "http.response.start":
@@ -178,7 +244,7 @@ class CaptureMiddleware:
                     if now:
                         await forward_send({"type": "http.response.body", "body": now, "more_body": True})
                     return
-                held = await exchange.complete(self.writer)  # durable before the client's last byte
+                held = await exchange.complete(writer)  # durable before the client's last byte
                 await forward_send({"type": "http.response.body", "body": now + held, "more_body": False})
             else:
                 await forward_send(message)
@@ -189,15 +255,29 @@ class CaptureMiddleware:
         except asyncio.CancelledError:
             exchange.failed(ErrorCategory.CANCELLED)
             raise
-        except Exception:
+        except Exception as exc:
             if client_gone:
                 exchange.failed(ErrorCategory.CANCELLED)
             else:
-                exchange.server_failed()
+                exchange.server_failed(exc)
             raise
         finally:
             if client_gone and not exchange.finished:
                 exchange.failed(ErrorCategory.CANCELLED)
-            await exchange.close(self.writer)  # an app that returned early: its answer broke off
+            await exchange.close(writer)  # an app that returned early: its answer broke off
             if refused is not None and not answered and not client_gone:
                 await refuse()
+
+
+def _replay(body: bytes, whole: bool, receive: Receive) -> Receive:
+    """``receive`` with the body already read handed out first."""
+    replayed = False
+
+    async def inner() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": not whole}
+        return await receive()
+
+    return inner

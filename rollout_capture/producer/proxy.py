@@ -27,6 +27,8 @@ from rollout_capture.producer.asgi import (
     Send,
     read_body,
     route_or_refuse,
+    scope_headers,
+    scope_method,
     send_json_error,
 )
 from rollout_capture.producer.classify import (
@@ -39,7 +41,7 @@ from rollout_capture.producer.exchange import Exchange, start_exchange
 from rollout_capture.producer.routing import Route, header
 from rollout_capture.producer.settings import ProxySettings
 from rollout_capture.producer.upstream import Upstream, UpstreamError, UpstreamResponse, open_upstream
-from rollout_capture.producer.writer import writer_for
+from rollout_capture.producer.writer import CaptureWriter, writer_for
 
 logger = logging.getLogger("rollout_capture.producer")
 
@@ -108,7 +110,8 @@ class CaptureProxy:
 
     def __init__(self, settings: ProxySettings) -> None:
         self.settings = settings
-        self.writer = writer_for(settings)
+        # Capture off: the prefix is still stripped and every call forwarded; nothing is opened.
+        self._writer: CaptureWriter | None = writer_for(settings) if settings.enabled else None
         self._client: Upstream | None = None
         _install_log_filter()
 
@@ -126,6 +129,18 @@ class CaptureProxy:
         )
 
     @property
+    def writer(self) -> CaptureWriter:
+        """The capture writer (only a proxy that captures has one)."""
+        if self._writer is None:
+            raise RuntimeError("capture is off (enabled=false): the proxy writes nothing")
+        return self._writer
+
+    def close_writer(self) -> None:
+        """Stop the capture writer's threads (after the writes in flight), if capture is on."""
+        if self._writer is not None:
+            self._writer.close()
+
+    @property
     def client(self) -> Upstream:
         """The one pooled upstream client (made on first use when no lifespan ran)."""
         if self._client is None:
@@ -137,7 +152,8 @@ class CaptureProxy:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
-        await asyncio.to_thread(self.writer.wait_idle, self.settings.shutdown_grace_s)
+        if self._writer is not None:
+            await asyncio.to_thread(self._writer.wait_idle, self.settings.shutdown_grace_s)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -163,7 +179,7 @@ class CaptureProxy:
         found = await route_or_refuse(scope, send, every_path=True)
         if found is None:
             return
-        if found.captured:
+        if found.captured and self._writer is not None:
             await self._captured(scope, found, receive, send)
         else:
             await self._passthrough(scope, found, receive, send)
@@ -175,16 +191,16 @@ class CaptureProxy:
         if captured:
             # A body read whole may have been rewritten (usage asked for): the client sets its length.
             dropped = _CAPTURED_WHOLE_NOT_FORWARDED if isinstance(content, bytes) else _CAPTURED_NOT_FORWARDED
-            sent = [(k, v) for k, v in scope["headers"] if k.lower() not in dropped]
+            sent = [(k, v) for k, v in scope_headers(scope) if k.lower() not in dropped]
             sent.append((b"accept-encoding", b"identity"))  # the row needs readable bytes
         else:
-            sent = [(k, v) for k, v in scope["headers"] if k.lower() not in _NOT_FORWARDED]
+            sent = [(k, v) for k, v in scope_headers(scope) if k.lower() not in _NOT_FORWARDED]
         query: bytes = scope.get("query_string") or b""
         target = found.raw_path.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
-        return await self.client.send(scope["method"], target, sent, content, decode=captured)
+        return await self.client.send(scope_method(scope), target, sent, content, decode=captured)
 
     async def _passthrough(self, scope: Scope, found: Route, receive: Receive, send: Send) -> None:
-        headers = scope["headers"]
+        headers = scope_headers(scope)
         streamed = any(k.lower() in (b"content-length", b"transfer-encoding") for k, _ in headers)
         content: bytes | _BodyStream
         if streamed:
@@ -204,7 +220,7 @@ class CaptureProxy:
         if not is_valid_status(response.status):
             await response.aclose()
             logger.warning(
-                "upstream answered status %d to %s %s", response.status, scope["method"], found.path
+                "upstream answered status %d to %s %s", response.status, scope_method(scope), found.path
             )
             await send_json_error(send, 502, invalid_status_message(response.status), INVALID_STATUS_KIND)
             return
@@ -220,7 +236,7 @@ class CaptureProxy:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except UpstreamError as exc:
-            logger.warning("upstream broke off %s %s: %s", scope["method"], found.path, exc.kind)
+            logger.warning("upstream broke off %s %s: %s", scope_method(scope), found.path, exc.kind)
             raise UpstreamBroken(exc.kind) from None
         finally:
             await response.aclose()
@@ -499,7 +515,7 @@ class _WorkerProxy(CaptureProxy):
 
     async def aclose(self) -> None:
         await super().aclose()
-        await asyncio.to_thread(self.writer.close)
+        await asyncio.to_thread(self.close_writer)
 
 
 def _serve_worker(settings_json: str, sock: socket.socket, options: ServerOptions) -> None:
@@ -523,7 +539,7 @@ def _serve_worker(settings_json: str, sock: socket.socket, options: ServerOption
     except KeyboardInterrupt:  # a forced stop (a second SIGINT): uvicorn raises it again once done
         pass
     finally:
-        app.writer.close()  # after a forced stop: no lifespan shutdown ran
+        app.close_writer()  # after a forced stop: no lifespan shutdown ran
     if not server.started:  # its lifespan startup failed
         sys.exit(STARTUP_FAILURE)
 
@@ -552,7 +568,7 @@ def serve_proxy(
     options = ServerOptions(log_level=log_level, access_log=access_log, http=http, loop=loop)
     app = CaptureProxy(settings)  # bad settings fail here, before anything is bound
     if workers > 1:
-        app.writer.close()  # only a check here: each worker opens its own
+        app.close_writer()  # only a check here: each worker opens its own
     sockets = bind_listeners(host, port, workers)
     bound = sockets[0].getsockname()[1]
     if announce is not None:
@@ -585,6 +601,6 @@ def serve_proxy(
     try:
         server.run(sockets=sockets)
     finally:
-        app.writer.close()
+        app.close_writer()
         for sock in sockets:
             sock.close()

@@ -19,6 +19,11 @@ from rollout_capture.identity import validate_rollout_id
 Dialect = Literal["chat", "responses", "messages"]
 
 ROLLOUT_PREFIX = b"/ng-rollout/"
+# NeMo Gym's agents with training-token capture on put this segment after the rollout id; it is
+# stripped with the prefix (the call is captured as any other; token ids are not recorded apart).
+TOKEN_CAPTURE_SEGMENT = b"/training-token-capture"
+# NeMo Gym's resources servers answer a verify call here (a POST whose answer carries ``reward``).
+VERIFY_PATHS: tuple[str, ...] = ("/verify",)
 VERIFIER_HEADER = b"x-rollout-capture-verifier-invocation-id"
 CAPTURED_PATHS: dict[str, Dialect] = {
     "/v1/chat/completions": "chat",
@@ -71,6 +76,9 @@ class Route:
     raw_path: bytes
     rollout_id: str | None = None
     dialect: Dialect | None = None
+    verify: bool = False
+    """A verifier server's verify call (a ``verifier_invocation`` row; the rollout id may come
+    from the body when the path has no prefix)."""
 
     @property
     def captured(self) -> bool:
@@ -78,8 +86,9 @@ class Route:
         return self.dialect is not None
 
 
-def route(method: str, path: str, raw_path: bytes | None) -> Route:
-    """Strip the rollout prefix, if any, and say whether the call is captured.
+def route(method: str, path: str, raw_path: bytes | None, *, verify_paths: Sequence[str] = ()) -> Route:
+    """Strip the rollout prefix (and NeMo Gym's ``/training-token-capture`` segment after it), if
+    any, and say whether the call is captured: a model call, or a POST to one of ``verify_paths``.
 
     Raises :class:`BadRolloutId` when the prefix names an invalid id, :class:`BadPath` when
     the path after it has dot segments or encoded slashes (a path without the prefix is the
@@ -87,7 +96,7 @@ def route(method: str, path: str, raw_path: bytes | None) -> Route:
     """
     raw = raw_path if raw_path is not None else path.encode("utf-8")
     if not raw.startswith(ROLLOUT_PREFIX):
-        return Route(path, raw)
+        return Route(path, raw, verify=method == "POST" and path in verify_paths)
     segment, slash, tail = raw[len(ROLLOUT_PREFIX) :].partition(b"/")
     text = unquote(segment.decode("latin-1"))
     try:
@@ -95,10 +104,13 @@ def route(method: str, path: str, raw_path: bytes | None) -> Route:
     except ValueError:
         raise BadRolloutId(text) from None
     forward_raw = slash + tail if slash else b"/"
+    if forward_raw == TOKEN_CAPTURE_SEGMENT or forward_raw.startswith(TOKEN_CAPTURE_SEGMENT + b"/"):
+        forward_raw = forward_raw[len(TOKEN_CAPTURE_SEGMENT) :] or b"/"
     check_forward_path(forward_raw, raw)
     forward_path = unquote(forward_raw.decode("latin-1"))
-    dialect = CAPTURED_PATHS.get(forward_path) if method == "POST" else None
-    return Route(forward_path, forward_raw, rollout_id, dialect)
+    post = method == "POST"
+    dialect = CAPTURED_PATHS.get(forward_path) if post else None
+    return Route(forward_path, forward_raw, rollout_id, dialect, verify=post and forward_path in verify_paths)
 
 
 def header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | None:

@@ -11,10 +11,11 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollout_capture.claims import DEFAULT_CLAIM_TTL_S
 from rollout_capture.config import check_capture_url
+from rollout_capture.producer.routing import VERIFY_PATHS
 from rollout_capture.secret_options import refuse_secret_options
 
 ENV_PREFIX = "ROLLOUT_CAPTURE_"
@@ -22,6 +23,7 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 # Field name -> environment variable (spec 11 names the first three).
 ENV_NAMES: dict[str, str] = {
+    "enabled": "ROLLOUT_CAPTURE_ENABLED",
     "capture_dir": "ROLLOUT_CAPTURE_DIR",
     "server_name": "ROLLOUT_CAPTURE_SERVER_NAME",
     "claim_ttl_s": "ROLLOUT_CAPTURE_CLAIM_TTL_S",
@@ -39,7 +41,16 @@ class ProducerSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    capture_dir: str = Field(min_length=1, description="Capture root: an absolute local path or fsspec URL.")
+    enabled: bool = Field(
+        True,
+        description=(
+            "Capture on. Off (ROLLOUT_CAPTURE_ENABLED=false), as NeMo Gym's servers run with capture "
+            "disabled: the rollout prefix is still stripped and the call forwarded, nothing is written."
+        ),
+    )
+    capture_dir: str | None = Field(
+        None, min_length=1, description="Capture root: an absolute local path or fsspec URL (needed when on)."
+    )
     server_name: str | None = Field(None, description="The row's model_ref name (null when unset).")
     claim_ttl_s: float = Field(DEFAULT_CLAIM_TTL_S, gt=0, description="Seconds a claim stays live.")
     max_body_bytes: int = Field(
@@ -48,15 +59,37 @@ class ProducerSettings(BaseModel):
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options (no secrets).")
     layout: Literal["auto", "jsonl", "objects"] = "auto"
     io_threads: int = Field(32, ge=1, le=1024, description="Threads writing claims and rows.")
+    verify_paths: tuple[str, ...] = Field(
+        VERIFY_PATHS,
+        description="Paths of a verifier server's verify calls, each recorded as a verifier_invocation row.",
+    )
 
     @field_validator("capture_dir")
     @classmethod
-    def _capture_url(cls, value: str) -> str:
+    def _capture_url(cls, value: str | None) -> str | None:
         """As the core's config (spec 10): a relative path would depend on each server's cwd."""
+        if value is None:
+            return None
         try:
             return check_capture_url(value)
         except ValueError as exc:
             raise ValueError(f"{exc} (set by ROLLOUT_CAPTURE_DIR or --capture-dir)") from None
+
+    @model_validator(mode="after")
+    def _dir_when_on(self) -> ProducerSettings:
+        if self.enabled and self.capture_dir is None:
+            raise ValueError(
+                f"{ENV_NAMES['capture_dir']} is not set (the capture root, a path or URL); "
+                f"{ENV_NAMES['enabled']}=false turns capture off"
+            )
+        return self
+
+    @property
+    def root(self) -> str:
+        """The capture root of a producer that captures (its settings were validated on)."""
+        if self.capture_dir is None:
+            raise ValueError("capture is off: there is no capture root")
+        return self.capture_dir
 
     @field_validator("storage_options")
     @classmethod
@@ -89,8 +122,6 @@ class ProducerSettings(BaseModel):
         """Settings from the environment; explicit ``overrides`` (not None) win."""
         values = cls.env_values(environ)
         values.update({k: v for k, v in overrides.items() if v is not None})
-        if "capture_dir" not in values:
-            raise ValueError(f"{ENV_NAMES['capture_dir']} is not set (the capture root, a path or URL)")
         return cls.model_validate(values)
 
 

@@ -67,10 +67,9 @@ class ChatAssembler:
         )  # top-level keys not seen yet (the first value found stays)
         self._choices: dict[int, JsonObject] = {}
         self._usage: Any = None
-        self._seen = False
+        self._seen = False  # a choice was seen: without one there is no completion to rebuild
 
     def feed(self, event: str | None, data: JsonObject) -> bool:
-        self._seen = True
         if "error" in data or data.get("object") == "error":
             self.error = category_for_stream_error(data.get("error", data))
             return False
@@ -88,6 +87,7 @@ class ChatAssembler:
             self._usage = usage
         for choice in data.get("choices") or ():
             if isinstance(choice, dict):
+                self._seen = True
                 self._feed_choice(choice)
         return False
 
@@ -108,6 +108,9 @@ class ChatAssembler:
             for key, value in delta.items():
                 if key == "tool_calls" and isinstance(value, list):
                     self._feed_tool_calls(message, value)
+                elif key == "reasoning":  # vLLM's name; the message says reasoning_content (NeMo Gym's)
+                    if "reasoning_content" not in delta:
+                        _append(message, "reasoning_content", value)
                 else:
                     _append(message, key, value)
         logprobs = choice.get("logprobs")
@@ -174,6 +177,8 @@ class ResponsesAssembler:
             if kind == "response.failed":
                 failed = response.get("error") if isinstance(response, dict) else None
                 self.error = category_for_stream_error(failed)
+            elif kind == "response.incomplete":  # cut by the model (max_output_tokens...), as NeMo Gym says
+                self.error = ErrorCategory.INCOMPLETE
             if self.lean and isinstance(self._response, dict):
                 self._response = {**self._response, "output": []}
             return True

@@ -55,21 +55,18 @@ class _Threads:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
-        self._closed = False
 
     def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """Run ``fn(*args)`` on a thread; the returned future of the running loop has its outcome."""
-        if len(self._threads) < self._count:
-            self._start()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        self._queue.put((loop, future, fn, args))
+        self._queue.put((loop, future, fn, args))  # queued before a close's stop: it still runs
+        if len(self._threads) < self._count:
+            self._start()
         return future
 
     def _start(self) -> None:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the capture writer is closed")
+        with self._lock:  # after a close (a lifespan that ended, then more calls): threads again
             while len(self._threads) < self._count:
                 thread = threading.Thread(
                     target=self._run, name=f"{self._name}_{len(self._threads)}", daemon=True
@@ -93,10 +90,15 @@ class _Threads:
                 loop.call_soon_threadsafe(_settle, future, result, error)
             del job, future, result, error
 
+    @property
+    def running(self) -> int:
+        """How many threads are started (none before the first call, none after :meth:`close`)."""
+        return len(self._threads)
+
     def close(self) -> None:
-        """Finish every call already submitted, then stop the threads."""
+        """Finish every call already submitted, then stop the threads (a later call starts them
+        again: a capture never fails because its producer's lifespan ended first)."""
         with self._lock:
-            self._closed = True
             threads, self._threads = self._threads, []
         for _ in threads:
             self._queue.put(None)
@@ -273,6 +275,11 @@ class CaptureWriter:
         with self._idle:
             return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
 
+    @property
+    def threads_running(self) -> int:
+        """How many writer threads are started now."""
+        return self._threads.running
+
     def close(self) -> None:
         """Finish every write already started, then stop the threads."""
         self._threads.close()
@@ -280,7 +287,5 @@ class CaptureWriter:
 
 def writer_for(settings: ProducerSettings) -> CaptureWriter:
     """The writer of the settings' capture root (its store, claim TTL and threads)."""
-    store = CaptureStore(
-        settings.capture_dir, storage_options=settings.storage_options, layout=settings.layout
-    )
+    store = CaptureStore(settings.root, storage_options=settings.storage_options, layout=settings.layout)
     return CaptureWriter(store, claim_ttl_s=settings.claim_ttl_s, io_threads=settings.io_threads)
