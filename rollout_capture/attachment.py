@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 ATTACHMENT_KEY = "ng_model_call_capture"
 OBSERVATIONS_KEY = "ng_agent_observations"
+OWNERS_KEY = "metrics_by_owner"
 
 GAP_NO_RECORDS = "model_call_capture_no_records"
 GAP_RECORDS_UNREADABLE = "model_call_capture_records_unreadable"
@@ -78,21 +79,37 @@ def build_attachment(
                 gaps.append(_gap(GAP_PENDING, f"count={len(live)}"))
             elif expired:
                 gaps.append(_gap(GAP_CLAIM_ABANDONED, f"count={len(expired)}"))
+    judged = [call for call in calls if call["verifier_invocation_id"]] if calls else []
     if verifiers:
-        for call in calls:
-            owner = verifiers.get(call["verifier_invocation_id"] or "")
-            if owner is not None and call["model_call_id"]:
-                owner["model_call_ids"].append(call["model_call_id"])
+        by_invocation: dict[str, list[dict[str, Any]]] = {key: [] for key in verifiers}
+        for call in judged:
+            mine = by_invocation.get(call["verifier_invocation_id"])
+            if mine is not None:
+                mine.append(call)
+                if call["model_call_id"]:
+                    verifiers[call["verifier_invocation_id"]]["model_call_ids"].append(call["model_call_id"])
+        for key, invocation in verifiers.items():
+            invocation["metrics"] = aggregate_call_dicts(by_invocation[key])
     attachment: dict[str, Any] = {
         "rollout_id": rollout_id,
-        "metrics": aggregate_call_dicts(calls),
+        "metrics": aggregate_call_dicts(calls),  # every call, the judges' too: NeMo Gym's metrics
         "calls": calls,
     }
     if gaps:
         attachment["gaps"] = gaps
     if verifiers:
         attachment["verifier_invocations"] = list(verifiers.values())
+    if verifiers or judged:
+        attachment[OWNERS_KEY] = metrics_by_owner(calls, judged)
     return attachment
+
+
+def metrics_by_owner(calls: list[dict[str, Any]], judged: list[dict[str, Any]]) -> dict[str, Any]:
+    """``metrics`` split by whose calls they are: the policy's (no ``verifier_invocation_id``)
+    and the verifiers' (their judge-model calls). Each is the rollout's metrics over those calls
+    only, so the two add up to ``metrics``; the judge's tokens are not the policy's spend."""
+    policy = [call for call in calls if not call["verifier_invocation_id"]]
+    return {"policy": aggregate_call_dicts(policy), "verifiers": aggregate_call_dicts(judged)}
 
 
 def attach(record: dict[str, Any], attachment: dict[str, Any]) -> dict[str, Any]:
@@ -105,10 +122,13 @@ def attach(record: dict[str, Any], attachment: dict[str, Any]) -> dict[str, Any]
             logger.warning("could not join agent observations of %s: %s", attachment["rollout_id"], exc)
             gaps = attachment.pop("gaps", [])
             gaps.append(_gap(GAP_JOIN_FAILED))
-            # Keep key order stable: gaps come before verifier invocations.
+            # Keep key order stable: gaps come before verifier invocations and the owners' metrics.
             verifiers = attachment.pop("verifier_invocations", None)
+            owners = attachment.pop(OWNERS_KEY, None)
             attachment["gaps"] = gaps
             if verifiers is not None:
                 attachment["verifier_invocations"] = verifiers
+            if owners is not None:
+                attachment[OWNERS_KEY] = owners
     record[ATTACHMENT_KEY] = attachment
     return record

@@ -145,8 +145,9 @@ def test_verifier_invocations_last_one_wins_and_own_their_judge_calls(tmp_path: 
         "error_category": None,
         "reward": 1.0,
         "model_call_ids": ["judge-1"],
+        "metrics": {**result["metrics"], "num_calls": 1},  # its judge's calls only (issue 19.11)
     }
-    assert list(result) == ["rollout_id", "metrics", "calls", "verifier_invocations"]
+    assert list(result) == ["rollout_id", "metrics", "calls", "verifier_invocations", "metrics_by_owner"]
 
 
 def test_sample_directory_attachments(tmp_path: Path) -> None:

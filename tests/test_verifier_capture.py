@@ -1,0 +1,184 @@
+"""Capture for verifiers, end to end with the real SDKs (issue 19.11).
+
+A NeMo-Gym-style resources server answers ``POST /verify`` with a ``reward``; its verify handler
+grades the rollout with a judge model, called with the openai SDK through the capture proxy.
+The middleware mounted on the verifier server records one ``verifier_invocation`` row per verify
+call; the attachment keeps NeMo Gym's ``metrics`` (every call, the judge's too) and tells the
+policy's usage from the judge's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from rollout_capture import CaptureStore, merge_model_call_capture_into_record
+from rollout_capture.metrics import METRIC_FIELDS
+from rollout_capture.producer import CaptureMiddleware
+from rollout_capture.producer.proxy import CaptureProxy
+from rollout_capture.producer.settings import ProxySettings
+from rollout_capture.producer.verifier import current_verifier_call
+
+from .producer_calls import API_KEY, sdk_call
+from .scripted_upstream import CHAT
+from .servers import ThreadedServer
+
+POLICY = "policy"
+VERIFIER = "math-verifier"
+JUDGE_USAGE = CHAT["usage"]
+
+
+class Deployment:
+    """The capture proxy in front of the model server (policy and judge), and a verifier server
+    with the middleware mounted, both writing into one capture root."""
+
+    def __init__(self, upstream: str, root: Path) -> None:
+        self.root = root
+        self.proxy = ThreadedServer(
+            CaptureProxy(ProxySettings(upstream=upstream, capture_dir=str(root), server_name=POLICY))
+        )
+        app = Starlette(routes=[Route("/verify", self.verify, methods=["POST"])])
+        app.add_middleware(CaptureMiddleware, capture_dir=str(root), server_name=VERIFIER)
+        self.verifier = ThreadedServer(app)
+        self.headers_seen: list[str | None] = []
+
+    async def verify(self, request: Request) -> JSONResponse:
+        """A resources server's verify: ask a judge model, answer the request with a reward."""
+        body = await request.json()
+        call = current_verifier_call()  # the middleware says which rollout and invocation this is
+        self.headers_seen.append(request.headers.get("x-rollout-capture-verifier-invocation-id"))
+        if body.get("fail"):
+            raise RuntimeError("the verifier failed")
+        if call is None:  # not captured: graded without a judge
+            return JSONResponse({**body, "reward": 0.0})
+        judge = openai.AsyncOpenAI(
+            base_url=call.base_url(self.proxy.url),
+            api_key=API_KEY,
+            default_headers=call.headers,
+            max_retries=0,
+            timeout=30,
+        )
+        async with judge:
+            verdict = await judge.chat.completions.create(
+                model="scripted", messages=[{"role": "user", "content": "Grade this answer."}]
+            )
+        graded = verdict.choices[0].message.tool_calls is not None
+        return JSONResponse({**body, "reward": 1.0 if graded else 0.0})
+
+    def stop(self) -> None:
+        self.verifier.stop()
+        self.proxy.stop()
+
+
+@pytest.fixture
+def deployment(scripted_upstream: tuple[str, Any], tmp_path: Path) -> Iterator[Deployment]:
+    served = Deployment(scripted_upstream[0], tmp_path / "captures")
+    yield served
+    served.stop()
+
+
+def merged(root: Path, task: int, rollout: int) -> dict[str, Any]:
+    record = {"_ng_task_index": task, "_ng_rollout_index": rollout, "reward": 1.0}
+    return merge_model_call_capture_into_record(record, [root])["ng_model_call_capture"]
+
+
+def sums(calls: list[dict[str, Any]], field: str) -> Any:
+    values = [c[field] for c in calls if c[field] is not None]
+    return sum(values) if values else None
+
+
+def test_a_verify_call_and_its_judge_are_recorded_and_told_apart(deployment: Deployment) -> None:
+    # The agent: policy calls through the proxy, then NeMo Gym's verify call (no prefix: the
+    # rollout is named by the verify request, which carries the rollout's indices).
+    sdk_call(deployment.proxy.url, "2-1", "chat", stream=False)
+    sdk_call(deployment.proxy.url, "2-1", "messages", stream=True)
+    verify = {"_ng_task_index": 2, "_ng_rollout_index": 1, "response": {"output": []}}
+    answer = httpx.post(f"{deployment.verifier.url}/verify", json=verify, timeout=60)
+    assert answer.status_code == 200 and answer.json()["reward"] == 1.0
+
+    capture = merged(deployment.root, 2, 1)
+    assert "gaps" not in capture
+    calls = capture["calls"]
+    assert [(c["dialect"], c["verifier_invocation_id"] is None) for c in calls] == [
+        ("chat", True),
+        ("messages", True),
+        ("chat", False),
+    ]
+    judge = calls[2]
+    (invocation,) = capture["verifier_invocations"]
+    assert invocation["verifier_invocation_id"] == judge["verifier_invocation_id"]
+    assert len(invocation["verifier_invocation_id"]) == 32  # generated: the call brought none
+    assert deployment.headers_seen == [invocation["verifier_invocation_id"]]  # handed to the handler
+    assert invocation["verifier_ref"] == {"type": "resources_servers", "name": VERIFIER}
+    assert (invocation["status_code"], invocation["error_category"], invocation["reward"]) == (200, None, 1.0)
+    assert invocation["latency_ms"] > 0 and invocation["started_at"] <= invocation["completed_at"]
+    assert invocation["model_call_ids"] == [judge["model_call_id"]]
+    assert (invocation["metrics"]["tokens_in"], invocation["metrics"]["num_calls"]) == (
+        JUDGE_USAGE["prompt_tokens"],  # type: ignore[index]
+        1,
+    )
+
+    # metrics as NeMo Gym computes them: every call, the judge's included.
+    metrics = capture["metrics"]
+    for field in METRIC_FIELDS:
+        assert metrics[field] == sums(calls, field), field
+    assert metrics["num_calls"] == 3
+    # Beside them, whose tokens they are.
+    owners = capture["metrics_by_owner"]
+    assert owners["policy"]["tokens_in"] == sums(calls[:2], "tokens_in")
+    assert owners["verifiers"]["tokens_in"] == JUDGE_USAGE["prompt_tokens"]  # type: ignore[index]
+    assert (owners["policy"]["num_calls"], owners["verifiers"]["num_calls"]) == (2, 1)
+    for field in ("tokens_in", "tokens_out", "tokens_total"):
+        assert owners["policy"][field] + owners["verifiers"][field] == metrics[field]
+
+
+def test_a_verify_call_under_the_prefix_keeps_its_id_and_a_failed_one_is_recorded(
+    deployment: Deployment,
+) -> None:
+    base = f"{deployment.verifier.url}/ng-rollout/3-0/verify"
+    given = {"X-Rollout-Capture-Verifier-Invocation-Id": "verify-3-0-first"}
+    assert httpx.post(base, json={"response": {}}, headers=given, timeout=60).json()["reward"] == 1.0
+    failed = httpx.post(
+        base, json={"fail": True}, headers={"X-Rollout-Capture-Verifier-Invocation-Id": "v-2"}
+    )
+    assert failed.status_code == 500
+
+    capture = merged(deployment.root, 3, 0)
+    first, second = capture["verifier_invocations"]
+    assert (first["verifier_invocation_id"], first["reward"], first["error_category"]) == (
+        "verify-3-0-first",
+        1.0,
+        None,
+    )
+    assert len(first["model_call_ids"]) == 1
+    assert (second["verifier_invocation_id"], second["status_code"], second["error_category"]) == (
+        "v-2",
+        None,
+        "exception",
+    )
+    assert second["reward"] is None and second["model_call_ids"] == []
+    assert second["metrics"]["num_calls"] == 0 and second["metrics"]["tokens_in"] is None
+    # No policy call: the policy's usage is unknown (null), not zero.
+    assert capture["metrics_by_owner"]["policy"] == {
+        **capture["metrics_by_owner"]["policy"],
+        "tokens_in": None,
+    }
+    rows = CaptureStore(deployment.root).read("3-0")
+    assert [r.get("kind") for r in rows].count("verifier_invocation") == 2
+    assert CaptureStore(deployment.root).claims(["3-0"]) == {}  # released, after the rows
+
+
+def test_a_verify_call_naming_no_rollout_is_forwarded_uncaptured(deployment: Deployment) -> None:
+    answer = httpx.post(f"{deployment.verifier.url}/verify", json={"response": {"id": "r"}}, timeout=60)
+    assert answer.json() == {"response": {"id": "r"}, "reward": 0.0}  # the body reached it whole
+    assert deployment.headers_seen == [None]
+    assert not deployment.root.exists() or list(deployment.root.iterdir()) == []
