@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import re
+import socket
+import subprocess
+import sys
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
@@ -14,6 +19,8 @@ from examples.samples import capture_rows, corpus_records, jsonl_bytes
 from rollout_capture import CaptureStore
 from rollout_capture.flows import enrich_rollouts
 from rollout_capture.layout import jsonl_name
+from rollout_capture.rollout_files import iter_line_ranges
+from rollout_capture.worker_pool import absolute_location, enrich_in_worker
 
 from .conftest import S3
 from .prefect_api import running_task_runs, state_history, task_runs
@@ -21,10 +28,10 @@ from .prefect_api import running_task_runs, state_history, task_runs
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
 
-@pytest.fixture
-def run_dir(tmp_path: Path, corpus_dir: Path) -> Path:
-    captures = tmp_path / "caps"
-    captures.mkdir()
+def write_run(folder: Path, corpus_dir: Path) -> Path:
+    """40 real rollouts with their captures in ``folder/caps``, and one line that is not a record."""
+    captures = folder / "caps"
+    captures.mkdir(parents=True)
     lines = []
     for index, record in enumerate(corpus_records(corpus_dir)[:40]):
         record = {**record, "_ng_task_index": index, "_ng_rollout_index": 0}
@@ -32,8 +39,13 @@ def run_dir(tmp_path: Path, corpus_dir: Path) -> Path:
         (captures / jsonl_name(f"{index}-0")).write_bytes(jsonl_bytes(rows))
         lines.append(orjson.dumps(record))
     lines.insert(7, b"<PLACEHOLDER ROW>")
-    (tmp_path / "rollouts.jsonl").write_bytes(b"\n".join(lines) + b"\n")
-    return tmp_path
+    (folder / "rollouts.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    return folder
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path, corpus_dir: Path) -> Path:
+    return write_run(tmp_path, corpus_dir)
 
 
 def enrich(run_dir: Path, name: str, **options: object) -> bytes:
@@ -134,3 +146,48 @@ def test_a_storage_outage_inside_a_worker_process_is_retried(
     assert proxy.outages == 1 and summary.stats.rollouts == 6 and not summary.stats.gaps
     (merge,) = task_runs(state.state_details.flow_run_id, "merge_batch")
     assert "AwaitingRetry" in state_history(merge.id) and merge.run_count >= 2
+
+
+def test_a_local_capture_dir_is_made_absolute_before_it_travels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert absolute_location("caps") == str(tmp_path / "caps")
+    assert absolute_location("file://caps") == f"file://{tmp_path / 'caps'}"
+    assert absolute_location("s3://bucket/caps") == "s3://bucket/caps"
+    assert absolute_location(str(tmp_path)) == str(tmp_path)
+
+
+def test_a_worker_process_names_itself_and_the_file_it_cannot_reach(run_dir: Path) -> None:
+    """The process pool's worker, given a parts dir or an input slice it cannot see."""
+    batch = next(iter_line_ranges(str(run_dir / "rollouts.jsonl"), 7))
+    where = f"on worker {socket.gethostname()} (pid {os.getpid()})"
+    caps = str(run_dir / "caps")
+    with pytest.raises(FileNotFoundError, match=re.escape(f"parts dir not readable {where}")):
+        enrich_in_worker(batch, str(run_dir / "gone"), caps, None, None, False, False)
+    moved = batch.model_copy(update={"path": str(run_dir / "moved.jsonl")})
+    with pytest.raises(FileNotFoundError, match=re.escape(f"input slice not readable {where}")) as failed:
+        enrich_in_worker(moved, str(run_dir), caps, None, None, False, False)
+    assert failed.value.filename == str(run_dir / "moved.jsonl")
+
+
+def test_a_cluster_address_for_another_runner_is_refused(run_dir: Path) -> None:
+    with pytest.raises(ValueError, match="ray_address is for runner='ray'; runner is 'dask'"):
+        enrich_rollouts(
+            str(run_dir / "rollouts.jsonl"), str(run_dir / "caps"), runner="dask", ray_address="h:1"
+        )
+    for args, message in (
+        (["enrich", "r.jsonl", "-c", "caps", "--ray-address", "h:1"], "--ray-address is for --runner ray"),
+        (
+            ["enrich-runs", ".", "--runner", "ray", "--dask-address", "tcp://h:1"],
+            "--dask-address is for --runner dask",
+        ),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "rollout_capture.cli", *args],
+            cwd=run_dir,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 2 and f"error: {message}; the runner is" in done.stderr, done.stderr
