@@ -460,3 +460,12 @@ async def test_writer_threads_stop_on_lifespan_shutdown_and_on_close(tmp_path: P
     assert len(CaptureStore(tmp_path / "app-0").read("t-late")) == 1
     await asyncio.to_thread(apps[0].close)
     assert _writer_threads() == before
+
+
+async def test_an_sdk_error_whose_answer_is_not_json_keeps_it_raw(tmp_path: Path) -> None:
+    request = httpx.Request("POST", "http://judge/v1/chat/completions")
+    answer = httpx.Response(503, text="upstream busy, try later", request=request)
+    exc = httpx.HTTPStatusError("busy", request=request, response=answer)
+    row = await row_of(tmp_path, raising(exc), body=b'{"model": "m"}')
+    assert (row["status_code"], row["error_category"], row["response"]) == (503, "upstream_error", None)
+    assert row["response_raw"] == "upstream busy, try later"
