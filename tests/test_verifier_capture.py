@@ -23,10 +23,9 @@ from starlette.routing import Route
 
 from rollout_capture import CaptureStore, merge_model_call_capture_into_record
 from rollout_capture.metrics import METRIC_FIELDS
-from rollout_capture.producer import CaptureMiddleware
+from rollout_capture.producer import CaptureMiddleware, current_verifier_call
 from rollout_capture.producer.proxy import CaptureProxy
 from rollout_capture.producer.settings import ProxySettings
-from rollout_capture.producer.verifier import current_verifier_call
 
 from .producer_calls import API_KEY, sdk_call
 from .scripted_upstream import CHAT

@@ -6,5 +6,6 @@ imported here; the middleware needs neither.
 
 from rollout_capture.producer.middleware import CaptureMiddleware
 from rollout_capture.producer.settings import ProducerSettings, ProxySettings
+from rollout_capture.producer.verifier import VerifierCall, current_verifier_call
 
-__all__ = ["CaptureMiddleware", "ProducerSettings", "ProxySettings"]
+__all__ = ["CaptureMiddleware", "ProducerSettings", "ProxySettings", "VerifierCall", "current_verifier_call"]
