@@ -685,9 +685,21 @@ def proxy(
         ),
     ],
     capture_dir: Annotated[
-        str,
-        typer.Option("--capture-dir", "-c", envvar="ROLLOUT_CAPTURE_DIR", help="Capture root: path or URL."),
-    ],
+        str | None,
+        typer.Option(
+            "--capture-dir",
+            "-c",
+            envvar="ROLLOUT_CAPTURE_DIR",
+            help="Capture root: path or URL (needed when on).",
+        ),
+    ] = None,
+    enabled: Annotated[
+        bool,
+        typer.Option(
+            envvar="ROLLOUT_CAPTURE_ENABLED",
+            help="Capture calls; off: strip the /ng-rollout/<id> prefix and forward, writing nothing.",
+        ),
+    ] = True,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0 picks a free one).")] = 8100,
     server_name: Annotated[
@@ -735,6 +747,7 @@ def proxy(
 
         settings = ProxySettings(
             upstream=upstream,
+            enabled=enabled,
             capture_dir=capture_dir,
             server_name=server_name,
             claim_ttl_s=claim_ttl,

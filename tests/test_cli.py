@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -336,3 +337,37 @@ def test_the_proxy_names_its_extra_when_its_http_stack_is_missing(tmp_path: Path
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True)
     assert done.returncode == 2
     assert done.stderr == "error: the proxy needs httptools: pip install 'rollout-capture[proxy]'\n"
+
+
+def test_the_proxy_command_takes_the_capture_switch(
+    scripted_upstream: tuple[str, Any], tmp_path: Path
+) -> None:
+    """``--no-enabled`` (or ROLLOUT_CAPTURE_ENABLED=false) needs no capture dir and writes nothing;
+    capture on without a dir is refused naming the variable and the switch."""
+    import httpx
+
+    base = [sys.executable, "-m", "rollout_capture.cli", "proxy", "--upstream", scripted_upstream[0]]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("ROLLOUT_CAPTURE_")}
+    refused = subprocess.run(base, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "ROLLOUT_CAPTURE_ENABLED=false" in refused.stderr, refused.stderr
+    off = subprocess.Popen(
+        [*base, "--port", "0", "--log-level", "warning"],
+        env={**env, "ROLLOUT_CAPTURE_ENABLED": "false"},
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        assert off.stderr is not None
+        line = off.stderr.readline()
+        url = line.split(" on ", 1)[1].split(" ", 1)[0]
+        answer = httpx.post(
+            f"{url}/ng-rollout/off-1/v1/chat/completions",
+            json={"model": "scripted", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=30,
+        )
+        assert answer.status_code == 200 and answer.json()["object"] == "chat.completion"
+    finally:
+        off.terminate()
+        off.wait(30)
+    assert list(tmp_path.iterdir()) == []
