@@ -4,8 +4,9 @@
 
 Reports: the flow's overhead over the core loop (threads runner, with Prefect's default
 flow-run heartbeats and without); 1 worker versus all cores (process pool); threads /
-processes / Dask on the same corpus with the hash of each output, all timed alike (one
-warm-up run each, heartbeats off, best of three); peak RSS of the flow process for a small
+processes / Dask / Ray on the same corpus with the hash of each output, all timed alike (one
+warm-up run each, heartbeats off, best of three; Dask and Ray on a local cluster of one
+worker per core, started before anything is timed); peak RSS of the flow process for a small
 and a large rollouts input. Runs on Prefect's temporary local server, started once before
 anything is timed.
 """
@@ -120,6 +121,7 @@ def main() -> None:
     parser.add_argument("--big", type=int, default=1_000_000, help="lines of the large RSS input")
     parser.add_argument("--skip-big", action="store_true")
     parser.add_argument("--skip-dask", action="store_true")
+    parser.add_argument("--skip-ray", action="store_true")
     args = parser.parse_args()
 
     rollouts, captures = corpus.build(args.rollouts, repeat=args.repeat)
@@ -176,9 +178,26 @@ def main() -> None:
             runners["dask"] = best(
                 rollouts, captures, "dask.jsonl", runner="dask", dask_address=cluster.scheduler_address
             )
+    if not args.skip_ray:
+        import ray
+
+        # A local Ray instance of one worker per core, as the Dask cluster: the flow uses the
+        # connection this process already has and leaves it open.
+        ray.init(num_cpus=CORES, include_dashboard=False, log_to_driver=False)
+        try:
+            runners["ray"] = best(rollouts, captures, "ray.jsonl", runner="ray")
+        finally:
+            ray.shutdown()
     results["runner_seconds_no_heartbeat"] = {name: round(seconds, 3) for name, seconds in runners.items()}
-    outputs = {"threads": "threads-quiet.jsonl", "processes": "pn.jsonl", "dask": "dask.jsonl"}
-    results["runner_output_sha256"] = {name: digest(work / outputs[name]) for name in runners}
+    outputs = {
+        "threads": "threads-quiet.jsonl",
+        "processes": "pn.jsonl",
+        "dask": "dask.jsonl",
+        "ray": "ray.jsonl",
+    }
+    hashes = {name: digest(work / outputs[name]) for name in runners}
+    results["runner_output_sha256"] = hashes
+    results["runner_outputs_identical"] = len(set(hashes.values())) == 1
 
     if not args.skip_big:
         small = max(1, args.big // 10)

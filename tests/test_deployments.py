@@ -64,7 +64,7 @@ def test_the_deploy_command_registers_the_shipped_deployments(prefect_api: str, 
 
     schema = found["enrich-rollouts"].parameter_openapi_schema["properties"]
     assert schema["batch_size"]["minimum"] == 1 and schema["max_workers"]["minimum"] == 1
-    assert schema["runner"]["enum"] == ["threads", "processes", "dask"]
+    assert schema["runner"]["enum"] == ["threads", "processes", "dask", "ray"]
     assert schema["capture_dir"]["description"].startswith("Where the captures are")
     assert "propertyNames" in str(schema["storage_options"])
 

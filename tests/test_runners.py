@@ -191,3 +191,27 @@ def test_a_cluster_address_for_another_runner_is_refused(run_dir: Path) -> None:
             timeout=120,
         )
         assert done.returncode == 2 and f"error: {message}; the runner is" in done.stderr, done.stderr
+
+
+def test_the_scheduled_deployment_takes_a_cluster_address(prefect_api: str, tmp_path: Path) -> None:
+    """``deploy --runner ray --ray-address``: every tick's runs go to that cluster (a parameter)."""
+    from .test_deployments import deploy, deployments
+
+    done = deploy(
+        prefect_api,
+        "--runs-root",
+        "/data/runs",
+        "--runner",
+        "ray",
+        "--ray-address",
+        "head:6379",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    scheduled = deployments()["enrich-completed-runs"]
+    assert scheduled.parameters["runner"] == "ray" and scheduled.parameters["ray_address"] == "head:6379"
+    schema = scheduled.parameter_openapi_schema["properties"]
+    assert {"dask_address", "ray_address"} <= set(schema)
+    assert "ray" in schema["runner"]["enum"]
+    mixed = deploy(prefect_api, "--runs-root", "/data/runs", "--dask-address", "tcp://s:8786", cwd=tmp_path)
+    assert mixed.returncode == 2 and "--dask-address is for --runner dask" in mixed.stderr, mixed.stderr
