@@ -16,6 +16,7 @@ from prefect.futures import PrefectFuture
 from pydantic import Field
 
 from rollout_capture.config import check_capture_url
+from rollout_capture.flows.prefect_adapter import rebuild
 from rollout_capture.secret_options import SECRET_KEY_WORDS, redact_secret_options, refuse_secret_options
 
 P = ParamSpec("P")
@@ -53,16 +54,18 @@ server never stores such a run; direct calls are redacted before recording (Guar
 
 
 class GuardedFlow(Flow[P, R]):
-    """A flow that redacts secret-looking values from the parameters sent to the API."""
+    """A flow that redacts secret-looking values from the parameters sent to the API.
+
+    Relies on the engine serializing through ``serialize_parameters`` (see prefect_adapter).
+    """
 
     def serialize_parameters(self, parameters: dict[str, Any | PrefectFuture[Any] | State]) -> dict[str, Any]:
         serialized: dict[str, Any] = redact_secret_options(super().serialize_parameters(parameters))
         return serialized
 
     def with_options(self, *args: Any, **kwargs: Any) -> GuardedFlow[P, R]:
-        copy = super().with_options(*args, **kwargs)
-        copy.__class__ = GuardedFlow  # Flow.with_options builds a plain Flow
-        return copy  # type: ignore[return-value]
+        """A copy with new options that still redacts (``Flow.with_options`` builds a plain Flow)."""
+        return rebuild(GuardedFlow, super().with_options(*args, **kwargs))
 
 
 def guarded_flow(**options: Any) -> Callable[[Callable[P, R]], GuardedFlow[P, R]]:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, get_args
 
+from prefect.context import FlowRunContext
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
@@ -139,14 +140,13 @@ def _ray_connection(address: str | None) -> Iterator[None]:
 
 
 def current_api_url() -> str | None:
-    """The API this process talks to: the configured one, or its running temporary server."""
+    """The API this process talks to: the configured one, else (in a flow run on the embedded
+    temporary server) the one the run's own client reports to; None outside any run."""
     configured = PREFECT_API_URL.value()
     if configured:
         return str(configured)
-    from prefect.server.api.server import SubprocessASGIServer
-
-    server = SubprocessASGIServer._instances.get(None)
-    return server.api_url if server is not None and server.running else None
+    context = FlowRunContext.get()
+    return str(context.client.api_url).rstrip("/") if context is not None else None
 
 
 @contextmanager

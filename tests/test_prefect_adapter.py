@@ -1,0 +1,94 @@
+"""Prefect behaviour the flows rely on without a public API for it (flows/prefect_adapter.py).
+
+Each test pins one assumption, so a Prefect upgrade that breaks it fails here by name.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import orjson
+from prefect import Flow
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from rollout_capture.flows.guard import GuardedFlow, guarded_flow
+from rollout_capture.flows.prefect_adapter import FLOW_OPTIONS
+
+from .prefect_api import flow_run
+
+
+def test_every_option_prefect_takes_is_carried_over() -> None:
+    """A new Flow option in a Prefect upgrade would be dropped from the guard's copies."""
+    taken = set(inspect.signature(Flow.__init__).parameters) - {"self"}
+    assert taken == set(FLOW_OPTIONS), f"Flow.__init__ options changed: {sorted(taken ^ set(FLOW_OPTIONS))}"
+    assert set(inspect.signature(Flow.with_options).parameters) - {"self"} <= set(FLOW_OPTIONS)
+
+
+def _hook(*_: Any) -> None:
+    """A state hook (identity is what the copies must keep)."""
+
+
+def test_a_guarded_copy_is_a_guarded_flow_equal_to_prefects_own_copy() -> None:
+    @guarded_flow(name="adapter-original", retries=1, log_prints=True)
+    def original(storage_options: dict[str, Any] | None = None) -> int:
+        return 1
+
+    options: dict[str, Any] = {
+        "name": "adapter-copy",
+        "flow_run_name": "copy {storage_options}",
+        "retries": 3,
+        "task_runner": ThreadPoolTaskRunner(max_workers=3),
+        "timeout_seconds": 30,
+        "on_failure": [_hook],
+    }
+    copy = original.with_options(**options)
+    plain = Flow.with_options(original, **options)
+    assert type(copy) is GuardedFlow and type(plain) is Flow
+    assert vars(copy) == vars(plain)
+
+
+def test_the_engine_records_parameters_as_serialize_parameters_gives_them(prefect_api: str) -> None:
+    @guarded_flow(name="adapter-records")
+    def records(storage_options: dict[str, Any] | None = None) -> int:
+        return 1
+
+    state = records.with_options(flow_run_name="adapter-copy")(
+        storage_options={"token": "hunter2", "anon": False}, return_state=True
+    )
+    recorded = flow_run(state.state_details.flow_run_id).parameters
+    assert "hunter2" not in orjson.dumps(recorded).decode()
+    assert recorded["storage_options"]["anon"] is False
+
+
+_EMBEDDED = """
+import json
+from prefect import flow
+from rollout_capture.flows.runners import api_shared_with_workers, current_api_url
+from prefect.settings import PREFECT_API_URL
+
+@flow
+def probe() -> dict:
+    with api_shared_with_workers("dask"):
+        return {"url": current_api_url(), "shared": PREFECT_API_URL.value()}
+
+print(json.dumps({"outside": current_api_url(), **probe()}))
+"""
+
+
+def test_the_embedded_servers_url_is_found_in_a_run_and_shared_with_workers(tmp_path: Any) -> None:
+    """Without a configured API, remote workers get the URL of this run's temporary server."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", _EMBEDDED], env=env, capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["outside"] is None
+    assert found["url"] and found["shared"] == found["url"]
+    assert found["url"].startswith("http://127.0.0.1:") and found["url"].endswith("/api")
