@@ -10,7 +10,7 @@ shared machine's drift hits all alike. The upstream and the proxy are separate p
 from the load generator, a raw-asyncio HTTP/1.1 client on keep-alive connections. Half the
 calls stream (a chat stream of 13 events); the upstream answers each call after
 ``--delay-ms``. ``--http``/``--loop`` pick uvicorn's server stack for the upstream and the
-proxy alike (a real vLLM runs httptools + uvloop); ``--client`` the proxy's upstream client.
+proxy alike (a real vLLM runs httptools + uvloop).
 
 Prints JSON: per round, latency p50/p99 and first-chunk p50/p99 direct and proxied, the
 added latency, the throughput ratio, and the CPU each process spent per call (from
@@ -474,7 +474,6 @@ def main() -> None:
     parser.add_argument("--light-concurrency", type=int, default=4, help="a second, unsaturated load")
     parser.add_argument("--http", default="httptools", help="uvicorn --http of the upstream and the proxy")
     parser.add_argument("--loop", default="asyncio", help="uvicorn --loop of the upstream and the proxy")
-    parser.add_argument("--client", default=None, help="the proxy's upstream client (its default if unset)")
     parser.add_argument(
         "--workers",
         default="2,4",
@@ -500,8 +499,6 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-proxy-", dir=args.capture_root))
     upstream, upstream_url = start_upstream(args.delay_ms / 1000, args.http, args.loop)
     extra = ["--http", args.http, "--loop", args.loop]
-    if args.client:
-        extra += ["--client", args.client]
     counts = sorted({1, *(int(n) for n in args.workers.split(","))})
     started: dict[str, tuple[subprocess.Popen[str], str]] = {}
     try:
@@ -543,7 +540,7 @@ def main() -> None:
             "upstream_delay_ms": args.delay_ms,
             "streaming_share": 0.5,
             "server": {"http": args.http, "loop": args.loop},
-            "client": args.client or "default",
+            "client": "aiohttp",
             "captures": "JSONL, claim + row (fsync) + release per call",
             "calls_per_rollout": args.calls_per_rollout,
             "capture_filesystem": filesystem_of(work),

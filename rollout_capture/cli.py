@@ -654,7 +654,6 @@ class UpstreamClient(StrEnum):
     """The proxy's upstream client."""
 
     aiohttp = "aiohttp"
-    httpx = "httpx"
 
 
 class Layout(StrEnum):
