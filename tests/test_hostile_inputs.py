@@ -118,8 +118,8 @@ def test_a_failed_read_of_a_gz_input_stays_a_storage_fault(tmp_path: Path) -> No
         def __getattr__(self, name: str) -> object:
             return getattr(self.raw, name)
 
-    tracked = rollout_files._TrackedReads(Failing(open(source, "rb")))  # noqa: SIM115
-    handle = gzip.GzipFile(fileobj=tracked, mode="rb")  # type: ignore[arg-type]
+    tracked = rollout_files._TrackedReads(Failing(open(source, "rb")))  # type: ignore[arg-type]  # noqa: SIM115
+    handle = gzip.GzipFile(fileobj=tracked, mode="rb")
     with pytest.raises(ConnectionResetError):
         handle.read(10)
     assert tracked.failed is not None  # what makes stage_rollouts re-raise it untouched
@@ -292,7 +292,10 @@ def _dead_pid() -> int:
 def test_only_leftovers_of_dead_writers_are_removed(tmp_path: Path) -> None:
     out = tmp_path / "out.jsonl"
     host = rollout_files._HOST
-    nonce = lambda: uuid.uuid4().hex[:12]  # noqa: E731
+
+    def nonce() -> str:
+        return uuid.uuid4().hex[:12]
+
     dead = tmp_path / f".out.jsonl.tmp-{host}-{_dead_pid()}-{nonce()}"
     alive = tmp_path / f".out.jsonl.tmp-{host}-{os.getpid()}-{nonce()}"
     elsewhere = tmp_path / f".out.jsonl.tmp-otherhost-{_dead_pid()}-{nonce()}"  # locked by its writer
