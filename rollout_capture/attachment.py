@@ -53,8 +53,9 @@ def build_attachment(
     elif snap is None:
         gaps.append(_gap(GAP_NO_RECORDS))
     else:
-        damaged = len(snap.damaged)
-        for call_index, row in snap.rows:
+        rows, damage = snap.record_rows(include_payloads)
+        damaged = len(damage)
+        for call_index, row in rows:
             kind = row.get("kind")
             try:
                 if kind is None or kind == "model_call":

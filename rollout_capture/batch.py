@@ -28,6 +28,8 @@ from rollout_capture.identity import rollout_id_of
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
 from rollout_capture.rollout_files import split_lines
 from rollout_capture.store import CaptureDir, CaptureStore, as_store
+from rollout_capture.typed_lines import identify_line
+from rollout_capture.typed_rows import Untyped
 
 logger = logging.getLogger(__name__)
 
@@ -224,8 +226,13 @@ def default_waiter(stores: Sequence[CaptureStore], timeout_s: float, poll_s: flo
 def _identify(line: bytes, number: int, problems: list[LineProblem]) -> tuple[str, bool] | None:
     """``(rollout id, whether merging only adds our key)`` of a line, or None to pass it through.
 
-    The parsed record is dropped at once: a batch holds lines, not parsed records.
+    The parsed record is dropped at once: a batch holds lines, not parsed records. Most
+    lines are read by their identity keys alone (:mod:`rollout_capture.typed_lines`).
     """
+    try:
+        return identify_line(line)
+    except Untyped:
+        pass
     try:
         record = orjson.loads(line)
     except orjson.JSONDecodeError as exc:

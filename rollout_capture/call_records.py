@@ -3,6 +3,8 @@
 The pydantic models are the contract. Building them is the hot path of a merge, so
 :func:`call_record_dict` builds the dumped form directly when every typed field already
 has its canonical type, and defers to pydantic otherwise: same output, same errors.
+Rows read by the typed decoder (:mod:`rollout_capture.typed_rows`) arrive as
+:class:`BuiltCall`, their record already built.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import orjson
+from msgspec import Raw
 from pydantic import BaseModel, Field
 
 PAYLOAD_FIELDS = ("request", "response", "request_raw", "response_raw")
@@ -179,9 +182,15 @@ def extract_token_stats(usage: Any) -> dict[str, int | None]:
 
 
 def parse_arguments(arguments: Any) -> Any:
-    """Tool-call arguments as data: JSON strings parsed, else ``{"_raw": s}``; non-objects ``{}``."""
+    """Tool-call arguments as data: JSON strings parsed, else ``{"_raw": s}``; non-objects ``{}``.
+
+    A typed row holds the value undecoded (``Raw``): it is read here as orjson reads it, and
+    an error is the row's own (raised, so the row is read again the full way).
+    """
     if isinstance(arguments, dict):
         return arguments
+    if type(arguments) is Raw:
+        return parse_arguments(orjson.loads(memoryview(arguments)))
     if isinstance(arguments, str):
         try:
             return orjson.loads(arguments)
@@ -196,9 +205,13 @@ def parse_arguments(arguments: Any) -> Any:
 
 def tool_calls_and_reasoning(response: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
     """Tool calls and reasoning text from the first response shape present."""
+    return calls_and_reasoning(response.get("output"), response.get("choices"), response.get("content"))
+
+
+def calls_and_reasoning(output: Any, choices: Any, content: Any) -> tuple[list[dict[str, Any]], str | None]:
+    """:func:`tool_calls_and_reasoning` of a response's ``output``, ``choices`` and ``content``."""
     calls: list[dict[str, Any]] = []
     reasoning: list[str] = []
-    output = response.get("output")
     if isinstance(output, list):  # Responses
         for item in output:
             if not isinstance(item, dict):
@@ -219,7 +232,6 @@ def tool_calls_and_reasoning(response: Mapping[str, Any]) -> tuple[list[dict[str
                     if isinstance(text, str) and text:
                         reasoning.append(text)
         return calls, "\n".join(reasoning) or None
-    choices = response.get("choices")
     if isinstance(choices, list):  # Chat Completions
         for choice in choices:
             message = choice.get("message") if isinstance(choice, dict) else None
@@ -243,7 +255,6 @@ def tool_calls_and_reasoning(response: Mapping[str, Any]) -> tuple[list[dict[str
             if isinstance(text, str) and text:
                 reasoning.append(text)
         return calls, "\n".join(reasoning) or None
-    content = response.get("content")
     if isinstance(content, list):  # Anthropic Messages
         for block in content:
             if not isinstance(block, dict):
@@ -263,6 +274,22 @@ def tool_calls_and_reasoning(response: Mapping[str, Any]) -> tuple[list[dict[str
     return calls, None
 
 
+class BuiltCall:
+    """A model-call row whose record the typed decoder already built (payloads left out).
+
+    Looks like a row to a reader asking its ``kind`` (a model call); ``record`` is what
+    :func:`call_record_dict` returns for it.
+    """
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        self.record = record
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return default
+
+
 _EMPTY: dict[str, Any] = {}
 _ROW_KEYS = operator.itemgetter(
     "response",
@@ -280,6 +307,11 @@ _ROW_KEYS = operator.itemgetter(
 _PAYLOADS = set(PAYLOAD_FIELDS)
 _FIELDS_WITH_PAYLOADS: dict[str, Any] = dict.fromkeys(ModelCallRecord.model_fields)
 _FIELDS: dict[str, Any] = {k: None for k in _FIELDS_WITH_PAYLOADS if k not in _PAYLOADS}
+
+
+def call_record_fields_template() -> dict[str, Any]:
+    """The fields of a record without payloads, in the model's order, all None (to fill)."""
+    return _FIELDS.copy()
 
 
 def _as_float(value: Any) -> tuple[Any, bool]:
@@ -429,13 +461,18 @@ def build_model_call_record(row: Mapping[str, Any], *, call_index: int) -> Model
 
 
 def call_record_dict(
-    row: Mapping[str, Any], call_index: int, *, include_payloads: bool = True
+    row: Mapping[str, Any] | BuiltCall, call_index: int, *, include_payloads: bool = True
 ) -> dict[str, Any]:
     """``build_model_call_record(row).model_dump()``, built directly when possible.
 
     Payload fields are left out unless ``include_payloads``. Raises ``ValidationError``
-    exactly when :func:`build_model_call_record` does.
+    exactly when :func:`build_model_call_record` does. A :class:`BuiltCall` (read without
+    payloads) gives its record.
     """
+    if type(row) is BuiltCall:
+        record = row.record
+        record["call_index"] = call_index
+        return record
     fields, canonical = _raw_fields(row, call_index, include_payloads)
     if canonical:
         return fields

@@ -11,6 +11,8 @@ from typing import Any
 
 import orjson
 
+from rollout_capture.typed_rows import Untyped, orjson_reads, typed_row
+
 Row = dict[str, Any]
 
 # Object-layout writers tag each body so a retried PUT can recognise its own landed write.
@@ -38,71 +40,164 @@ class CaptureRowError(ValueError):
         self.damage = damage
 
 
-@dataclass(slots=True)
 class ParsedRows:
-    """Rows in read order with their positions, plus what could not be read."""
+    """Rows in read order with their positions, plus what could not be read.
 
-    rows: list[tuple[int, Row]]
-    damaged: list[Damage]
-    positions: int = 0
+    Bytes are kept as added and parsed when first asked for: :attr:`rows` reads every row
+    whole (orjson); :meth:`record_rows` reads them for call records, typed when it can
+    (:mod:`rollout_capture.typed_rows`). Both give the same positions and damage.
+    """
+
+    __slots__ = ("_damaged", "_full", "_parts")
+
+    def __init__(self) -> None:
+        # ("jsonl" | "object", data, source), ("row", row, None), ("damage", damage, None)
+        self._parts: list[tuple[str, Any, str | None]] = []
+        self._full: list[tuple[int, Row]] | None = None
+        self._damaged: tuple[list[Damage], int] | None = None
+
+    def _add(self, part: tuple[str, Any, str | None]) -> None:
+        self._parts.append(part)
+        self._full = self._damaged = None
 
     def add_row(self, row: Row) -> None:
-        self.rows.append((self.positions, row))
-        self.positions += 1
+        self._add(("row", row, None))
 
     def add_damage(self, damage: Damage) -> None:
-        self.damaged.append(damage)
-        self.positions += 1
+        self._add(("damage", damage, None))
+
+    @property
+    def rows(self) -> list[tuple[int, Row]]:
+        """Every readable row, whole, with its position."""
+        if self._full is None:
+            self._full, damaged, positions = self._read(typed=False)
+            self._damaged = damaged, positions
+        return self._full
+
+    @property
+    def damaged(self) -> list[Damage]:
+        """What could not be read, in read order."""
+        if self._damaged is None:
+            self.rows  # noqa: B018 - reading the rows counts the damage
+        assert self._damaged is not None
+        return self._damaged[0]
+
+    @property
+    def positions(self) -> int:
+        """How many positions rows and damage took."""
+        if self._damaged is None:
+            self.rows  # noqa: B018
+        assert self._damaged is not None
+        return self._damaged[1]
+
+    def record_rows(self, include_payloads: bool) -> tuple[list[tuple[int, Any]], list[Damage]]:
+        """``(rows, damaged)`` for building call records.
+
+        Without payloads, rows the typed path takes come as :class:`BuiltCall` (model
+        calls) or the few fields their reader uses; the others whole. Read afresh each
+        time (a record is the caller's to change).
+        """
+        if include_payloads or self._full is not None:
+            return self.rows, self.damaged
+        rows, damaged, positions = self._read(typed=True)
+        self._damaged = damaged, positions
+        return rows, damaged
+
+    def _read(self, *, typed: bool) -> tuple[list[tuple[int, Any]], list[Damage], int]:
+        rows: list[tuple[int, Any]] = []
+        damaged: list[Damage] = []
+        position = 0
+        for kind, value, source in self._parts:
+            if kind == "jsonl":
+                assert source is not None
+                position = _read_jsonl(rows, damaged, position, value, source, typed)
+                continue
+            if kind == "object":
+                assert source is not None
+                row = _read_object(damaged, value, source, position, typed)
+                if row is not None:
+                    rows.append((position, row))
+            elif kind == "row":
+                rows.append((position, value))
+            else:
+                damaged.append(value)
+            position += 1
+        return rows, damaged, position
 
 
 def new_parsed_rows() -> ParsedRows:
     """An empty accumulator; JSONL rows go in first, then object rows by seq."""
-    return ParsedRows(rows=[], damaged=[])
+    return ParsedRows()
 
 
 def add_jsonl(parsed: ParsedRows, data: bytes, source: str) -> None:
-    """Append the rows of a JSONL capture: file order, blank lines skipped.
+    """Append the rows of a JSONL capture: file order, blank lines skipped (read when asked)."""
+    parsed._add(("jsonl", data, source))
+
+
+def add_object(parsed: ParsedRows, data: bytes, source: str) -> None:
+    """Append the single row held by one object-layout file (read when asked)."""
+    parsed._add(("object", data, source))
+
+
+def _read_jsonl(
+    rows: list[tuple[int, Any]], damaged: list[Damage], position: int, data: bytes, source: str, typed: bool
+) -> int:
+    """Read a JSONL capture's rows from ``position`` on; returns the next position.
 
     Lines are cut with ``find`` (memchr) rather than ``split``, whose byte-by-byte scan
     costs as much as a fifth of parsing a typical capture.
     """
-    loads, rows, position = orjson.loads, parsed.rows, parsed.positions
+    loads = orjson.loads
     find, end = data.find, len(data)
     start = number = 0
+    checked = typed and orjson_reads(data)  # then it holds for every line: checked once
     while start < end or number == 0:
         number += 1
         stop = find(b"\n", start)
         line = data[start:] if stop < 0 else data[start:stop]
         start = end if stop < 0 else stop + 1
+        if typed:
+            try:
+                rows.append((position, typed_row(line, position, checked=checked)))
+                position += 1
+                continue
+            except Untyped:
+                pass
         try:
             row = loads(line)
         except orjson.JSONDecodeError:
             if not line or line.isspace():
                 continue
             reason = "torn final line" if stop < 0 else "not JSON"
-            parsed.damaged.append(Damage(source, number, reason))
+            damaged.append(Damage(source, number, reason))
             position += 1
             continue
         if type(row) is dict:
             rows.append((position, row))
         else:
-            parsed.damaged.append(Damage(source, number, f"not a JSON object ({type(row).__name__})"))
+            damaged.append(Damage(source, number, f"not a JSON object ({type(row).__name__})"))
         position += 1
-    parsed.positions = position
+    return position
 
 
-def add_object(parsed: ParsedRows, data: bytes, source: str) -> None:
-    """Append the single row held by one object-layout file."""
+def _read_object(damaged: list[Damage], data: bytes, source: str, position: int, typed: bool) -> Any:
+    """The row of one object-layout file, or None with its damage recorded."""
     if not data.strip():
-        parsed.add_damage(Damage(source, None, "empty object"))
-        return
+        damaged.append(Damage(source, None, "empty object"))
+        return None
+    if typed:
+        try:
+            return typed_row(data, position)
+        except Untyped:
+            pass
     try:
         row = orjson.loads(data)
     except orjson.JSONDecodeError:
-        parsed.add_damage(Damage(source, None, "not JSON"))
-        return
+        damaged.append(Damage(source, None, "not JSON"))
+        return None
     if type(row) is dict:
         row.pop(NONCE_KEY, None)
-        parsed.add_row(row)
-    else:
-        parsed.add_damage(Damage(source, None, f"not a JSON object ({type(row).__name__})"))
+        return row
+    damaged.append(Damage(source, None, f"not a JSON object ({type(row).__name__})"))
+    return None

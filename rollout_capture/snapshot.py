@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from rollout_capture.claims import Claim, read_claim
 from rollout_capture.layout import RolloutListing
@@ -31,6 +32,10 @@ class RolloutSnapshot:
     @property
     def damaged(self) -> list[Damage]:
         return self.parsed.damaged
+
+    def record_rows(self, include_payloads: bool) -> tuple[list[tuple[int, Any]], list[Damage]]:
+        """``(rows, damaged)`` to build call records from (typed without payloads, see rows)."""
+        return self.parsed.record_rows(include_payloads)
 
 
 def listed_paths(listing: RolloutListing, *, rows: bool = True) -> list[str]:

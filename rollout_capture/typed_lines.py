@@ -1,0 +1,62 @@
+"""Rollout lines identified by a typed decoder that reads only their identity keys.
+
+A batch reads every rollout line to find its capture key and whether our key or agent
+observations are already there; nothing else of the record. msgspec decodes those few
+keys and skips the rest unbuilt (see :mod:`rollout_capture.typed_rows` for what the
+typed path takes); a line it does not take is read whole, as before.
+"""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+import msgspec
+from msgspec import Raw
+
+from rollout_capture.attachment import ATTACHMENT_KEY, OBSERVATIONS_KEY
+from rollout_capture.identity import (
+    ATTEMPT_INDEX_KEY,
+    ROLLOUT_ID_KEY,
+    ROLLOUT_INDEX_KEY,
+    TASK_INDEX_KEY,
+    rollout_id_of,
+)
+from rollout_capture.typed_rows import Scalar, Untyped, orjson_reads
+
+_RolloutLine = TypedDict(
+    "_RolloutLine",
+    {
+        ROLLOUT_ID_KEY: Scalar,
+        TASK_INDEX_KEY: Scalar,
+        ROLLOUT_INDEX_KEY: Scalar,
+        ATTEMPT_INDEX_KEY: Scalar,
+        ATTACHMENT_KEY: Raw,
+        OBSERVATIONS_KEY: Raw,
+    },
+    total=False,
+)
+_decode_line = msgspec.json.Decoder(_RolloutLine).decode
+
+
+def identify_line(line: bytes) -> tuple[str, bool] | None:
+    """``(rollout id, whether merging only adds our key)`` of a rollout line, None if it has no id.
+
+    Raises :class:`Untyped` for any line the typed path does not take (not JSON, not an
+    object, an id that is not valid, values of another shape): the full path decides
+    and says why.
+    """
+    try:
+        record = _decode_line(line)
+    except (msgspec.DecodeError, RecursionError):
+        raise Untyped from None
+    if not orjson_reads(line):
+        raise Untyped
+    try:
+        rollout_id = rollout_id_of(record)  # type: ignore[arg-type]
+    except ValueError:
+        raise Untyped from None
+    if rollout_id is None:
+        return None
+    observations = record.get(OBSERVATIONS_KEY)
+    only_added = ATTACHMENT_KEY not in record and (observations is None or bytes(observations) == b"null")
+    return rollout_id, only_added
