@@ -10,12 +10,34 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 
 import orjson
 from pydantic import BaseModel, ValidationError
 
 DEFAULT_CLAIM_TTL_S = 300.0
+
+Clock = Callable[[], float]
+"""Seconds since the epoch, as ``time.time`` gives them."""
+
+_clock: Clock = time.time
+
+
+def current_time() -> float:
+    """The current time by the clock claims and leases are judged by (``time.time`` unless set)."""
+    return _clock()
+
+
+@contextmanager
+def clock_set(clock: Clock) -> Iterator[Clock]:
+    """Judge claims and leases by ``clock`` inside the block (tests set time instead of sleeping)."""
+    global _clock
+    before, _clock = _clock, clock
+    try:
+        yield clock
+    finally:
+        _clock = before
 
 
 class Claim(BaseModel):
@@ -45,8 +67,9 @@ def _host() -> str:
     return _HOST
 
 
-def new_claim(model_call_id: str | None, ttl_s: float) -> Claim:
-    """A fresh claim for this process (built unvalidated: every field is ours)."""
+def new_claim(model_call_id: str | None, ttl_s: float, *, clock: Clock | None = None) -> Claim:
+    """A fresh claim for this process, made at ``clock()`` (default :func:`current_time`; built
+    unvalidated: every field is ours)."""
     if ttl_s <= 0:
         raise ValueError(f"ttl_s must be positive; got {ttl_s!r}")
     return Claim.model_construct(
@@ -54,7 +77,7 @@ def new_claim(model_call_id: str | None, ttl_s: float) -> Claim:
         model_call_id=model_call_id,
         host=_host(),
         pid=os.getpid(),
-        claimed_at=time.time(),
+        claimed_at=(clock or current_time)(),
         ttl_s=float(ttl_s),
         expires_at=None,
     )
@@ -74,7 +97,9 @@ def claim_body(claim: Claim) -> bytes:
     )
 
 
-def read_claim(claim_id: str, body: bytes | None, mtime: float | None, *, trust_mtime: bool) -> Claim:
+def read_claim(
+    claim_id: str, body: bytes | None, mtime: float | None, *, trust_mtime: bool, clock: Clock | None = None
+) -> Claim:
     """Interpret a claim file; an unreadable body still counts, from its mtime.
 
     ``trust_mtime`` is set for object stores, whose modification time comes from the
@@ -87,27 +112,39 @@ def read_claim(claim_id: str, body: bytes | None, mtime: float | None, *, trust_
         except (orjson.JSONDecodeError, ValidationError):
             claim = None
     if claim is None:
-        claim = Claim(claim_id=claim_id, claimed_at=mtime if mtime is not None else time.time())
-    claim.expires_at = lapses_at(claim.claimed_at + claim.ttl_s, claim.ttl_s, mtime, trust_mtime=trust_mtime)
+        claim = Claim(claim_id=claim_id, claimed_at=mtime if mtime is not None else (clock or current_time)())
+    claim.expires_at = lapses_at(
+        claim.claimed_at + claim.ttl_s, claim.ttl_s, mtime, trust_mtime=trust_mtime, clock=clock
+    )
     return claim
 
 
-def lapses_at(deadline: float | None, ttl_s: float, mtime: float | None, *, trust_mtime: bool) -> float:
+def lapses_at(
+    deadline: float | None,
+    ttl_s: float,
+    mtime: float | None,
+    *,
+    trust_mtime: bool,
+    clock: Clock | None = None,
+) -> float:
     """When a file that holds while its writer lives (a claim, a run's lease generation) lapses.
 
     By the store's clock where it keeps one (``mtime + ttl_s``), else by the writer's own
-    ``deadline``; one whose body says nothing (``deadline`` None) counts from its mtime.
+    ``deadline``; one whose body says nothing (``deadline`` None) counts from its mtime
+    (from ``clock()``, default :func:`current_time`, when it has none).
     """
     if trust_mtime and mtime is not None:
         return mtime + ttl_s
     if deadline is not None:
         return deadline
-    return (mtime if mtime is not None else time.time()) + ttl_s
+    return (mtime if mtime is not None else (clock or current_time)()) + ttl_s
 
 
-def partition(claims: Iterable[Claim], now: float | None = None) -> tuple[list[Claim], list[Claim]]:
-    """``(live, expired)`` claims at ``now`` (default: the current time)."""
-    moment = time.time() if now is None else now
+def partition(
+    claims: Iterable[Claim], now: float | None = None, *, clock: Clock | None = None
+) -> tuple[list[Claim], list[Claim]]:
+    """``(live, expired)`` claims at ``now`` (default: ``clock()``, else the claims' clock)."""
+    moment = (clock or _clock)() if now is None else now
     live: list[Claim] = []
     expired: list[Claim] = []
     for claim in claims:
@@ -115,6 +152,9 @@ def partition(claims: Iterable[Claim], now: float | None = None) -> tuple[list[C
     return live, expired
 
 
-def live_ids(claims: Mapping[str, list[Claim]], now: float | None = None) -> set[str]:
+def live_ids(
+    claims: Mapping[str, list[Claim]], now: float | None = None, *, clock: Clock | None = None
+) -> set[str]:
     """The rollouts among ``claims`` that still hold a live claim."""
-    return {rollout_id for rollout_id, held in claims.items() if partition(held, now)[0]}
+    moment = (clock or _clock)() if now is None else now
+    return {rollout_id for rollout_id, held in claims.items() if partition(held, moment)[0]}

@@ -29,7 +29,6 @@ import math
 import os
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, Literal
@@ -38,7 +37,7 @@ import orjson
 from pydantic import BaseModel, Field, ValidationError
 
 from rollout_capture.backends import Backend, Named, open_backend
-from rollout_capture.claims import lapses_at
+from rollout_capture.claims import Clock, current_time, lapses_at
 from rollout_capture.faults import is_transient_storage_error
 from rollout_capture.filesystem import join
 
@@ -98,9 +97,10 @@ class Lease(BaseModel):
             return self.lease_s
         return self.expires_at - (self.renewed_at if self.renewed_at is not None else self.acquired_at)
 
-    def successor(self, *, released: bool = False) -> Lease:
-        """The next generation of this holder's lease, starting now."""
-        now = time.time()
+    def successor(self, *, released: bool = False, clock: Clock | None = None) -> Lease:
+        """The next generation of this holder's lease, starting now (by ``clock``, default the
+        claims' and leases' :func:`~rollout_capture.claims.current_time`)."""
+        now = (clock or current_time)()
         return self.model_copy(
             update={
                 "generation": self.generation + 1,
@@ -178,10 +178,13 @@ class RunsRoot:
         storage_options: Mapping[str, Any] | None = None,
         *,
         credentials: Mapping[str, Any] | Callable[[], Mapping[str, Any] | None] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         """``credentials`` may be a provider, asked at each use: a lease held for hours keeps
-        renewing with credentials that are renewed in turn (temporary ones expire)."""
+        renewing with credentials that are renewed in turn (temporary ones expire). ``clock``
+        judges leases (default: the claims' clock, ``time.time`` unless a test set one)."""
         self.url = url.rstrip("/")
+        self._clock = clock
         self._storage_options = storage_options
         self._provider = credentials if callable(credentials) else None
         self._credentials = credentials() if callable(credentials) else credentials
@@ -271,6 +274,9 @@ class RunsRoot:
 
     # ------------------------------------------------------------------ leases
 
+    def _now(self) -> float:
+        return (self._clock or current_time)()
+
     def _lease_path(self, run: RunFolder, generation: int) -> str:
         return join(self._folder(run.name), f"{LEASE}.{generation:06d}")
 
@@ -281,7 +287,7 @@ class RunsRoot:
         """When a listed generation stops holding: by the store's clock where it keeps one."""
         trust_mtime = self.backend.trust_mtime
         if lease is None:  # unreadable: counts from its modification time
-            return lapses_at(None, DEFAULT_LEASE_S, entry.mtime, trust_mtime=trust_mtime)
+            return lapses_at(None, DEFAULT_LEASE_S, entry.mtime, trust_mtime=trust_mtime, clock=self._clock)
         if lease.released:
             return -math.inf
         return lapses_at(lease.expires_at, lease.duration_s, entry.mtime, trust_mtime=trust_mtime)
@@ -321,10 +327,10 @@ class RunsRoot:
             current = _parse_lease(body)
             if current is not None and current.owner == owner and not current.released:
                 return self._adopt(run, current)
-            if time.time() < self._expires_at(current, generations[newest]):
+            if self._now() < self._expires_at(current, generations[newest]):
                 return "busy"
             generation = newest + 1
-        now = time.time()
+        now = self._now()
         lease = Lease(
             owner=owner,
             generation=generation,
@@ -390,14 +396,14 @@ class RunsRoot:
         ``LeaseLost`` when someone took over (created that generation, or a newer one) or
         the run was enriched meanwhile.
         """
-        renewed = self._create(run, lease.successor())
+        renewed = self._create(run, lease.successor(clock=self._clock))
         self._confirm(run, renewed)
         return renewed
 
     def release(self, run: RunFolder, lease: Lease) -> None:
         """Give the lease back, if it is still ours: a released generation on top of it."""
         try:
-            self._create(run, lease.successor(released=True))
+            self._create(run, lease.successor(released=True, clock=self._clock))
         except LeaseLost:
             return  # taken over: nothing of ours to give back
         self.backend.remove([self._lease_path(run, lease.generation)])

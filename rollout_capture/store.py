@@ -383,6 +383,12 @@ def shared_store(
         return store
 
 
+def forget_shared_stores() -> None:
+    """Let go of every store :func:`shared_store` kept (a fresh process's state, for tests)."""
+    with _shared_lock:
+        _shared.clear()
+
+
 def end_scope(key: str) -> None:
     """Let go of what this process's stores kept for a finished job (its shared listings)."""
     with _shared_lock:

@@ -21,6 +21,12 @@ _resolved: dict[str, tuple[dict[str, Any], float]] = {}  # block name -> (option
 _resolved_lock = threading.Lock()
 
 
+def forget_resolved() -> None:
+    """Drop every credentials set resolved so far: the next use loads its block again."""
+    with _resolved_lock:
+        _resolved.clear()
+
+
 def s3fs_options(block: Any, now: float | None = None) -> tuple[dict[str, Any], float]:
     """s3fs options from an ``AwsCredentials`` block, through prefect-aws's own API.
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 # Before anything imports Prefect: no telemetry, no shared home (SQLite locks), no server.
 _PREFECT_HOME = tempfile.mkdtemp(prefix="rollout-capture-prefect-")
@@ -40,10 +42,60 @@ import pytest  # noqa: E402
 
 logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request log
 
+T = TypeVar("T")
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 CORPUS = DATA / "corpus"
 SAMPLE = ROOT / "rollout_capture" / "sample"
+
+
+def wait_for(check: Callable[[], T], timeout_s: float = 30.0, what: str = "the condition") -> T:
+    """``check()`` once it is truthy, polled until ``timeout_s``: a readiness wait that fails
+    naming ``what`` instead of hanging (the one polling helper of the suite)."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()):
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:g} s waiting for {what}"
+        time.sleep(0.02)
+    return found
+
+
+class Clock:
+    """A clock the test sets: claims and leases are judged by it, so no test sleeps a TTL out."""
+
+    def __init__(self, start: float | None = None) -> None:
+        self.now = time.time() if start is None else start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def set(self, moment: float) -> None:
+        self.now = moment
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> Iterator[Clock]:
+    """Claims and leases judged by a settable clock (starting at the real time) for this test."""
+    from rollout_capture.claims import clock_set
+
+    with clock_set(Clock()) as set_clock:
+        assert isinstance(set_clock, Clock)
+        yield set_clock
+
+
+@pytest.fixture(autouse=True)
+def _fresh_module_caches() -> Iterator[None]:
+    """Every test starts as a fresh process would: no shared stores, no resolved credentials."""
+    yield
+    from rollout_capture.store import forget_shared_stores
+
+    forget_shared_stores()
+    credentials = sys.modules.get("rollout_capture.tasks.credentials")
+    if credentials is not None:  # only once a test imported it (it imports Prefect)
+        credentials.forget_resolved()
 
 
 @pytest.fixture(scope="session")

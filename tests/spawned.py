@@ -18,12 +18,18 @@ def write_rows(url: str, options: dict[str, Any], layout: str, writer: int, coun
 
 
 def take_lease(
-    root: str, run_name: str, go: Event, results: Any, options: dict[str, Any] | None = None
+    root: str,
+    run_name: str,
+    go: Event,
+    results: Any,
+    options: dict[str, Any] | None = None,
+    now: float | None = None,
 ) -> None:
-    """Race for a run's lease; report whether this process got it."""
+    """Race for a run's lease; report whether this process got it. ``now``: the moment the
+    race happens at, by this process's lease clock (default: the real time)."""
     from rollout_capture.run_folders import RunFolder, RunsRoot
 
-    runs = RunsRoot(root, options)
+    runs = RunsRoot(root, options, clock=None if now is None else (lambda: now))
     run = RunFolder(name=run_name, url=f"{root}/{run_name}", finished=True, enriched=False)
     go.wait(30)
     results.put(runs.acquire(run) is not None)

@@ -7,7 +7,6 @@ import multiprocessing
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from rollout_capture.flows.enrich_runs import RunsSummary
 from rollout_capture.flows.report import artifact_key
 from rollout_capture.run_folders import BEATS_PER_LEASE, Lease, RunsRoot
 
-from .conftest import S3
+from .conftest import S3, Clock, wait_for
 from .prefect_api import artifacts
 from .runs_helpers import ROW, Where, make_run
 from .spawned import run_tick, take_lease
@@ -67,20 +66,23 @@ def test_runs_on_s3(s3: S3, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("where", ["local", "s3"], indirect=True)
-def test_lease_expires_and_only_one_breaker_wins(where: Where) -> None:
+def test_lease_expires_and_only_one_breaker_wins(where: Where, clock: Clock) -> None:
     """Four processes break the same stale lease at once: exactly one wins, on disk and on S3."""
     where.make_run("r")
     runs = where.root()
     run = where.run("r")
-    stale = runs.acquire(run, lease_s=1.0)  # long enough to stay live on a busy machine
+    stale = runs.acquire(run, lease_s=60.0)
     assert stale is not None and runs.acquire(run) is None  # live: nobody else gets it
-    time.sleep(max(0.0, stale.expires_at - time.time()) + 0.05)
-    if where.s3 is not None:
-        time.sleep(1.0)  # on S3 expiry counts from the object's time, which has whole seconds
+    lapsed = runs.current_lease(run)  # as a taker judges it: on S3 from the object's own time
+    assert lapsed is not None
+    clock.set(lapsed.expires_at - 0.001)
+    assert runs.acquire(run) is None  # still live an instant before
     context = multiprocessing.get_context("spawn")
     go, results = context.Event(), context.Queue()
-    racers = [
-        context.Process(target=take_lease, args=(where.url, "r", go, results, where.options))
+    racers = [  # they race at the instant it lapses
+        context.Process(
+            target=take_lease, args=(where.url, "r", go, results, where.options, lapsed.expires_at)
+        )
         for _ in range(4)
     ]
     for racer in racers:
@@ -95,15 +97,6 @@ def test_lease_expires_and_only_one_breaker_wins(where: Where) -> None:
 def where(request: pytest.FixtureRequest, tmp_path: Path) -> Where:
     s3: S3 | None = request.getfixturevalue("s3") if request.param == "s3" else None
     return Where(tmp_path, s3)
-
-
-def wait_for(what: Callable[[], Any], timeout_s: float = 120.0) -> Any:
-    """``what()`` once it is truthy, polled."""
-    deadline = time.monotonic() + timeout_s
-    while not (found := what()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-    return found
 
 
 def leased(root: Path, names: list[str]) -> list[str]:
@@ -137,7 +130,7 @@ def test_backlog_drains_in_parallel_each_run_in_its_own_subflow(tmp_path: Path) 
         )
     )
     try:
-        started = wait_for(lambda: len(leased(root, names)) >= 2 and leased(root, names))
+        started = wait_for(lambda: len(leased(root, names)) >= 2 and leased(root, names), 120, "two leases")
         runs = RunsRoot(str(root))
         for name in started:  # renewed past their lease period while they wait
             run = next(r for r in runs.runs() if r.name == name)
@@ -145,7 +138,9 @@ def test_backlog_drains_in_parallel_each_run_in_its_own_subflow(tmp_path: Path) 
                 lambda run=run: (
                     (runs.current_lease(run) or Lease.model_construct(generation=0)).generation
                     > BEATS_PER_LEASE
-                )
+                ),
+                120,
+                "renewals past the lease period",
             )
     finally:
         for claim in claims:
@@ -191,7 +186,7 @@ def test_a_holder_whose_lease_is_taken_stops_and_publishes_nothing(tmp_path: Pat
     runs = RunsRoot(str(root))
     try:
         (run,) = runs.runs()
-        wait_for(lambda: runs.current_lease(run))
+        wait_for(lambda: runs.current_lease(run), 120, "the tick's lease")
         while True:  # another holder creates the generation the tick's next renewal needs
             current = runs.current_lease(run)
             assert current is not None
@@ -212,7 +207,7 @@ def test_a_holder_whose_lease_is_taken_stops_and_publishes_nothing(tmp_path: Pat
 
 
 def test_a_tick_past_its_lease_keeps_its_run_and_a_killed_one_is_taken_over(
-    prefect_api: str, tmp_path: Path, s3: S3
+    prefect_api: str, tmp_path: Path, s3: S3, clock: Clock
 ) -> None:
     """On a local disk and on S3, side by side: a tick in its own process waits on a live
     claim well past ``lease_s``, and a second tick skips the run as busy. Then it is
@@ -240,7 +235,9 @@ def test_a_tick_past_its_lease_keeps_its_run_and_a_killed_one_is_taken_over(
             held[backend] = wait_for(
                 lambda runs=runs, run=run: (
                     (lease := runs.current_lease(run)) and lease.generation > BEATS_PER_LEASE and lease
-                )
+                ),
+                120,
+                f"the {backend} tick's renewals",
             )
             assert f":{ticks[backend].pid}:" in held[backend].owner  # renewed past its lease period
             busy = enrich_completed_runs(where.url, lease_s=lease_s[backend], storage_options=where.options)
@@ -262,7 +259,7 @@ def test_a_tick_past_its_lease_keeps_its_run_and_a_killed_one_is_taken_over(
         runs, run = where.root(), where.run("r")
         current = runs.current_lease(run)
         assert current is not None and current.owner == held[backend].owner  # the dead tick's
-        time.sleep(max(0.0, current.expires_at - time.time()) + 0.05)  # until it lapses
+        clock.set(current.expires_at)  # the instant it lapses (ticks in this process judge by it)
         after = enrich_completed_runs(where.url, lease_s=lease_s[backend], storage_options=where.options)
         assert after.enriched == ["r"], backend
         out = [orjson.loads(line) for line in where.read("r", "rollouts.enriched.jsonl").splitlines()]
