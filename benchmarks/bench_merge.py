@@ -3,7 +3,9 @@
     python benchmarks/bench_merge.py [--rollouts 10000] [--repeat 2]
 
 The floor reads the same capture files and rollout lines and merely parses them with
-orjson; the merge loop parses, merges and serializes each enriched record. Each is timed
+orjson (every row's full dict); the bytes floor only reads them and cuts their lines. The
+merge loop reads what it needs of each line (typed decoding), merges and serializes each
+enriched record. Each is timed
 by wall clock and by CPU time (``process_time``, which a busy shared machine disturbs
 less), best of interleaved rounds. Peak RSS is taken from separate processes at two
 corpus sizes, to show it does not grow with them.
@@ -66,6 +68,33 @@ def floor(rollouts: Path, captures: Path) -> float:
                     except orjson.JSONDecodeError:
                         pass
                 start = stop + 1
+    return time.perf_counter() - started
+
+
+def bytes_floor(rollouts: Path, captures: Path) -> float:
+    """Read every rollout line and capture file and cut their lines, parsing nothing.
+
+    What reading the input costs before any JSON is looked at: the part of the merge that
+    no decoder can take away.
+    """
+    started = time.perf_counter()
+    base = os.path.join(captures, "")
+    with rollouts.open("rb") as handle:
+        for _line in handle:
+            pass
+    for name in os.listdir(captures):
+        fd = os.open(base + name, os.O_RDONLY)
+        try:
+            data = os.read(fd, os.fstat(fd).st_size + 1)
+        finally:
+            os.close(fd)
+        find, end, start = data.find, len(data), 0
+        while start < end:
+            stop = find(b"\n", start)
+            if stop < 0:
+                stop = end
+            data[start:stop]
+            start = stop + 1
     return time.perf_counter() - started
 
 
@@ -169,6 +198,7 @@ def main() -> None:
     sizes = corpus.manifest(rollouts)
     runs: dict[str, Callable[[Path, Path], object]] = {
         "floor": floor,
+        "bytes_floor": bytes_floor,
         "legacy_floor": legacy_floor,
         "merge": merge_loop,
         "per_record": per_record_loop,
@@ -194,6 +224,9 @@ def main() -> None:
         "merge_rollouts_per_s": round(args.rollouts / wall["merge"]),
         "merge_over_floor": round(wall["merge"] / wall["floor"], 2),
         "merge_over_floor_cpu": round(cpu["merge"] / cpu["floor"], 2),
+        "bytes_floor_s": round(wall["bytes_floor"], 3),
+        "merge_over_bytes_floor": round(wall["merge"] / wall["bytes_floor"], 2),
+        "floor_over_bytes_floor": round(wall["floor"] / wall["bytes_floor"], 2),
         "merge_over_legacy_floor": round(wall["merge"] / wall["legacy_floor"], 2),
         "per_record_api_over_floor": round(wall["per_record"] / wall["floor"], 2),
         "pydantic_per_call_over_floor": round(wall["pydantic"] / wall["floor"], 2),
