@@ -144,7 +144,7 @@ def stage_rollouts(
         _refuse_irregular_input(path, source)
     if _is_plain_local(fs, path):
         return StagedRollouts(source=source, path=path, size=os.path.getsize(path), temporary=False)
-    fd, spooled = tempfile.mkstemp(prefix="rollouts-", suffix=".jsonl", dir=spool_dir)
+    fd, spooled = _local_spool("rollouts-", spool_dir)
     try:
         with os.fdopen(fd, "wb") as out:
             size = _copy_decompressed(fs, path, source, out, spooled)
@@ -261,6 +261,27 @@ def split_lines(blob: bytes) -> list[bytes]:
     if lines and not lines[-1]:
         lines.pop()
     return lines
+
+
+def _local_spool(prefix: str, folder: str | None = None) -> tuple[int, str]:
+    """A new spool file on this host's temporary disk, named after its writer; the spools that
+    dead writers of this host left there (a killed run's decompressed input, say) go first."""
+    folder = folder or tempfile.gettempdir()
+    pattern = re.compile(re.escape(prefix) + r"(?P<host>[A-Za-z0-9.]+)-(?P<pid>[0-9]+)-[A-Za-z0-9_]+\.jsonl")
+    with contextlib.suppress(OSError):
+        for name in os.listdir(folder):
+            match = pattern.fullmatch(name)
+            if match is None or match["host"] != _HOST or _pid_alive(int(match["pid"])):
+                continue
+            path = os.path.join(folder, name)
+            with contextlib.suppress(OSError):
+                info = os.lstat(path)
+                if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid():
+                    os.unlink(path)
+                    logger.warning(
+                        "removed %s: the spool of an earlier run that died (%d bytes)", path, info.st_size
+                    )
+    return tempfile.mkstemp(prefix=f"{prefix}{_HOST}-{os.getpid()}-", suffix=".jsonl", dir=folder)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -421,7 +442,7 @@ class OutputSpool:
             remove_stale_temp_files(path)
             self.path, fd = _create_locked(folder, os.path.basename(path))
         else:
-            fd, self.path = tempfile.mkstemp(prefix="enriched-", suffix=".jsonl")
+            fd, self.path = _local_spool("enriched-")
         self._handle = os.fdopen(fd, "wb")
         self.lines = 0
 

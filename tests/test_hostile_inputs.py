@@ -375,3 +375,21 @@ def test_the_process_local_memory_store_stays_writable() -> None:
     store.record("12-3", {"model_call_id": "a1", "dialect": "chat"})
     store.record("12-3", {"model_call_id": "a2", "dialect": "chat"})
     assert [row["model_call_id"] for row in store.read("12-3")] == ["a1", "a2"]
+
+
+def test_spools_of_dead_runs_on_the_temp_disk_are_removed(tmp_path: Path) -> None:
+    """A killed run's decompressed copy of a ``.gz`` input (tens of MB) no longer stays forever."""
+    host = rollout_files._HOST
+    dead = tmp_path / f"rollouts-{host}-{_dead_pid()}-abc_123.jsonl"
+    alive = tmp_path / f"rollouts-{host}-{os.getpid()}-def456.jsonl"
+    elsewhere = tmp_path / f"rollouts-otherhost-{_dead_pid()}-ghi789.jsonl"
+    unrelated = tmp_path / "rollouts-notes.jsonl"
+    for path in (dead, alive, elsewhere, unrelated):
+        path.write_bytes(b"{}\n")
+    source = tmp_path / "in" / "r.jsonl.gz"
+    source.parent.mkdir()
+    source.write_bytes(gzip.compress(b'{"a": 1}\n'))
+    staged = stage_rollouts(str(source), spool_dir=str(tmp_path))
+    assert not dead.exists() and alive.exists() and elsewhere.exists() and unrelated.exists()
+    assert Path(staged.path).name.startswith(f"rollouts-{host}-{os.getpid()}-")
+    assert Path(staged.path).read_bytes() == b'{"a": 1}\n'
