@@ -469,10 +469,10 @@ def call_record_dict(
     exactly when :func:`build_model_call_record` does. A :class:`BuiltCall` (read without
     payloads) gives its record.
     """
-    if type(row) is BuiltCall:
-        record = row.record
-        record["call_index"] = call_index
-        return record
+    if isinstance(row, BuiltCall):
+        built = row.record
+        built["call_index"] = call_index
+        return built
     fields, canonical = _raw_fields(row, call_index, include_payloads)
     if canonical:
         return fields

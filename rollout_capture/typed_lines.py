@@ -13,28 +13,21 @@ from typing import TypedDict
 import msgspec
 from msgspec import Raw
 
-from rollout_capture.attachment import ATTACHMENT_KEY, OBSERVATIONS_KEY
-from rollout_capture.identity import (
-    ATTEMPT_INDEX_KEY,
-    ROLLOUT_ID_KEY,
-    ROLLOUT_INDEX_KEY,
-    TASK_INDEX_KEY,
-    rollout_id_of,
-)
+from rollout_capture.identity import rollout_id_of
 from rollout_capture.typed_rows import Scalar, Untyped, orjson_reads
 
-_RolloutLine = TypedDict(
-    "_RolloutLine",
-    {
-        ROLLOUT_ID_KEY: Scalar,
-        TASK_INDEX_KEY: Scalar,
-        ROLLOUT_INDEX_KEY: Scalar,
-        ATTEMPT_INDEX_KEY: Scalar,
-        ATTACHMENT_KEY: Raw,
-        OBSERVATIONS_KEY: Raw,
-    },
-    total=False,
-)
+
+# The keys as written (a TypedDict names them); tests/test_typed_rows.py pins them to
+# the constants of identity and attachment.
+class _RolloutLine(TypedDict, total=False):
+    _ng_rollout_id: Scalar
+    _ng_task_index: Scalar
+    _ng_rollout_index: Scalar
+    _ng_attempt_index: Scalar
+    ng_model_call_capture: Raw
+    ng_agent_observations: Raw
+
+
 _decode_line = msgspec.json.Decoder(_RolloutLine).decode
 
 
@@ -52,11 +45,13 @@ def identify_line(line: bytes) -> tuple[str, bool] | None:
     if not orjson_reads(line):
         raise Untyped
     try:
-        rollout_id = rollout_id_of(record)  # type: ignore[arg-type]
+        rollout_id = rollout_id_of(record)
     except ValueError:
         raise Untyped from None
     if rollout_id is None:
         return None
-    observations = record.get(OBSERVATIONS_KEY)
-    only_added = ATTACHMENT_KEY not in record and (observations is None or bytes(observations) == b"null")
+    observations = record.get("ng_agent_observations")
+    only_added = "ng_model_call_capture" not in record and (
+        observations is None or bytes(observations) == b"null"
+    )
     return rollout_id, only_added

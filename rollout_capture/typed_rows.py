@@ -267,37 +267,37 @@ def _usage_stats(
     """:func:`rollout_capture.call_records.usage_stats` of a typed usage."""
     if type(usage) is not _Usage:
         return _NO_USAGE
-    tokens_in = usage.input_tokens
+    tokens_in: Any = usage.input_tokens
     if type(tokens_in) is not int or tokens_in < 0:
         tokens_in = usage.prompt_tokens
         if type(tokens_in) is not int or tokens_in < 0:
             tokens_in = None
-    tokens_out = usage.output_tokens
+    tokens_out: Any = usage.output_tokens
     if type(tokens_out) is not int or tokens_out < 0:
         tokens_out = usage.completion_tokens
         if type(tokens_out) is not int or tokens_out < 0:
             tokens_out = None
-    cache_read = usage.cache_read_input_tokens
+    cache_read: Any = usage.cache_read_input_tokens
     if type(cache_read) is not int or cache_read < 0:
         cache_read = None
-    cache_creation = usage.cache_creation_input_tokens
+    cache_creation: Any = usage.cache_creation_input_tokens
     if type(cache_creation) is not int or cache_creation < 0:
         cache_creation = None
     if cache_read is not None or cache_creation is not None:
         cached = (cache_read or 0) + (cache_creation or 0)
         if tokens_in is not None or cached > 0:
             tokens_in = (tokens_in or 0) + cached
-    tokens_total = usage.total_tokens
+    tokens_total: Any = usage.total_tokens
     if type(tokens_total) is not int or tokens_total < 0:
         tokens_total = None if tokens_in is None or tokens_out is None else tokens_in + tokens_out
-    reasoning = _detail_count(usage.output_tokens_details, "reasoning_tokens")
+    reasoning: Any = _detail_count(usage.output_tokens_details, "reasoning_tokens")
     if reasoning is None:
         reasoning = _detail_count(usage.completion_tokens_details, "reasoning_tokens")
         if reasoning is None:
             reasoning = usage.reasoning_output_tokens
             if type(reasoning) is not int or reasoning < 0:
                 reasoning = None
-    cached_tokens = _detail_count(usage.prompt_tokens_details, "cached_tokens")
+    cached_tokens: Any = _detail_count(usage.prompt_tokens_details, "cached_tokens")
     if cached_tokens is None:
         cached_tokens = _detail_count(usage.input_tokens_details, "cached_tokens")
         if cached_tokens is None:

@@ -595,6 +595,21 @@ rollout_lines = st.one_of(
 )
 
 
+def test_the_identity_keys_read_are_the_ones_identity_and_attachment_name() -> None:
+    from rollout_capture import identity
+    from rollout_capture.typed_lines import _RolloutLine
+
+    expected = {
+        identity.ROLLOUT_ID_KEY,
+        identity.TASK_INDEX_KEY,
+        identity.ROLLOUT_INDEX_KEY,
+        identity.ATTEMPT_INDEX_KEY,
+        ATTACHMENT_KEY,
+        OBSERVATIONS_KEY,
+    }
+    assert set(_RolloutLine.__annotations__) == expected
+
+
 @given(rollout_lines)
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_identify_line_decides_as_the_whole_read_or_falls_back(line: bytes) -> None:
