@@ -50,13 +50,15 @@ CORPUS = DATA / "corpus"
 SAMPLE = ROOT / "rollout_capture" / "sample"
 
 
-def wait_for(check: Callable[[], T], timeout_s: float = 30.0, what: str = "the condition") -> T:
-    """``check()`` once it is truthy, polled until ``timeout_s``: a readiness wait that fails
-    naming ``what`` instead of hanging (the one polling helper of the suite)."""
+def wait_for(
+    check: Callable[[], T], timeout_s: float = 30.0, what: str = "the condition", poll_s: float = 0.02
+) -> T:
+    """``check()`` once it is truthy, polled every ``poll_s`` until ``timeout_s``: a readiness
+    wait that fails naming ``what`` instead of hanging (the one polling helper of the suite)."""
     deadline = time.monotonic() + timeout_s
     while not (found := check()):
         assert time.monotonic() < deadline, f"timed out after {timeout_s:g} s waiting for {what}"
-        time.sleep(0.02)
+        time.sleep(poll_s)
     return found
 
 

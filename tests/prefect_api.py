@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -21,6 +20,8 @@ from prefect.client.schemas.filters import (
     TaskRunFilterStateType,
 )
 from prefect.client.schemas.objects import FlowRun, StateType, TaskRun
+
+from .conftest import wait_for
 
 
 def task_runs(flow_run_id: UUID, name_prefix: str) -> list[TaskRun]:
@@ -64,29 +65,27 @@ def logs(flow_run_id: UUID) -> list[str]:
 
 def wait_for_logs(flow_run_id: UUID, containing: str, timeout_s: float = 10.0) -> list[str]:
     """The run's logs once one contains ``containing`` (logs are shipped in the background)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = logs(flow_run_id)
-        if any(containing in line for line in found) or time.monotonic() > deadline:
-            assert any(containing in line for line in found), f"no log containing {containing!r}: {found}"
-            return found
-        time.sleep(0.1)
+
+    def found() -> list[str]:
+        lines = logs(flow_run_id)
+        return lines if any(containing in line for line in lines) else []
+
+    return wait_for(found, timeout_s, f"a log of the run containing {containing!r}", poll_s=0.1)
 
 
-def wait_for_events(name: str, resource_id: str, timeout_s: float = 30.0) -> list[Any]:
-    """Events of one name about one resource, once the server has stored at least one."""
+def events(name: str, resource_id: str) -> list[Any]:
+    """Events of one name about one resource the server has stored so far."""
     from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
     from prefect.events.worker import EventsWorker
 
     EventsWorker.drain_all()  # sent from this process in the background
-    deadline = time.monotonic() + timeout_s
-    while True:
-        wanted = EventFilter(  # built afresh: its time window ends when it is built
-            event=EventNameFilter(name=[name]), resource=EventResourceFilter(id=[resource_id])
-        )
-        with get_client(sync_client=True) as client:
-            found = list(client.read_events(filter=wanted, limit=50).events)
-        if found or time.monotonic() > deadline:
-            assert found, f"no {name} event about {resource_id}"
-            return found
-        time.sleep(0.2)
+    wanted = EventFilter(  # built afresh: its time window ends when it is built
+        event=EventNameFilter(name=[name]), resource=EventResourceFilter(id=[resource_id])
+    )
+    with get_client(sync_client=True) as client:
+        return list(client.read_events(filter=wanted, limit=50).events)
+
+
+def wait_for_events(name: str, resource_id: str, timeout_s: float = 30.0) -> list[Any]:
+    """Events of one name about one resource, once the server has stored at least one."""
+    return wait_for(lambda: events(name, resource_id), timeout_s, f"a {name} event about {resource_id}", 0.2)

@@ -12,7 +12,7 @@ import pytest
 from rollout_capture import CaptureStore, merge_model_call_capture_into_record
 from rollout_capture.batch import BatchStats, enrich_lines, splice_attachment
 
-from .conftest import S3
+from .conftest import S3, Clock
 
 ROW = {
     "model_call_id": "c",
@@ -167,11 +167,12 @@ def test_no_capture_dirs_passes_everything_through() -> None:
     assert enrich_lines(lines, []).lines == [lines[0][:-1], b"junk"]
 
 
-def test_expired_claims_do_not_cause_a_wait(tmp_path: Path) -> None:
+def test_expired_claims_do_not_cause_a_wait(tmp_path: Path, clock: Clock) -> None:
     store = CaptureStore(tmp_path)
-    claim = store.claim("1-0", ttl_s=0.01)
+    clock.set(time.time() - 60)  # made a minute ago...
+    claim = store.claim("1-0", ttl_s=30)
     claim.__enter__()
-    time.sleep(0.03)
+    clock.set(time.time())  # ...so its 30 s ran out half a minute ago
 
     def never(pending: set[str]) -> set[str]:
         raise AssertionError(f"waited for {pending}")

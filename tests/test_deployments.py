@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import pytest
 from rollout_capture import CaptureStore
 from rollout_capture.flows import enrich_completed_runs, enrich_rollouts
 
-from .conftest import ROOT, S3
+from .conftest import ROOT, S3, wait_for
 from .prefect_api import wait_for_events
 
 ROW = {"model_call_id": "c", "dialect": "chat", "response": {"usage": {"prompt_tokens": 3}}}
@@ -220,12 +219,21 @@ def test_the_shipped_automation_fires_when_gaps_exceed_the_threshold(
     )
     assert done.returncode == 0, done.stdout + done.stderr
     automation = Automation.read(name="rollout-capture-gaps-exceeded")
-    time.sleep(2)  # the triggers service loads new automations on its own clock
     (tmp_path / "caps").mkdir()
     (tmp_path / "r.jsonl").write_bytes(b'{"_ng_task_index": 1, "_ng_rollout_index": 0}\n')
-    try:
+    triggered = ("prefect.automation.triggered", f"prefect.automation.{automation.id}")
+
+    def enriched_until_it_fires() -> list[Any]:
+        """The triggers service loads a new automation in the background, when it does: an
+        enrichment before that goes unseen, so enrich again until one is seen (a deadline)."""
         enrich_rollouts(str(tmp_path / "r.jsonl"), str(tmp_path / "caps"), max_gap_share=0.5)
-        (fired,) = wait_for_events("prefect.automation.triggered", f"prefect.automation.{automation.id}")
+        try:
+            return wait_for_events(*triggered, timeout_s=10)
+        except AssertionError:
+            return []
+
+    try:
+        (fired,) = wait_for(enriched_until_it_fires, 120, "the automation to fire", poll_s=0)
         assert fired.payload["triggering_event"]["event"] == "rollout-capture.enrichment.gaps-exceeded"
     finally:
         automation.delete()

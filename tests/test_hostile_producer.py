@@ -11,8 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,19 +22,10 @@ import pytest
 from rollout_capture import CaptureStore
 from rollout_capture.producer import CaptureMiddleware, ProducerSettings
 
+from .conftest import wait_for
 from .scripted_upstream import CHAT, ScriptedUpstream, chat_events, garbled
 from .servers import ThreadedServer
 from .test_proxy import Proxy
-
-
-def wait_for(check: Callable[[], Any], timeout_s: float = 10.0) -> Any:
-    """``check()`` once it is truthy (a condition, not a timing assertion)."""
-    deadline = time.monotonic() + timeout_s
-    while not (found := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
-    return found
 
 
 def raw_call(port: int, request: bytes) -> tuple[int, bytes]:

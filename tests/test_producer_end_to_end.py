@@ -162,8 +162,9 @@ async def test_the_quiescence_wait_returns_once_the_streamed_row_is_durable(
     request = {"model": "scripted-slow-0.05", "messages": [], "stream": True}
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         call = asyncio.ensure_future(client.post("/ng-rollout/4-0/v1/chat/completions", json=request))
-        while not await asyncio.to_thread(store.live_claims, "4-0"):
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(30):  # a deadline: fails, never hangs
+            while not await asyncio.to_thread(store.live_claims, "4-0"):
+                await asyncio.sleep(0.01)
         assert await await_model_call_capture_quiescence("4-0", [store], timeout_s=30, poll_s=0.01)
         (row,) = store.read("4-0")  # released only after the row
         assert row["error_category"] is None and row["response"]["usage"]["total_tokens"] == 155
