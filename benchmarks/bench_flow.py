@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import resource
+import secrets
 import sys
 import tempfile
 import time
@@ -182,7 +183,10 @@ def main() -> None:
         import ray
 
         # A local Ray instance of one worker per core, as the Dask cluster: the flow uses the
-        # connection this process already has and leaves it open.
+        # connection this process already has and leaves it open. Its token stays in this
+        # process (a local ray.init() would otherwise write one to ~/.ray for every later use).
+        if "RAY_AUTH_MODE" not in os.environ and "RAY_AUTH_TOKEN" not in os.environ:
+            os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)})
         ray.init(num_cpus=CORES, include_dashboard=False, log_to_driver=False)
         try:
             runners["ray"] = best(rollouts, captures, "ray.jsonl", runner="ray")

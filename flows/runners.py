@@ -101,7 +101,27 @@ def _ray_task_runner(address: str | None) -> TaskRunner[Any]:
         def duplicate(self) -> SharedRayTaskRunner:
             return SharedRayTaskRunner(address=self.address, init_kwargs=self.init_kwargs)
 
+        _run_prefect_task = staticmethod(_run_on_ray_worker)
+
     return SharedRayTaskRunner(address=address)
+
+
+def _run_on_ray_worker(*upstream: Any, **options: Any) -> Any:
+    """prefect-ray's task body on a Ray worker, then what it queued for the API sent, then its result.
+
+    Ray ends a job's worker processes as soon as its driver disconnects (the flow run is
+    over, a failed batch ends it at once): a task run's last states and logs still queued
+    there would never reach the UI.
+    """
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect_ray.task_runners import RayTaskRunner
+
+    try:
+        return RayTaskRunner._run_prefect_task(*upstream, **options)
+    finally:
+        for service in (EventsWorker, APILogWorker):
+            service.drain_all(timeout=10, at_exit=False)
 
 
 @contextmanager

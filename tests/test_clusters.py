@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -23,16 +24,18 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import orjson
 import pytest
+from prefect.client.schemas.objects import TaskRun
 
 from rollout_capture import CaptureStore
 from rollout_capture.flows import enrich_completed_runs, enrich_rollouts
 from rollout_capture.flows.enrich_runs import RunsFailed
 
 from .prefect_api import running_task_runs, state_history, task_runs
-from .test_runners import enrich, write_run
+from .test_runners import enrich, eventually, write_run
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -165,6 +168,11 @@ def ray_cluster(home: Home) -> Iterator[Cluster]:
 
     temp = tempfile.mkdtemp(prefix="rc-ray-", dir="/tmp")  # short: Ray's socket paths must fit
     port = free_port()
+    # Token authentication with a token of this session, in the environment of the head and of
+    # this process: nothing read from or written to ~/.ray (a token left there by a local
+    # ray.init() would otherwise be sent to this head).
+    saved = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)})
     ports = ["--port", str(port), "--ray-client-server-port", str(free_port())]
     ports += ["--dashboard-port", str(free_port())]
     small = ["--num-cpus", "2", "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", temp]
@@ -203,6 +211,11 @@ def ray_cluster(home: Home) -> Iterator[Cluster]:
         ray.shutdown()
         stop(head)
         shutil.rmtree(temp, ignore_errors=True)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @pytest.fixture(params=RUNNERS)
@@ -285,7 +298,10 @@ def test_a_worker_killed_mid_batch_leaves_the_output_complete_and_identical(
     summary = state.result()
     assert killed and not any(_alive(pid) for pid in killed)
     assert summary.batches == 6 and summary.stats.rollouts == 40
-    merged = task_runs(state.state_details.flow_run_id, "merge_batch")
+    merged = eventually(
+        lambda: task_runs(state.state_details.flow_run_id, "merge_batch"),
+        lambda runs: len(runs) == 6 and all(run.state_name == "Completed" for run in runs),
+    )
     assert len(merged) == 6 and all(run.state_name == "Completed" for run in merged)
     # In the UI, the killed batch went back to Pending and ran again; the others ran once.
     (again,) = [run for run in merged if run.name == "merge_batch lines 1-7"]
@@ -327,10 +343,12 @@ def test_a_worker_that_cannot_see_the_capture_dir_fails_naming_it(
     assert f"capture dir {run / 'caps'} does not exist on worker {socket.gethostname()} (pid " in message
     assert not (tmp_path / "out.jsonl").exists()
     # In the UI: the batch's task run failed with the same message.
-    failures = [
-        r for r in task_runs(state.state_details.flow_run_id, "merge_batch") if r.state_name == "Failed"
-    ]
+    failures = failed_task_runs(state.state_details.flow_run_id, "merge_batch")
     assert failures and all(socket.gethostname() in (r.state.message or "") for r in failures if r.state)
+
+
+def failed_task_runs(flow_run_id: UUID, name: str) -> list[TaskRun]:
+    return eventually(lambda: [r for r in task_runs(flow_run_id, name) if r.state_name == "Failed"], bool)
 
 
 def test_the_scheduled_job_sends_every_run_to_the_cluster(
@@ -365,3 +383,26 @@ def _run_folder(run: Path, corpus_dir: Path) -> bytes:
     (run / "caps").rename(run / "captures")
     (run / "_SUCCESS").touch()
     return expected
+
+
+def test_an_rl_jobs_own_ray_connection_is_used_and_left_open(
+    ray_cluster: Cluster, tmp_path: Path, corpus_dir: Path
+) -> None:
+    """Called from a driver already connected to Ray (an RL job's): no address needed, and the
+    job's connection is still there afterwards; a second cluster in the same process is refused."""
+    import ray
+
+    from rollout_capture.flows.runners import _ray_connection
+
+    write_run(tmp_path, corpus_dir)
+    ray.init(address=ray_cluster.address, log_to_driver=False)
+    try:
+        output = enrich(tmp_path, "ray", runner="ray")
+        assert ray.is_initialized()
+        refused = pytest.raises(ValueError, match="one Ray cluster per process")
+        with _ray_connection(None), refused, _ray_connection("127.0.0.1:1"):
+            pass
+        assert ray.is_initialized()
+    finally:
+        ray.shutdown()
+    assert output == enrich(tmp_path, "threads")

@@ -8,9 +8,11 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import pytest
@@ -26,6 +28,7 @@ from .conftest import S3
 from .prefect_api import running_task_runs, state_history, task_runs
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
+T = TypeVar("T")
 
 
 def write_run(folder: Path, corpus_dir: Path) -> Path:
@@ -61,9 +64,23 @@ def enrich(run_dir: Path, name: str, **options: object) -> bytes:
     summary = state.result()
     assert summary.batches == 6 and [p.line for p in summary.stats.problems] == [8]
     # Batches ran elsewhere, yet their task runs are in this flow run's API (the UI).
-    merged = task_runs(state.state_details.flow_run_id, "merge_batch")
+    merged = eventually(
+        lambda: task_runs(state.state_details.flow_run_id, "merge_batch"),
+        lambda runs: len(runs) == 6 and all(run.state_name == "Completed" for run in runs),
+    )
     assert len(merged) == 6 and all(run.state_name == "Completed" for run in merged)
     return output.read_bytes()
+
+
+def eventually(read: Callable[[], T], done: Callable[[T], bool], timeout_s: float = 30.0) -> T:
+    """What ``read`` gives once ``done`` (or at the deadline): task run states reach the API as
+    events, a moment after the flow saw them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = read()
+        if done(found) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
 
 
 def test_process_pool_matches_threads(run_dir: Path) -> None:
