@@ -293,11 +293,29 @@ usages = st.fixed_dictionaries(
 )
 
 
+openai_counts = st.integers(0, 10**6)
+openai_usages = st.builds(
+    lambda prompt, cached, out, names, details: {
+        names[0]: prompt,
+        names[1]: out,
+        "total_tokens": prompt + out,
+        details: {"cached_tokens": min(cached, prompt)},
+    },
+    openai_counts,
+    openai_counts,
+    openai_counts,
+    st.sampled_from([("prompt_tokens", "completion_tokens"), ("input_tokens", "output_tokens")]),
+    st.sampled_from(["prompt_tokens_details", "input_tokens_details"]),
+)
+"""OpenAI-shaped usage (Chat Completions or Responses): a prompt size that already includes
+its cached tokens, which must never be added again."""
+
+
 def _valid(value: Any) -> int | None:
     return value if type(value) is int and value >= 0 else None
 
 
-@given(usages)
+@given(st.one_of(usages, openai_usages))
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_token_counts_are_never_negative_and_never_invented(usage: dict[str, Any]) -> None:
     stats = extract_token_stats(usage)
