@@ -28,6 +28,7 @@ from rollout_capture.identity import rollout_id_of
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
 from rollout_capture.rollout_files import split_lines
 from rollout_capture.store import CaptureDir, CaptureStore, as_store
+from rollout_capture.summary import EvidenceSummary, observation_gap_codes
 from rollout_capture.typed_lines import identify_line
 from rollout_capture.typed_rows import Untyped
 
@@ -78,6 +79,8 @@ class BatchStats(BaseModel):
     duplicate_ids: list[DuplicateId] = Field(default_factory=list)
     """The first few such ids, with their lines."""
     id_lines: dict[str, list[int]] = Field(default_factory=dict, exclude=True, repr=False)
+    evidence: EvidenceSummary = Field(default_factory=EvidenceSummary, exclude=True, repr=False)
+    """Failed calls, latency, tokens, models, gap examples, summed; not dumped (callers add digest())."""
 
     @property
     def gap_share(self) -> float:
@@ -100,6 +103,7 @@ class BatchStats(BaseModel):
             problems=[*self.problems, *other.problems],
             duplicate_id_lines=self.duplicate_id_lines + other.duplicate_id_lines,
             duplicate_ids=[*self.duplicate_ids, *other.duplicate_ids][:MAX_LISTED_DUPLICATES],
+            evidence=self.evidence + other.evidence,
         )
 
 
@@ -126,6 +130,11 @@ class DuplicateIds:
             if len(known) > 1:
                 self._repeated.setdefault(rollout_id, None)
         stats.id_lines = {}
+
+    @property
+    def ids(self) -> set[str]:
+        """Every rollout id of the input seen so far (to tell orphan captures from wanted ones)."""
+        return set(self._lines)
 
     def found(self) -> list[DuplicateId]:
         """Every id on more than one line, with its first few lines (sorted), first found first."""
@@ -304,6 +313,7 @@ def _enrich(
     id_lines: dict[str, list[int]] = {}
     gaps: Counter[str] = Counter()
     rollouts = calls = tokens_in = tokens_out = tokens_total = gapped = 0
+    summary = stats.evidence
     for number, (line, item) in enumerate(zip(lines, identified, strict=True), first_line):
         if item is None:
             out.append(_bare(line))
@@ -314,9 +324,11 @@ def _enrich(
         attachment = build_attachment(rollout_id, evidence, include_payloads=include_payloads)
         if only_added:
             out.append(splice_attachment(line, attachment))
+            summary.add_attachment(attachment)
         else:  # the record already has our key or agent observations: merge into it
-            record = orjson.loads(line)
-            out.append(orjson.dumps(attach(record, attachment)))
+            record = attach(orjson.loads(line), attachment)
+            out.append(orjson.dumps(record))
+            summary.add_attachment(attachment, observation_gap_codes(record))
         metrics = attachment["metrics"]
         rollouts += 1
         calls += metrics["num_calls"]

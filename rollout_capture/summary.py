@@ -556,6 +556,35 @@ class EvidenceSummary(BaseModel):
         """Rollouts with any capture gap over all rollouts (0 when there are none)."""
         return self.rollouts_with_gaps / self.rollouts if self.rollouts else 0.0
 
+    def digest(self) -> dict[str, Any]:
+        """The summary's figures as plain JSON (an event's payload, ``--json``, a run marker).
+
+        Percentiles are rounded to whole ms / tokens; no sketch internals, no payloads.
+        """
+        tokens = self.tokens_per_rollout.percentiles()
+        return {
+            "failed_calls": self.failed_calls,
+            "failed_share": round(self.failed_share, 6),
+            "calls_by_status_class": _sorted_counts(self.calls_by_status_class),
+            "calls_by_error_category": _sorted_counts(self.calls_by_error_category),
+            "latency_ms": self.latency_ms.percentiles(),
+            "ttft_ms": self.ttft_ms.percentiles(),
+            "tokens_per_rollout": {"p50": tokens["p50"], "p99": tokens["p99"]},
+            "models": {
+                name: {
+                    "calls": m.calls,
+                    "failed_calls": m.failed_calls,
+                    "tokens_in": m.tokens_in,
+                    "tokens_out": m.tokens_out,
+                    "tokens_total": m.tokens_total,
+                }
+                for name, m in self.models_by_calls()
+            },
+            "gap_examples": {code: list(ids) for code, ids in sorted(self.gap_examples.items())},
+            "orphan_captures": self.orphan_captures,
+            "orphan_examples": list(self.orphan_examples),
+        }
+
     def models_by_calls(self) -> list[tuple[str, ModelStats]]:
         return sorted(self.models.items(), key=lambda item: (-item[1].calls, item[0]))
 
@@ -701,6 +730,26 @@ def capture_ids_from_names(names: Iterable[str]) -> set[str]:
         parsed = parse_capture_name(name)
         if parsed is not None:
             out.add(parsed.rollout_id)
+    return out
+
+
+_ROOT_SUFFIXES = (".capture.jsonl", ".capture.incomplete", ".capture.claims", ".capture")
+
+
+def capture_ids_from_root_entries(names: Iterable[str]) -> set[str]:
+    """The rollout ids that the entries directly under a local capture root belong to.
+
+    One ``os.scandir`` of the root gives ``<id>.capture.jsonl``, ``<id>.capture.incomplete``,
+    ``<id>.capture.claims`` and ``<id>.capture`` (the objects folder); other names are ignored.
+    """
+    out: set[str] = set()
+    for name in names:
+        for suffix in _ROOT_SUFFIXES:
+            if name.endswith(suffix) and len(name) > len(suffix):
+                rollout_id = name[: -len(suffix)]
+                if parse_capture_name(rollout_id + ".capture.jsonl") is not None:
+                    out.add(rollout_id)
+                break
     return out
 
 
