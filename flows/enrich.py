@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import shutil
 import tempfile
 import time
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from prefect import get_run_logger
+from prefect.client.schemas.objects import State
 from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 from pydantic import Field
@@ -24,9 +27,12 @@ from rollout_capture.flows.guard import StorageOptions, check_inputs, guarded_fl
 from rollout_capture.flows.report import (
     EnrichSummary,
     advance_progress,
+    final_state,
+    poor_evidence,
     publish_summary,
     show_core_logs,
     start_progress,
+    write_evidence_report,
 )
 from rollout_capture.flows.runners import (
     REMOTE,
@@ -45,11 +51,79 @@ from rollout_capture.rollout_files import (
     remove_staged,
 )
 from rollout_capture.store import end_scope
-from rollout_capture.tasks.capture import BatchInput, BatchOutput, check_capture_dir, merge_batch
+from rollout_capture.summary import capture_ids_from_root_entries
+from rollout_capture.tasks.capture import (
+    BatchInput,
+    BatchOutput,
+    capture_store,
+    check_capture_dir,
+    merge_batch,
+)
 from rollout_capture.tasks.rollout_files import read_rollouts, write_enriched
 from rollout_capture.worker_pool import absolute_location, sees_capture_root
 
 DEFAULT_BATCH_SIZE = 1000
+logger = logging.getLogger("rollout_capture.flows.enrich")
+
+
+def listed_capture_ids(
+    capture_dir: str,
+    storage_options: dict[str, Any] | None,
+    credentials_block: str | None,
+    scope: ListingScope,
+) -> set[str] | None:
+    """The rollout ids under a capture root, from a listing the run already has or that costs little.
+
+    A local root: one ``os.scandir`` of its top level (no stat calls). An object store: the
+    flat listing the run's batches shared (never a second listing); ``None`` when the
+    batches listed rollout by rollout instead (or in other processes), so none exists here.
+    """
+    if "://" not in capture_dir or capture_dir.startswith("file://"):
+        try:
+            with os.scandir(capture_dir.removeprefix("file://")) as entries:
+                return capture_ids_from_root_entries(entry.name for entry in entries)
+        except FileNotFoundError:
+            return set()
+    backend = capture_store(capture_dir, storage_options, credentials_block)._backend
+    # The batches' shared listing, kept by the backend under the scope's key until end_scope.
+    scoped = getattr(backend, "_scoped", None)
+    flat = scoped.get(scope.key) if isinstance(scoped, dict) else None
+    return None if flat is None else set(flat)
+
+
+def count_orphans(
+    stats: BatchStats,
+    duplicates: DuplicateIds,
+    capture_dir: str,
+    storage_options: dict[str, Any] | None,
+    credentials_block: str | None,
+    scope: ListingScope,
+) -> None:
+    """Count (and name the first few) captures under the root that no input line names.
+
+    Evidence, not a fault: a listing that fails is logged and the run goes on.
+    """
+    try:
+        listed = listed_capture_ids(capture_dir, storage_options, credentials_block, scope)
+    except Exception as exc:
+        logger.warning("orphan captures not counted: listing %s failed (%s)", capture_dir, exc)
+        return
+    if listed is None:
+        logger.info("orphan captures not counted: %s was listed rollout by rollout", capture_dir)
+        return
+    stats.evidence.set_orphans(listed, duplicates.ids)
+    if stats.evidence.orphan_captures:
+        logger.warning(
+            "%d capture(s) under %s match no rollout of the input (first: %s)",
+            stats.evidence.orphan_captures,
+            capture_dir,
+            ", ".join(stats.evidence.orphan_examples),
+        )
+
+
+def enrich_run_name() -> str:
+    """``enrich <input>``, the input's absolute path or URL: a run names what it read wherever it started."""
+    return f"enrich {absolute_location(str(flow_run.parameters.get('rollouts', '?')))}"
 
 
 @dataclass
@@ -155,6 +229,7 @@ def enrich_to_spool(
             while in_flight:
                 collect()
         stats = duplicates.report(stats, rollouts)
+        count_orphans(stats, duplicates, capture_dir, storage_options, credentials_block, scope)
         spool.close()
     except BaseException:
         spool.discard()
@@ -185,17 +260,28 @@ def publish_spool(
     except BaseException:
         done.spool.discard()
         raise
-    return EnrichSummary(
+    summary = EnrichSummary(
         source=source,
         output=target,
         batches=done.batches,
         seconds=round(time.perf_counter() - started, 3),
         stats=done.stats,
     )
+    try:
+        summary.report = write_evidence_report(summary, storage_options, credentials_block)
+    except Exception as exc:  # derived evidence: the output is published, the run goes on
+        get_run_logger().warning("evidence report beside %s not written: %s", target, exc)
+    return summary
 
 
-def report_enrichment(summary: EnrichSummary, max_gap_share: float | None = None) -> None:
-    """Log what an enrichment found, publish its artifacts, and emit its event."""
+def report_enrichment(
+    summary: EnrichSummary, max_gap_share: float | None = None, max_failed_share: float | None = None
+) -> State[EnrichSummary] | EnrichSummary:
+    """Log what an enrichment found, publish its artifacts, emit its events; return the flow's end.
+
+    Poor evidence (a share past its threshold) is logged as a WARNING and ends the run in a
+    named ``Completed`` state ("Completed with gaps"); otherwise the summary itself is returned.
+    """
     logger = get_run_logger()
     stats = summary.stats
     if stats.problems:
@@ -207,18 +293,44 @@ def report_enrichment(summary: EnrichSummary, max_gap_share: float | None = None
             first.line,
             first.reason,
         )
-    logger.info(
-        "enriched %d rollout(s) with %d call(s) in %d batch(es); gaps: %s",
+    evidence = stats.evidence
+    poor = poor_evidence(stats, max_gap_share, max_failed_share)
+    latency, ttft = evidence.latency_ms.percentiles(), evidence.ttft_ms.percentiles()
+    logger.log(
+        logging.WARNING if poor else logging.INFO,
+        "%senriched %d rollout(s) with %d call(s) (%d failed: %s) in %d batch(es); latency p50/p99 %s/%s ms, "
+        "TTFT p50/p99 %s/%s ms; gaps: %s; orphan captures: %d",
+        f"poor evidence ({'; '.join(poor)}): " if poor else "",
         stats.rollouts,
         stats.calls,
+        evidence.failed_calls,
+        evidence.calls_by_error_category or "none",
         summary.batches,
-        stats.gaps or "none",
+        latency["p50"],
+        latency["p99"],
+        ttft["p50"],
+        ttft["p99"],
+        {
+            code: {"rollouts": n, "first": evidence.gap_examples.get(code, [])}
+            for code, n in stats.gaps.items()
+        }
+        or "none",
+        evidence.orphan_captures,
     )
     publish_summary(summary)
-    emit_completed(summary.source, summary.output, stats, summary.batches, summary.seconds, max_gap_share)
+    emit_completed(
+        summary.source,
+        summary.output,
+        stats,
+        summary.batches,
+        summary.seconds,
+        max_gap_share,
+        max_failed_share,
+    )
+    return final_state(summary, max_gap_share, max_failed_share)
 
 
-@guarded_flow(name="enrich_rollouts", flow_run_name="enrich {rollouts}")
+@guarded_flow(name="enrich_rollouts", flow_run_name=enrich_run_name)
 def enrich_rollouts(
     rollouts: str,
     capture_dir: str,
@@ -235,12 +347,14 @@ def enrich_rollouts(
     max_gap_share: Annotated[float, Field(ge=0, le=1)] | None = None,
     storage_options: StorageOptions = None,
     credentials_block: str | None = None,
+    max_failed_share: Annotated[float, Field(ge=0, le=1)] | None = None,
 ) -> EnrichSummary:
     """Enrich every rollout of ``rollouts`` (any fsspec URL, ``.gz`` too) with its captured calls.
 
     Output keeps line order and line count; it defaults to ``<input stem>.enriched.jsonl``
-    beside the input and appears only once complete. Lines that are not rollout records
-    pass through unchanged and are reported (``strict`` fails instead).
+    beside the input and appears only once complete, with its evidence report beside it
+    (``<stem>.enriched.report.html``). Lines that are not rollout records pass through
+    unchanged and are reported (``strict`` fails instead).
 
     Args:
         rollouts: The rollouts JSONL file: a path or any fsspec URL (s3://...), gzip too.
@@ -256,9 +370,12 @@ def enrich_rollouts(
             RAY_ADDRESS, else a local Ray instance.
         strict: Fail on a line that is not a rollout record instead of passing it through.
         allow_empty: Accept a capture dir that does not exist or holds nothing (else the run fails).
-        max_gap_share: Above this share of rollouts with a gap, also emit the gaps-exceeded event.
+        max_gap_share: Above this share of rollouts with a gap, the run ends "Completed with gaps"
+            and also emits the gaps-exceeded event.
         storage_options: fsspec options for every URL, without secrets (those come from credentials_block).
         credentials_block: Name of a prefect-aws AwsCredentials block to read and write S3 with.
+        max_failed_share: Above this share of failed calls (not 2xx, or an error category), the
+            run ends "Completed with failed calls" and emits the failed-calls-exceeded event.
 
     Examples:
         Enrich the bundled sample (what ``make demo`` does):
@@ -301,5 +418,5 @@ def enrich_rollouts(
     except Exception as exc:
         emit_failed(rollouts, target, exc)
         raise
-    report_enrichment(summary, max_gap_share)
-    return summary
+    # A named Completed state when the evidence is poor; callers still get the summary.
+    return report_enrichment(summary, max_gap_share, max_failed_share)  # type: ignore[return-value]

@@ -15,13 +15,14 @@ from uuid import UUID
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext, TaskRunContext
+from prefect.runtime import flow_run as this_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, Field
 
 from rollout_capture.flows.enrich import DEFAULT_BATCH_SIZE, enrich_to_spool, publish_spool, report_enrichment
 from rollout_capture.flows.events import emit_failed
 from rollout_capture.flows.guard import StorageOptions, check_inputs, guarded_flow
-from rollout_capture.flows.report import EnrichSummary, show_core_logs
+from rollout_capture.flows.report import EnrichSummary, flow_run_link, publish_runs_table, show_core_logs
 from rollout_capture.flows.runners import Runner, check_runner
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
 from rollout_capture.run_folders import (
@@ -42,6 +43,7 @@ from rollout_capture.tasks.run_folders import (
     remember_enriched,
     take_run,
 )
+from rollout_capture.worker_pool import absolute_location
 
 DEFAULT_MAX_PARALLEL_RUNS = 4
 
@@ -56,6 +58,8 @@ class RunOutcome(BaseModel):
     """The run's ``enrich_run`` subflow, when one ran."""
     summary: EnrichSummary | None = None
     error: str | None = None
+    state_name: str | None = None
+    """The subflow's final state name ("Completed with gaps" when its evidence was poor)."""
 
 
 class RunsSummary(BaseModel):
@@ -101,6 +105,7 @@ def enrich_run(
     max_gap_share: float | None = None,
     storage_options: dict[str, Any] | None = None,
     credentials_block: str | None = None,
+    max_failed_share: float | None = None,
 ) -> EnrichSummary:
     """Enrich one run folder whose lease this flow run holds; publish only as its current holder.
 
@@ -143,7 +148,8 @@ def enrich_run(
                 credentials_block,
                 before=lambda: fence_run(keeper),
             )
-            marker = summary.model_dump(mode="json", exclude={"stats": {"problems"}})
+            marker = summary.model_dump(mode="json", exclude={"stats": {"problems", "evidence"}})
+            marker["evidence"] = done.stats.evidence.digest()
             marker["unparseable_lines"] = [p.line for p in done.stats.problems]
             finish_run(keeper, marker)
             finished = True
@@ -155,8 +161,8 @@ def enrich_run(
         finally:
             if not finished:
                 _give_back(keeper)
-        report_enrichment(summary, max_gap_share)
-    return summary
+        end = report_enrichment(summary, max_gap_share, max_failed_share)
+    return end  # type: ignore[return-value]  # a named Completed state when the evidence is poor
 
 
 @contextmanager
@@ -189,7 +195,7 @@ def _give_back(keeper: LeaseKeeper) -> None:
         get_run_logger().warning("%s: lease not released (%s); it lapses by itself", keeper.run.name, exc)
 
 
-@task(name="enrich_run_folder", cache_policy=NO_CACHE)
+@task(name="enrich_run_folder", task_run_name="enrich_run_folder {run.name}", cache_policy=NO_CACHE)
 def enrich_run_folder(
     runs_root: str,
     run: RunFolder,
@@ -206,6 +212,7 @@ def enrich_run_folder(
     credentials_block: str | None,
     dask_address: str | None = None,
     ray_address: str | None = None,
+    max_failed_share: float | None = None,
 ) -> RunOutcome:
     """Take one run and enrich it in its own subflow.
 
@@ -234,6 +241,7 @@ def enrich_run_folder(
             ray_address=ray_address,
             allow_empty=allow_empty,
             max_gap_share=max_gap_share,
+            max_failed_share=max_failed_share,
             storage_options=storage_options,
             credentials_block=credentials_block,
             return_state=True,
@@ -250,10 +258,39 @@ def enrich_run_folder(
     except Exception as exc:
         logger.error("run %s failed: %s", run.name, exc)
         return RunOutcome(status="failed", flow_run_id=flow_run_id, error=f"{type(exc).__name__}: {exc}")
-    return RunOutcome(status="enriched", flow_run_id=flow_run_id, summary=summary)
+    return RunOutcome(status="enriched", flow_run_id=flow_run_id, summary=summary, state_name=state.name)
 
 
-@guarded_flow(name="enrich_completed_runs", flow_run_name="enrich-runs {runs_root}")
+def runs_rows(summary: RunsSummary) -> list[dict[str, str | int | float]]:
+    """One row per run the tick tried: its status, counts, and a link to its subflow run."""
+    rows: list[dict[str, str | int | float]] = []
+    for name, outcome in summary.outcomes.items():
+        enriched = outcome.summary
+        stats = enriched.stats if enriched is not None else None
+        status = outcome.status
+        if outcome.state_name and outcome.state_name != "Completed":
+            status = f"{status} ({outcome.state_name})"
+        rows.append(
+            {
+                "run": name,
+                "status": status,
+                "rollouts": stats.rollouts if stats else "-",
+                "calls": stats.calls if stats else "-",
+                "gap_share": f"{stats.gap_share:.1%}" if stats else "-",
+                "failed_calls": stats.evidence.failed_calls if stats else "-",
+                "flow_run": flow_run_link(outcome.flow_run_id),
+                "error": outcome.error or "",
+            }
+        )
+    return rows
+
+
+def enrich_runs_name() -> str:
+    """``enrich-runs <root>``, the root's absolute path or URL."""
+    return f"enrich-runs {absolute_location(str(this_flow_run.parameters.get('runs_root', '?')))}"
+
+
+@guarded_flow(name="enrich_completed_runs", flow_run_name=enrich_runs_name)
 def enrich_completed_runs(
     runs_root: str,
     capture_dir: str | None = None,
@@ -272,6 +309,7 @@ def enrich_completed_runs(
     max_gap_share: Annotated[float, Field(ge=0, le=1)] | None = None,
     storage_options: StorageOptions = None,
     credentials_block: str | None = None,
+    max_failed_share: Annotated[float, Field(ge=0, le=1)] | None = None,
 ) -> RunsSummary:
     """Enrich each finished run (``_SUCCESS``, no ``_ENRICHED``) under ``runs_root``, each in a subflow.
 
@@ -298,9 +336,12 @@ def enrich_completed_runs(
         full_scan: List every run folder, ignoring the index of runs already enriched.
         recheck: Names of runs to look at even if the index says they are enriched.
         allow_empty: Accept a run whose capture dir does not exist or holds nothing.
-        max_gap_share: Above this share of rollouts with a gap, a run also emits the gaps-exceeded event.
+        max_gap_share: Above this share of rollouts with a gap, a run ends "Completed with gaps"
+            and also emits the gaps-exceeded event.
         storage_options: fsspec options for every URL, without secrets (those come from credentials_block).
         credentials_block: Name of a prefect-aws AwsCredentials block to read and write S3 with.
+        max_failed_share: Above this share of failed calls, a run ends "Completed with failed
+            calls" and emits the failed-calls-exceeded event.
 
     Examples:
         Enrich every finished run under a root, once:
@@ -348,6 +389,7 @@ def enrich_completed_runs(
             "ray_address": ray_address,
             "allow_empty": allow_empty,
             "max_gap_share": max_gap_share,
+            "max_failed_share": max_failed_share,
             "storage_options": storage_options,
             "credentials_block": credentials_block,
         }
@@ -356,6 +398,8 @@ def enrich_completed_runs(
             futures = [(run, pool.submit(enrich_run_folder, {"run": run, **parameters})) for run in ready]
             for run, future in futures:
                 summary.add(run.name, future.result())
+    if summary.outcomes:
+        publish_runs_table(runs_root, runs_rows(summary))
     if summary.enriched:
         remember_enriched(runs_root, summary.enriched, storage_options, credentials_block)
     logger.info(

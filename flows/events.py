@@ -3,8 +3,9 @@
 Gaps never fail a run (evidence can be poor while the run is fine), so the counts travel
 in events instead: ``rollout-capture.enrichment.completed`` / ``.failed`` for every
 enrichment, and ``rollout-capture.enrichment.gaps-exceeded`` when the share of rollouts
-with a gap passes the run's threshold (Prefect triggers match names and labels, not
-payload numbers, so the threshold is judged here). Payloads hold counts, never secrets.
+with a gap passes the run's threshold, ``.failed-calls-exceeded`` when the share of failed
+calls passes its own (Prefect triggers match names and labels, not payload numbers, so the
+thresholds are judged here). Payloads hold counts, never secrets.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from rollout_capture.batch import BatchStats
 COMPLETED = "rollout-capture.enrichment.completed"
 FAILED = "rollout-capture.enrichment.failed"
 GAPS_EXCEEDED = "rollout-capture.enrichment.gaps-exceeded"
+FAILED_CALLS_EXCEEDED = "rollout-capture.enrichment.failed-calls-exceeded"
 RESOURCE_PREFIX = "rollout-capture.enrichment."
 
 
@@ -47,13 +49,21 @@ def counts(stats: BatchStats, batches: int, seconds: float) -> dict[str, Any]:
         "rollouts_waited_for": stats.waited_for,
         "batches": batches,
         "seconds": seconds,
+        **stats.evidence.digest(),
     }
 
 
 def emit_completed(
-    source: str, output: str, stats: BatchStats, batches: int, seconds: float, max_gap_share: float | None
+    source: str,
+    output: str,
+    stats: BatchStats,
+    batches: int,
+    seconds: float,
+    max_gap_share: float | None,
+    max_failed_share: float | None = None,
 ) -> None:
-    """``completed`` for every enrichment; ``gaps-exceeded`` too when the gap share passes the threshold."""
+    """``completed`` for every enrichment; ``gaps-exceeded`` / ``failed-calls-exceeded`` too when
+    the gap share / failed-call share passes its threshold."""
     payload = counts(stats, batches, seconds)
     emit_event(COMPLETED, resource=resource(source, output), payload=payload)
     if max_gap_share is not None and stats.gap_share > max_gap_share:
@@ -61,6 +71,12 @@ def emit_completed(
             GAPS_EXCEEDED,
             resource=resource(source, output),
             payload={**payload, "max_gap_share": max_gap_share},
+        )
+    if max_failed_share is not None and stats.evidence.failed_share > max_failed_share:
+        emit_event(
+            FAILED_CALLS_EXCEEDED,
+            resource=resource(source, output),
+            payload={**payload, "max_failed_share": max_failed_share},
         )
 
 

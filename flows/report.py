@@ -11,8 +11,10 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 from uuid import UUID
 
+from fsspec.implementations.local import LocalFileSystem
 from prefect.artifacts import (
     create_link_artifact,
     create_markdown_artifact,
@@ -20,11 +22,18 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
+from prefect.client.schemas.objects import State
 from prefect.logging.handlers import APILogHandler
+from prefect.states import Completed
 from prefect.utilities.slugify import slugify
+from prefect.utilities.urls import url_for
 from pydantic import BaseModel, Field
 
 from rollout_capture.batch import BatchStats
+from rollout_capture.filesystem import open_filesystem
+from rollout_capture.report import default_report_path, render_report, write_report
+from rollout_capture.rollout_files import refuse_unsafe_output
+from rollout_capture.tasks.credentials import credentials_from_block
 
 MAX_LISTED_PROBLEMS = 50
 CORE_LOGGER = "rollout_capture"
@@ -66,6 +75,8 @@ class EnrichSummary(BaseModel):
     batches: int
     seconds: float
     stats: BatchStats = Field(default_factory=BatchStats)
+    report: str | None = None
+    """The HTML evidence report written beside the output (None: it could not be written)."""
 
 
 ProgressListener = Callable[[str, int, int], None]
@@ -100,12 +111,14 @@ def advance_progress(artifact_id: UUID, source: str, done: int, total: int) -> N
 
 
 def publish_summary(summary: EnrichSummary) -> None:
-    """The table and markdown artifacts of a finished enrichment."""
+    """The table, markdown and link artifacts of a finished enrichment (output and report)."""
     stats = summary.stats
-    rows: list[dict[str, str | int]] = [
+    evidence = stats.evidence
+    rows: list[dict[str, str | int | float]] = [
         {"measure": "lines", "value": stats.lines},
         {"measure": "rollouts enriched", "value": stats.rollouts},
         {"measure": "model calls", "value": stats.calls},
+        {"measure": "failed calls", "value": evidence.failed_calls},
         {"measure": "tokens in", "value": stats.tokens_in},
         {"measure": "tokens out", "value": stats.tokens_out},
         {"measure": "tokens total", "value": stats.tokens_total},
@@ -114,6 +127,11 @@ def publish_summary(summary: EnrichSummary) -> None:
         {"measure": "unparseable lines", "value": len(stats.problems)},
     ]
     rows.extend({"measure": f"gap: {code}", "value": count} for code, count in stats.gaps.items())
+    rows.extend(
+        {"measure": f"{row['section']}: {row['name']}", "value": _cell(row["value"])}
+        for row in evidence.to_rows()
+        if row["section"] != "totals"
+    )
     create_table_artifact(
         table=rows,
         key=artifact_key("enrichment", summary.output),
@@ -125,6 +143,13 @@ def publish_summary(summary: EnrichSummary) -> None:
         key=artifact_key("enriched-output", summary.output),
         description="The enriched rollouts",
     )
+    if summary.report is not None:
+        create_link_artifact(
+            link=_link(summary.report),
+            link_text=summary.report,
+            key=artifact_key("evidence-report", summary.output),
+            description="The evidence report (one HTML file: latency, TTFT, tokens, failed calls, gaps)",
+        )
 
     lines = [
         "# Rollout enrichment",
@@ -133,12 +158,13 @@ def publish_summary(summary: EnrichSummary) -> None:
         f"- output: `{summary.output}`",
         f"- {stats.rollouts} rollout(s) enriched with {stats.calls} model call(s) "
         f"in {summary.batches} batch(es), {summary.seconds:.1f}s",
+        f"- failed calls: {evidence.failed_calls} ({100 * evidence.failed_share:.1f}%)",
         f"- tokens: {stats.tokens_in} in, {stats.tokens_out} out, {stats.tokens_total} total",
         f"- rollouts with any gap: {stats.rollouts_with_gaps} ({100 * stats.gap_share:.1f}%)",
     ]
-    if stats.gaps:
-        lines += ["", "## Gaps", "", "| code | rollouts |", "| --- | --- |"]
-        lines += [f"| `{code}` | {count} |" for code, count in stats.gaps.items()]
+    if summary.report is not None:
+        lines.append(f"- evidence report: [{summary.report}]({_link(summary.report)})")
+    lines += ["", "## Evidence", "", evidence.to_markdown()]
     if stats.problems:
         lines += ["", f"## Lines passed through unchanged ({len(stats.problems)})", ""]
         lines += [f"- line {p.line}: {p.reason}" for p in stats.problems[:MAX_LISTED_PROBLEMS]]
@@ -146,4 +172,104 @@ def publish_summary(summary: EnrichSummary) -> None:
             lines.append(f"- ... and {len(stats.problems) - MAX_LISTED_PROBLEMS} more")
     create_markdown_artifact(
         markdown="\n".join(lines), key=artifact_key("enrichment-summary", summary.output)
+    )
+
+
+def _cell(value: object) -> str | int | float:
+    return value if isinstance(value, str | int | float) else "-" if value is None else str(value)
+
+
+def write_evidence_report(
+    summary: EnrichSummary, storage_options: dict[str, Any] | None, credentials_block: str | None
+) -> str:
+    """Write the HTML report beside the output (``x.jsonl`` -> ``x.report.html``); returns where.
+
+    Drawn from the summed batch summaries, so the output is not read again. A local report
+    is written whole (renamed over) and never through a link; on an object store it is one
+    object, written through the output's filesystem with the run's credentials.
+    """
+    target = default_report_path(summary.output)
+    title = summary.source.rstrip("/").rsplit("/", 1)[-1] or summary.source
+    fs, path = open_filesystem(target, storage_options, credentials=credentials_from_block(credentials_block))
+    if isinstance(fs, LocalFileSystem):
+        refuse_unsafe_output(target, storage_options)
+        write_report(summary.stats.evidence, path, title=title)
+    else:
+        html = render_report(
+            summary.stats.evidence, title=title, unreadable_lines=len(summary.stats.problems)
+        )
+        fs.pipe_file(path, html.encode("utf-8"))
+    return target
+
+
+def poor_evidence(
+    stats: BatchStats, max_gap_share: float | None, max_failed_share: float | None
+) -> list[str]:
+    """Why an enrichment's evidence is poor (shares past their thresholds); empty when it is not."""
+    reasons = []
+    if max_gap_share is not None and stats.gap_share > max_gap_share:
+        reasons.append(
+            f"{stats.rollouts_with_gaps} of {stats.rollouts} rollouts have gaps "
+            f"({stats.gap_share:.1%} > {max_gap_share:.1%})"
+        )
+    evidence = stats.evidence
+    if max_failed_share is not None and evidence.failed_share > max_failed_share:
+        reasons.append(
+            f"{evidence.failed_calls} of {evidence.calls} calls failed "
+            f"({evidence.failed_share:.1%} > {max_failed_share:.1%})"
+        )
+    return reasons
+
+
+POOR_STATE_NAMES = {
+    (True, False): "Completed with gaps",
+    (False, True): "Completed with failed calls",
+    (True, True): "Completed with gaps and failed calls",
+}
+
+
+def final_state(
+    summary: EnrichSummary, max_gap_share: float | None, max_failed_share: float | None
+) -> State[EnrichSummary] | EnrichSummary:
+    """The flow's return: the summary itself, or a ``Completed`` state named after what is poor.
+
+    The run still completes (its output is published), but the UI shows "Completed with
+    gaps" (or "... failed calls") at a glance, with the reasons as the state's message.
+    """
+    stats = summary.stats
+    gaps = max_gap_share is not None and stats.gap_share > max_gap_share
+    failed = max_failed_share is not None and stats.evidence.failed_share > max_failed_share
+    if not (gaps or failed):
+        return summary
+    message = "; ".join(poor_evidence(stats, max_gap_share, max_failed_share))
+    state: State[EnrichSummary] = Completed(
+        name=POOR_STATE_NAMES[gaps, failed], message=message, data=summary
+    )
+    return state
+
+
+def flow_run_link(flow_run_id: UUID | None) -> str:
+    """Where a flow run's page is: the UI's URL when one is known, else its path in the UI."""
+    if flow_run_id is None:
+        return "-"
+    return url_for("flow-run", obj_id=flow_run_id) or f"/runs/flow-run/{flow_run_id}"
+
+
+def publish_runs_table(key_source: str, rows: list[dict[str, str | int | float]]) -> None:
+    """The scheduled tick's own artifacts: one table row per run it tried, and the same with links."""
+    key = artifact_key("enriched-runs", key_source)
+    create_table_artifact(table=rows, key=key, description=f"Runs under {key_source} this tick tried")
+    lines = [
+        "| run | status | rollouts | calls | gap share | failed calls | flow run |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for row in rows:
+        link = str(row["flow_run"])
+        shown = f"[{row.get('flow_run_name') or row['run']!s}]({link})" if link != "-" else "-"
+        lines.append(
+            f"| {row['run']} | {row['status']} | {row['rollouts']} | {row['calls']} | {row['gap_share']} "
+            f"| {row['failed_calls']} | {shown} |"
+        )
+    create_markdown_artifact(
+        markdown="\n".join(lines) + "\n", key=artifact_key("enriched-runs-links", key_source)
     )

@@ -25,7 +25,24 @@ from rich.console import Console
 from rich.table import Table
 
 T = TypeVar("T")
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+HELP_MAX_WIDTH = 1000
+"""No cap of our own: Click wraps help to the terminal's width (``COLUMNS`` when set), asked as it prints."""
+
+
+def _plain(text: str | None) -> str | None:
+    """Docstring text for ``--help``: reStructuredText's double backticks dropped."""
+    return None if text is None else text.replace("``", "")
+
+
+# Click's plain help, not rich panels: rich cuts option names to fit a narrow terminal
+# ("--capture-d…"); Click keeps every name whole and wraps the text beside it.
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help=_plain(__doc__),
+    rich_markup_mode=None,
+    context_settings={"max_content_width": HELP_MAX_WIDTH},
+)
 
 CaptureDirOpt = Annotated[
     str, typer.Option("--capture-dir", "-c", help="Capture root: a path or fsspec URL.")
@@ -42,7 +59,21 @@ AllowEmptyOpt = Annotated[
     bool, typer.Option(help="Accept a capture dir that does not exist or holds nothing.")
 ]
 MaxGapShareOpt = Annotated[
-    float | None, typer.Option(min=0, max=1, help="Emit gaps-exceeded above this share of rollouts.")
+    float | None,
+    typer.Option(
+        min=0,
+        max=1,
+        help='Above this share of rollouts with a gap: end "Completed with gaps", emit gaps-exceeded.',
+    ),
+]
+MaxFailedShareOpt = Annotated[
+    float | None,
+    typer.Option(
+        min=0,
+        max=1,
+        help='Above this share of failed calls: end "Completed with failed calls", emit '
+        "failed-calls-exceeded.",
+    ),
 ]
 
 
@@ -238,8 +269,19 @@ def _addresses_match(runner: RunnerName, dask_address: str | None, ray_address: 
             raise InputError(f"{option} is for --runner {needs.value}; the runner is {runner.value}")
 
 
+def _rounded(value: Any, places: int = 3) -> Any:
+    """Floats rounded for people (a sum of latencies prints 164.547, not 164.54699999999997)."""
+    if isinstance(value, float):
+        return round(value, places)
+    if isinstance(value, dict):
+        return {key: _rounded(item, places) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_rounded(item, places) for item in value]
+    return value
+
+
 def _print_json(value: Any) -> None:
-    typer.echo(json.dumps(value, indent=2, default=str))
+    typer.echo(json.dumps(_rounded(value), indent=2, default=str))
 
 
 @contextmanager
@@ -281,6 +323,41 @@ def _num(value: Any) -> str:
     if value is None:
         return "-"
     return f"{value:.1f}" if isinstance(value, float) else str(value)
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{key} {n}" for key, n in counts.items()) or "-"
+
+
+def _percentiles(values: dict[str, int | None], unit: str = "") -> str:
+    return " / ".join(_num(values[key]) for key in values) + (f" {unit}" if unit else "")
+
+
+def _evidence_rows(evidence: Any) -> list[tuple[str, str]]:
+    """What the summary table says of failed calls, latency, tokens, models, gaps and orphans."""
+    digest = evidence.digest()
+    rows = [
+        ("failed calls", f"{evidence.failed_calls} ({100 * evidence.failed_share:.1f}%)"),
+        ("calls by status", _counts(digest["calls_by_status_class"])),
+        ("calls by error", _counts(digest["calls_by_error_category"])),
+        ("latency p50 / p90 / p99", _percentiles(digest["latency_ms"], "ms")),
+        ("TTFT p50 / p90 / p99", _percentiles(digest["ttft_ms"], "ms")),
+        ("tokens per rollout p50 / p99", _percentiles(digest["tokens_per_rollout"])),
+    ]
+    rows += [
+        (f"model {name}", f"{m['calls']} call(s) ({m['failed_calls']} failed), {m['tokens_total']} tokens")
+        for name, m in digest["models"].items()
+    ]
+    gaps = {**evidence.gaps, **evidence.observation_gaps}
+    rows += [
+        (f"gap {code}", f"{n} (first: {', '.join(digest['gap_examples'].get(code, []))})")
+        for code, n in sorted(gaps.items())
+    ]
+    orphans = str(evidence.orphan_captures)
+    if evidence.orphan_examples:
+        orphans += f" (first: {', '.join(evidence.orphan_examples)})"
+    rows.append(("orphan captures", orphans))
+    return rows
 
 
 @contextmanager
@@ -339,10 +416,18 @@ def _enrich(
     )
     stats = summary.stats
     if as_json:
-        _print_json({"ok": True, **summary.model_dump(mode="json"), "gap_share": stats.gap_share})
+        _print_json(
+            {
+                "ok": True,
+                **summary.model_dump(mode="json"),
+                "gap_share": stats.gap_share,
+                "evidence": stats.evidence.digest(),
+            }
+        )
         return
     rows = [
         ("output", summary.output),
+        ("report", summary.report or "-"),
         ("lines", str(stats.lines)),
         ("rollouts enriched", str(stats.rollouts)),
         ("model calls", str(stats.calls)),
@@ -350,7 +435,7 @@ def _enrich(
         ("rollouts with any gap", f"{stats.rollouts_with_gaps} ({100 * stats.gap_share:.1f}%)"),
         ("lines passed through", str(len(stats.problems))),
     ]
-    rows += [(f"gap {code}", str(count)) for code, count in stats.gaps.items()]
+    rows += _evidence_rows(stats.evidence)
     _show(rows)
     for problem in stats.problems[:10]:
         typer.echo(f"{rollouts}:{problem.line}: {problem.reason}", err=True)
@@ -373,11 +458,12 @@ def enrich(
     quiescence_timeout: Annotated[float, typer.Option(help="Seconds to wait for claimed writes.")] = 10.0,
     allow_empty: AllowEmptyOpt = False,
     max_gap_share: MaxGapShareOpt = None,
+    max_failed_share: MaxFailedShareOpt = None,
     storage_options: OptionsOpt = None,
     credentials_block: BlockOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Enrich every rollout of ROLLOUTS with its captured model calls."""
+    """Enrich every rollout of ROLLOUTS with its captured model calls (and write its report beside it)."""
     with _exits(as_json):
         _enrich(
             rollouts,
@@ -396,6 +482,7 @@ def enrich(
             ray_address=ray_address,
             strict=strict,
             max_gap_share=max_gap_share,
+            max_failed_share=max_failed_share,
         )
 
 
@@ -516,6 +603,7 @@ def enrich_runs(
     ] = None,
     allow_empty: AllowEmptyOpt = False,
     max_gap_share: MaxGapShareOpt = None,
+    max_failed_share: MaxFailedShareOpt = None,
     storage_options: OptionsOpt = None,
     credentials_block: BlockOpt = None,
     as_json: JsonOpt = False,
@@ -545,12 +633,17 @@ def enrich_runs(
                 recheck=recheck,
                 allow_empty=allow_empty,
                 max_gap_share=max_gap_share,
+                max_failed_share=max_failed_share,
                 storage_options=options,
                 credentials_block=credentials_block,
             ),
         )
         if as_json:
-            _print_json({"ok": True, **summary.model_dump(mode="json")})
+            dumped = summary.model_dump(mode="json")
+            for name, outcome in summary.outcomes.items():
+                if outcome.summary is not None:
+                    dumped["outcomes"][name]["evidence"] = outcome.summary.stats.evidence.digest()
+            _print_json({"ok": True, **dumped})
             return
         rows = [
             (what, ", ".join(names) or "-")
@@ -563,6 +656,42 @@ def enrich_runs(
             )
         ]
         _show(rows)
+        per_run = [
+            (
+                name,
+                outcome.status + (f" ({outcome.state_name})" if _poor_state(outcome.state_name) else ""),
+                str(outcome.summary.stats.rollouts),
+                str(outcome.summary.stats.calls),
+                f"{outcome.summary.stats.evidence.failed_calls} ({_counts(e.calls_by_error_category)})",
+                f"{100 * outcome.summary.stats.gap_share:.1f}%",
+                _percentiles(e.latency_ms.percentiles()),
+                _percentiles(e.ttft_ms.percentiles()),
+                str(e.orphan_captures),
+            )
+            for name, outcome in summary.outcomes.items()
+            if outcome.summary is not None
+            for e in (outcome.summary.stats.evidence,)
+        ]
+        if per_run:
+            typer.echo("")
+            _show(
+                per_run,
+                (
+                    "run",
+                    "status",
+                    "rollouts",
+                    "calls",
+                    "failed (by error)",
+                    "gap share",
+                    "latency p50/p90/p99 ms",
+                    "TTFT p50/p90/p99 ms",
+                    "orphans",
+                ),
+            )
+
+
+def _poor_state(name: str | None) -> bool:
+    return bool(name) and name != "Completed"
 
 
 @app.command()
@@ -622,6 +751,90 @@ def inspect(
             )
         for gap in attachment.get("gaps", []):
             typer.echo(f"gap: {gap['code']}" + (f" ({gap['detail']})" if "detail" in gap else ""))
+
+
+def _local_input(path: str, what: str) -> str:
+    """A local, regular file (report and export read the enriched output where it was written)."""
+    if "://" in path and not path.startswith("file://"):
+        raise InputError(f"{what} must be a local file (copy it here first): {path}")
+    path = path.removeprefix("file://")
+    if not os.path.exists(path):
+        raise InputError(f"{what} not found: {path}")
+    if not os.path.isfile(path):
+        raise InputError(f"{what} is not a regular file: {path}")
+    return path
+
+
+@app.command()
+def report(
+    enriched: Annotated[str, typer.Argument(help="Enriched rollouts JSONL (a local file).")],
+    output: Annotated[
+        str | None,
+        typer.Option("--output", "-o", help="Where the HTML goes; default <stem>.report.html beside it."),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write one self-contained HTML report of an enriched file: latency, TTFT, tokens, failed calls, gaps.
+
+    The file has no script and loads nothing: open it offline, attach it, archive it.
+    """
+    with _exits(as_json):
+        from rollout_capture.report import default_report_path, write_report
+
+        path = _local_input(enriched, "enriched file")
+        target = output or default_report_path(path)
+        summary = write_report(path, target)
+        if as_json:
+            _print_json({"ok": True, "report": target, "rollouts": summary.rollouts, **summary.digest()})
+        else:
+            typer.echo(
+                f"wrote {target}: {summary.rollouts} rollout(s), {summary.calls} call(s), "
+                f"{summary.failed_calls} failed, {summary.rollouts_with_gaps} with gaps"
+            )
+
+
+@app.command()
+def export(
+    enriched: Annotated[str, typer.Argument(help="Enriched rollouts JSONL (a local file).")],
+    calls: Annotated[
+        str | None, typer.Option(help="Parquet file of the calls (one row per captured call).")
+    ] = None,
+    rollouts: Annotated[
+        str | None, typer.Option(help="Parquet file of the rollouts (one row per enriched rollout).")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Export an enriched file as Parquet tables of calls and rollouts (needs the export extra).
+
+    Schema: docs/export.md. Each file is written whole or not at all.
+    """
+    with _exits(as_json):
+        from rollout_capture.export import ExportUnavailable, export_tables
+
+        path = _local_input(enriched, "enriched file")
+        if calls is None and rollouts is None:
+            raise InputError("name --calls, --rollouts or both")
+        try:
+            counts = export_tables(path, calls, rollouts)
+        except ExportUnavailable as exc:
+            raise InputError(str(exc)) from None
+        if as_json:
+            _print_json(
+                {
+                    "ok": True,
+                    "calls_file": calls,
+                    "rollouts_file": rollouts,
+                    "calls": counts.calls,
+                    "rollouts": counts.rollouts,
+                    "lines_skipped": counts.lines_skipped,
+                }
+            )
+            return
+        for name, where, n in (("call", calls, counts.calls), ("rollout", rollouts, counts.rollouts)):
+            if where is not None:
+                typer.echo(f"wrote {where}: {n} {name} row(s)")
+        if counts.lines_skipped:
+            typer.echo(f"{counts.lines_skipped} line(s) without a capture attachment skipped", err=True)
 
 
 class LogLevel(StrEnum):
