@@ -46,7 +46,12 @@ def capture_store(
     return shared_store(capture_dir, storage_options, credentials=credentials_from_block(credentials_block))
 
 
-@task(name="check_capture_dir", cache_policy=NO_CACHE, **storage_retries())
+@task(
+    name="check_capture_dir",
+    task_run_name="check_capture_dir {capture_dir}",
+    cache_policy=NO_CACHE,
+    **storage_retries(),
+)
 def check_capture_dir(
     capture_dir: str,
     storage_options: dict[str, Any] | None = None,
@@ -92,7 +97,12 @@ def check_capture_dir(
         get_run_logger().warning("capture dir %s holds no capture; every rollout will say so", capture_dir)
 
 
-@task(name="clear_captures", cache_policy=NO_CACHE, **storage_retries())
+@task(
+    name="clear_captures",
+    task_run_name="clear_captures {capture_dir}",
+    cache_policy=NO_CACHE,
+    **storage_retries(),
+)
 def clear_captures(
     rollout_ids: list[str],
     capture_dir: str,
@@ -128,7 +138,12 @@ def clear_captures(
     return len(cleared)
 
 
-@task(name="await_quiescence", cache_policy=NO_CACHE, **storage_retries())
+@task(
+    name="await_quiescence",
+    task_run_name=lambda parameters: f"await_quiescence {len(parameters['rollout_ids'])} rollout(s)",
+    cache_policy=NO_CACHE,
+    **storage_retries(),
+)
 async def await_quiescence(
     rollout_ids: list[str],
     capture_dir: str,

@@ -592,21 +592,47 @@ class PosixBackend(Backend):
         # it empty still counts it (from its mtime), and the old temp-and-rename never fsynced
         # the folder either, so a crash could always lose a claim. A claim whose write failed
         # (a full disk) is removed at once: left empty, it would hold enrichment for its TTL.
-        dir_fd, name = self._parent(path, create=True)
-        try:
-            fd = os.open(name, _NEW, 0o644, dir_fd=dir_fd)
+        for attempt in range(3):
+            dir_fd, name = self._parent(path, create=True)
             try:
-                _write_all(fd, data)
-            except BaseException:
+                fd = os.open(name, _NEW, 0o644, dir_fd=dir_fd)
+                try:
+                    _write_all(fd, data)
+                except BaseException:
+                    os.close(fd)
+                    with contextlib.suppress(OSError):
+                        os.unlink(name, dir_fd=dir_fd)
+                    raise
                 os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(name, dir_fd=dir_fd)
-                raise
-            os.close(fd)
-        except OSError as exc:
-            raise _refused(exc, path, name, dir_fd) from None
+                return
+            except FileNotFoundError as exc:
+                # The claims folder was removed (its last claim released) after we opened it:
+                # open it afresh, made again, rather than lose the claim.
+                if attempt == 2:
+                    raise _refused(exc, path, name, dir_fd) from None
+            except OSError as exc:
+                raise _refused(exc, path, name, dir_fd) from None
+            finally:
+                os.close(dir_fd)
+
+    def _remove_empty_claims_folder(self, path: str) -> None:
+        """Remove a claims folder once its last claim is gone (left alone while any remains).
+
+        ``rmdir`` removes only an empty folder and never follows a link; a writer that had
+        the folder open meanwhile makes it again (see :meth:`put_live`).
+        """
+        head = self._relative(path).rpartition("/")[0]
+        if "/" in head or not head.endswith(CLAIMS_SUFFIX):
+            return
+        try:
+            root_fd = self._open_root(False)
+        except OSError:
+            return
+        try:
+            with contextlib.suppress(OSError):  # not empty, gone, or not a folder: leave it
+                os.rmdir(head, dir_fd=root_fd)
         finally:
-            os.close(dir_fd)
+            os.close(root_fd)
 
     def remove(self, paths: Sequence[str]) -> None:
         for path in paths:
@@ -623,6 +649,7 @@ class PosixBackend(Backend):
                     os.unlink(name, dir_fd=dir_fd)
             finally:
                 os.close(dir_fd)
+            self._remove_empty_claims_folder(path)
 
     def clear_rollouts(self, rollout_ids: Collection[str]) -> None:
         for rollout_id in rollout_ids:

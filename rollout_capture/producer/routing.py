@@ -95,6 +95,12 @@ def route(method: str, path: str, raw_path: bytes | None, *, verify_paths: Seque
     caller's to check: the proxy refuses it the same way, the middleware passes it on).
     """
     raw = raw_path if raw_path is not None else path.encode("utf-8")
+    if raw.startswith(b"//"):
+        # A client base URL with a trailing slash ("http://proxy:8100/" + "/ng-rollout/..."):
+        # routed as the same path with one slash.
+        trimmed = b"/" + raw.lstrip(b"/")
+        if trimmed.startswith(ROLLOUT_PREFIX):
+            raw = trimmed
     if not raw.startswith(ROLLOUT_PREFIX):
         return Route(path, raw, verify=method == "POST" and path in verify_paths)
     segment, slash, tail = raw[len(ROLLOUT_PREFIX) :].partition(b"/")
@@ -103,7 +109,7 @@ def route(method: str, path: str, raw_path: bytes | None, *, verify_paths: Seque
         rollout_id = validate_rollout_id(text)
     except ValueError:
         raise BadRolloutId(text) from None
-    forward_raw = slash + tail if slash else b"/"
+    forward_raw = _single_slashes(slash + tail) if slash else b"/"
     if forward_raw == TOKEN_CAPTURE_SEGMENT or forward_raw.startswith(TOKEN_CAPTURE_SEGMENT + b"/"):
         forward_raw = forward_raw[len(TOKEN_CAPTURE_SEGMENT) :] or b"/"
     check_forward_path(forward_raw, raw)
@@ -111,6 +117,14 @@ def route(method: str, path: str, raw_path: bytes | None, *, verify_paths: Seque
     post = method == "POST"
     dialect = CAPTURED_PATHS.get(forward_path) if post else None
     return Route(forward_path, forward_raw, rollout_id, dialect, verify=post and forward_path in verify_paths)
+
+
+def _single_slashes(raw: bytes) -> bytes:
+    """``//v1//chat/completions`` -> ``/v1/chat/completions``: what a base URL ending in a slash
+    (``.../ng-rollout/12-3/`` or ``.../v1/``) joined with a path starting with one gives."""
+    while b"//" in raw:
+        raw = raw.replace(b"//", b"/")
+    return raw
 
 
 def header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | None:
