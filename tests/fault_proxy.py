@@ -23,6 +23,15 @@ _SLOW_DOWN = (
     + f"Content-Length: {len(_SLOW_DOWN_BODY)}\r\n\r\n".encode()
     + _SLOW_DOWN_BODY
 )
+_ACCESS_DENIED_BODY = (
+    b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>"
+    b"<Message>Access Denied</Message></Error>"
+)
+_ACCESS_DENIED = (
+    b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+    + f"Content-Length: {len(_ACCESS_DENIED_BODY)}\r\n\r\n".encode()
+    + _ACCESS_DENIED_BODY
+)
 
 
 def request_kind(method: bytes, target: bytes) -> str:
@@ -52,6 +61,8 @@ class FaultProxy:
         self._lose_pattern: bytes | None = None
         self._lose_times = 0
         self._lose: set[socket.socket] = set()  # upstream sockets whose next answer is dropped
+        self._deny: bytes | None = None
+        self.denied = 0
         self.lost = 0
         self.outages = 0
         self.throttled = 0
@@ -102,6 +113,11 @@ class FaultProxy:
                 if from_client:
                     if self._trigger is not None and self._fire(data):
                         return  # this request dies with the endpoint
+                    if self._deny is not None and self._deny in data:
+                        with self._lock:
+                            self.denied += 1
+                        source.sendall(_ACCESS_DENIED)  # never forwarded: the store is untouched
+                        return
                     if self._lose_pattern is not None and self._lose_pattern in data:
                         with self._lock:
                             self._lose_times -= 1
@@ -197,6 +213,10 @@ class FaultProxy:
         connection before its answer (``times=0``: stop losing answers)."""
         with self._lock:
             self._lose_pattern, self._lose_times = (pattern if times > 0 else None), times
+
+    def deny_on(self, pattern: bytes | None) -> None:
+        """Answer every request carrying ``pattern`` 403 AccessDenied, unforwarded (None: stop)."""
+        self._deny = pattern
 
     def outage_on(self, pattern: bytes, seconds: float) -> None:
         """Go down for ``seconds`` the first time a request carrying ``pattern`` passes."""
