@@ -127,3 +127,17 @@ def test_nothing_outside_the_core_imports_its_internal_modules() -> None:
                 if name.split(".")[:2] in (["rollout_capture", module] for module in INTERNAL)
             ]
     assert found == []
+
+
+def test_the_layout_page_names_every_module() -> None:
+    """docs/code-layout.md stays true to the tree: a module added or moved must be placed there."""
+    import re
+
+    from .conftest import ROOT
+
+    page = (ROOT / "docs" / "code-layout.md").read_text()
+    named = set(re.findall(r"`([A-Za-z_]+)(?:[./][^`]*)?`", page))
+    folders = ["rollout_capture", "rollout_capture/backends", "rollout_capture/producer"]
+    folders += ["rollout_capture/producer/streams", "flows", "tasks", "deployments"]
+    modules = {p.stem for folder in folders for p in (ROOT / folder).glob("*.py") if p.stem != "__init__"}
+    assert sorted(modules - named) == []
