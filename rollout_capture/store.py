@@ -279,6 +279,10 @@ class CaptureStore:
         """
         return self._backend.fetch([validate_rollout_id(r) for r in rollout_ids], scope=scope)
 
+    def refuse_unsafe_writes(self) -> None:
+        """Raise naming what is missing unless several writers may share this store (producers' startup)."""
+        self._backend.refuse_unsafe_writes()
+
     def root_found(self) -> bool:
         """Whether the capture root is there: a folder on a local disk, any key on an object store."""
         return self._backend.root_found()

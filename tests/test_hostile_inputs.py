@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -393,3 +394,23 @@ def test_spools_of_dead_runs_on_the_temp_disk_are_removed(tmp_path: Path) -> Non
     assert not dead.exists() and alive.exists() and elsewhere.exists() and unrelated.exists()
     assert Path(staged.path).name.startswith(f"rollouts-{host}-{os.getpid()}-")
     assert Path(staged.path).read_bytes() == b'{"a": 1}\n'
+
+
+def test_a_producer_refuses_a_store_without_atomic_create_at_startup(scripted_upstream: Any) -> None:
+    """The middleware and the proxy refuse such a store when they open it, not row by row."""
+    from rollout_capture.producer.middleware import CaptureMiddleware
+    from rollout_capture.producer.proxy import CaptureProxy
+    from rollout_capture.producer.settings import ProxySettings
+
+    options = {"path": f"/dirfs-{uuid.uuid4().hex}", "target_protocol": "memory"}
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:  # never reached
+        raise AssertionError
+
+    with pytest.raises(UnsafeStoreError, match="dir://caps cannot be written"):
+        CaptureMiddleware(app, capture_dir="dir://caps", storage_options=options)
+    with pytest.raises(UnsafeStoreError, match="dir://caps cannot be written"):
+        CaptureProxy(
+            ProxySettings(upstream=scripted_upstream[0], capture_dir="dir://caps", storage_options=options)
+        )
+    CaptureMiddleware(app, capture_dir=f"memory://caps-{uuid.uuid4().hex}")  # one process: fine

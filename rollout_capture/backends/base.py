@@ -110,6 +110,14 @@ class Backend(ABC):
     def exists(self, path: str) -> bool:
         """Whether the path exists."""
 
+    def refuse_unsafe_writes(self) -> None:
+        """Raise a ``ValueError`` naming what is missing unless several writers may share this store.
+
+        A producer calls it when it opens the store, so an unsafe store is refused at startup
+        rather than at its first row. A local disk (flock, link-based create) is always safe.
+        """
+        return None
+
     @abstractmethod
     def root_found(self) -> bool:
         """Whether the root is there at all: a folder on a disk, at least one key on a store.

@@ -288,4 +288,5 @@ class CaptureWriter:
 def writer_for(settings: ProducerSettings) -> CaptureWriter:
     """The writer of the settings' capture root (its store, claim TTL and threads)."""
     store = CaptureStore(settings.root, storage_options=settings.storage_options, layout=settings.layout)
+    store.refuse_unsafe_writes()  # at startup, not as a logged failure at every call
     return CaptureWriter(store, claim_ttl_s=settings.claim_ttl_s, io_threads=settings.io_threads)
