@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from rollout_capture.flows import enrich_rollouts
 from rollout_capture.producer.proxy import CaptureProxy
 from rollout_capture.producer.settings import ProxySettings
 
+from .conftest import wait_for
 from .producer_calls import PLAIN, derived, openai_client, sdk_call
 from .servers import ThreadedServer
 
@@ -96,10 +96,7 @@ def test_a_proxied_run_enriches_as_nemo_gyms_reader_would(
         )
     )
     streaming.start()
-    deadline = time.monotonic() + 15
-    while not store.live_claims("3-0"):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: store.live_claims("3-0"), 15, "the streaming call's claim")
     assert store.read("3-0") == []  # the upstream waits at its gate; it opens while the flow runs
     threading.Timer(1.5, gate.set).start()
     rollouts = tmp_path / "rollouts.jsonl"

@@ -20,7 +20,7 @@ from rollout_capture import (
 )
 from rollout_capture.layout import claim_name
 
-from .conftest import S3
+from .conftest import S3, Clock
 
 
 def gaps(root: Any, rollout_id: str = "1-0") -> list[dict[str, str]]:
@@ -69,12 +69,13 @@ async def test_missing_id_is_quiescent_at_once(tmp_path: Path) -> None:
     assert await await_model_call_capture_quiescence("5-5", [tmp_path / "absent"], timeout_s=5) is True
 
 
-async def test_expired_claim_does_not_block_and_is_reported(tmp_path: Path) -> None:
+async def test_expired_claim_does_not_block_and_is_reported(tmp_path: Path, clock: Clock) -> None:
     store = CaptureStore(tmp_path)
-    claim = store.claim("1-0", ttl_s=0.01)
-    claim.__enter__()  # the producer dies without releasing
+    clock.set(time.time() - 60)  # a minute ago...
+    claim = store.claim("1-0", ttl_s=30)
+    claim.__enter__()  # ...the producer died without releasing
+    clock.set(time.time())  # its 30 s ran out half a minute ago
     store.record("1-0", {"model_call_id": "a"})
-    await asyncio.sleep(0.05)
     assert await await_model_call_capture_quiescence("1-0", [tmp_path], timeout_s=30) is True
     assert gaps(tmp_path) == [{"code": "model_call_capture_claim_abandoned", "detail": "count=1"}]
 
