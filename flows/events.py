@@ -15,6 +15,7 @@ from typing import Any
 from prefect.events import emit_event
 
 from rollout_capture.batch import BatchStats
+from rollout_capture.worker_pool import absolute_location
 
 COMPLETED = "rollout-capture.enrichment.completed"
 FAILED = "rollout-capture.enrichment.failed"
@@ -24,7 +25,11 @@ RESOURCE_PREFIX = "rollout-capture.enrichment."
 
 
 def resource(source: str, output: str) -> dict[str, str]:
-    """The enrichment as an event resource: named after its output, labelled with its input."""
+    """The enrichment as an event resource: named after its output, labelled with its input.
+
+    Local paths are made absolute: a relative one would name different files from different folders.
+    """
+    source, output = absolute_location(source), absolute_location(output)
     return {
         "prefect.resource.id": RESOURCE_PREFIX + output,
         "prefect.resource.name": output,

@@ -34,6 +34,7 @@ from rollout_capture.filesystem import open_filesystem
 from rollout_capture.report import default_report_path, render_report, write_report
 from rollout_capture.rollout_files import refuse_unsafe_output
 from rollout_capture.tasks.credentials import credentials_from_block
+from rollout_capture.worker_pool import absolute_location
 
 MAX_LISTED_PROBLEMS = 50
 CORE_LOGGER = "rollout_capture"
@@ -114,6 +115,7 @@ def publish_summary(summary: EnrichSummary) -> None:
     """The table, markdown and link artifacts of a finished enrichment (output and report)."""
     stats = summary.stats
     evidence = stats.evidence
+    where = absolute_location(summary.output)  # keys of one target alike from whichever folder
     rows: list[dict[str, str | int | float]] = [
         {"measure": "lines", "value": stats.lines},
         {"measure": "rollouts enriched", "value": stats.rollouts},
@@ -134,20 +136,20 @@ def publish_summary(summary: EnrichSummary) -> None:
     )
     create_table_artifact(
         table=rows,
-        key=artifact_key("enrichment", summary.output),
+        key=artifact_key("enrichment", where),
         description=f"{summary.source} -> {summary.output}",
     )
     create_link_artifact(
         link=_link(summary.output),
         link_text=summary.output,
-        key=artifact_key("enriched-output", summary.output),
+        key=artifact_key("enriched-output", where),
         description="The enriched rollouts",
     )
     if summary.report is not None:
         create_link_artifact(
             link=_link(summary.report),
             link_text=summary.report,
-            key=artifact_key("evidence-report", summary.output),
+            key=artifact_key("evidence-report", where),
             description="The evidence report (one HTML file: latency, TTFT, tokens, failed calls, gaps)",
         )
 
@@ -170,9 +172,7 @@ def publish_summary(summary: EnrichSummary) -> None:
         lines += [f"- line {p.line}: {p.reason}" for p in stats.problems[:MAX_LISTED_PROBLEMS]]
         if len(stats.problems) > MAX_LISTED_PROBLEMS:
             lines.append(f"- ... and {len(stats.problems) - MAX_LISTED_PROBLEMS} more")
-    create_markdown_artifact(
-        markdown="\n".join(lines), key=artifact_key("enrichment-summary", summary.output)
-    )
+    create_markdown_artifact(markdown="\n".join(lines), key=artifact_key("enrichment-summary", where))
 
 
 def _cell(value: object) -> str | int | float:
