@@ -342,8 +342,10 @@ def test_the_longest_id_fits_every_capture_file_and_a_longer_one_is_refused(tmp_
     assert len(f".tmp-{uuid.uuid4().hex}") <= NAME_MAX and SEQ_WIDTH + len(".json") <= NAME_MAX
     store = CaptureStore(tmp_path / "jsonl")
     with store.claim(longest, "call-0"):
+        claimed = sorted(os.listdir(tmp_path / "jsonl"))  # the claims folder's name fits too
         store.record(longest, ROW)
     store.mark_incomplete(longest)
+    assert claimed == [longest + CLAIMS_SUFFIX]
     objects = CaptureStore(tmp_path / "objects", layout="objects")
     objects.record(longest, ROW)
     assert store.read(longest) == [ROW] and objects.read(longest) == [ROW]
@@ -356,8 +358,7 @@ def test_the_longest_id_fits_every_capture_file_and_a_longer_one_is_refused(tmp_
     with pytest.raises(ValueError, match="invalid rollout id"):  # derived ids too, however made
         rollout_id_of({"_ng_task_index": 10**240, "_ng_rollout_index": 0})
     shutil.rmtree(tmp_path / "objects")
-    assert sorted(os.listdir(tmp_path / "jsonl")) == [
-        longest + CLAIMS_SUFFIX,
+    assert sorted(os.listdir(tmp_path / "jsonl")) == [  # the emptied claims folder is removed
         longest + MARKER_SUFFIX,
         longest + JSONL_SUFFIX,
     ]
