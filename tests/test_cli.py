@@ -46,7 +46,15 @@ def test_enrich_the_sample(prefect_api: str, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     table = dict(re.split(r"\s+(?=\S+$)", line.strip(), maxsplit=1) for line in done.stdout.splitlines()[1:])
     assert table["rollouts enriched"] == "10" and table["lines passed through"] == "1"
-    assert table["gap model_call_capture_incomplete"] == "1"
+    rows = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in done.stdout.splitlines())
+    assert rows["gap model_call_capture_incomplete"] == "1 (first: 6-0)"  # which rollouts, named
+    assert rows["failed calls"] == "0 (0.0%)" and rows["calls by status"] == "2xx 14"
+    assert rows["latency p50 / p90 / p99"] == "2130 / 3294 / 3775 ms"  # whole ms
+    assert rows["TTFT p50 / p90 / p99"] == "336 / 980 / 1016 ms"
+    assert rows["model gpt-4.1-2025-04-14"] == "3 call(s) (0 failed), 2635 tokens"
+    assert rows["orphan captures"] == "0"
+    assert rows["report"] == str(tmp_path / "sample.enriched.report.html")
+    assert (tmp_path / "sample.enriched.report.html").is_file()
     assert done.stdout.splitlines()[0].split() == ["output", str(out)]
     assert "rollouts.jsonl:11: not JSON" in done.stderr  # the placeholder row, named
     assert "━" not in done.stderr  # no progress bar when not at a terminal
@@ -65,6 +73,11 @@ def test_json_summaries(prefect_api: str, tmp_path: Path) -> None:
     assert summary["ok"] and summary["output"] == str(out) and summary["stats"]["rollouts"] == 10
     assert summary["stats"]["gaps"]["model_call_capture_incomplete"] == 1
     assert [p["line"] for p in summary["stats"]["problems"]] == [11]
+    evidence = summary["evidence"]
+    assert evidence["failed_calls"] == 0 and evidence["calls_by_status_class"] == {"2xx": 14}
+    assert evidence["latency_ms"] == {"p50": 2130, "p90": 3294, "p99": 3775}
+    assert evidence["gap_examples"]["model_call_capture_incomplete"] == ["6-0"]
+    assert evidence["orphan_captures"] == 0 and summary["report"].endswith("sample.enriched.report.html")
 
     shown = json.loads(cli("inspect", "0-0", *captures, "--json").stdout)
     assert shown["rollout_id"] == "0-0" and shown["metrics"]["num_calls"] == len(shown["calls"]) > 0
@@ -371,3 +384,83 @@ def test_the_proxy_command_takes_the_capture_switch(
         off.terminate()
         off.wait(30)
     assert list(tmp_path.iterdir()) == []
+
+
+def _floats(value: Any) -> list[float]:
+    if isinstance(value, float):
+        return [value]
+    if isinstance(value, dict):
+        return [f for item in value.values() for f in _floats(item)]
+    if isinstance(value, list):
+        return [f for item in value for f in _floats(item)]
+    return []
+
+
+def test_json_numbers_are_rounded(tmp_path: Path) -> None:
+    """A sum of latencies is printed 164.547, not 164.54699999999997."""
+    store = CaptureStore(tmp_path / "caps")
+    for latency in (0.1, 0.2, 164.247):
+        store.record("1-0", {**ROW, "model_call_id": f"c{latency}", "latency_ms": latency})
+    shown = json.loads(cli("inspect", "1-0", "--capture-dir", str(tmp_path / "caps"), "--json").stdout)
+    assert shown["metrics"]["latency_total_ms"] == 164.547
+    assert all(round(f, 3) == f for f in _floats(shown))
+
+
+def test_help_is_plain_wrapped_to_the_terminal_and_keeps_option_names_whole() -> None:
+    env = {**os.environ, "COLUMNS": "60"}
+    for command in ((), ("enrich",), ("enrich-runs",), ("report",), ("export",)):
+        done = subprocess.run(
+            [sys.executable, "-m", "rollout_capture.cli", *command, "--help"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        text = done.stdout
+        assert "``" not in text and "\u2026" not in text  # no reST backticks, nothing cut with an ellipsis
+        # Only an option's own names may pass the width (they are never cut); text wraps.
+        assert all(len(line) <= 60 or line.lstrip().startswith("-") for line in text.splitlines())
+        if command == ("enrich",):
+            for name in ("--capture-dir", "--storage-options", "--max-failed-share", "--credentials-block"):
+                assert name in text
+    wide = subprocess.run(
+        [sys.executable, "-m", "rollout_capture.cli", "enrich", "--help"],
+        env={**os.environ, "COLUMNS": "160"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert max(len(line) for line in wide.splitlines()) > 60  # wider terminal, wider text
+
+
+def test_report_and_export_commands(tmp_path: Path) -> None:
+    pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from .test_report import build_corpus
+
+    _, enriched = build_corpus(tmp_path / "bad")
+    done = cli("report", str(enriched), "-o", str(tmp_path / "r.html"))
+    assert done.returncode == 0, done.stderr
+    assert "100 call(s), 10 failed" in done.stdout
+    html = (tmp_path / "r.html").read_text()
+    assert html.startswith("<!DOCTYPE html>") and "upstream_error" in html
+    beside = cli("report", str(enriched), "--json")
+    assert json.loads(beside.stdout)["report"] == str(tmp_path / "bad" / "enriched.report.html")
+
+    calls, rollouts = tmp_path / "calls.parquet", tmp_path / "rollouts.parquet"
+    done = cli("export", str(enriched), "--calls", str(calls), "--rollouts", str(rollouts))
+    assert done.returncode == 0, done.stderr
+    assert pq.read_table(calls).num_rows == 100 and pq.read_table(rollouts).num_rows == 22
+    assert f"wrote {calls}: 100 call row(s)" in done.stdout
+
+    missing = cli("report", str(tmp_path / "absent.jsonl"))
+    assert missing.returncode == 2 and "enriched file not found" in missing.stderr
+    neither = cli("export", str(enriched))
+    assert neither.returncode == 2 and "name --calls, --rollouts or both" in neither.stderr
+    bad = tmp_path / "bad.jsonl"
+    call = {"latency_total_ms": "slow"}
+    bad.write_bytes(orjson.dumps({"ng_model_call_capture": {"rollout_id": "x", "calls": [call]}}) + b"\n")
+    broken = cli("report", str(bad))
+    assert broken.returncode == 2 and f"{bad}:1:" in broken.stderr and "latency_total_ms" in broken.stderr

@@ -119,10 +119,12 @@ def test_output_order_count_report_and_artifacts(tmp_path: Path) -> None:
     run_id = state.state_details.flow_run_id
     published = {a.key or a.type: a for a in artifacts(run_id)}
     target = str(tmp_path / "rollouts.enriched.jsonl")
-    table_key, summary_key, link_key = (
-        artifact_key(kind, target) for kind in ("enrichment", "enrichment-summary", "enriched-output")
+    table_key, summary_key, link_key, report_key = (
+        artifact_key(kind, target)
+        for kind in ("enrichment", "enrichment-summary", "enriched-output", "evidence-report")
     )
-    assert set(published) == {"progress", table_key, summary_key, link_key}
+    assert set(published) == {"progress", table_key, summary_key, link_key, report_key}
+    assert f"file://{tmp_path / 'rollouts.enriched.report.html'}" in published[report_key].data
     assert table_key != artifact_key("enrichment", str(tmp_path / "other.enriched.jsonl"))  # per target
     assert published["progress"].data == 100.0
     table = {row["measure"]: row["value"] for row in orjson.loads(published[table_key].data)}
@@ -170,7 +172,10 @@ def test_end_to_end_on_s3_survives_an_outage(
     assert summary.stats == expected.stats
     got = via.fs().cat_file(f"{via.bucket}/out/enriched.jsonl")
     assert got == (tmp_path / "rollouts.enriched.jsonl").read_bytes()
-    assert via.fs().ls(f"{via.bucket}/out") == [f"{via.bucket}/out/enriched.jsonl"]
+    assert sorted(via.fs().ls(f"{via.bucket}/out")) == [
+        f"{via.bucket}/out/enriched.jsonl",
+        f"{via.bucket}/out/enriched.report.html",  # the evidence report, beside it
+    ]
 
 
 def test_prepare_dispatch_clears_exactly_the_dispatched(tmp_path: Path) -> None:
