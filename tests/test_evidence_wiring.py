@@ -76,6 +76,9 @@ def test_a_poor_run_completes_named_poor_with_every_count_published(
     assert flow_run(run_id).name == f"enrich {source}"  # absolute, though given relative
     (check,) = task_runs(run_id, "check_capture_dir")
     assert check.name == f"check_capture_dir {captures}"
+    (merge,) = task_runs(run_id, "merge_batch")
+    delay = merge.empirical_policy.retry_delay
+    assert isinstance(delay, int | float) and delay > 0  # one number: the UI shows a list as "NaNs"
 
     summary = state.result()
     evidence = summary.stats.evidence
@@ -194,3 +197,46 @@ def test_on_an_object_store_orphans_come_from_the_shared_listing_and_the_report_
     assert summary.report == s3.url("run/rollouts.enriched.report.html")
     html = fs.cat_file(f"{s3.bucket}/run/rollouts.enriched.report.html").decode()
     assert html.startswith("<!DOCTYPE html>") and "24-1" in html
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["//ng-rollout/{id}/v1/chat/completions", "/ng-rollout/{id}//v1/chat/completions"],
+    ids=["root-slash", "prefix-slash"],
+)
+def test_a_base_url_ending_in_a_slash_is_routed_like_one_without(
+    path: str, scripted_upstream: tuple[str, Any], tmp_path: Path
+) -> None:
+    """``http://proxy/`` + ``/ng-rollout/..``, or ``../ng-rollout/<id>/`` + ``/v1/..``: captured, and
+    the claims folder made for the call is gone once the call is done."""
+    import httpx
+
+    from .test_proxy import Proxy
+
+    served = Proxy(scripted_upstream[0], str(tmp_path / "caps"))
+    try:
+        answer = httpx.post(
+            served.url + path.format(id="slash-1"),
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        (row,) = served.wait_rows("slash-1")
+        assert row["dialect"] == "chat" and row["status_code"] == 200
+    finally:
+        served.server.stop()
+    assert sorted(p.name for p in (tmp_path / "caps").iterdir()) == ["slash-1.capture.jsonl"]
+
+
+def test_a_claims_folder_is_removed_with_its_last_claim(tmp_path: Path) -> None:
+    store = CaptureStore(tmp_path)
+    folder = tmp_path / "7-1.capture.claims"
+    with store.claim("7-1", model_call_id="a"):
+        with store.claim("7-1", model_call_id="b"):
+            assert len(list(folder.iterdir())) == 2
+        assert len(list(folder.iterdir())) == 1  # another claim is live: the folder stays
+        assert store.live_claims("7-1")
+    assert not folder.exists()
+    with store.claim("7-1", model_call_id="c"):  # made again for the next call
+        assert len(list(folder.iterdir())) == 1
+    assert list(tmp_path.iterdir()) == []
