@@ -16,7 +16,9 @@ from rollout_capture.tasks.credentials import access_denied_names, credentials_f
 from rollout_capture.tasks.retry import storage_retries
 
 
-@task(name="read_rollouts", cache_policy=NO_CACHE, **storage_retries())
+@task(
+    name="read_rollouts", task_run_name="read_rollouts {source}", cache_policy=NO_CACHE, **storage_retries()
+)
 def read_rollouts(
     source: str, storage_options: dict[str, Any] | None = None, credentials_block: str | None = None
 ) -> StagedRollouts:
@@ -49,7 +51,9 @@ def read_rollouts(
     return staged
 
 
-@task(name="write_enriched", cache_policy=NO_CACHE, **storage_retries())
+@task(
+    name="write_enriched", task_run_name="write_enriched {output}", cache_policy=NO_CACHE, **storage_retries()
+)
 def write_enriched(
     spool_path: str,
     output: str,

@@ -20,7 +20,7 @@ def _root(runs_root: str, storage_options: dict[str, Any] | None, credentials_bl
     return RunsRoot(runs_root, storage_options, credentials=credentials_from_block(credentials_block))
 
 
-@task(name="find_runs", cache_policy=NO_CACHE, **storage_retries())
+@task(name="find_runs", task_run_name="find_runs {runs_root}", cache_policy=NO_CACHE, **storage_retries())
 def find_runs(
     runs_root: str,
     storage_options: dict[str, Any] | None = None,
@@ -71,7 +71,7 @@ def find_runs(
     return found.runs
 
 
-@task(name="take_run", cache_policy=NO_CACHE, **storage_retries())
+@task(name="take_run", task_run_name="take_run {run.name}", cache_policy=NO_CACHE, **storage_retries())
 def take_run(
     runs_root: str,
     run: RunFolder,
@@ -116,7 +116,9 @@ def take_run(
     return _root(runs_root, storage_options, credentials_block).take(run, lease_s, owner)
 
 
-@task(name="fence_run", cache_policy=NO_CACHE, **storage_retries())
+@task(
+    name="fence_run", task_run_name="fence_run {keeper.run.name}", cache_policy=NO_CACHE, **storage_retries()
+)
 def fence_run(keeper: LeaseKeeper) -> Lease:
     """Renew the lease right before publishing: only its current holder gets past this.
 
@@ -155,7 +157,12 @@ def fence_run(keeper: LeaseKeeper) -> Lease:
     return lease
 
 
-@task(name="finish_run", cache_policy=NO_CACHE, **storage_retries())
+@task(
+    name="finish_run",
+    task_run_name="finish_run {keeper.run.name}",
+    cache_policy=NO_CACHE,
+    **storage_retries(),
+)
 def finish_run(keeper: LeaseKeeper, summary: dict[str, Any]) -> None:
     """Fence, write ``_ENRICHED``, then drop the lease.
 
@@ -193,7 +200,12 @@ def finish_run(keeper: LeaseKeeper, summary: dict[str, Any]) -> None:
     keeper.finish(summary)
 
 
-@task(name="release_run", cache_policy=NO_CACHE, **storage_retries())
+@task(
+    name="release_run",
+    task_run_name="release_run {keeper.run.name}",
+    cache_policy=NO_CACHE,
+    **storage_retries(),
+)
 def release_run(keeper: LeaseKeeper) -> None:
     """Give the lease back after a failure, so the next flow run may take the run at once.
 
@@ -229,7 +241,12 @@ def release_run(keeper: LeaseKeeper) -> None:
     keeper.release()
 
 
-@task(name="remember_enriched", cache_policy=NO_CACHE, **storage_retries())
+@task(
+    name="remember_enriched",
+    task_run_name="remember_enriched {runs_root}",
+    cache_policy=NO_CACHE,
+    **storage_retries(),
+)
 def remember_enriched(
     runs_root: str,
     names: list[str],

@@ -76,6 +76,8 @@ def test_a_poor_run_completes_named_poor_with_every_count_published(
     assert flow_run(run_id).name == f"enrich {source}"  # absolute, though given relative
     (check,) = task_runs(run_id, "check_capture_dir")
     assert check.name == f"check_capture_dir {captures}"
+    (read,) = task_runs(run_id, "read_rollouts")
+    assert read.name == "read_rollouts rollouts.jsonl"  # named after its input, as given
     (merge,) = task_runs(run_id, "merge_batch")
     delay = merge.empirical_policy.retry_delay
     assert isinstance(delay, int | float) and delay > 0  # one number: the UI shows a list as "NaNs"
@@ -174,6 +176,8 @@ def test_the_tick_tables_each_run_and_names_its_tasks(tmp_path: Path) -> None:
     bad_run = summary.outcomes["bad"].flow_run_id
     assert str(bad_run) in bad["flow_run"]
     assert flow_run(bad_run).state.name == "Completed with gaps and failed calls"
+    assert [t.name for t in task_runs(bad_run, "finish_run")] == ["finish_run bad"]
+    assert sorted(t.name for t in task_runs(run_id, "take_run")) == ["take_run bad", "take_run good"]
     assert f"]({bad['flow_run']})" in published[artifact_key("enriched-runs-links", str(runs))].data
     marker = orjson.loads((runs / "bad" / "_ENRICHED").read_bytes())
     assert marker["evidence"]["failed_calls"] == 10 and marker["evidence"]["orphan_examples"] == ["24-1"]
