@@ -267,7 +267,7 @@ def runs_rows(summary: RunsSummary) -> list[dict[str, str | int | float]]:
     for name, outcome in summary.outcomes.items():
         enriched = outcome.summary
         stats = enriched.stats if enriched is not None else None
-        status = outcome.status
+        status: str = outcome.status
         if outcome.state_name and outcome.state_name != "Completed":
             status = f"{status} ({outcome.state_name})"
         rows.append(

@@ -140,7 +140,7 @@ def clear_captures(
 
 @task(
     name="await_quiescence",
-    task_run_name=lambda parameters: f"await_quiescence {len(parameters['rollout_ids'])} rollout(s)",
+    task_run_name="await_quiescence {capture_dir}",
     cache_policy=NO_CACHE,
     **storage_retries(),
 )
