@@ -464,3 +464,26 @@ def test_report_and_export_commands(tmp_path: Path) -> None:
     bad.write_bytes(orjson.dumps({"ng_model_call_capture": {"rollout_id": "x", "calls": [call]}}) + b"\n")
     broken = cli("report", str(bad))
     assert broken.returncode == 2 and f"{bad}:1:" in broken.stderr and "latency_total_ms" in broken.stderr
+
+
+def test_enrich_runs_prints_each_runs_evidence(prefect_api: str, tmp_path: Path) -> None:
+    from .test_evidence_wiring import write_run
+
+    runs = tmp_path / "runs"
+    write_run(runs / "bad", poor=True)
+    (runs / "bad" / "_SUCCESS").touch()
+    done = cli("enrich-runs", str(runs), "--max-failed-share", "0.05", api=prefect_api)
+    assert done.returncode == 0, done.stderr
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("bad ")]
+    cells = re.split(r"\s{2,}", line.strip())
+    assert cells[:4] == ["bad", "enriched (Completed with failed calls)", "22", "100"]
+    assert cells[4].startswith("10 (upstream_error 6, rate_limit 2")
+    assert cells[5:] == ["13.6%", "500 / 900 / 990", "50 / 90 / 99", "1"]
+
+    write_run(runs / "again", poor=True)
+    (runs / "again" / "_SUCCESS").touch()
+    dumped = json.loads(cli("enrich-runs", str(runs), "--json", api=prefect_api).stdout)
+    evidence = dumped["outcomes"]["again"]["evidence"]
+    assert evidence["failed_calls"] == 10 and evidence["calls_by_error_category"]["rate_limit"] == 2
+    assert evidence["ttft_ms"] == {"p50": 50, "p90": 90, "p99": 99}
+    assert evidence["orphan_examples"] == ["24-1"]
