@@ -304,16 +304,16 @@ def report_enrichment(
         stats.rollouts,
         stats.calls,
         evidence.failed_calls,
-        evidence.calls_by_error_category or "none",
+        ", ".join(f"{k} {n}" for k, n in evidence.calls_by_error_category.items()) or "none",
         summary.batches,
         latency["p50"],
         latency["p99"],
         ttft["p50"],
         ttft["p99"],
-        {
-            code: {"rollouts": n, "first": evidence.gap_examples.get(code, [])}
+        "; ".join(
+            f"{code} {n} (first: {', '.join(evidence.gap_examples.get(code, []))})"
             for code, n in stats.gaps.items()
-        }
+        )
         or "none",
         evidence.orphan_captures,
     )
