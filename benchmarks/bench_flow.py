@@ -180,13 +180,14 @@ def main() -> None:
                 rollouts, captures, "dask.jsonl", runner="dask", dask_address=cluster.scheduler_address
             )
     if not args.skip_ray:
-        import ray
-
         # A local Ray instance of one worker per core, as the Dask cluster: the flow uses the
         # connection this process already has and leaves it open. Its token stays in this
-        # process (a local ray.init() would otherwise write one to ~/.ray for every later use).
+        # process (a local ray.init() would otherwise write one to ~/.ray for every later
+        # use); set before Ray is imported, which reads it once.
         if "RAY_AUTH_MODE" not in os.environ and "RAY_AUTH_TOKEN" not in os.environ:
             os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)})
+        import ray
+
         ray.init(num_cpus=CORES, include_dashboard=False, log_to_driver=False)
         try:
             runners["ray"] = best(rollouts, captures, "ray.jsonl", runner="ray")
