@@ -94,9 +94,18 @@ class Sketch(BaseModel):
                     kept = None
         if count == self.count:
             return
-        self.count, self.total, self.zeros, self.min, self.max = count, total, zeros, low, high
+        # Straight into the fields (no validation runs on assignment anyway): pydantic's
+        # __setattr__ costs more than the counting, and this runs for every rollout.
+        fields = self.__dict__
+        fields["count"], fields["total"], fields["zeros"], fields["min"], fields["max"] = (
+            count,
+            total,
+            zeros,
+            low,
+            high,
+        )
         if kept is None and self.values is not None:
-            self.values = None
+            fields["values"] = None
 
     def merge(self, other: Sketch) -> Sketch:
         """Add another sketch's values into this one; returns self."""
@@ -441,21 +450,22 @@ class EvidenceSummary(BaseModel):
                 acc[5] += latency
                 acc[6] += 1
         for name, acc in per_model.items():
-            stats = self._model_stats(name)
-            stats.calls += acc[0]
-            stats.failed_calls += acc[1]
-            stats.tokens_in += acc[2]
-            stats.tokens_out += acc[3]
-            stats.tokens_total += acc[4]
-            stats.latency_ms_total += acc[5]
-            stats.latency_calls += acc[6]
-        self.rollouts += 1
-        self.calls += len(calls)
-        self.failed_calls += failed_calls
-        self.verifier_calls += verifier_calls
-        self.tokens_in += tokens_in_sum
-        self.tokens_out += tokens_out_sum
-        self.tokens_total += tokens_total_sum
+            model = self._model_stats(name).__dict__  # see Sketch.add_many: plain field writes
+            model["calls"] += acc[0]
+            model["failed_calls"] += acc[1]
+            model["tokens_in"] += acc[2]
+            model["tokens_out"] += acc[3]
+            model["tokens_total"] += acc[4]
+            model["latency_ms_total"] += acc[5]
+            model["latency_calls"] += acc[6]
+        fields = self.__dict__
+        fields["rollouts"] += 1
+        fields["calls"] += len(calls)
+        fields["failed_calls"] += failed_calls
+        fields["verifier_calls"] += verifier_calls
+        fields["tokens_in"] += tokens_in_sum
+        fields["tokens_out"] += tokens_out_sum
+        fields["tokens_total"] += tokens_total_sum
         self.latency_ms.add_many(latencies)
         self.ttft_ms.add_many(ttfts)
         self.calls_per_rollout.add(len(calls))
@@ -465,10 +475,10 @@ class EvidenceSummary(BaseModel):
             self.tokens_per_rollout.add(tokens)
         verifiers = attachment.get("verifier_invocations")
         if verifiers:
-            self.verifier_invocations += len(verifiers)
-        codes = _gap_codes(attachment.get("gaps"), f"{ATTACHMENT_KEY}.gaps")
+            fields["verifier_invocations"] += len(verifiers)
+        codes = _gap_codes(attachment.get("gaps"), f"{ATTACHMENT_KEY}.gaps") if "gaps" in attachment else []
         if codes:
-            self.rollouts_with_gaps += 1
+            fields["rollouts_with_gaps"] += 1
         for code in codes:
             _bump(self.gaps, code)
             self._example(code, rollout_id)
