@@ -238,9 +238,20 @@ class ModelStats(BaseModel):
         return self.latency_ms_total / self.latency_calls if self.latency_calls else None
 
 
+def _where(index: int) -> str:
+    """Where a call is, for an error message (built only when one is raised)."""
+    return f"{ATTACHMENT_KEY}.calls[{index}]"
+
+
 def status_class(status_code: int | None) -> str:
     """``2xx``, ``4xx``, ``5xx``, ... or :data:`NO_STATUS` for a call that got no answer."""
     return NO_STATUS if status_code is None else f"{status_code // 100}xx"
+
+
+_STATUS_CLASSES: dict[int | None, str] = {
+    None: NO_STATUS,
+    **{code: f"{code // 100}xx" for code in range(100, 600)},
+}
 
 
 def is_failed(status_code: int | None, error_category: str | None) -> bool:
@@ -393,22 +404,22 @@ class EvidenceSummary(BaseModel):
         latencies: list[float] = []
         ttfts: list[float] = []
         per_model: dict[str, list[Any]] = {}
+        classes = _STATUS_CLASSES
         for index, call in enumerate(calls):
-            where = f"{ATTACHMENT_KEY}.calls[{index}]"
             status = call.get("status_code")
             if status is not None and type(status) is not int:
-                status = _count(call, "status_code", where)
+                status = _count(call, "status_code", _where(index))
             category = call.get("error_category")
             if category is not None and type(category) is not str:
-                category = _text(call, "error_category", where)
+                category = _text(call, "error_category", _where(index))
             failed = category is not None or status is None or not 200 <= status < 300
-            key = NO_STATUS if status is None else f"{status // 100}xx"
+            key = classes.get(status) or status_class(status)
             by_status[key] = by_status.get(key, 0) + 1
             if category is not None:
                 by_category[category] = by_category.get(category, 0) + 1
             dialect = call.get("dialect")
             if dialect is not None and type(dialect) is not str:
-                dialect = _text(call, "dialect", where)
+                dialect = _text(call, "dialect", _where(index))
             dialect = dialect or "(unknown)"
             by_dialect[dialect] = by_dialect.get(dialect, 0) + 1
             if call.get("verifier_invocation_id"):
@@ -416,22 +427,22 @@ class EvidenceSummary(BaseModel):
             latency = call.get("latency_total_ms")
             if latency is not None:
                 if type(latency) is not float and type(latency) is not int:
-                    latency = _number(call, "latency_total_ms", where)
+                    latency = _number(call, "latency_total_ms", _where(index))
                 latencies.append(latency)
             ttft = call.get("latency_ttft_ms")
             if ttft is not None:
                 if type(ttft) is not float and type(ttft) is not int:
-                    ttft = _number(call, "latency_ttft_ms", where)
+                    ttft = _number(call, "latency_ttft_ms", _where(index))
                 ttfts.append(ttft)
             tokens_in = call.get("tokens_in")
             if tokens_in is not None and type(tokens_in) is not int:
-                tokens_in = _count(call, "tokens_in", where)
+                tokens_in = _count(call, "tokens_in", _where(index))
             tokens_out = call.get("tokens_out")
             if tokens_out is not None and type(tokens_out) is not int:
-                tokens_out = _count(call, "tokens_out", where)
+                tokens_out = _count(call, "tokens_out", _where(index))
             tokens_total = call.get("tokens_total")
             if tokens_total is not None and type(tokens_total) is not int:
-                tokens_total = _count(call, "tokens_total", where)
+                tokens_total = _count(call, "tokens_total", _where(index))
             tokens_in, tokens_out, tokens_total = tokens_in or 0, tokens_out or 0, tokens_total or 0
             failed_calls += failed
             tokens_in_sum += tokens_in
