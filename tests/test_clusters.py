@@ -173,6 +173,10 @@ def ray_cluster(home: Home) -> Iterator[Cluster]:
     # ray.init() would otherwise be sent to this head).
     saved = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
     os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)})
+    if "ray" in sys.modules:  # Ray read its auth mode when it was imported: it reads it again
+        from ray._raylet import Config
+
+        Config.initialize("")
     ports = ["--port", str(port), "--ray-client-server-port", str(free_port())]
     ports += ["--dashboard-port", str(free_port())]
     small = ["--num-cpus", "2", "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", temp]
