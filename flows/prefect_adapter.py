@@ -10,6 +10,9 @@ silently recording secrets or losing a flow's options:
 - ``Flow.with_options`` builds a plain ``Flow``, and every option ``Flow.__init__`` takes is
   readable back from the flow under the name in :data:`FLOW_OPTIONS` (a subclass rebuilds
   its copies from them).
+- prefect-ray submits each task through its static ``RayTaskRunner._run_prefect_task``, which
+  ``flows/runners.py`` wraps so a Ray batch's last states reach the API before Ray ends the
+  worker (prefect-ray offers no public hook).
 """
 
 from __future__ import annotations

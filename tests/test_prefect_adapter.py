@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 import orjson
+import pytest
 from prefect import Flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -92,3 +93,16 @@ def test_the_embedded_servers_url_is_found_in_a_run_and_shared_with_workers(tmp_
     assert found["outside"] is None
     assert found["url"] and found["shared"] == found["url"]
     assert found["url"].startswith("http://127.0.0.1:") and found["url"].endswith("/api")
+
+
+def test_prefect_rays_task_body_is_still_the_static_hook_the_ray_runner_wraps() -> None:
+    """flows/runners.py wraps ``RayTaskRunner._run_prefect_task`` (no public hook exists) so a
+    Ray batch sends its last states to the API before Ray ends its worker: if prefect-ray stops
+    submitting through that static method, or changes what it passes, this fails by name."""
+
+    ray_runners = pytest.importorskip("prefect_ray.task_runners")
+    hook = inspect.getattr_static(ray_runners.RayTaskRunner, "_run_prefect_task")
+    assert isinstance(hook, staticmethod)
+    assert "self._run_prefect_task" in inspect.getsource(ray_runners.RayTaskRunner.submit)
+    passed = set(inspect.signature(hook.__func__).parameters)
+    assert {"task", "task_run_id", "context", "parameters", "wait_for", "dependencies"} <= passed
