@@ -18,8 +18,9 @@ setup: $(STAMP)
 demo: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/rollout-capture demo --output out/sample.enriched.jsonl
 
+# Two workers, a test file each at a time: a file's servers and clusters stay in one process.
 test: setup
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2 --dist loadfile
 
 lint: setup
 	$(BIN)/ruff check .

@@ -271,7 +271,10 @@ class _RequestTrap:
         """Hosts asked for, the browser's own services left out."""
         out = set()
         for request in self.requests:
-            target = request.split(b"\r\n", 1)[0].split(b" ")[1].decode(errors="replace")
+            if not request:  # a connection opened and closed unused (a preconnect): no request
+                continue
+            line = request.split(b"\r\n", 1)[0].split(b" ")
+            target = (line[1] if len(line) > 1 else line[0]).decode(errors="replace")
             host = re.sub(r"^[a-z]+://", "", target).split("/", 1)[0].rsplit(":", 1)[0]
             if not BROWSER_HOSTS.search(host):
                 out.add(host)
