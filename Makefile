@@ -27,7 +27,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 	@# mypy checks the package as it installs: flows/, tasks/, deployments/ linked in as rollout_capture.*
 	rm -rf build/typecheck && mkdir -p build/typecheck/rollout_capture
-	for e in rollout_capture/* flows tasks deployments; do ln -s ../../../$$e build/typecheck/rollout_capture/; done
+	for e in rollout_capture/* flows tasks deployments cli; do ln -s ../../../$$e build/typecheck/rollout_capture/; done
 	$(BIN)/mypy
 
 bench: setup

@@ -3,7 +3,7 @@
 
 from setuptools import find_packages, setup
 
-MAPPED = ("flows", "tasks", "deployments")  # repository folders -> rollout_capture.<name>
+MAPPED = ("flows", "tasks", "deployments", "cli")  # repository folders -> rollout_capture.<name>
 
 packages = find_packages(include=["rollout_capture", "rollout_capture.*"])
 package_dir = {}

@@ -23,7 +23,7 @@ import pytest
 
 from .conftest import ROOT, SAMPLE
 
-MAPPED = ("flows", "tasks", "deployments")  # repository folders shipped as rollout_capture.<name>
+MAPPED = ("flows", "tasks", "deployments", "cli")  # repository folders shipped as rollout_capture.<name>
 TIMEOUT_S = 600
 
 

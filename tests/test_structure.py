@@ -9,8 +9,8 @@ from pathlib import Path
 
 from .conftest import ROOT
 
-PACKAGES = ("rollout_capture", "tasks", "flows", "deployments")
-MAPPED = {"tasks", "flows", "deployments"}  # repository folders installed as rollout_capture.<name>
+PACKAGES = ("rollout_capture", "tasks", "flows", "deployments", "cli")
+MAPPED = {"tasks", "flows", "deployments", "cli"}  # repository folders installed as rollout_capture.<name>
 
 
 def test_the_core_imports_no_prefect_and_no_cli_toolkit() -> None:

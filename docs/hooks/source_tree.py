@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-MAPPED = ("flows", "tasks", "deployments")
+MAPPED = ("flows", "tasks", "deployments", "cli")
 TREE = Path("build") / "docs-src" / "rollout_capture"
 SKIPPED = ("__pycache__", "__init__.py")
 

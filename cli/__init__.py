@@ -1069,7 +1069,3 @@ def main() -> None:
     """Console entry point."""
     run: Callable[[], Any] = app
     sys.exit(run())
-
-
-if __name__ == "__main__":
-    main()
