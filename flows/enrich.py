@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -51,7 +50,6 @@ from rollout_capture.rollout_files import (
     remove_staged,
 )
 from rollout_capture.store import end_scope
-from rollout_capture.summary import capture_ids_from_root_entries
 from rollout_capture.tasks.capture import (
     BatchInput,
     BatchOutput,
@@ -78,17 +76,7 @@ def listed_capture_ids(
     flat listing the run's batches shared (never a second listing); ``None`` when the
     batches listed rollout by rollout instead (or in other processes), so none exists here.
     """
-    if "://" not in capture_dir or capture_dir.startswith("file://"):
-        try:
-            with os.scandir(capture_dir.removeprefix("file://")) as entries:
-                return capture_ids_from_root_entries(entry.name for entry in entries)
-        except FileNotFoundError:
-            return set()
-    backend = capture_store(capture_dir, storage_options, credentials_block)._backend
-    # The batches' shared listing, kept by the backend under the scope's key until end_scope.
-    scoped = getattr(backend, "_scoped", None)
-    flat = scoped.get(scope.key) if isinstance(scoped, dict) else None
-    return None if flat is None else set(flat)
+    return capture_store(capture_dir, storage_options, credentials_block).listed_rollout_ids(scope)
 
 
 def count_orphans(

@@ -171,3 +171,23 @@ def group_entries(
     for listing in out.values():
         listing.sort()
     return out
+
+
+_ROOT_SUFFIXES = (".capture.jsonl", ".capture.incomplete", ".capture.claims", ".capture")
+
+
+def capture_ids_from_root_entries(names: Iterable[str]) -> set[str]:
+    """The rollout ids that the entries directly under a local capture root belong to.
+
+    One ``os.scandir`` of the root gives ``<id>.capture.jsonl``, ``<id>.capture.incomplete``,
+    ``<id>.capture.claims`` and ``<id>.capture`` (the objects folder); other names are ignored.
+    """
+    out: set[str] = set()
+    for name in names:
+        for suffix in _ROOT_SUFFIXES:
+            if name.endswith(suffix) and len(name) > len(suffix):
+                rollout_id = name[: -len(suffix)]
+                if parse_capture_name(rollout_id + ".capture.jsonl") is not None:
+                    out.add(rollout_id)
+                break
+    return out

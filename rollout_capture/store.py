@@ -279,6 +279,10 @@ class CaptureStore:
         """
         return self._backend.fetch([validate_rollout_id(r) for r in rollout_ids], scope=scope)
 
+    def listed_rollout_ids(self, scope: ListingScope) -> set[str] | None:
+        """The rollout ids under the root from what a job's listing already holds (orphan captures)."""
+        return self._backend.listed_rollout_ids(scope.key)
+
     def refuse_unsafe_writes(self) -> None:
         """Raise naming what is missing unless several writers may share this store (producers' startup)."""
         self._backend.refuse_unsafe_writes()

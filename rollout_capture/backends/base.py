@@ -102,6 +102,12 @@ class Backend(ABC):
     def end_scope(self, key: str) -> None:  # noqa: B027 - nothing to forget unless a backend shares listings
         """Forget what was kept for the batches of a finished job."""
 
+    def listed_rollout_ids(self, scope_key: str) -> set[str] | None:
+        """The rollout ids under the root, from what is cheap here (orphan captures are counted
+        from it): a listing the job's batches shared, or one look at a local folder; ``None``
+        when no such listing exists, since listing again only for this costs a whole LIST."""
+        return None
+
     @abstractmethod
     def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
         """The bytes of each path, ``None`` where it does not exist."""

@@ -226,6 +226,11 @@ class ObjectStoreBackend(Backend):
             return self._one_by_one(ids)
         return {r: flat.get(r) or RolloutListing() for r in ids}
 
+    def listed_rollout_ids(self, scope_key: str) -> set[str] | None:
+        with self._scope_lock:
+            flat = self._scoped.get(scope_key)
+        return None if flat is None else set(flat)
+
     def end_scope(self, key: str) -> None:
         with self._scope_lock:
             self._scoped.pop(key, None)

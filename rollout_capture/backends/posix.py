@@ -35,6 +35,7 @@ from rollout_capture.layout import (
     Entry,
     Refused,
     RolloutListing,
+    capture_ids_from_root_entries,
     claims_dir,
     group_entries,
     objects_dir,
@@ -474,6 +475,13 @@ class PosixBackend(Backend):
         finally:
             os.close(dir_fd)
         return True
+
+    def listed_rollout_ids(self, scope_key: str) -> set[str] | None:
+        try:  # one look at the root's top level, no stat calls: cheap on a disk
+            with os.scandir(self.root) as entries:
+                return capture_ids_from_root_entries(entry.name for entry in entries)
+        except FileNotFoundError:
+            return set()
 
     def root_found(self) -> bool:
         return os.path.isdir(self.root)
