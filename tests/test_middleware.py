@@ -266,7 +266,8 @@ def test_the_middleware_writes_objects_on_s3(s3: S3) -> None:
 @pytest.mark.parametrize("producer", ["middleware", "proxy"])
 async def test_a_call_cancelled_while_claiming_leaves_no_claim(producer: str, monkeypatch: Any) -> None:
     """Spec 3: on an object store the claim is written on a thread; a cancel meanwhile must not
-    leave it live (it would hold enrichment for a whole TTL)."""
+    leave it live (it would hold enrichment for a whole TTL). The call was forwarded while the
+    claim was written (spec 11): it may leave its row, never its claim."""
     capture_dir = f"memory://claiming-{uuid.uuid4().hex}"
     app: Any
     if producer == "middleware":
@@ -284,7 +285,13 @@ async def test_a_call_cancelled_while_claiming_leaves_no_claim(producer: str, mo
 
     monkeypatch.setattr(store._backend, "put_live", slow_put_live)
 
-    async def receive() -> dict[str, Any]:
+    sent_body = False
+
+    async def receive() -> dict[str, Any]:  # the body, then (as a server's does) nothing until the end
+        nonlocal sent_body
+        if sent_body:
+            await asyncio.Event().wait()
+        sent_body = True
         return {"type": "http.request", "body": b'{"model": "scripted"}', "more_body": False}
 
     async def send(message: dict[str, Any]) -> None:
@@ -298,7 +305,8 @@ async def test_a_call_cancelled_while_claiming_leaves_no_claim(producer: str, mo
     gate.set()  # the claim lands after the cancel
     with pytest.raises(asyncio.CancelledError):
         await call
-    assert store.claims(["r1"]) == {} and store.read("r1") == []
+    assert store.claims(["r1"]) == {}
+    assert len(store.read("r1")) <= 1  # the one call's row, if it got that far
 
 
 @pytest.mark.parametrize("where", ["local", "object_store"])

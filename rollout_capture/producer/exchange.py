@@ -7,6 +7,7 @@ row keeps the first bytes and says it was cut.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ from rollout_capture.producer.classify import (
 from rollout_capture.producer.routing import VERIFIER_HEADER, Dialect, Route, header
 from rollout_capture.producer.settings import ProducerSettings
 from rollout_capture.producer.streams import JsonObject, StreamRelay
-from rollout_capture.store import ClaimContext
+from rollout_capture.store import ClaimContext, finish_shielded
 
 if TYPE_CHECKING:
     from rollout_capture.producer.writer import CaptureWriter
@@ -81,6 +82,7 @@ class Exchange:
         self.finished = False  # the upstream's answer ended normally
         self.row_written = False
         self._claim: ClaimContext | None = None  # released together with the row
+        self._claiming: asyncio.Future[ClaimContext | None] | None = None  # a claim written meanwhile
 
     # ------------------------------------------------------------------ request
 
@@ -205,12 +207,43 @@ class Exchange:
     # ------------------------------------------------------------------ lifecycle (spec 3, 11)
 
     async def claim(self, writer: CaptureWriter) -> None:
-        """Claim the rollout before the call is forwarded (a failed claim is logged, not raised)."""
-        self._claim = await writer.claim(self.rollout_id, self.model_call_id)
+        """Claim the rollout before the call is forwarded (a failed claim is logged, not raised).
+
+        Where a claim takes a store round trip it is written while the call is forwarded:
+        :meth:`claimed` then holds the answer's first byte until it is durable (spec 11).
+        """
+        if writer.claims_in_background:
+            self._claiming = asyncio.ensure_future(writer.claim(self.rollout_id, self.model_call_id))
+        else:
+            self._claim = await writer.claim(self.rollout_id, self.model_call_id)
+
+    @property
+    def claim_pending(self) -> bool:
+        """Whether a claim written in the background has not been waited for yet."""
+        return self._claiming is not None
+
+    async def claimed(self) -> None:
+        """Wait until the claim is durable (or failed, logged); before any byte reaches the client."""
+        claiming = self._claiming
+        if claiming is None:
+            return
+        try:
+            self._claim = await finish_shielded(claiming)
+        except asyncio.CancelledError:
+            if claiming.done() and not claiming.cancelled():
+                self._claim = claiming.result()  # landed: released with the row that still follows
+            raise
+        finally:
+            self._claiming = None
 
     async def write_row(self, writer: CaptureWriter) -> None:
         """Write the row durably, then release the claim (both shielded from cancellation)."""
         self.row_written = True
+        try:
+            await self.claimed()
+        except asyncio.CancelledError:  # the claim is settled even so: the row still lands
+            await writer.record(self.rollout_id, self.row, release=self._claim)
+            raise
         await writer.record(self.rollout_id, self.row, release=self._claim)
 
     async def complete(self, writer: CaptureWriter) -> bytes:

@@ -200,6 +200,8 @@ class CaptureMiddleware:
 
         async def forward_send(message: Message) -> None:
             nonlocal client_gone
+            if exchange.claim_pending:  # the first byte waits for the claim (spec 3, 11)
+                await exchange.claimed()
             try:
                 await send(message)
             except OSError:

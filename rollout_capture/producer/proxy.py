@@ -267,7 +267,7 @@ class CaptureProxy:
             assert task is not None
             watch = asyncio.get_running_loop().create_task(_watch_client(receive, exchange, task, body_whole))
             try:
-                await self._forward(scope, found, exchange, content, send)
+                await self._forward(scope, found, exchange, content, _after_claim(exchange, send))
             except asyncio.CancelledError:
                 if watch.done() and not watch.cancelled() and watch.result() and task.uncancel() == 0:
                     return  # only the watcher cancelled: the client left, nothing to answer
@@ -370,6 +370,19 @@ class CaptureProxy:
         else:
             await exchange.complete(self.writer)
         await send_json_error(send, 502, invalid_status_message(response.status), INVALID_STATUS_KIND)
+
+
+def _after_claim(exchange: Exchange, send: Send) -> Send:
+    """``send`` holding the answer's first byte until the call's claim is durable (spec 3, 11)."""
+    if not exchange.claim_pending:
+        return send
+
+    async def gated(message: Message) -> None:
+        if exchange.claim_pending:
+            await exchange.claimed()
+        await send(message)
+
+    return gated
 
 
 async def _send_upstream_error(send: Send, exc: UpstreamError) -> None:
