@@ -870,11 +870,13 @@ class UpstreamClient(StrEnum):
 
 
 class Layout(StrEnum):
-    """Capture layout: JSONL on local disks, objects on object stores (auto picks)."""
+    """Capture layout: JSONL on local disks, objects on object stores (auto picks); journal groups
+    many calls' claims and rows into one object (the fewest requests on object stores)."""
 
     auto = "auto"
     jsonl = "jsonl"
     objects = "objects"
+    journal = "journal"
 
 
 PROXY_STACK = ("aiohttp", "uvicorn", "httptools")

@@ -51,7 +51,8 @@ class ParsedRows:
     __slots__ = ("_damaged", "_full", "_parts")
 
     def __init__(self) -> None:
-        # ("jsonl" | "object", data, source), ("row", row, None), ("damage", damage, None)
+        # ("jsonl" | "object", data, source), ("journal", (data, line), source), ("row", row, None),
+        # ("damage", damage, None)
         self._parts: list[tuple[str, Any, str | None]] = []
         self._full: list[tuple[int, Row]] | None = None
         self._damaged: tuple[list[Damage], int] | None = None
@@ -112,9 +113,10 @@ class ParsedRows:
                 assert source is not None
                 position = _read_jsonl(rows, damaged, position, value, source, typed)
                 continue
-            if kind == "object":
+            if kind == "object" or kind == "journal":
                 assert source is not None
-                row = _read_object(damaged, value, source, position, typed)
+                data, line = (value, None) if kind == "object" else value
+                row = _read_object(damaged, data, source, position, typed, line)
                 if row is not None:
                     rows.append((position, row))
             elif kind == "row":
@@ -181,10 +183,17 @@ def _read_jsonl(
     return position
 
 
-def _read_object(damaged: list[Damage], data: bytes, source: str, position: int, typed: bool) -> Any:
-    """The row of one object-layout file, or None with its damage recorded."""
+def add_journal_row(parsed: ParsedRows, data: bytes, source: str, line: int) -> None:
+    """Append one row held on ``line`` of a journal commit (read when asked)."""
+    parsed._add(("journal", (data, line), source))
+
+
+def _read_object(
+    damaged: list[Damage], data: bytes, source: str, position: int, typed: bool, line: int | None = None
+) -> Any:
+    """The row of one object-layout file (or journal line), or None with its damage recorded."""
     if not data.strip():
-        damaged.append(Damage(source, None, "empty object"))
+        damaged.append(Damage(source, line, "empty object" if line is None else "empty line"))
         return None
     if typed:
         try:
@@ -194,10 +203,10 @@ def _read_object(damaged: list[Damage], data: bytes, source: str, position: int,
     try:
         row = orjson.loads(data)
     except orjson.JSONDecodeError:
-        damaged.append(Damage(source, None, "not JSON"))
+        damaged.append(Damage(source, line, "not JSON"))
         return None
     if type(row) is dict:
         row.pop(NONCE_KEY, None)
         return row
-    damaged.append(Damage(source, None, f"not a JSON object ({type(row).__name__})"))
+    damaged.append(Damage(source, line, f"not a JSON object ({type(row).__name__})"))
     return None

@@ -7,6 +7,7 @@ sequence of objects on object stores (which have no append). Reads understand bo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import logging
 import os
@@ -23,6 +24,15 @@ from rollout_capture import layout as names
 from rollout_capture.backends import Backend, Fetched, ListingScope, open_backend
 from rollout_capture.backends.base import nothing
 from rollout_capture.claims import DEFAULT_CLAIM_TTL_S, Claim, claim_body, new_claim, partition
+from rollout_capture.journal import (
+    JournalFetched,
+    JournalReader,
+    JournalWriter,
+    claim_entry,
+    clear_entry,
+    release_entry,
+    row_entry,
+)
 from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY
 from rollout_capture.identity import validate_rollout_id
 from rollout_capture.layout import RolloutListing
@@ -32,9 +42,11 @@ from rollout_capture.snapshot import RolloutSnapshot
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Layout = Literal["auto", "jsonl", "objects"]
+Layout = Literal["auto", "jsonl", "objects", "journal"]
+RowsLayout = Literal["jsonl", "objects", "journal"]
 
 _MAX_SEQ_HINTS = 10_000
+_MAX_SCOPES = 64
 
 
 async def finish_shielded(future: asyncio.Future[T]) -> T:
@@ -75,13 +87,34 @@ class ClaimContext:
 
     def _acquire(self) -> Claim:
         claim = new_claim(self._model_call_id, self._ttl_s)
+        if self._store.layout == "journal":
+            self._store.journal_writer.write([claim_entry(self._rollout_id, claim)])
+            self.claim = claim
+            return claim
         self._store._backend.put_live(
             self._store._backend.path(names.claim_name(self._rollout_id, claim.claim_id)), claim_body(claim)
         )
         self.claim = claim
         return claim
 
+    def start(self) -> concurrent.futures.Future[int] | None:
+        """Journal layout: submit the claim and return at once; the future says when it is durable
+        (the claim counts as held from now, so a release always follows). None on other layouts."""
+        if self._store.layout != "journal":
+            return None
+        claim = new_claim(self._model_call_id, self._ttl_s)
+        future = self._store.journal_writer.submit([claim_entry(self._rollout_id, claim)])
+        self.claim = claim
+        return future
+
+    @property
+    def rollout_id(self) -> str:
+        return self._rollout_id
+
     def _release(self) -> None:
+        if self.claim is not None and self._store.layout == "journal":
+            self._store.journal_writer.write([release_entry(self._rollout_id, self.claim.claim_id)])
+            self.claim = None
         if self.claim is not None:
             self._store._backend.remove(
                 [self._store._backend.path(names.claim_name(self._rollout_id, self.claim.claim_id))]
@@ -137,8 +170,12 @@ class CaptureStore:
             raise ValueError(
                 f"{self.url}: the JSONL layout needs a local disk (object stores have no append)"
             )
-        self.layout: Literal["jsonl", "objects"] = layout
+        self.layout: RowsLayout = layout
         self._seq_hints: dict[str, int] = {}
+        self._journal_lock = threading.Lock()
+        self._journal_reader: JournalReader | None = None
+        self._journal_writer: JournalWriter | None = None
+        self._no_journal_scopes: dict[str, None] = {}  # jobs whose first batch found no journal
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Filesystems are not fork- or pickle-safe, and credentials never travel: a worker
@@ -181,6 +218,9 @@ class CaptureStore:
         validate_rollout_id(rollout_id)
         if not isinstance(row, Mapping):
             raise ValueError(f"a capture row must be a JSON object; got {type(row).__name__}")
+        if self.layout == "journal":
+            entry = row_entry(rollout_id, row)
+            return (lambda: self._guarded(rollout_id, self.journal_writer.write, [entry])), nothing
         if self.layout != "jsonl":
             return (lambda: self._guarded(rollout_id, self._append_object, rollout_id, row)), nothing
         line = self._guarded(rollout_id, _row_line, row)  # a row orjson cannot write is a failed write too
@@ -243,6 +283,47 @@ class CaptureStore:
                 high = mid
         return high
 
+    # ------------------------------------------------------------------ the journal (spec 2, extension)
+
+    @property
+    def journal_reader(self) -> JournalReader:
+        """This store's reader of the root's journal (read incrementally, shared by its batches)."""
+        with self._journal_lock:
+            if self._journal_reader is None:
+                self._journal_reader = JournalReader(self._backend)
+            return self._journal_reader
+
+    @property
+    def journal_writer(self) -> JournalWriter:
+        """This process's group committer for the root's journal (started by its first entry)."""
+        with self._journal_lock:
+            if self._journal_writer is None:
+                self._journal_writer = JournalWriter(self._backend, tail_hint=self._journal_tail)
+            return self._journal_writer
+
+    def _journal_tail(self) -> int:
+        """Where the next commit may be: all below what this store has read exist already."""
+        reader = self._journal_reader
+        return reader.tail if reader is not None else 0
+
+    def journal_record(
+        self,
+        rollout_id: str,
+        row: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+        *,
+        release: ClaimContext | None = None,
+    ) -> concurrent.futures.Future[int]:
+        """Journal layout: submit a row (built by the committer when ``row`` is a function) and the
+        release of ``release``'s claim, to land in one commit; the future says when they are durable.
+
+        The caller marks the rollout incomplete if the future fails (:meth:`mark_incomplete`).
+        """
+        entries = [row_entry(rollout_id, row)]
+        if release is not None and release.claim is not None:
+            entries.append(release_entry(release.rollout_id, release.claim.claim_id))
+            release.claim = None  # released with the row, whatever happens to it
+        return self.journal_writer.submit(entries)
+
     def claim(
         self, rollout_id: str, model_call_id: str | None = None, ttl_s: float = DEFAULT_CLAIM_TTL_S
     ) -> ClaimContext:
@@ -265,7 +346,11 @@ class CaptureStore:
 
     def has_any(self, rollout_id: str) -> bool:
         """True when rows, objects, the marker or claims exist for the rollout."""
-        return self.listing(rollout_id).found
+        if self.listing(rollout_id).found:
+            return True
+        reader = self.journal_reader
+        reader.refresh()
+        return reader.holds(validate_rollout_id(rollout_id))
 
     def listings(self, rollout_ids: Iterable[str]) -> dict[str, RolloutListing]:
         """Listings of many rollouts, listed now, the quickest way the backend knows."""
@@ -277,11 +362,24 @@ class CaptureStore:
         The backend picks how: one concurrent pass over every file on object stores, reads
         as each rollout is parsed on local disks. A ``scope``'s batches may share one listing.
         """
-        return self._backend.fetch([validate_rollout_id(r) for r in rollout_ids], scope=scope)
+        ids = [validate_rollout_id(r) for r in rollout_ids]
+        fetched = self._backend.fetch(ids, scope=scope)
+        reader = self.journal_reader
+        # The journal is looked for unless the batch's listing showed the whole root without
+        # one, or an earlier batch of the job found none (its listing is as old as that look).
+        if not fetched.journal_absent and (scope is None or scope.key not in self._no_journal_scopes):
+            reader.refresh()
+            if not reader.exists and scope is not None:
+                if len(self._no_journal_scopes) >= _MAX_SCOPES:
+                    self._no_journal_scopes.pop(next(iter(self._no_journal_scopes)))
+                self._no_journal_scopes[scope.key] = None
+        return JournalFetched(fetched, reader, ids) if reader.exists else fetched
 
     def listed_rollout_ids(self, scope: ListingScope) -> set[str] | None:
         """The rollout ids under the root from what a job's listing already holds (orphan captures)."""
-        return self._backend.listed_rollout_ids(scope.key)
+        listed = self._backend.listed_rollout_ids(scope.key)
+        reader = self.journal_reader
+        return listed if listed is None or not reader.exists else listed | reader.rollout_ids()
 
     def refuse_unsafe_writes(self) -> None:
         """Raise naming what is missing unless several writers may share this store (producers' startup)."""
@@ -294,6 +392,7 @@ class CaptureStore:
     def end_scope(self, key: str) -> None:
         """Forget the listing the batches of a finished job (``ListingScope.key``) shared."""
         self._backend.end_scope(key)
+        self._no_journal_scopes.pop(key, None)
 
     def snapshot(self, rollout_id: str) -> RolloutSnapshot:
         """Everything this store holds for one rollout."""
@@ -313,7 +412,14 @@ class CaptureStore:
 
     def claims(self, rollout_ids: Iterable[str]) -> dict[str, list[Claim]]:
         """The claims of each rollout that has any, read now."""
-        return self._backend.claims([validate_rollout_id(r) for r in rollout_ids])
+        ids = [validate_rollout_id(r) for r in rollout_ids]
+        out = self._backend.claims(ids)
+        reader = self.journal_reader
+        reader.refresh()
+        if reader.exists:
+            for rollout_id, claims in reader.view([r for r in ids if reader.holds(r)]).all_claims().items():
+                out[rollout_id] = [*out.get(rollout_id, []), *claims]
+        return out
 
     def live_claims(self, rollout_id: str, *, now: float | None = None) -> list[Claim]:
         """Claims of calls that may still write a row."""
@@ -335,6 +441,15 @@ class CaptureStore:
         for rollout_id in ids:
             self._seq_hints.pop(rollout_id, None)
         self._backend.clear_rollouts(ids)
+        reader = self.journal_reader
+        reader.refresh()
+        held = [r for r in dict.fromkeys(ids) if reader.holds(r)]
+        if held:  # journal entries are never deleted (commits hold other rollouts'): cleared by an entry
+            self.journal_writer.write([clear_entry(r) for r in held])
+            reader.refresh()
+            left = [r for r in held if reader.holds(r)]
+            if left:
+                raise OSError(f"{self.url}: journal entries of {len(left)} rollout(s) survived clearing: {left[:3]}")
         return ids
 
 

@@ -51,6 +51,10 @@ class ListingScope:
 class Fetched(ABC):
     """A batch of rollouts made ready to be read, parsed one rollout at a time."""
 
+    journal_absent: bool = False
+    """Whether the listing behind this batch covered the whole root and held no journal commit
+    (then the journal need not be looked for: nothing of it was there when the batch was listed)."""
+
     @abstractmethod
     def found(self, rollout_id: str) -> bool:
         """Whether the store holds anything for the rollout (rows, objects, marker or claims)."""
@@ -115,6 +119,11 @@ class Backend(ABC):
     @abstractmethod
     def exists(self, path: str) -> bool:
         """Whether the path exists."""
+
+    def modified(self, paths: Sequence[str]) -> list[float | None]:
+        """Each file's modification time (epoch s), ``None`` where unknown or missing; only asked
+        where :attr:`trust_mtime` holds (the store's own clock judges claims there)."""
+        return [None for _ in paths]
 
     def refuse_unsafe_writes(self) -> None:
         """Raise a ``ValueError`` naming what is missing unless several writers may share this store.

@@ -81,6 +81,19 @@ def _named(folder: str, listed: list[dict[str, Any]]) -> dict[str, Named]:
     return out
 
 
+JOURNAL_PREFIX = "_journal/"
+
+
+class RootListing(dict[str, RolloutListing]):
+    """Every rollout of a flat listing of the whole root, and whether it showed a journal commit."""
+
+    journal: bool = False
+
+
+def _journal_absent(flat: dict[str, RolloutListing] | None) -> bool:
+    return isinstance(flat, RootListing) and not flat.journal
+
+
 class _TooLarge(Exception):
     """A flat listing outgrew its budget: listing per rollout is quicker."""
 
@@ -173,7 +186,9 @@ class ObjectStoreBackend(Backend):
         """Every rollout under the root, from one flat listing; learns the root's size."""
         entries = self._entries("", budget)
         self._root_keys = len(entries)
-        return group_entries(entries)
+        flat = RootListing(group_entries(entries))
+        flat.journal = any(relative.startswith(JOURNAL_PREFIX) for relative, _ in entries)
+        return flat
 
     def _one_by_one(self, ids: Sequence[str]) -> dict[str, RolloutListing]:
         def one(rollout_id: str) -> RolloutListing:
@@ -204,15 +219,19 @@ class ObjectStoreBackend(Backend):
         return self._flat() if quicker else None
 
     def list_rollouts(self, rollout_ids: Collection[str]) -> dict[str, RolloutListing]:
+        return self._list_rollouts(rollout_ids)[0]
+
+    def _list_rollouts(self, rollout_ids: Collection[str]) -> tuple[dict[str, RolloutListing], bool]:
+        """The rollouts' listings, and whether they came from a whole-root listing showing no journal."""
         ids = [validate_rollout_id(r) for r in dict.fromkeys(rollout_ids)]
         if not ids:
-            return {}
+            return {}, False
         flat = self._listings(ids, len(ids))
         if flat is None:
-            return self._one_by_one(ids)
-        return {r: flat.get(r) or RolloutListing() for r in ids}
+            return self._one_by_one(ids), False
+        return {r: flat.get(r) or RolloutListing() for r in ids}, _journal_absent(flat)
 
-    def _scoped_listings(self, ids: list[str], scope: ListingScope) -> dict[str, RolloutListing]:
+    def _scoped_listings(self, ids: list[str], scope: ListingScope) -> tuple[dict[str, RolloutListing], bool]:
         """Listings for a batch of a job, from the job's one flat listing when it has (or takes) one."""
         with self._scope_lock:  # batches of one job run in threads: one of them lists
             if scope.key in self._scoped:
@@ -223,8 +242,8 @@ class ObjectStoreBackend(Backend):
                     del self._scoped[next(iter(self._scoped))]  # the oldest job's
                 self._scoped[scope.key] = flat
         if flat is None:
-            return self._one_by_one(ids)
-        return {r: flat.get(r) or RolloutListing() for r in ids}
+            return self._one_by_one(ids), False
+        return {r: flat.get(r) or RolloutListing() for r in ids}, _journal_absent(flat)
 
     def listed_rollout_ids(self, scope_key: str) -> set[str] | None:
         with self._scope_lock:
@@ -240,9 +259,10 @@ class ObjectStoreBackend(Backend):
     def fetch(self, rollout_ids: Collection[str], *, scope: ListingScope | None = None) -> Fetched:
         ids = [validate_rollout_id(r) for r in dict.fromkeys(rollout_ids)]
         fetched = ObjectFetched(self)
-        fetched.add(
-            self.list_rollouts(ids) if scope is None or not ids else self._scoped_listings(ids, scope)
+        listings, fetched.journal_absent = (
+            self._list_rollouts(ids) if scope is None or not ids else self._scoped_listings(ids, scope)
         )
+        fetched.add(listings)
         return fetched
 
     def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
@@ -274,6 +294,15 @@ class ObjectStoreBackend(Backend):
 
     def exists(self, path: str) -> bool:
         return bool(self.fs.exists(path))
+
+    def modified(self, paths: Sequence[str]) -> list[float | None]:
+        out: list[float | None] = []
+        for path in paths:  # open claims only: a handful
+            try:
+                out.append(_mtime(self.fs.info(path)))
+            except FileNotFoundError:
+                out.append(None)
+        return out
 
     def root_found(self) -> bool:
         return bool(self.list_names([self.root])[0])  # one delimited LIST, never a HEAD

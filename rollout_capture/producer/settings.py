@@ -57,7 +57,7 @@ class ProducerSettings(BaseModel):
         DEFAULT_MAX_BODY_BYTES, ge=1, description="Cap on the request or response bytes kept for a row."
     )
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options (no secrets).")
-    layout: Literal["auto", "jsonl", "objects"] = "auto"
+    layout: Literal["auto", "jsonl", "objects", "journal"] = "auto"
     io_threads: int = Field(32, ge=1, le=1024, description="Threads writing claims and rows.")
     verify_paths: tuple[str, ...] = Field(
         VERIFY_PATHS,

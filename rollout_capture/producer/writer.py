@@ -14,6 +14,7 @@ goes on.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -22,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from rollout_capture.journal import release_entry
 from rollout_capture.producer.settings import ProducerSettings
 from rollout_capture.store import CaptureStore, ClaimContext, finish_shielded
 
@@ -113,6 +115,7 @@ class CaptureWriter:
         self.store = store
         self.claim_ttl_s = claim_ttl_s
         self._local = store.writes_in_place
+        self._journal = store.layout == "journal"
         self._threads = _Threads(io_threads, "rollout-capture")
         self._pending = 0
         self._lock = threading.Lock()
@@ -214,6 +217,42 @@ class CaptureWriter:
                 took * 1000.0,
             )
 
+    @property
+    def claims_in_background(self) -> bool:
+        """Whether a claim takes a store round trip (object stores): then a call is forwarded
+        while its claim is written, and only the answer's first byte waits for it (spec 11)."""
+        return not self._local
+
+    async def _committed(self, future: concurrent.futures.Future[int]) -> None:
+        """Wait for a journal submission, counted as a write in flight, finished even if cancelled."""
+        with self._lock:
+            self._pending += 1
+        try:
+            await finish_shielded(asyncio.wrap_future(future))
+        finally:
+            with self._lock:
+                self._pending -= 1
+                if not self._pending:
+                    self._idle.notify_all()
+
+    async def _mark_later(self, rollout_id: str) -> None:
+        await self._shielded(self._mark, rollout_id)
+
+    async def _journal_claim(self, context: ClaimContext, rollout_id: str, model_call_id: str) -> ClaimContext | None:
+        try:
+            future = context.start()
+            assert future is not None
+            await self._committed(future)
+        except asyncio.CancelledError:
+            await self.release(context)
+            raise
+        except Exception:
+            logger.warning("could not claim rollout %s for call %s", rollout_id, model_call_id, exc_info=True)
+            context.claim = None  # never landed: nothing to release
+            await self._mark_later(rollout_id)
+            return None
+        return context
+
     async def claim(self, rollout_id: str, model_call_id: str) -> ClaimContext | None:
         """Claim the rollout for one call; None (logged, marker written) when the claim failed.
 
@@ -221,6 +260,8 @@ class CaptureWriter:
         the claim that landed is released here before the cancellation goes on (spec 3).
         """
         context = self.store.claim(rollout_id, model_call_id, ttl_s=self.claim_ttl_s)
+        if self._journal:
+            return await self._journal_claim(context, rollout_id, model_call_id)
         if self._local:
             started = time.perf_counter()
             try:
@@ -244,6 +285,16 @@ class CaptureWriter:
 
         ``row`` may be a function building it (on object stores it is built off the loop).
         """
+        if self._journal:
+            try:
+                await self._committed(self.store.journal_record(rollout_id, row, release=release))
+            except Exception:
+                logger.warning(
+                    "capture write failed for rollout %s; marking it incomplete", rollout_id, exc_info=True
+                )
+                await self._mark_later(rollout_id)
+                return False
+            return True
         if not self._local:
             return await self._shielded(self._record, rollout_id, row, release)
         staged = None
@@ -265,7 +316,14 @@ class CaptureWriter:
     async def release(self, context: ClaimContext | None) -> None:
         """Release a claim taken by :meth:`claim` (after the row, or after the marker)."""
         if context is not None and context.claim is not None:  # not released with its row yet
-            if self._local:
+            if self._journal:
+                future = self.store.journal_writer.submit([release_entry(context.rollout_id, context.claim.claim_id)])
+                context.claim = None
+                try:
+                    await self._committed(future)
+                except Exception:
+                    logger.warning("could not release a claim of rollout %s", context.rollout_id, exc_info=True)
+            elif self._local:
                 self._release(context)
             else:
                 await self._shielded(self._release, context)

@@ -1,0 +1,521 @@
+"""The journal layout (spec 2, 3 and 11, extension): many calls' claims, rows and releases in one
+object, written put-if-absent, so an object store sees a request per group of calls, not several
+per call.
+
+``_journal/{seq:012d}.jsonl`` under the capture root holds one *commit*: a header line naming each
+entry (``[op, rollout_id]`` or ``[op, rollout_id, claim_id]``), then one line per entry (a row, a
+claim body, or ``null``). Commits form one sequence for the whole root, with no gaps: a writer
+creates commit ``s`` only once it knows ``s - 1`` exists (its own last commit, or one it found
+taken), so every commit is numbered above every commit that existed when it was written. A
+rollout's rows are in commit order, then line order: one total order across hosts, with no
+clock, that respects which call finished first. A lost acknowledgement is told by the
+commit's nonce, as for row objects.
+
+A writer keeps one commit in flight; whatever is submitted meanwhile goes into the next one
+(group commit). Readers read commits in order from where they stopped (no listing: the first
+missing number is the end), index each rollout's entries by their header alone and keep a
+bounded cache of bodies, so a rollout's rows cost one GET per commit holding them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+from rollout_capture.backends.base import Backend, Fetched
+from rollout_capture.claims import Claim, claim_body, read_claim
+from rollout_capture.identity import validate_rollout_id
+from rollout_capture.rows import Damage, ParsedRows, add_journal_row
+from rollout_capture.snapshot import RolloutSnapshot
+
+logger = logging.getLogger(__name__)
+
+JOURNAL_DIR = "_journal"
+SEQ_WIDTH = 12
+FORMAT = 1
+Op = Literal["claim", "row", "release", "clear"]
+_OPS = frozenset({"claim", "row", "release", "clear"})
+
+MAX_COMMIT_ENTRIES = 1024
+"""Entries in one commit at most (a larger group waits for the next)."""
+MAX_COMMIT_BYTES = 8 << 20
+"""Bytes of one commit at most, unless a single submission is larger."""
+_LINEAR_TRIES = 8  # commits found taken before the tail is looked up instead of tried one by one
+_READ_WINDOW = 64  # commits read at once, at most, while catching up
+_BODY_BUDGET = 32 << 20  # bytes of commit bodies a reader keeps
+
+
+def commit_name(seq: int) -> str:
+    """The name of commit ``seq`` relative to the capture root."""
+    return f"{JOURNAL_DIR}/{seq:0{SEQ_WIDTH}d}.jsonl"
+
+
+# ---------------------------------------------------------------------------- format
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One journal entry before it is written: what it is, whose, and its line (or how to build it)."""
+
+    op: Op
+    rollout_id: str
+    line: bytes | Callable[[], bytes]
+    claim_id: str | None = None
+
+    def header(self) -> list[str]:
+        return [self.op, self.rollout_id] if self.claim_id is None else [self.op, self.rollout_id, self.claim_id]
+
+
+def row_entry(rollout_id: str, row: Any) -> Entry:
+    """A row (a mapping, or a function building one off the caller's loop)."""
+    validate_rollout_id(rollout_id)
+
+    def line() -> bytes:
+        built = row() if callable(row) else row
+        if not isinstance(built, Mapping):
+            raise TypeError(f"a capture row must be a mapping; got {type(built).__name__}")
+        return orjson.dumps(built if isinstance(built, dict) else dict(built), default=str)
+
+    return Entry("row", rollout_id, line)
+
+
+def claim_entry(rollout_id: str, claim: Claim) -> Entry:
+    return Entry("claim", validate_rollout_id(rollout_id), claim_body(claim), claim.claim_id)
+
+
+def release_entry(rollout_id: str, claim_id: str) -> Entry:
+    return Entry("release", validate_rollout_id(rollout_id), b"null", claim_id)
+
+
+def clear_entry(rollout_id: str) -> Entry:
+    return Entry("clear", validate_rollout_id(rollout_id), b"null")
+
+
+def encode_commit(writer_id: str, nonce: str, headers: list[list[str]], lines: list[bytes]) -> bytes:
+    head = orjson.dumps({"journal": FORMAT, "writer": writer_id, "nonce": nonce, "entries": headers})
+    return b"\n".join([head, *lines]) + b"\n"
+
+
+class BadCommit(ValueError):
+    """A commit whose header cannot be read: its entries cannot be told apart."""
+
+
+@dataclass(slots=True)
+class Commit:
+    """One commit read back: its entries' headers, and where each entry's line sits in the body."""
+
+    seq: int
+    nonce: str
+    headers: list[tuple[str, str, str | None]]
+    body: bytes
+    spans: list[tuple[int, int]]
+
+    def line(self, index: int) -> bytes:
+        start, stop = self.spans[index]
+        return self.body[start:stop]
+
+
+def decode_commit(seq: int, body: bytes) -> Commit:
+    """Parse a commit's header and cut its lines (``BadCommit`` naming what is wrong)."""
+    stop = body.find(b"\n")
+    if stop < 0:
+        raise BadCommit("no header line")
+    try:
+        head = orjson.loads(body[:stop])
+    except orjson.JSONDecodeError:
+        raise BadCommit("header is not JSON") from None
+    if not isinstance(head, dict) or head.get("journal") != FORMAT or not isinstance(head.get("entries"), list):
+        raise BadCommit(f"not a format-{FORMAT} journal header")
+    headers: list[tuple[str, str, str | None]] = []
+    for item in head["entries"]:
+        if (
+            not isinstance(item, list)
+            or len(item) not in (2, 3)
+            or item[0] not in _OPS
+            or not all(isinstance(part, str) for part in item)
+        ):
+            raise BadCommit(f"entry {len(headers)} of the header is malformed")
+        headers.append((item[0], item[1], item[2] if len(item) == 3 else None))
+    spans = []
+    start, end = stop + 1, len(body)
+    for _ in headers:
+        stop = body.find(b"\n", start)
+        if stop < 0:
+            stop = end
+        spans.append((start, stop))
+        start = min(end, stop + 1)
+    if len(spans) < len(headers) or (headers and spans[-1][0] > end):
+        raise BadCommit("fewer lines than entries")
+    nonce = head.get("nonce")
+    return Commit(seq, nonce if isinstance(nonce, str) else "", headers, body, spans)
+
+
+def _nonce_of(body: bytes) -> str | None:
+    try:
+        return decode_commit(0, body).nonce
+    except BadCommit:
+        return None
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+@dataclass(slots=True)
+class _Submission:
+    entries: list[Entry]
+    future: concurrent.futures.Future[int]
+    size: int = 0
+
+
+class JournalWriter:
+    """Group commit for one capture root in this process: one commit in flight at a time, and
+    everything submitted while it is goes into the next one.
+
+    ``submit`` never blocks on the store; its future resolves to the commit's number once the
+    entries are durable (or raises the store's error: the caller marks the rollout incomplete).
+    The thread starts with the first submission, so a forked child gets its own.
+    """
+
+    def __init__(self, backend: Backend, *, tail_hint: Callable[[], int] | None = None) -> None:
+        self._backend = backend
+        self._tail_hint = tail_hint
+        self.writer_id = os.urandom(8).hex()
+        self._queue: list[_Submission] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        self._next: int | None = None  # the number the next commit tries first
+        self.commits = 0
+        self.tries = 0
+
+    def submit(self, entries: Sequence[Entry]) -> concurrent.futures.Future[int]:
+        """Queue entries to land together in one commit; the future has the commit's number."""
+        future: concurrent.futures.Future[int] = concurrent.futures.Future()
+        submission = _Submission(list(entries), future)
+        with self._cond:
+            if self._pid != os.getpid():  # a forked child: its parent's thread is not here
+                self._pid, self._thread, self._queue, self._next = os.getpid(), None, [], None
+            self._queue.append(submission)
+            self._cond.notify()
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="rollout-capture-journal", daemon=True)
+                self._thread.start()
+        return future
+
+    def write(self, entries: Sequence[Entry]) -> int:
+        """Submit and wait: the entries are durable when this returns."""
+        return self.submit(entries).result()
+
+    def _take(self) -> list[_Submission] | None:
+        with self._cond:
+            if not self._queue and not self._cond.wait_for(lambda: bool(self._queue), timeout=30.0):
+                self._thread = None  # idle: a later submission starts a fresh thread
+                return None
+            taken, entries = [], 0
+            while self._queue and (not taken or entries + len(self._queue[0].entries) <= MAX_COMMIT_ENTRIES):
+                submission = self._queue.pop(0)
+                taken.append(submission)
+                entries += len(submission.entries)
+            return taken
+
+    def _run(self) -> None:
+        while True:
+            taken = self._take()
+            if taken is None:
+                return
+            headers: list[list[str]] = []
+            lines: list[bytes] = []
+            ready: list[_Submission] = []
+            size = 0
+            for submission in taken:
+                try:
+                    built = [e.line() if callable(e.line) else e.line for e in submission.entries]
+                except Exception as exc:  # a row that cannot be written fails its own call only
+                    submission.future.set_exception(exc)
+                    continue
+                if ready and size + sum(map(len, built)) > MAX_COMMIT_BYTES:
+                    with self._cond:  # too big to ride along: first in line for the next commit
+                        self._queue.insert(0, _Submission(submission.entries, submission.future))
+                    continue
+                size += sum(map(len, built))
+                headers.extend(e.header() for e in submission.entries)
+                lines.extend(built)
+                ready.append(submission)
+            if not ready:
+                continue
+            try:
+                seq = self._commit(headers, lines)
+            except BaseException as exc:
+                for submission in ready:
+                    submission.future.set_exception(exc)
+            else:
+                for submission in ready:
+                    submission.future.set_result(seq)
+
+    def _commit(self, headers: list[list[str]], lines: list[bytes]) -> int:
+        nonce = os.urandom(16).hex()
+        body = encode_commit(self.writer_id, nonce, headers, lines)
+        backend = self._backend
+        if self._next is None:
+            self._next = self._tail()
+        seq, taken = self._next, 0
+        while True:
+            path = backend.path(commit_name(seq))
+            self.tries += 1
+            try:
+                backend.create(path, body)
+                break
+            except FileExistsError:
+                existing = backend.read_many([path])[0]
+                if existing is not None and _nonce_of(existing) == nonce:
+                    break  # our own write, landed before a retried request found it
+                taken += 1
+                # Taken by another writer: the next number (commits have no gaps, so this stays
+                # above everything that existed), or, after several, the tail looked up.
+                seq = seq + 1 if taken < _LINEAR_TRIES else first_free(backend, seq + 1)
+                self._next = seq  # a failed try is retried here, never past it (no gap)
+        self._next = seq + 1
+        self.commits += 1
+        return seq
+
+    def _tail(self) -> int:
+        hint = self._tail_hint() if self._tail_hint is not None else 0
+        return first_free(self._backend, hint)
+
+
+def first_free(backend: Backend, start: int = 0) -> int:
+    """The first commit number at or above ``start`` that does not exist (taken ones form a prefix)."""
+    exists = backend.exists
+    path = backend.path
+    if not exists(path(commit_name(start))):
+        return start
+    low, step = start, 1  # low is taken
+    while exists(path(commit_name(low + step))):
+        low += step
+        step *= 2
+    high = low + step  # free
+    while high - low > 1:
+        mid = (low + high) // 2
+        if exists(path(commit_name(mid))):
+            low = mid
+        else:
+            high = mid
+    return high
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+@dataclass(slots=True)
+class _Held:
+    """What the journal holds for one rollout: its rows and open claims, by where they sit."""
+
+    rows: list[tuple[int, int]] = field(default_factory=list)
+    claims: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+class JournalReader:
+    """The journal of one capture root as read so far, caught up by :meth:`refresh`.
+
+    Commits never change once written, so each is read once; a clear entry drops what came
+    before it for its rollout. Thread-safe: batches of one job share it.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._next = 0
+        self._held: dict[str, _Held] = {}
+        self._bodies: OrderedDict[int, Commit] = OrderedDict()
+        self._body_bytes = 0
+        self._mtimes: dict[int, float | None] = {}
+        self._bad: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._window = 1
+
+    @property
+    def tail(self) -> int:
+        """The first commit number not read yet (all below it exist)."""
+        return self._next
+
+    @property
+    def exists(self) -> bool:
+        """Whether any commit was found."""
+        return self._next > 0
+
+    def refresh(self) -> None:
+        """Read every commit written since the last refresh (one GET when none was)."""
+        with self._lock:
+            while True:
+                seqs = list(range(self._next, self._next + self._window))
+                bodies = self._backend.read_many([self._backend.path(commit_name(s)) for s in seqs])
+                for seq, body in zip(seqs, bodies, strict=True):
+                    if body is None:
+                        self._window = max(1, min(_READ_WINDOW, self._window))
+                        return
+                    self._apply(seq, body)
+                    self._next = seq + 1
+                self._window = min(_READ_WINDOW, self._window * 2)
+
+    def _apply(self, seq: int, body: bytes) -> None:
+        try:
+            commit = decode_commit(seq, body)
+        except BadCommit as exc:
+            path = self._backend.path(commit_name(seq))
+            logger.warning("journal commit %s cannot be read (%s): its entries are lost to readers", path, exc)
+            self._bad[seq] = str(exc)
+            return
+        for index, (op, rollout_id, claim_id) in enumerate(commit.headers):
+            held = self._held.get(rollout_id)
+            if op == "clear":
+                self._held.pop(rollout_id, None)
+                continue
+            if held is None:
+                held = self._held[rollout_id] = _Held()
+            if op == "row":
+                held.rows.append((seq, index))
+            elif op == "claim" and claim_id is not None:
+                held.claims[claim_id] = (seq, index)
+            elif op == "release" and claim_id is not None:
+                held.claims.pop(claim_id, None)
+            if not held.rows and not held.claims:
+                del self._held[rollout_id]
+        self._keep(commit)
+
+    def _keep(self, commit: Commit) -> None:
+        self._bodies[commit.seq] = commit
+        self._body_bytes += len(commit.body)
+        while self._body_bytes > _BODY_BUDGET and len(self._bodies) > 1:
+            _, dropped = self._bodies.popitem(last=False)
+            self._body_bytes -= len(dropped.body)
+
+    def holds(self, rollout_id: str) -> bool:
+        """Whether the journal has rows or open claims of the rollout."""
+        return rollout_id in self._held
+
+    def rollout_ids(self) -> set[str]:
+        """Every rollout the journal has rows or open claims of."""
+        with self._lock:
+            return set(self._held)
+
+    def view(self, rollout_ids: Collection[str]) -> JournalView:
+        """What the journal holds for these rollouts, with the bodies it needs read (one pass)."""
+        with self._lock:
+            held = {r: self._held[r] for r in rollout_ids if r in self._held}
+            needed = {seq for h in held.values() for seq, _ in h.rows}
+            needed |= {seq for h in held.values() for seq, _ in h.claims.values()}
+            commits = {seq: self._bodies[seq] for seq in needed if seq in self._bodies}
+            for seq in commits:
+                self._bodies.move_to_end(seq)
+        missing = sorted(needed - set(commits))
+        if missing:
+            bodies = self._backend.read_many([self._backend.path(commit_name(s)) for s in missing])
+            for seq, body in zip(missing, bodies, strict=True):
+                if body is not None:
+                    commits[seq] = decode_commit(seq, body)
+        claimed = sorted({seq for h in held.values() for seq, _ in h.claims.values()})
+        mtimes = self._claim_times(claimed)
+        return JournalView(self._backend, held, commits, mtimes)
+
+    def _claim_times(self, seqs: list[int]) -> dict[int, float | None]:
+        """Modification times of the commits holding open claims, by the store's clock where it has one."""
+        if not self._backend.trust_mtime:
+            return {}
+        unknown = [s for s in seqs if s not in self._mtimes]
+        if unknown:
+            times = self._backend.modified([self._backend.path(commit_name(s)) for s in unknown])
+            with self._lock:
+                self._mtimes.update(zip(unknown, times, strict=True))
+        return {s: self._mtimes.get(s) for s in seqs}
+
+
+class JournalView:
+    """The journal's rows and open claims of some rollouts, ready to add to their snapshots."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        held: dict[str, _Held],
+        commits: dict[int, Commit],
+        mtimes: dict[int, float | None],
+    ) -> None:
+        self._backend = backend
+        self._held = held
+        self._commits = commits
+        self._mtimes = mtimes
+
+    def found(self, rollout_id: str) -> bool:
+        return rollout_id in self._held
+
+    def add_rows(self, rollout_id: str, parsed: ParsedRows) -> None:
+        """Append the rollout's journal rows, in journal order (after any other layout's)."""
+        held = self._held.get(rollout_id)
+        if held is None:
+            return
+        for seq, index in held.rows:
+            source = self._backend.path(commit_name(seq))
+            commit = self._commits.get(seq)
+            if commit is None:  # gone between reading its header and its body
+                parsed.add_damage(Damage(source, index + 2, "journal commit vanished"))
+                continue
+            add_journal_row(parsed, commit.line(index), source, index + 2)
+
+    def claims(self, rollout_id: str) -> list[Claim]:
+        """The rollout's claims not released yet (live or abandoned)."""
+        held = self._held.get(rollout_id)
+        if held is None:
+            return []
+        out = []
+        trust = self._backend.trust_mtime
+        for claim_id, (seq, index) in held.claims.items():
+            commit = self._commits.get(seq)
+            body = commit.line(index) if commit is not None else None
+            out.append(read_claim(claim_id, body, self._mtimes.get(seq), trust_mtime=trust))
+        return out
+
+    def all_claims(self) -> dict[str, list[Claim]]:
+        out = {}
+        for rollout_id in self._held:
+            found = self.claims(rollout_id)
+            if found:
+                out[rollout_id] = found
+        return out
+
+
+class JournalFetched(Fetched):
+    """A batch fetched from the other layouts, with what the journal holds for it added."""
+
+    def __init__(self, base: Fetched, reader: JournalReader, rollout_ids: Collection[str]) -> None:
+        self._base = base
+        self._reader = reader
+        self._ids = list(rollout_ids)
+        self._view = reader.view(self._ids)
+
+    def found(self, rollout_id: str) -> bool:
+        return self._view.found(rollout_id) or self._base.found(rollout_id)
+
+    def snapshot(self, rollout_id: str) -> RolloutSnapshot:
+        snap = self._base.snapshot(rollout_id)
+        if self._view.found(rollout_id):
+            snap.found = True
+            self._view.add_rows(rollout_id, snap.parsed)
+            snap.claims.extend(self._view.claims(rollout_id))
+        return snap
+
+    def claims(self) -> dict[str, list[Claim]]:
+        out = self._base.claims()
+        for rollout_id, claims in self._view.all_claims().items():
+            out[rollout_id] = [*out.get(rollout_id, []), *claims]
+        return out
+
+    def refresh(self, rollout_ids: Collection[str]) -> None:
+        self._base.refresh(rollout_ids)
+        self._reader.refresh()
+        self._view = self._reader.view(self._ids)
