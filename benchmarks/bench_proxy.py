@@ -115,7 +115,7 @@ def start_proxy(
         env=env,
     )
     assert proc.stderr is not None
-    said = []
+    said: list[str] = []
     while " on http" not in (line := proc.stderr.readline()):  # "rollout-capture proxy on http://..."
         if not line:  # it exited before serving
             proc.wait(30)
