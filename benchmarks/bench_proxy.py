@@ -19,6 +19,19 @@ can be told apart from the load generator and upstream; then min/median/max over
 rounds for each worker count, the proxy's upstream connections (pool reuse), how the
 clients' connections spread over the workers, and the same comparison at 4 clients,
 unsaturated.
+
+    python benchmarks/bench_proxy.py --store s3 [--layouts objects,journal] [--disk-layouts jsonl]
+                                     [--delay-ms 150] [--store-latency-ms 20] [--calls 400] [--rounds 2]
+
+Issue 20's targets instead: a proxy for each of ``--layouts`` writing to ``s3://`` on moto
+(its own process) through tests/fault_proxy.py's FaultProxy (its own process too, adding
+``--store-latency-ms`` to each request and counting them by method), and one for each of
+``--disk-layouts`` on a local disk, beside direct calls and each other in interleaved rounds
+at ``--concurrency`` and ``--light-concurrency`` clients. Per proxy: first chunk and last byte
+added (p50, p99), store requests per call by method over the measured calls only, CPU per
+call until its store went quiet, and the rows a reader then finds (missing, doubled, claims
+left). A layout whose proxy does not start or breaks is reported as ``{"error": ...}``. JSON
+on stdout, a table of the targets beside what was measured (min .. max over rounds) on stderr.
 """
 
 from __future__ import annotations
@@ -475,6 +488,7 @@ def filesystem_of(path: Path) -> str:
 # ---------------------------------------------------------------- --store s3: layouts side by side
 
 STORE_BUCKET = "bench-captures"
+LOAD_TIMEOUT_S = 300.0  # one measured load through one proxy, at most
 
 
 class Target:
@@ -524,7 +538,8 @@ def measured_store(
         trips += target.counter.round_trips_ms(STORE_BUCKET)
         target.counter.reset()  # warmup and earlier loads left out
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    out.update(asyncio.run(load(target.url, prefix, calls, concurrency, per_rollout=per_rollout)))
+    running = load(target.url, prefix, calls, concurrency, per_rollout=per_rollout)
+    out.update(asyncio.run(asyncio.wait_for(running, LOAD_TIMEOUT_S)))  # a stuck layout is an error
     if target.counter is not None:
         out["settle_s"] = target.counter.wait_quiet(settle_s)
     else:
@@ -803,7 +818,8 @@ def store_main(args: argparse.Namespace) -> None:
         asyncio.run(load(upstream_url, "", args.warmup, args.concurrency))
         for target in targets.values():
             try:
-                asyncio.run(load(target.url, "/ng-rollout/warm-{n}", args.warmup, args.concurrency))
+                warming = load(target.url, "/ng-rollout/warm-{n}", args.warmup, args.concurrency)
+                asyncio.run(asyncio.wait_for(warming, LOAD_TIMEOUT_S))
             except Exception as exc:
                 target.error = f"warmup: {type(exc).__name__}: {exc}; proxy said: {target.last_words()}"
         loads = [(args.concurrency, args.calls, "r"), (args.light_concurrency, args.light_calls, "l")]
