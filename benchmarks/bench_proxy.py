@@ -19,12 +19,26 @@ can be told apart from the load generator and upstream; then min/median/max over
 rounds for each worker count, the proxy's upstream connections (pool reuse), how the
 clients' connections spread over the workers, and the same comparison at 4 clients,
 unsaturated.
+
+    python benchmarks/bench_proxy.py --store s3 [--layouts objects,journal] [--disk-layouts jsonl]
+                                     [--delay-ms 150] [--store-latency-ms 20] [--calls 400] [--rounds 2]
+
+Issue 20's targets instead: a proxy for each of ``--layouts`` writing to ``s3://`` on moto
+(its own process) through tests/fault_proxy.py's FaultProxy (its own process too, adding
+``--store-latency-ms`` to each request and counting them by method), and one for each of
+``--disk-layouts`` on a local disk, beside direct calls and each other in interleaved rounds
+at ``--concurrency`` and ``--light-concurrency`` clients. Per proxy: first chunk and last byte
+added (p50, p99), store requests per call by method over the measured calls only, CPU per
+call until its store went quiet, and the rows a reader then finds (missing, doubled, claims
+left). A layout whose proxy does not start or breaks is reported as ``{"error": ...}``. JSON
+on stdout, a table of the targets beside what was measured (min .. max over rounds) on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import resource
@@ -33,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -86,7 +101,9 @@ def start_upstream(delay_s: float, http: str, loop: str) -> tuple[subprocess.Pop
     return proc, f"http://127.0.0.1:{int(proc.stdout.readline())}"
 
 
-def start_proxy(upstream: str, capture_dir: str, extra: list[str]) -> tuple[subprocess.Popen[str], str]:
+def start_proxy(
+    upstream: str, capture_dir: str, extra: list[str], env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -108,11 +125,15 @@ def start_proxy(upstream: str, capture_dir: str, extra: list[str]) -> tuple[subp
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
+        env=env,
     )
     assert proc.stderr is not None
-    line = proc.stderr.readline()  # "rollout-capture proxy on http://127.0.0.1:PORT -> ..."
-    if " on " not in line:
-        raise RuntimeError(f"proxy did not start: {line}{proc.stderr.read()}")
+    said: list[str] = []
+    while " on http" not in (line := proc.stderr.readline()):  # "rollout-capture proxy on http://..."
+        if not line:  # it exited before serving
+            proc.wait(30)
+            raise RuntimeError(f"proxy did not start: {''.join(said).strip()}")
+        said.append(line)  # a warning before the line that says where it serves
     return proc, line.split(" on ", 1)[1].split(" ", 1)[0]
 
 
@@ -464,6 +485,409 @@ def filesystem_of(path: Path) -> str:
     return kind
 
 
+# ---------------------------------------------------------------- --store s3: layouts side by side
+
+STORE_BUCKET = "bench-captures"
+LOAD_TIMEOUT_S = 300.0  # one measured load through one proxy, at most
+
+
+class Target:
+    """One proxy under test: where it serves, where it writes, how to read it back, its store's counter."""
+
+    def __init__(
+        self,
+        proc: subprocess.Popen[str],
+        url: str,
+        capture_url: str,
+        read_options: dict[str, Any],
+        counter: Any = None,
+    ) -> None:
+        self.proc, self.url, self.capture_url = proc, url, capture_url
+        self.read_options = read_options
+        self.counter = counter  # store_bench.CountingProxy in front of moto, or None on a local disk
+        self.error: str | None = None
+        self.said: collections.deque[str] = collections.deque(maxlen=20)
+        # Keep reading the proxy's log: a full pipe would stall it mid-benchmark.
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.said.append(line.rstrip())
+
+    def last_words(self) -> str:
+        return " | ".join(self.said)
+
+
+def measured_store(
+    target: Target,
+    prefix: str,
+    calls: int,
+    concurrency: int,
+    pids: dict[str, int | None],
+    rollout_ids: list[str],
+    settle_s: float,
+    per_rollout: int = 1,
+) -> dict[str, Any]:
+    """One load through one proxy: latency and first chunk, its CPU per call counted until
+    its store went quiet (writes after the last byte included), the store requests of these
+    calls alone, and what a reader then finds in the store for them."""
+    out: dict[str, Any] = {}
+    trips: list[float] = []
+    if target.counter is not None:
+        trips += target.counter.round_trips_ms(STORE_BUCKET)
+        target.counter.reset()  # warmup and earlier loads left out
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    running = load(target.url, prefix, calls, concurrency, per_rollout=per_rollout)
+    out.update(asyncio.run(asyncio.wait_for(running, LOAD_TIMEOUT_S)))  # a stuck layout is an error
+    if target.counter is not None:
+        out["settle_s"] = target.counter.wait_quiet(settle_s)
+    else:
+        time.sleep(settle_s)
+        out["settle_s"] = settle_s
+    out["cpu_ms_per_call"] = {
+        name: round((cpu_seconds(pid) - before[name]) * 1000 / calls, 3) for name, pid in pids.items()
+    }
+    if target.counter is not None:
+        counts = target.counter.reset()
+        trips += target.counter.round_trips_ms(STORE_BUCKET)  # the median of before and after the load
+        out["store_round_trip_ms"] = round(statistics.median(trips), 2)
+        out["store_requests"] = counts
+        out["store_requests_per_call"] = {
+            "total": round(sum(counts.values()) / calls, 3),
+            **{kind: round(n / calls, 3) for kind, n in sorted(counts.items())},
+        }
+    from benchmarks.store_bench import read_back
+
+    out["read_back"] = read_back(target.capture_url, target.read_options, rollout_ids, calls)
+    return out
+
+
+def compare_store(
+    upstream: tuple[str, int],
+    targets: dict[str, Target],
+    other_pids: dict[str, int | None],
+    calls: int,
+    concurrency: int,
+    tag: str,
+    shift: int,
+    per_rollout: int,
+    settle_s: float,
+) -> dict[str, Any]:
+    """Direct and through each live proxy, same load, the order rotated by ``shift``."""
+    upstream_url, upstream_pid = upstream
+    port = int(upstream_url.rsplit(":", 1)[1])
+    direct_pids: dict[str, int | None] = {"upstream": upstream_pid, "loadgen": None}
+    names = ["direct", *(name for name, t in targets.items() if t.error is None)]
+    shift %= len(names)
+    runs: dict[str, dict[str, Any]] = {}
+    for name in names[shift:] + names[:shift]:
+        if name == "direct":
+            runs[name] = measured(upstream_url, "", calls, concurrency, direct_pids, port)
+            continue
+        target = targets[name]
+        pids: dict[str, int | None] = {"proxy": target.proc.pid, **direct_pids, **other_pids}
+        if target.counter is not None:
+            pids["store_proxy"] = target.counter.proc.pid
+        try:
+            runs[name] = measured_store(
+                target,
+                f"/ng-rollout/{tag}{name}-" + "{n}-0",
+                calls,
+                concurrency,
+                pids,
+                sorted({f"{tag}{name}-{n // per_rollout}-0" for n in range(calls)}),
+                settle_s,
+                per_rollout,
+            )
+        except Exception as exc:  # a layout that breaks mid-run is a result; the others go on
+            target.error = f"{type(exc).__name__}: {exc}; proxy said: {target.last_words()}"
+            runs[name] = {"error": target.error}
+    direct = runs["direct"]
+    added: dict[str, dict[str, Any]] = {}
+    for name, run in runs.items():
+        if name == "direct" or "error" in run:
+            continue
+        figures: dict[str, Any] = {
+            key: round(float(run[measured_key]) - float(direct[measured_key]), 2)
+            for key, measured_key in ADDED.items()
+        }
+        figures["throughput_ratio"] = round(float(run["calls_per_s"]) / float(direct["calls_per_s"]), 3)
+        figures["proxy_cpu_ms_per_call"] = run["cpu_ms_per_call"]["proxy"]
+        if "store_requests_per_call" in run:
+            figures["store_requests_per_call"] = run["store_requests_per_call"]
+            figures["store_round_trip_ms"] = run["store_round_trip_ms"]
+        figures["read_back"] = run["read_back"]
+        added[name] = figures
+    return {
+        "calls": calls,
+        "concurrency": concurrency,
+        "direct": direct,
+        "proxied": {name: run for name, run in runs.items() if name != "direct"},
+        "added": added,
+    }
+
+
+STORE_SUMMARY_KEYS = (*SUMMARY_KEYS, "store_round_trip_ms")
+
+
+def store_summary(comparisons: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """[min, median, max] over the rounds of each figure, per proxy; row checks summed."""
+    out: dict[str, Any] = {}
+    for name in names:
+        measured_rounds = [c["added"][name] for c in comparisons if name in c["added"]]
+        if not measured_rounds:
+            continue
+        figures: dict[str, Any] = {
+            key: spread([float(r[key]) for r in measured_rounds])
+            for key in STORE_SUMMARY_KEYS
+            if all(key in r for r in measured_rounds)
+        }
+        if all("store_requests_per_call" in r for r in measured_rounds):
+            kinds = sorted({k for r in measured_rounds for k in r["store_requests_per_call"]})
+            figures["store_requests_per_call"] = {
+                kind: spread([float(r["store_requests_per_call"].get(kind, 0)) for r in measured_rounds])
+                for kind in kinds
+            }
+        backs = [r["read_back"] for r in measured_rounds]
+        if any("error" in b for b in backs):
+            figures["read_back"] = {"error": next(b["error"] for b in backs if "error" in b)}
+        else:
+            figures["read_back"] = {
+                key: sum(int(b[key]) for b in backs)
+                for key in ("calls", "rows", "missing", "duplicated", "damaged", "claims_left")
+            }
+            figures["read_back"]["complete"] = all(b["complete"] for b in backs)
+        figures["rounds_measured"] = len(measured_rounds)
+        out[name] = figures
+    directs = [c["direct"] for c in comparisons]
+    out["direct_calls_per_s"] = spread([d["calls_per_s"] for d in directs])
+    out["direct_p50_ms"] = spread([d["p50_ms"] for d in directs])
+    out["direct_first_chunk_p50_ms"] = spread([d["first_chunk_p50_ms"] for d in directs])
+    return out
+
+
+def _range(values: list[float]) -> str:
+    low, high = min(values), max(values)
+    return f"{low:g}" if low == high else f"{low:g} .. {high:g}"
+
+
+def _last_words(text: str, width: int = 110) -> str:
+    """An error on one line, its end kept (typer's and tracebacks' point is last)."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else "..." + flat[-width:]
+
+
+def targets_table(
+    summaries: dict[int, dict[str, Any]], names: list[str], errors: dict[str, str], light: int, heavy: int
+) -> list[tuple[str, str, str]]:
+    """(issue 20's target, proxy, measured over the rounds as min .. max) rows."""
+    rows: list[tuple[str, str, str]] = [
+        ("proxy ran the whole benchmark", name, "error: " + _last_words(text))
+        for name, text in errors.items()
+    ]
+
+    def figure(concurrency: int, name: str, key: str) -> list[float] | None:
+        found = summaries.get(concurrency, {}).get(name, {}).get(key)
+        return None if found is None else [found[0], found[2]]
+
+    def each(target: str, concurrency: int, key: str, which: list[str], unit: str = " ms") -> None:
+        for name in which:
+            values = figure(concurrency, name, key)
+            if values is None and name in errors:
+                continue  # its error is the first row
+            rows.append((target, name, "not measured" if values is None else _range(values) + unit))
+
+    s3 = [n for n in names if n.startswith("s3_")]
+    disk = [n for n in names if n.startswith("disk_")]
+    each(f"first chunk added p50 <= 5 ms @{light}", light, "added_first_chunk_p50_ms", s3 + disk)
+    each(f"first chunk added p99 (no target) @{light}", light, "added_first_chunk_p99_ms", s3 + disk)
+    each(f"first chunk added p50 (no target) @{heavy}", heavy, "added_first_chunk_p50_ms", s3 + disk)
+    for name in s3:
+        per_call = summaries.get(heavy, {}).get(name, {}).get("store_requests_per_call", {})
+        total = per_call.get("total")
+        if total is None and name in errors:
+            continue
+        kinds = ", ".join(f"{k} {_range([v[0], v[2]])}" for k, v in per_call.items() if k != "total")
+        measured_text = "not measured" if total is None else f"{_range([total[0], total[2]])} ({kinds})"
+        rows.append((f"store requests/call <= 0.5 @{heavy}", name, measured_text))
+    for name in s3 + disk:
+        backs = [summaries[c][name]["read_back"] for c in summaries if name in summaries[c]]
+        if not backs:
+            continue
+        if any("error" in b for b in backs):
+            text = f"read error: {next(b['error'] for b in backs if 'error' in b)[:60]}"
+        else:
+            calls, rows_found = sum(b["calls"] for b in backs), sum(b["rows"] for b in backs)
+            missing, doubled = sum(b["missing"] for b in backs), sum(b["duplicated"] for b in backs)
+            left = sum(b["claims_left"] for b in backs)
+            ok = "yes" if all(b["complete"] for b in backs) else "NO"
+            text = (
+                f"{ok}: {rows_found} rows / {calls} calls, {missing} missing, {doubled} doubled, "
+                f"{left} claims left"
+            )
+        rows.append(("rows complete, none duplicated", name, text))
+    for concurrency in (light, heavy):
+        for name in s3:
+            latency = figure(concurrency, name, "added_latency_p50_ms")
+            trip = figure(concurrency, name, "store_round_trip_ms")
+            if latency is None or trip is None:
+                continue
+            bound = [round(trip[0] + 10, 1), round(trip[1] + 10, 1)]
+            rows.append(
+                (
+                    f"last byte added p50 <= RTT + 10 ms @{concurrency}",
+                    name,
+                    f"{_range(latency)} ms (RTT + 10 = {_range(bound)} ms)",
+                )
+            )
+    each(f"last byte added p99 (no target) @{heavy}", heavy, "added_latency_p99_ms", s3)
+    each(f"CPU/call on S3 <= 2 ms @{heavy}", heavy, "proxy_cpu_ms_per_call", s3)
+    each(f"CPU/call on S3 <= 2 ms @{light}", light, "proxy_cpu_ms_per_call", s3)
+    each(f"CPU/call on local disk <= 0.6 ms @{heavy}", heavy, "proxy_cpu_ms_per_call", disk)
+    each(f"CPU/call on local disk <= 0.6 ms @{light}", light, "proxy_cpu_ms_per_call", disk)
+    each(f"throughput / direct (no target) @{heavy}", heavy, "throughput_ratio", s3 + disk, unit="")
+    rows.append(("lost acks / concurrency / crash tests hold", "(all)", "not measured here: the test suite"))
+    return rows
+
+
+def format_table(rows: list[tuple[str, str, str]]) -> str:
+    widths = [max(len(r[i]) for r in [("target", "proxy", "measured"), *rows]) for i in range(2)]
+    lines = [f"{'target':<{widths[0]}}  {'proxy':<{widths[1]}}  measured (min .. max over rounds)"]
+    lines += [f"{t:<{widths[0]}}  {p:<{widths[1]}}  {m}" for t, p, m in rows]
+    return "\n".join(lines)
+
+
+def store_main(args: argparse.Namespace) -> None:
+    """``--store s3``: each layout's proxy writing to moto behind a counting, slowed proxy, beside
+    the local-disk layouts, direct calls and each other, in interleaved rounds at two loads."""
+    from benchmarks.store_bench import DUMMY_CREDENTIALS, CountingProxy, Moto
+
+    if args.store != "s3":
+        raise SystemExit(f"--store: only s3 is supported (moto), got {args.store!r}")
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    disk_layouts = [x.strip() for x in args.disk_layouts.split(",") if x.strip()]
+    os.environ.update(DUMMY_CREDENTIALS)  # the read-back's client, and the proxies' below
+    load_before = os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="bench-proxy-", dir=args.capture_root))
+    extra = ["--http", args.http, "--loop", args.loop]
+    moto = Moto()
+    started: list[Any] = []
+    targets: dict[str, Target] = {}
+    errors: dict[str, str] = {}
+    upstream = None
+    try:
+        moto.make_bucket(STORE_BUCKET)
+        upstream, upstream_url = start_upstream(args.delay_ms / 1000, args.http, args.loop)
+        for layout in layouts:
+            name = "s3_" + layout
+            counter = CountingProxy(moto.port, args.store_latency_ms)
+            started.append(counter)
+            options = {"client_kwargs": {"endpoint_url": counter.endpoint}}
+            folder = "".join(c if c.isalnum() else "-" for c in layout.lower()) or "layout"
+            capture_url = f"s3://{STORE_BUCKET}/{folder}"
+            env = {
+                **os.environ,
+                **DUMMY_CREDENTIALS,
+                "ROLLOUT_CAPTURE_STORAGE_OPTIONS": json.dumps(options),
+                "ROLLOUT_CAPTURE_LAYOUT": layout,
+            }
+            flags = [*extra, "--layout", layout, "--storage-options", json.dumps(options)]
+            try:
+                proc, url = start_proxy(upstream_url, capture_url, flags, env=env)
+            except RuntimeError as exc:
+                errors[name] = str(exc)
+                continue
+            started.append(proc)
+            read_options = {"client_kwargs": {"endpoint_url": moto.endpoint}}  # uncounted, unslowed
+            targets[name] = Target(proc, url, capture_url, read_options, counter)
+        for layout in disk_layouts:
+            name = "disk_" + layout
+            capture_dir = str(work / name)
+            env = {**os.environ, "ROLLOUT_CAPTURE_LAYOUT": layout}
+            try:
+                proc, url = start_proxy(upstream_url, capture_dir, [*extra, "--layout", layout], env=env)
+            except RuntimeError as exc:
+                errors[name] = str(exc)
+                continue
+            started.append(proc)
+            targets[name] = Target(proc, url, capture_dir, {})
+        names = list(targets)
+        ends = (upstream_url, upstream.pid)
+        other_pids: dict[str, int | None] = {"moto": moto.proc.pid}
+        asyncio.run(load(upstream_url, "", args.warmup, args.concurrency))
+        for target in targets.values():
+            try:
+                warming = load(target.url, "/ng-rollout/warm-{n}", args.warmup, args.concurrency)
+                asyncio.run(asyncio.wait_for(warming, LOAD_TIMEOUT_S))
+            except Exception as exc:
+                target.error = f"warmup: {type(exc).__name__}: {exc}; proxy said: {target.last_words()}"
+        loads = [(args.concurrency, args.calls, "r"), (args.light_concurrency, args.light_calls, "l")]
+        comparisons: dict[int, list[dict[str, Any]]] = {c: [] for c, _, _ in loads}
+        per = args.calls_per_rollout
+        for i in range(args.rounds):
+            for concurrency, calls, letter in loads:
+                comparisons[concurrency].append(
+                    compare_store(
+                        ends, targets, other_pids, calls, concurrency, f"{letter}{i}-", i, per, args.settle_s
+                    )
+                )
+        errors.update({name: t.error for name, t in targets.items() if t.error is not None})
+    finally:
+        for item in reversed(started):
+            if isinstance(item, subprocess.Popen):
+                item.terminate()
+                try:
+                    item.wait(60)
+                except subprocess.TimeoutExpired:
+                    item.kill()
+            else:
+                item.close()
+        if upstream is not None:
+            upstream.terminate()
+            upstream.wait(60)
+        moto.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+    summaries = {c: store_summary(rounds, names) for c, rounds in comparisons.items()}
+    rows = targets_table(
+        summaries, names + sorted(set(errors) - set(names)), errors, args.light_concurrency, args.concurrency
+    )
+    report = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "note": "shared with other workloads; figures as measured",
+        },
+        "setup": {
+            "store": "moto server (own process) behind tests/fault_proxy.py FaultProxy (own process)",
+            "store_added_latency_ms": args.store_latency_ms,
+            "upstream_delay_ms": args.delay_ms,
+            "streaming_share": 0.5,
+            "server": {"http": args.http, "loop": args.loop},
+            "calls_per_round": {str(c): n for c, n, _ in loads},
+            "rounds": args.rounds,
+            "warmup_calls_each": args.warmup,
+            "calls_per_rollout": per,
+            "capture_filesystem": filesystem_of(work),
+            "proxies": {
+                name: {"capture_dir": t.capture_url, "layout": name.split("_", 1)[1]}
+                for name, t in targets.items()
+            },
+            "cpu": "proxy CPU from /proc, parent + workers, from the load's start until its store went quiet",
+            "store_requests": "counted on the wire over the measured calls only (warmup excluded), "
+            "until no request crossed for --settle-s",
+        },
+        "errors": {name: {"error": text} for name, text in errors.items()},
+        "summary_min_median_max": {str(c): s for c, s in summaries.items()},
+        "targets": [{"target": t, "proxy": p, "measured": m} for t, p, m in rows],
+        "rounds": {str(c): rounds for c, rounds in comparisons.items()},
+    }
+    print(json.dumps(report, indent=2))
+    print(format_table(rows), file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=2000)
@@ -490,10 +914,38 @@ def main() -> None:
         default=None,
         help="where the capture dirs go (default: the system temp dir); e.g. /dev/shm to leave the disk out",
     )
+    parser.add_argument(
+        "--store",
+        default=None,
+        help="s3: instead, proxies of each --layouts writing to s3:// on moto behind a counting proxy, "
+        "beside --disk-layouts on local disk (issue 20's targets)",
+    )
+    parser.add_argument(
+        "--layouts", default="objects", help="with --store: object-store layouts, comma-separated"
+    )
+    parser.add_argument(
+        "--disk-layouts",
+        default="jsonl",
+        help="with --store: local-disk layouts measured beside them ('' for none)",
+    )
+    parser.add_argument(
+        "--store-latency-ms", type=float, default=20.0, help="with --store: added per store request"
+    )
+    parser.add_argument(
+        "--light-calls", type=int, default=None, help="with --store: calls at --light-concurrency"
+    )
+    parser.add_argument(
+        "--settle-s", type=float, default=0.3, help="with --store: quiet store time that ends a measured load"
+    )
     parser.add_argument("--serve-upstream", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_upstream:
         serve_upstream(args.delay_ms / 1000, args.http, args.loop)
+        return
+    if args.store is not None:
+        if args.light_calls is None:
+            args.light_calls = max(8, args.calls // 4)
+        store_main(args)
         return
 
     work = Path(tempfile.mkdtemp(prefix="bench-proxy-", dir=args.capture_root))
