@@ -20,6 +20,7 @@ bounded cache of bodies, so a rollout's rows cost one GET per commit holding the
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -53,9 +54,16 @@ _READ_WINDOW = 64  # commits read at once, at most, while catching up
 _BODY_BUDGET = 32 << 20  # bytes of commit bodies a reader keeps
 
 
-def commit_name(seq: int) -> str:
-    """The name of commit ``seq`` relative to the capture root."""
-    return f"{JOURNAL_DIR}/{seq:0{SEQ_WIDTH}d}.jsonl"
+Stream = Literal["rows", "claims"]
+STREAMS: tuple[Stream, ...] = ("claims", "rows")
+"""Claims go in a sequence of their own, so a call's row never waits behind other calls' claims;
+rows, releases and clears in the main one (a release rides with its row)."""
+
+
+def commit_name(seq: int, stream: Stream = "rows") -> str:
+    """The name of commit ``seq`` of ``stream`` relative to the capture root."""
+    folder = JOURNAL_DIR if stream == "rows" else f"{JOURNAL_DIR}/claims"
+    return f"{folder}/{seq:0{SEQ_WIDTH}d}.jsonl"
 
 
 # ---------------------------------------------------------------------------- format
@@ -71,7 +79,9 @@ class Entry:
     claim_id: str | None = None
 
     def header(self) -> list[str]:
-        return [self.op, self.rollout_id] if self.claim_id is None else [self.op, self.rollout_id, self.claim_id]
+        return (
+            [self.op, self.rollout_id] if self.claim_id is None else [self.op, self.rollout_id, self.claim_id]
+        )
 
 
 def row_entry(rollout_id: str, row: Any) -> Entry:
@@ -132,7 +142,11 @@ def decode_commit(seq: int, body: bytes) -> Commit:
         head = orjson.loads(body[:stop])
     except orjson.JSONDecodeError:
         raise BadCommit("header is not JSON") from None
-    if not isinstance(head, dict) or head.get("journal") != FORMAT or not isinstance(head.get("entries"), list):
+    if (
+        not isinstance(head, dict)
+        or head.get("journal") != FORMAT
+        or not isinstance(head.get("entries"), list)
+    ):
         raise BadCommit(f"not a format-{FORMAT} journal header")
     headers: list[tuple[str, str, str | None]] = []
     for item in head["entries"]:
@@ -184,8 +198,11 @@ class JournalWriter:
     The thread starts with the first submission, so a forked child gets its own.
     """
 
-    def __init__(self, backend: Backend, *, tail_hint: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self, backend: Backend, stream: Stream = "rows", *, tail_hint: Callable[[], int] | None = None
+    ) -> None:
         self._backend = backend
+        self.stream: Stream = stream
         self._tail_hint = tail_hint
         self.writer_id = os.urandom(8).hex()
         self._queue: list[_Submission] = []
@@ -219,7 +236,8 @@ class JournalWriter:
             if not self._queue and not self._cond.wait_for(lambda: bool(self._queue), timeout=30.0):
                 self._thread = None  # idle: a later submission starts a fresh thread
                 return None
-            taken, entries = [], 0
+            taken: list[_Submission] = []
+            entries = 0
             while self._queue and (not taken or entries + len(self._queue[0].entries) <= MAX_COMMIT_ENTRIES):
                 submission = self._queue.pop(0)
                 taken.append(submission)
@@ -268,7 +286,7 @@ class JournalWriter:
             self._next = self._tail()
         seq, taken = self._next, 0
         while True:
-            path = backend.path(commit_name(seq))
+            path = backend.path(commit_name(seq, self.stream))
             self.tries += 1
             try:
                 backend.create(path, body)
@@ -280,7 +298,7 @@ class JournalWriter:
                 taken += 1
                 # Taken by another writer: the next number (commits have no gaps, so this stays
                 # above everything that existed), or, after several, the tail looked up.
-                seq = seq + 1 if taken < _LINEAR_TRIES else first_free(backend, seq + 1)
+                seq = seq + 1 if taken < _LINEAR_TRIES else first_free(backend, seq + 1, self.stream)
                 self._next = seq  # a failed try is retried here, never past it (no gap)
         self._next = seq + 1
         self.commits += 1
@@ -288,23 +306,26 @@ class JournalWriter:
 
     def _tail(self) -> int:
         hint = self._tail_hint() if self._tail_hint is not None else 0
-        return first_free(self._backend, hint)
+        return first_free(self._backend, hint, self.stream)
 
 
-def first_free(backend: Backend, start: int = 0) -> int:
+def first_free(backend: Backend, start: int = 0, stream: Stream = "rows") -> int:
     """The first commit number at or above ``start`` that does not exist (taken ones form a prefix)."""
     exists = backend.exists
-    path = backend.path
-    if not exists(path(commit_name(start))):
+
+    def path(seq: int) -> str:
+        return backend.path(commit_name(seq, stream))
+
+    if not exists(path(start)):
         return start
     low, step = start, 1  # low is taken
-    while exists(path(commit_name(low + step))):
+    while exists(path(low + step)):
         low += step
         step *= 2
     high = low + step  # free
     while high - low > 1:
         mid = (low + high) // 2
-        if exists(path(commit_name(mid))):
+        if exists(path(mid)):
             low = mid
         else:
             high = mid
@@ -313,84 +334,107 @@ def first_free(backend: Backend, start: int = 0) -> int:
 
 # ---------------------------------------------------------------------------- reading
 
+Loc = tuple[Stream, int]
+"""Where a commit is: its stream and number."""
+
 
 @dataclass(slots=True)
 class _Held:
     """What the journal holds for one rollout: its rows and open claims, by where they sit."""
 
     rows: list[tuple[int, int]] = field(default_factory=list)
-    claims: dict[str, tuple[int, int]] = field(default_factory=dict)
+    claims: dict[str, tuple[int, int]] = field(default_factory=dict)  # claim id -> (claims seq, index)
 
 
 class JournalReader:
     """The journal of one capture root as read so far, caught up by :meth:`refresh`.
 
     Commits never change once written, so each is read once; a clear entry drops what came
-    before it for its rollout. Thread-safe: batches of one job share it.
+    before it in its stream for its rollout. The claims stream is read first, so a release
+    (in the rows stream) nearly always finds its claim; one that does not waits for it.
+    Thread-safe: batches of one job share it.
     """
 
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
-        self._next = 0
+        self._next: dict[Stream, int] = {"claims": 0, "rows": 0}
+        self._window: dict[Stream, int] = {"claims": 1, "rows": 1}
         self._held: dict[str, _Held] = {}
-        self._bodies: OrderedDict[int, Commit] = OrderedDict()
+        self._released: set[tuple[str, str]] = set()  # releases read before their claim
+        self._bodies: OrderedDict[Loc, Commit] = OrderedDict()
         self._body_bytes = 0
-        self._mtimes: dict[int, float | None] = {}
-        self._bad: dict[int, str] = {}
+        self._mtimes: dict[int, float | None] = {}  # of claims commits
         self._lock = threading.Lock()
-        self._window = 1
 
-    @property
-    def tail(self) -> int:
-        """The first commit number not read yet (all below it exist)."""
-        return self._next
+    def tail(self, stream: Stream = "rows") -> int:
+        """The first commit number of ``stream`` not read yet (all below it exist)."""
+        return self._next[stream]
 
     @property
     def exists(self) -> bool:
         """Whether any commit was found."""
-        return self._next > 0
+        return any(self._next.values())
 
     def refresh(self) -> None:
-        """Read every commit written since the last refresh (one GET when none was)."""
+        """Read every commit written since the last refresh (a GET per stream when none was)."""
         with self._lock:
-            while True:
-                seqs = list(range(self._next, self._next + self._window))
-                bodies = self._backend.read_many([self._backend.path(commit_name(s)) for s in seqs])
-                for seq, body in zip(seqs, bodies, strict=True):
-                    if body is None:
-                        self._window = max(1, min(_READ_WINDOW, self._window))
-                        return
-                    self._apply(seq, body)
-                    self._next = seq + 1
-                self._window = min(_READ_WINDOW, self._window * 2)
+            for stream in STREAMS:
+                self._catch_up(stream)
 
-    def _apply(self, seq: int, body: bytes) -> None:
+    def _catch_up(self, stream: Stream) -> None:
+        path = self._backend.path
+        while True:
+            start, window = self._next[stream], self._window[stream]
+            seqs = list(range(start, start + window))
+            bodies = self._backend.read_many([path(commit_name(s, stream)) for s in seqs])
+            for seq, body in zip(seqs, bodies, strict=True):
+                if body is None:
+                    self._window[stream] = 1 if seq == start else window
+                    return
+                self._apply(stream, seq, body)
+                self._next[stream] = seq + 1
+            self._window[stream] = min(_READ_WINDOW, window * 2)
+
+    def _apply(self, stream: Stream, seq: int, body: bytes) -> None:
         try:
             commit = decode_commit(seq, body)
         except BadCommit as exc:
-            path = self._backend.path(commit_name(seq))
-            logger.warning("journal commit %s cannot be read (%s): its entries are lost to readers", path, exc)
-            self._bad[seq] = str(exc)
+            path = self._backend.path(commit_name(seq, stream))
+            logger.warning(
+                "journal commit %s cannot be read (%s): its entries are lost to readers", path, exc
+            )
             return
         for index, (op, rollout_id, claim_id) in enumerate(commit.headers):
             held = self._held.get(rollout_id)
             if op == "clear":
-                self._held.pop(rollout_id, None)
-                continue
-            if held is None:
-                held = self._held[rollout_id] = _Held()
-            if op == "row":
+                if held is not None:
+                    if stream == "rows":
+                        held.rows.clear()
+                        self._released = {r for r in self._released if r[0] != rollout_id}
+                    else:
+                        held.claims.clear()
+            elif op == "row" and stream == "rows":
+                if held is None:
+                    held = self._held[rollout_id] = _Held()
                 held.rows.append((seq, index))
-            elif op == "claim" and claim_id is not None:
+            elif op == "claim" and stream == "claims" and claim_id is not None:
+                if (rollout_id, claim_id) in self._released:
+                    self._released.discard((rollout_id, claim_id))
+                    continue
+                if held is None:
+                    held = self._held[rollout_id] = _Held()
                 held.claims[claim_id] = (seq, index)
-            elif op == "release" and claim_id is not None:
-                held.claims.pop(claim_id, None)
-            if not held.rows and not held.claims:
+            elif op == "release" and stream == "rows" and claim_id is not None:
+                if held is not None and claim_id in held.claims:
+                    del held.claims[claim_id]
+                else:
+                    self._released.add((rollout_id, claim_id))
+            if held is not None and not held.rows and not held.claims:
                 del self._held[rollout_id]
-        self._keep(commit)
+        self._keep(stream, commit)
 
-    def _keep(self, commit: Commit) -> None:
-        self._bodies[commit.seq] = commit
+    def _keep(self, stream: Stream, commit: Commit) -> None:
+        self._bodies[(stream, commit.seq)] = commit
         self._body_bytes += len(commit.body)
         while self._body_bytes > _BODY_BUDGET and len(self._bodies) > 1:
             _, dropped = self._bodies.popitem(last=False)
@@ -408,29 +452,30 @@ class JournalReader:
     def view(self, rollout_ids: Collection[str]) -> JournalView:
         """What the journal holds for these rollouts, with the bodies it needs read (one pass)."""
         with self._lock:
-            held = {r: self._held[r] for r in rollout_ids if r in self._held}
-            needed = {seq for h in held.values() for seq, _ in h.rows}
-            needed |= {seq for h in held.values() for seq, _ in h.claims.values()}
-            commits = {seq: self._bodies[seq] for seq in needed if seq in self._bodies}
-            for seq in commits:
-                self._bodies.move_to_end(seq)
+            held = {r: _Held(list(h.rows), dict(h.claims)) for r in rollout_ids if (h := self._held.get(r))}
+            needed: set[Loc] = {("rows", seq) for h in held.values() for seq, _ in h.rows}
+            needed |= {("claims", seq) for h in held.values() for seq, _ in h.claims.values()}
+            commits = {loc: self._bodies[loc] for loc in needed if loc in self._bodies}
+            for loc in commits:
+                self._bodies.move_to_end(loc)
         missing = sorted(needed - set(commits))
         if missing:
-            bodies = self._backend.read_many([self._backend.path(commit_name(s)) for s in missing])
-            for seq, body in zip(missing, bodies, strict=True):
+            paths = [self._backend.path(commit_name(seq, stream)) for stream, seq in missing]
+            for loc, body in zip(missing, self._backend.read_many(paths), strict=True):
                 if body is not None:
-                    commits[seq] = decode_commit(seq, body)
+                    with contextlib.suppress(BadCommit):
+                        commits[loc] = decode_commit(loc[1], body)
         claimed = sorted({seq for h in held.values() for seq, _ in h.claims.values()})
-        mtimes = self._claim_times(claimed)
-        return JournalView(self._backend, held, commits, mtimes)
+        return JournalView(self._backend, held, commits, self._claim_times(claimed))
 
     def _claim_times(self, seqs: list[int]) -> dict[int, float | None]:
-        """Modification times of the commits holding open claims, by the store's clock where it has one."""
+        """Modification times of the claims commits holding open claims, by the store's clock where
+        it keeps one (claims are judged by it there)."""
         if not self._backend.trust_mtime:
             return {}
         unknown = [s for s in seqs if s not in self._mtimes]
         if unknown:
-            times = self._backend.modified([self._backend.path(commit_name(s)) for s in unknown])
+            times = self._backend.modified([self._backend.path(commit_name(s, "claims")) for s in unknown])
             with self._lock:
                 self._mtimes.update(zip(unknown, times, strict=True))
         return {s: self._mtimes.get(s) for s in seqs}
@@ -443,7 +488,7 @@ class JournalView:
         self,
         backend: Backend,
         held: dict[str, _Held],
-        commits: dict[int, Commit],
+        commits: dict[Loc, Commit],
         mtimes: dict[int, float | None],
     ) -> None:
         self._backend = backend
@@ -461,9 +506,9 @@ class JournalView:
             return
         for seq, index in held.rows:
             source = self._backend.path(commit_name(seq))
-            commit = self._commits.get(seq)
-            if commit is None:  # gone between reading its header and its body
-                parsed.add_damage(Damage(source, index + 2, "journal commit vanished"))
+            commit = self._commits.get(("rows", seq))
+            if commit is None:  # unreadable since its header was read
+                parsed.add_damage(Damage(source, index + 2, "journal commit vanished or damaged"))
                 continue
             add_journal_row(parsed, commit.line(index), source, index + 2)
 
@@ -475,7 +520,7 @@ class JournalView:
         out = []
         trust = self._backend.trust_mtime
         for claim_id, (seq, index) in held.claims.items():
-            commit = self._commits.get(seq)
+            commit = self._commits.get(("claims", seq))
             body = commit.line(index) if commit is not None else None
             out.append(read_claim(claim_id, body, self._mtimes.get(seq), trust_mtime=trust))
         return out

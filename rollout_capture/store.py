@@ -24,17 +24,19 @@ from rollout_capture import layout as names
 from rollout_capture.backends import Backend, Fetched, ListingScope, open_backend
 from rollout_capture.backends.base import nothing
 from rollout_capture.claims import DEFAULT_CLAIM_TTL_S, Claim, claim_body, new_claim, partition
+from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY
+from rollout_capture.identity import validate_rollout_id
 from rollout_capture.journal import (
+    STREAMS,
     JournalFetched,
     JournalReader,
     JournalWriter,
+    Stream,
     claim_entry,
     clear_entry,
     release_entry,
     row_entry,
 )
-from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY
-from rollout_capture.identity import validate_rollout_id
 from rollout_capture.layout import RolloutListing
 from rollout_capture.rows import NONCE_KEY, CaptureRowError, Row
 from rollout_capture.snapshot import RolloutSnapshot
@@ -88,7 +90,7 @@ class ClaimContext:
     def _acquire(self) -> Claim:
         claim = new_claim(self._model_call_id, self._ttl_s)
         if self._store.layout == "journal":
-            self._store.journal_writer.write([claim_entry(self._rollout_id, claim)])
+            self._store.journal_writer_of("claims").write([claim_entry(self._rollout_id, claim)])
             self.claim = claim
             return claim
         self._store._backend.put_live(
@@ -103,7 +105,7 @@ class ClaimContext:
         if self._store.layout != "journal":
             return None
         claim = new_claim(self._model_call_id, self._ttl_s)
-        future = self._store.journal_writer.submit([claim_entry(self._rollout_id, claim)])
+        future = self._store.journal_writer_of("claims").submit([claim_entry(self._rollout_id, claim)])
         self.claim = claim
         return future
 
@@ -174,7 +176,7 @@ class CaptureStore:
         self._seq_hints: dict[str, int] = {}
         self._journal_lock = threading.Lock()
         self._journal_reader: JournalReader | None = None
-        self._journal_writer: JournalWriter | None = None
+        self._journal_writers: dict[Stream, JournalWriter] = {}
         self._no_journal_scopes: dict[str, None] = {}  # jobs whose first batch found no journal
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -220,7 +222,11 @@ class CaptureStore:
             raise ValueError(f"a capture row must be a JSON object; got {type(row).__name__}")
         if self.layout == "journal":
             entry = row_entry(rollout_id, row)
-            return (lambda: self._guarded(rollout_id, self.journal_writer.write, [entry])), nothing
+
+            def committed() -> None:
+                self._guarded(rollout_id, self.journal_writer.write, [entry])
+
+            return committed, nothing
         if self.layout != "jsonl":
             return (lambda: self._guarded(rollout_id, self._append_object, rollout_id, row)), nothing
         line = self._guarded(rollout_id, _row_line, row)  # a row orjson cannot write is a failed write too
@@ -295,16 +301,23 @@ class CaptureStore:
 
     @property
     def journal_writer(self) -> JournalWriter:
-        """This process's group committer for the root's journal (started by its first entry)."""
-        with self._journal_lock:
-            if self._journal_writer is None:
-                self._journal_writer = JournalWriter(self._backend, tail_hint=self._journal_tail)
-            return self._journal_writer
+        """This process's group committer for the root's journal rows (started by its first entry)."""
+        return self.journal_writer_of("rows")
 
-    def _journal_tail(self) -> int:
+    def journal_writer_of(self, stream: Stream) -> JournalWriter:
+        """This process's group committer for one stream of the root's journal."""
+        with self._journal_lock:
+            writer = self._journal_writers.get(stream)
+            if writer is None:
+                writer = self._journal_writers[stream] = JournalWriter(
+                    self._backend, stream, tail_hint=lambda: self._journal_tail(stream)
+                )
+            return writer
+
+    def _journal_tail(self, stream: Stream) -> int:
         """Where the next commit may be: all below what this store has read exist already."""
         reader = self._journal_reader
-        return reader.tail if reader is not None else 0
+        return reader.tail(stream) if reader is not None else 0
 
     def journal_record(
         self,
@@ -445,11 +458,14 @@ class CaptureStore:
         reader.refresh()
         held = [r for r in dict.fromkeys(ids) if reader.holds(r)]
         if held:  # journal entries are never deleted (commits hold other rollouts'): cleared by an entry
-            self.journal_writer.write([clear_entry(r) for r in held])
+            for stream in STREAMS:
+                self.journal_writer_of(stream).write([clear_entry(r) for r in held])
             reader.refresh()
             left = [r for r in held if reader.holds(r)]
             if left:
-                raise OSError(f"{self.url}: journal entries of {len(left)} rollout(s) survived clearing: {left[:3]}")
+                raise OSError(
+                    f"{self.url}: journal entries of {len(left)} rollout(s) survived clearing: {left[:3]}"
+                )
         return ids
 
 

@@ -70,8 +70,8 @@ def test_listing_is_shared_by_a_job_or_done_per_rollout_whichever_is_quicker(
     quick = CaptureStore(via.url("caps"), storage_options=via.storage_options, concurrency=64)
     small = ListingScope(key="flow-run-3", rollouts=33)
     first = enrich_lines(lines[:20], [quick], scope=small)
-    # and one GET for the journal's first commit (absent), which no whole-root listing ruled out
-    assert proxy.reset_counts() == {"LIST": 2 + 20, "GET": 80 + 1}
+    # and a GET for the first commit of each journal stream (absent): no whole-root listing ruled them out
+    assert proxy.reset_counts() == {"LIST": 2 + 20, "GET": 80 + 2}
     second = enrich_lines(lines[20:33], [quick], scope=small)
     assert proxy.reset_counts() == {"LIST": 13, "GET": 52}
     assert first.stats.calls + second.stats.calls == 132 and not first.stats.gaps and not second.stats.gaps
@@ -83,7 +83,7 @@ def test_a_small_job_lists_each_rollout(flaky_s3: tuple[S3, Any], s3: S3) -> Non
     store = CaptureStore(via.url("caps"), storage_options=via.storage_options)
     proxy.reset_counts()
     assert enrich_lines(lines, [store]).stats.calls == 6
-    assert proxy.reset_counts() == {"LIST": 3, "GET": 6 + 1}  # + the journal's first commit, absent
+    assert proxy.reset_counts() == {"LIST": 3, "GET": 6 + 2}  # + the journal streams' first commits, absent
 
 
 def test_a_claim_released_after_the_jobs_listing_brings_its_row_in(s3: S3) -> None:

@@ -238,7 +238,9 @@ class CaptureWriter:
     async def _mark_later(self, rollout_id: str) -> None:
         await self._shielded(self._mark, rollout_id)
 
-    async def _journal_claim(self, context: ClaimContext, rollout_id: str, model_call_id: str) -> ClaimContext | None:
+    async def _journal_claim(
+        self, context: ClaimContext, rollout_id: str, model_call_id: str
+    ) -> ClaimContext | None:
         try:
             future = context.start()
             assert future is not None
@@ -317,12 +319,16 @@ class CaptureWriter:
         """Release a claim taken by :meth:`claim` (after the row, or after the marker)."""
         if context is not None and context.claim is not None:  # not released with its row yet
             if self._journal:
-                future = self.store.journal_writer.submit([release_entry(context.rollout_id, context.claim.claim_id)])
+                future = self.store.journal_writer.submit(
+                    [release_entry(context.rollout_id, context.claim.claim_id)]
+                )
                 context.claim = None
                 try:
                     await self._committed(future)
                 except Exception:
-                    logger.warning("could not release a claim of rollout %s", context.rollout_id, exc_info=True)
+                    logger.warning(
+                        "could not release a claim of rollout %s", context.rollout_id, exc_info=True
+                    )
             elif self._local:
                 self._release(context)
             else:

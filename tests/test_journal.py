@@ -1,0 +1,253 @@
+"""The journal layout (spec 2, 3, 11, extension): group commit of claims, rows and releases into
+put-if-absent objects, read back as every other layout is."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from rollout_capture import CaptureStore
+from rollout_capture.batch import enrich_lines
+from rollout_capture.journal import JOURNAL_DIR, commit_name, decode_commit, row_entry
+from rollout_capture.producer.middleware import CaptureMiddleware
+
+from .conftest import S3
+from .scripted_upstream import ScriptedUpstream
+from .spawned import write_rows
+
+BACKENDS = ["local", "memory", "s3"]
+ROW = {"kind": "model_call", "dialect": "chat", "response": {"usage": {"prompt_tokens": 3}}}
+
+
+@pytest.fixture(params=BACKENDS)
+def url_options(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any]]:
+    if request.param == "local":
+        return str(tmp_path / "caps"), {}
+    if request.param == "memory":
+        return f"memory://journal-{uuid.uuid4().hex}", {}
+    s3: S3 = request.getfixturevalue("s3")
+    return s3.url("caps"), s3.storage_options
+
+
+def journal(url: str, options: dict[str, Any]) -> CaptureStore:
+    return CaptureStore(url, storage_options=options, layout="journal")
+
+
+def reader(url: str, options: dict[str, Any]) -> CaptureStore:
+    """A store opened as any reader opens one (auto layout): it finds the journal itself."""
+    return CaptureStore(url, storage_options=options)
+
+
+def test_rows_claims_and_clearing_round_trip(url_options: tuple[str, dict[str, Any]]) -> None:
+    url, options = url_options
+    store = journal(url, options)
+    with store.claim("r-1", "a") as claim:
+        assert [c.claim_id for c in reader(url, options).live_claims("r-1")] == [claim.claim_id]
+        store.record("r-1", {**ROW, "model_call_id": "a"})
+    store.record("r-2", {**ROW, "model_call_id": "b"})
+    store.record("r-1", {**ROW, "model_call_id": "c"})
+    other = reader(url, options)
+    assert [row["model_call_id"] for row in other.read("r-1")] == ["a", "c"]
+    assert other.live_claims("r-1") == [] and other.has_any("r-2") and not other.has_any("r-3")
+    other.clear(["r-1"])
+    fresh = reader(url, options)
+    assert fresh.read("r-1") == [] and not fresh.has_any("r-1")
+    assert [row["model_call_id"] for row in fresh.read("r-2")] == ["b"]  # only the cleared rollout goes
+    store.record("r-1", {**ROW, "model_call_id": "d"})  # a call after the clear counts again
+    assert [row["model_call_id"] for row in reader(url, options).read("r-1")] == ["d"]
+
+
+def test_calls_finishing_together_share_one_commit(tmp_path: Path) -> None:
+    """Group commit: what is submitted while a commit is in flight lands in the next one."""
+    store = journal(str(tmp_path), {})
+    writer = store.journal_writer
+    futures = [writer.submit([row_entry(f"g-{n}", {**ROW, "model_call_id": f"m{n}"})]) for n in range(200)]
+    seqs = {future.result(timeout=30) for future in futures}
+    assert len(seqs) < 20 and writer.commits == len(seqs)  # 200 rows, a handful of objects
+    written = sorted(p.name for p in (tmp_path / JOURNAL_DIR).glob("*.jsonl"))
+    assert written == [commit_name(s).rsplit("/", 1)[-1] for s in sorted(seqs)]
+    read = reader(str(tmp_path), {})
+    assert all(read.read(f"g-{n}") == [{**ROW, "model_call_id": f"m{n}"}] for n in range(200))
+
+
+def test_a_third_of_put_answers_lost_loses_and_doubles_nothing(flaky_s3: tuple[S3, Any]) -> None:
+    """A commit lands but its answer is lost: the retry meets If-None-Match, reads the commit back and
+    knows it by its nonce, so its rows are neither written twice nor moved."""
+    via, proxy = flaky_s3
+    store = journal(via.url("caps"), via.storage_options)
+    pattern = f"PUT /{via.bucket}/caps/{JOURNAL_DIR}/".encode()
+    for n in range(30):
+        if n % 3 == 0:
+            proxy.lose_answer_on(pattern)
+        store.record("lost-0", {**ROW, "model_call_id": f"m{n}"})
+    assert proxy.lost == 10
+    rows = reader(via.url("caps"), via.storage_options).read("lost-0")
+    assert [row["model_call_id"] for row in rows] == [f"m{n}" for n in range(30)]
+    names = sorted(via.fs().ls(f"{via.bucket}/caps/{JOURNAL_DIR}", detail=False))
+    assert [n.rsplit("/", 1)[-1] for n in names if n.endswith(".jsonl")] == [
+        commit_name(s).split("/")[-1] for s in range(30)
+    ]  # one commit per write, no hole, none twice
+
+
+def _commits(store: CaptureStore) -> list[int]:
+    seqs = []
+    seq = 0
+    backend = store._backend
+    while backend.read_many([backend.path(commit_name(seq))])[0] is not None:
+        seqs.append(seq)
+        seq += 1
+    return seqs
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_writer_processes_share_one_gapless_order(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Four processes write one rollout at once: every row once, each writer's order kept, and the
+    commits numbered 0..n-1 with no hole (so a later commit always sorts after an earlier one)."""
+    if where == "local":
+        url, options = str(tmp_path / "caps"), {}
+    else:
+        s3: S3 = request.getfixturevalue("s3")
+        url, options = s3.url("caps"), s3.storage_options
+    writers, count = 4, 25
+    context = multiprocessing.get_context("spawn")
+    go = context.Event()
+    processes = [
+        context.Process(target=write_rows, args=(url, options, "journal", w, count, go))
+        for w in range(writers)
+    ]
+    for process in processes:
+        process.start()
+    go.set()
+    for process in processes:
+        process.join(120)
+        assert process.exitcode == 0
+    store = reader(url, options)
+    rows, damaged = store.read_available("c-0")
+    assert damaged == 0 and len(rows) == writers * count
+    for writer in range(writers):
+        assert [row["n"] for _, row in rows if row["writer"] == writer] == list(range(count))
+    assert len(_commits(store)) == writers * count  # sync writes: one commit each, numbered without a hole
+    backend = store._backend
+    assert backend.read_many([backend.path(commit_name(writers * count))]) == [None]
+
+
+def _claim_then_hang(url: str, options: dict[str, Any], ready: Any) -> None:
+    store = CaptureStore(url, storage_options=options, layout="journal")
+    store.record("k-0", {**ROW, "model_call_id": "before"})
+    context = store.claim("k-0", "during", ttl_s=60)
+    context.__enter__()  # durable: a call in flight
+    ready.set()
+    threading.Event().wait(120)
+
+
+def test_a_killed_producer_leaves_its_rows_and_an_abandoned_claim(tmp_path: Path) -> None:
+    url = str(tmp_path / "caps")
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    process = context.Process(target=_claim_then_hang, args=(url, {}, ready))
+    process.start()
+    assert ready.wait(60)
+    assert process.pid is not None
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(30)
+    store = reader(url, {})
+    assert [row["model_call_id"] for row in store.read("k-0")] == ["before"]
+    claim = store.claims(["k-0"])["k-0"][0]
+    assert claim.model_call_id == "during"
+    assert store.live_claims("k-0", now=claim.claimed_at + 59) == [claim]
+    assert store.expired_claims("k-0", now=claim.claimed_at + 61) == [claim]  # abandoned after its TTL
+
+
+def test_the_merge_reads_the_same_whichever_layout_wrote_the_rows(tmp_path: Path) -> None:
+    rows = {
+        f"{t}-0": [{**ROW, "model_call_id": f"{t}-{n}", "latency_ms": 10.0 + n} for n in range(t % 4)]
+        for t in range(12)
+    }
+    lines = [orjson.dumps({"_ng_task_index": t, "_ng_rollout_index": 0, "reward": 1.0}) for t in range(13)]
+    outputs = []
+    for layout in ("objects", "journal"):
+        store = CaptureStore(tmp_path / layout, layout=layout)  # type: ignore[arg-type]
+        for rollout_id, written in rows.items():
+            for row in written:
+                store.record(rollout_id, row)
+        batch = enrich_lines(lines, [CaptureStore(tmp_path / layout)], quiescence_timeout_s=0)
+        outputs.append(batch.lines)
+    assert outputs[0] == outputs[1]
+    assert any(b"model_call" in line or b"calls" in line for line in outputs[1])
+
+
+def test_a_damaged_commit_is_reported_and_hides_nothing_else(tmp_path: Path, caplog: Any) -> None:
+    store = journal(str(tmp_path), {})
+    store.record("d-0", {**ROW, "model_call_id": "a"})
+    (tmp_path / commit_name(1)).write_bytes(b"not a journal\n")
+    store.record("d-0", {**ROW, "model_call_id": "b"})  # finds 1 taken, writes 2
+    with caplog.at_level("WARNING"):
+        rows = reader(str(tmp_path), {}).read("d-0")
+    assert [row["model_call_id"] for row in rows] == ["a", "b"]
+    assert commit_name(1) in caplog.text and "cannot be read" in caplog.text
+    with pytest.raises(ValueError, match="header is not JSON"):
+        decode_commit(1, b"not a journal\n")
+
+
+async def test_the_answer_waits_for_its_claim_but_the_call_does_not() -> None:
+    """Spec 11 (object stores): the call is forwarded while its claim is written; the client's first
+    byte waits until the claim is durable."""
+    capture_dir = f"memory://claim-first-{uuid.uuid4().hex}"
+    upstream = ScriptedUpstream()
+    app = CaptureMiddleware(upstream, capture_dir=capture_dir, layout="journal")
+    store = app.writer.store
+    gate, entered = threading.Event(), threading.Event()
+    writer = store.journal_writer_of("claims")
+    commit = writer._commit
+
+    def slow_commit(headers: list[list[str]], lines: list[bytes]) -> int:
+        entered.set()
+        gate.wait(10)
+        return commit(headers, lines)
+
+    writer._commit = slow_commit  # type: ignore[method-assign]
+    sent: list[dict[str, Any]] = []
+    forwarded = asyncio.Event()
+    body_sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal body_sent
+        if body_sent:
+            await asyncio.Event().wait()
+        body_sent = True
+        forwarded.set()
+        return {"type": "http.request", "body": b'{"model": "scripted"}', "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    path = "/ng-rollout/w-0/v1/chat/completions"
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [],
+    }
+    call = asyncio.ensure_future(app(scope, receive, send))
+    assert await asyncio.to_thread(entered.wait, 10)
+    await asyncio.wait_for(forwarded.wait(), 10)
+    for _ in range(50):  # the app has answered by now; nothing may reach the client yet
+        await asyncio.sleep(0.01)
+    assert upstream.seen and sent == []
+    gate.set()
+    await asyncio.wait_for(call, 10)
+    assert sent and sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    assert [row["model_call_id"] for row in store.read("w-0")] and store.claims(["w-0"]) == {}
