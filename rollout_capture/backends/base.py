@@ -180,8 +180,9 @@ class Backend(ABC):
         """Write a file whole, replacing any earlier one."""
 
     def put_live(self, path: str, data: bytes) -> None:
-        """Write a file that matters only while its writer lives (a claim): it must be seen at
-        once, not survive the machine. By default a :meth:`put`."""
+        """Write a new file that matters only while its writer lives (a claim, under a fresh
+        name): it must be seen at once, not survive the machine. By default a :meth:`put`;
+        replacing a file is not promised (a disk creates it exclusively)."""
         self.put(path, data)
 
     @abstractmethod

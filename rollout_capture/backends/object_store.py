@@ -68,6 +68,15 @@ def _mtime(info: dict[str, Any]) -> float | None:
     return None
 
 
+def _reads_async(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether the filesystem's coroutine reads work: a wrapper (``dir://``) is async only
+    when the filesystem it wraps is (its ``_cat_file`` calls the inner one's)."""
+    inner = getattr(fs, "fs", None)
+    if isinstance(inner, fsspec.AbstractFileSystem) and not _reads_async(inner):
+        return False
+    return bool(getattr(fs, "async_impl", False))
+
+
 def _named(folder: str, listed: list[dict[str, Any]]) -> dict[str, Named]:
     """Base name -> entry for a one-level listing of ``folder`` (its own folder marker left out)."""
     base = folder.rstrip("/")
@@ -246,7 +255,7 @@ class ObjectStoreBackend(Backend):
     def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
         if not paths:
             return []
-        if getattr(self.fs, "async_impl", False):
+        if _reads_async(self.fs):
             result: list[bytes | None] = fsspec_sync(self.fs.loop, self._read_many_async, list(paths))
             return result
         out: list[bytes | None] = []
@@ -327,9 +336,14 @@ class ObjectStoreBackend(Backend):
         self.fs.pipe_file(path, data)
 
     def remove(self, paths: Sequence[str]) -> None:
-        if paths:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(list(paths))
+        if not paths:
+            return
+        try:
+            self.fs.rm(list(paths))
+        except FileNotFoundError:  # some were absent, and fsspec may then have removed none
+            for path in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(path)
 
     def clear_rollouts(self, rollout_ids: Collection[str]) -> None:
         # Listed again after deleting: bulk deletes can drop keys silently.
