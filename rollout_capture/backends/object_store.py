@@ -77,7 +77,7 @@ def _reads_async(fs: fsspec.AbstractFileSystem) -> bool:
     return bool(getattr(fs, "async_impl", False))
 
 
-def _named(folder: str, listed: list[dict[str, Any]]) -> dict[str, Named]:
+def named_entries(folder: str, listed: list[dict[str, Any]]) -> dict[str, Named]:
     """Base name -> entry for a one-level listing of ``folder`` (its own folder marker left out)."""
     base = folder.rstrip("/")
     out = {}
@@ -299,7 +299,7 @@ class ObjectStoreBackend(Backend):
             listed = self.fs.ls(folder, detail=True)
         except FileNotFoundError:
             return {}
-        return _named(folder, listed)
+        return named_entries(folder, listed)
 
     # ------------------------------------------------------------------ writing
 

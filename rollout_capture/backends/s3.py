@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from fsspec.asyn import sync as fsspec_sync
 
 from rollout_capture.backends.base import Named
-from rollout_capture.backends.object_store import ListingTooLarge, ObjectStoreBackend, _named
+from rollout_capture.backends.object_store import ListingTooLarge, ObjectStoreBackend, named_entries
 
 
 class S3Backend(ObjectStoreBackend):
@@ -69,6 +69,6 @@ class S3Backend(ObjectStoreBackend):
                     ]
                 except FileNotFoundError:
                     return {}
-            return _named(folder, found)
+            return named_entries(folder, found)
 
         return list(await asyncio.gather(*(one(f) for f in folders)))
