@@ -38,8 +38,10 @@ from rollout_capture.backends import (
 )
 from rollout_capture.backends.object_store import AtomicCreateBackend, ProcessLocalBackend
 from rollout_capture.claims import Claim, claim_body, new_claim
-from rollout_capture.filesystem import is_local
+from rollout_capture.config import check_capture_url
+from rollout_capture.filesystem import is_local, local_path, open_filesystem, url_scheme
 from rollout_capture.layout import claim_name, jsonl_name, marker_name, object_name
+from rollout_capture.worker_pool import absolute_location, sees_capture_root
 
 from .conftest import S3
 
@@ -472,3 +474,47 @@ def test_s3_requests_are_its_own_and_the_generic_store_names_no_store() -> None:
     assert ObjectStoreBackend._read_kwargs == {} and not ObjectStoreBackend.atomic_create
     source = inspect.getsource(ObjectStoreBackend)
     assert [word for word in ("_s3", "is_s3", "_iterdir", "s3fs", "max_concurrency") if word in source] == []
+
+
+# ---------------------------------------------------------------------- local or not: one answer
+
+
+@pytest.mark.parametrize(
+    ("where", "path"),
+    [
+        ("caps", "caps"),
+        ("/data/caps", "/data/caps"),
+        ("file:///data/caps", "/data/caps"),
+        ("file://caps", "caps"),
+        ("s3://bucket/caps", None),
+        ("memory://caps", None),
+        ("dir://caps", None),
+    ],
+)
+def test_one_function_says_whether_a_location_is_this_machines_disk(where: str, path: str | None) -> None:
+    assert local_path(where) == path
+    assert is_local(where) is (path is not None)
+    assert url_scheme(where) == (None if "://" not in where else where.split("://")[0])
+    dirfs = {"path": "/dirfs-local-or-not", "target_protocol": "memory"}
+    fs, _ = open_filesystem(where, dirfs if where.startswith("dir") else None)
+    assert is_local(fs) is (path is not None)  # the URL's answer and the opened filesystem's agree
+
+
+def test_the_callers_of_the_seam_ask_it_alike(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers, config and the capture-root check all take the filesystem's one answer."""
+    monkeypatch.chdir(tmp_path)
+    assert absolute_location("caps") == str(tmp_path / "caps")
+    assert absolute_location("file://caps") == f"file://{tmp_path / 'caps'}"
+    assert absolute_location("memory://caps") == "memory://caps"
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / jsonl_name("1-0")).write_bytes(b"{}\n")
+    assert sees_capture_root(str(tmp_path / "full")) and sees_capture_root(f"file://{tmp_path / 'full'}")
+    assert not sees_capture_root(str(tmp_path / "empty")) and not sees_capture_root(str(tmp_path / "none"))
+    assert not sees_capture_root("s3://bucket/caps")  # an object store: nothing to see here
+    assert check_capture_url("file:///data/caps") == "file:///data/caps"
+    assert check_capture_url("/data/caps") == "/data/caps"
+    with pytest.raises(ValueError, match="must be an absolute path or a URL"):
+        check_capture_url("caps")
+    with pytest.raises(ValueError, match="unknown storage scheme 'nope'"):
+        check_capture_url("nope://caps")
