@@ -12,14 +12,15 @@ from typing import Any
 import fsspec
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from rollout_capture.filesystem import url_scheme
 from rollout_capture.secret_options import refuse_secret_options
 from rollout_capture.store import CaptureStore
 
 
 def check_capture_url(url: str) -> str:
     """Accept an absolute local path or a URL whose scheme fsspec knows."""
-    if "://" in url:
-        scheme = url.split("://", 1)[0]
+    scheme = url_scheme(url)
+    if scheme is not None:
         if scheme not in fsspec.available_protocols():
             raise ValueError(f"unknown storage scheme {scheme!r} in {url!r}")
         return url

@@ -28,15 +28,39 @@ def protocol_of(fs: fsspec.AbstractFileSystem) -> str:
     return proto if isinstance(proto, str) else proto[0]
 
 
-def is_s3(fs: fsspec.AbstractFileSystem) -> bool:
-    """True for s3fs, whose calls take S3-specific keyword arguments."""
-    return protocol_of(fs) in _S3_PROTOCOLS
+def protocols_of(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    """Every protocol name the filesystem answers to (s3fs: ``s3``, ``s3a``), main one first."""
+    proto = fs.protocol
+    return (proto,) if isinstance(proto, str) else tuple(proto)
+
+
+def url_scheme(url: str | os.PathLike[str]) -> str | None:
+    """The scheme of a URL (``s3``, ``file``...); ``None`` for a plain path."""
+    text = os.fspath(url)
+    return text.split("://", 1)[0] if "://" in text else None
+
+
+def local_path(url: str | os.PathLike[str]) -> str | None:
+    """The path on this machine that a plain path or a ``file://`` URL names; ``None`` for any
+    other URL. The one place that decides whether a location is local (from its text)."""
+    text = os.fspath(url)
+    if text.startswith("file://"):
+        return text[len("file://") :]
+    return None if url_scheme(text) is not None else text
+
+
+def is_local(where: str | os.PathLike[str] | fsspec.AbstractFileSystem) -> bool:
+    """Whether a path, URL or opened filesystem is this machine's disk (read with ``os``, locked
+    with ``flock``, published by a rename); every local-or-not question is asked here."""
+    if isinstance(where, fsspec.AbstractFileSystem):
+        return isinstance(where, LocalFileSystem)
+    return local_path(where) is not None
 
 
 def with_defaults(url: str, storage_options: Mapping[str, Any] | None, concurrency: int) -> dict[str, Any]:
     """Storage options plus safe defaults for the URL's scheme (never overriding the caller)."""
     options = dict(storage_options or {})
-    scheme = url.split("://", 1)[0] if "://" in url else "file"
+    scheme = url_scheme(url) or "file"
     if scheme in _LISTING_CACHES:
         options.setdefault("use_listings_cache", False)
     if scheme in _S3_PROTOCOLS:
@@ -60,8 +84,8 @@ def open_filesystem(
     """
     refuse_secret_options(storage_options)
     text = os.fspath(url)
-    if "://" not in text or text.startswith("file://"):
-        local = text[len("file://") :] if text.startswith("file://") else text
+    local = local_path(text)
+    if local is not None:
         return LocalFileSystem(), os.path.abspath(local)
     options = with_defaults(text, storage_options, concurrency)
     for name, value in (credentials or {}).items():  # nested dicts (client_kwargs) merge, not replace

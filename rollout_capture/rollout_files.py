@@ -32,11 +32,10 @@ from typing import IO, Any
 
 import fsspec
 from fsspec.compression import compr
-from fsspec.implementations.local import LocalFileSystem
 from fsspec.utils import infer_compression
 from pydantic import BaseModel
 
-from rollout_capture.filesystem import open_filesystem
+from rollout_capture.filesystem import is_local, open_filesystem
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +122,7 @@ def default_output(source: str) -> str:
 
 
 def _is_plain_local(fs: fsspec.AbstractFileSystem, path: str) -> bool:
-    return isinstance(fs, LocalFileSystem) and not path.endswith(_COMPRESSED)
+    return is_local(fs) and not path.endswith(_COMPRESSED)
 
 
 def stage_rollouts(
@@ -140,7 +139,7 @@ def stage_rollouts(
     fs, path = open_filesystem(source, storage_options, credentials=credentials)
     if not fs.exists(path):
         raise FileNotFoundError(f"rollouts file not found: {source}")
-    if isinstance(fs, LocalFileSystem):
+    if is_local(fs):
         _refuse_irregular_input(path, source)
     if _is_plain_local(fs, path):
         return StagedRollouts(source=source, path=path, size=os.path.getsize(path), temporary=False)
@@ -387,7 +386,7 @@ def refuse_unsafe_output(target: str, storage_options: Mapping[str, Any] | None 
     writing through it would lead out of the folder: neither is what anyone asked for.
     """
     fs, path = open_filesystem(target, storage_options)
-    if not isinstance(fs, LocalFileSystem):
+    if not is_local(fs):
         return
     try:
         info = os.lstat(path)
@@ -435,7 +434,7 @@ class OutputSpool:
         self.storage_options = dict(storage_options or {})
         refuse_unsafe_output(target, self.storage_options)
         fs, path = open_filesystem(target, self.storage_options)
-        self.local = isinstance(fs, LocalFileSystem)
+        self.local = is_local(fs)
         if self.local:  # beside the target, so publishing is a rename on one filesystem
             folder = os.path.dirname(path) or "."
             os.makedirs(folder, exist_ok=True)
@@ -503,7 +502,7 @@ def publish(
     """
     fs, path = open_filesystem(target, storage_options, credentials=credentials)
     size = os.path.getsize(spool_path)
-    if isinstance(fs, LocalFileSystem):
+    if is_local(fs):
         refuse_unsafe_output(target, storage_options)
         os.replace(spool_path, path)
         return size

@@ -22,6 +22,7 @@ from typing import Any
 from rollout_capture.backends import ListingScope
 from rollout_capture.batch import BatchStats, enrich_blob
 from rollout_capture.faults import is_transient_storage_error
+from rollout_capture.filesystem import is_local, local_path
 from rollout_capture.rollout_files import LineRange
 from rollout_capture.store import shared_store
 
@@ -65,9 +66,11 @@ def absolute_location(url: str) -> str:
     Batches run in processes with working directories of their own (a Dask or Ray worker
     started in another folder); a relative path would name a different folder there.
     """
-    if url.startswith("file://"):
-        return "file://" + os.path.abspath(url[len("file://") :])
-    return url if "://" in url else os.path.abspath(url)
+    path = local_path(url)
+    if path is None:
+        return url  # an object store's URL means the same everywhere
+    absolute = os.path.abspath(path)
+    return f"file://{absolute}" if url.startswith("file://") else absolute
 
 
 def where_this_runs() -> str:
@@ -75,19 +78,14 @@ def where_this_runs() -> str:
     return f"{socket.gethostname()} (pid {os.getpid()})"
 
 
-def _local_path(url: str) -> str | None:
-    path = url[len("file://") :] if url.startswith("file://") else url
-    return None if "://" in path else path
-
-
 def sees_capture_root(capture_dir: str) -> bool:
     """Whether this process sees a local capture root with something in it (else: a URL, or nothing)."""
-    return _capture_root_state(capture_dir) is None and _local_path(capture_dir) is not None
+    return is_local(capture_dir) and _capture_root_state(capture_dir) is None
 
 
 def _capture_root_state(capture_dir: str) -> str | None:
     """What is wrong with a local capture root as this process sees it (None: it holds entries)."""
-    path = _local_path(capture_dir)
+    path = local_path(capture_dir)
     if path is None:
         return None  # an object store means the same everywhere
     try:
@@ -109,7 +107,7 @@ def require_capture_root(capture_dir: str) -> None:
     wrong = _capture_root_state(capture_dir)
     if wrong is not None:
         raise FileNotFoundError(
-            f"capture dir {_local_path(capture_dir)} {wrong} on worker {where_this_runs()}, though the "
+            f"capture dir {local_path(capture_dir)} {wrong} on worker {where_this_runs()}, though the "
             "flow found captures there: mount it at the same path on every worker, or use a URL "
             "every worker can read"
         )

@@ -136,7 +136,7 @@ def test_the_layout_page_names_every_module() -> None:
     from .conftest import ROOT
 
     page = (ROOT / "docs" / "code-layout.md").read_text()
-    named = set(re.findall(r"`([A-Za-z_]+)(?:[./][^`]*)?`", page))
+    named = set(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)(?:[./][^`]*)?`", page))
     folders = ["rollout_capture", "rollout_capture/backends", "rollout_capture/producer"]
     folders += ["rollout_capture/producer/streams", "flows", "tasks", "deployments", "cli"]
     modules = {p.stem for folder in folders for p in (ROOT / folder).glob("*.py") if p.stem != "__init__"}

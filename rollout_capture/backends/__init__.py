@@ -1,6 +1,8 @@
 """Byte-level access to capture roots, behind one interface (:class:`Backend`).
 
-:func:`open_backend` is the only place that looks at which filesystem a URL resolved to.
+:func:`open_backend` is the only place that looks at which filesystem a URL resolved to; the
+protocol table (:data:`BACKENDS`, in :mod:`rollout_capture.backends.registry`) says which
+backend class serves it.
 """
 
 from __future__ import annotations
@@ -9,14 +11,24 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from fsspec.implementations.local import LocalFileSystem
-
 from rollout_capture.backends.base import Backend, Fetched, ListingScope, Named, RowLayout
-from rollout_capture.backends.object_store import ObjectStoreBackend
+from rollout_capture.backends.object_store import ObjectStoreBackend, UnsafeStoreError
 from rollout_capture.backends.posix import PosixBackend
+from rollout_capture.backends.registry import (
+    ATOMIC_CREATE_PROTOCOLS,
+    BACKENDS,
+    DEFAULT_BACKEND,
+    PROCESS_LOCAL_PROTOCOLS,
+    backend_class,
+)
+from rollout_capture.backends.s3 import S3Backend
 from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY, open_filesystem
 
 __all__ = [
+    "ATOMIC_CREATE_PROTOCOLS",
+    "BACKENDS",
+    "DEFAULT_BACKEND",
+    "PROCESS_LOCAL_PROTOCOLS",
     "Backend",
     "Fetched",
     "ListingScope",
@@ -24,6 +36,9 @@ __all__ = [
     "ObjectStoreBackend",
     "PosixBackend",
     "RowLayout",
+    "S3Backend",
+    "UnsafeStoreError",
+    "backend_class",
     "open_backend",
 ]
 
@@ -35,8 +50,6 @@ def open_backend(
     concurrency: int = DEFAULT_READ_CONCURRENCY,
     credentials: Mapping[str, Any] | None = None,
 ) -> Backend:
-    """The backend for a path or URL: the local disk directly, anything else through fsspec."""
+    """The backend for a path or URL, of the class the protocol table names for its filesystem."""
     fs, root = open_filesystem(url, storage_options, concurrency=concurrency, credentials=credentials)
-    if isinstance(fs, LocalFileSystem):
-        return PosixBackend(root)
-    return ObjectStoreBackend(fs, root, concurrency)
+    return backend_class(fs).from_filesystem(fs, root, concurrency)

@@ -10,11 +10,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from rollout_capture.claims import Claim
 from rollout_capture.layout import RolloutListing
 from rollout_capture.snapshot import RolloutSnapshot, claims_of, listed_paths
+
+if TYPE_CHECKING:
+    import fsspec
 
 RowLayout = Literal["jsonl", "objects"]
 
@@ -88,6 +91,12 @@ class Backend(ABC):
     folders_exist: bool = False
     """Whether a folder exists apart from what it holds (a disk), so a missing root is a mistyped
     path; under an object prefix a folder is there only once a key is, and none is fine."""
+
+    @classmethod
+    @abstractmethod
+    def from_filesystem(cls, fs: fsspec.AbstractFileSystem, root: str, concurrency: int) -> Backend:
+        """The backend for ``root`` on an opened filesystem: how the protocol table
+        (:mod:`rollout_capture.backends.registry`) makes one, whichever class it picked."""
 
     @abstractmethod
     def path(self, name: str) -> str:
@@ -180,8 +189,9 @@ class Backend(ABC):
         """Write a file whole, replacing any earlier one."""
 
     def put_live(self, path: str, data: bytes) -> None:
-        """Write a file that matters only while its writer lives (a claim): it must be seen at
-        once, not survive the machine. By default a :meth:`put`."""
+        """Write a new file that matters only while its writer lives (a claim, under a fresh
+        name): it must be seen at once, not survive the machine. By default a :meth:`put`;
+        replacing a file is not promised (a disk creates it exclusively)."""
         self.put(path, data)
 
     @abstractmethod

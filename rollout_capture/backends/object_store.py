@@ -1,4 +1,9 @@
-"""A capture root on an object store (S3, GCS) or any other fsspec filesystem (memory...).
+"""A capture root on an object store or any other fsspec filesystem but the local disk.
+
+:class:`ObjectStoreBackend` is generic: it speaks fsspec's interface only. What a store does
+better or differently is a subclass overriding its hooks (``_listed_files``, ``_list_names_of``,
+``_read_kwargs``, ``atomic_create``, ``process_local``), picked by protocol in
+:mod:`rollout_capture.backends.registry` (S3 in :mod:`rollout_capture.backends.s3`).
 
 Object stores answer per request, with a first-byte latency of tens of milliseconds, so
 this backend lists flat (1,000 keys a page, sizes included, never a HEAD) when that is
@@ -6,9 +11,10 @@ quicker than listing each rollout, reads every file of a batch concurrently, and
 batches of one job share a single listing of the root.
 
 Writers need put-if-absent (a row object, a lease, must never replace another writer's):
-S3 and GCS do it in one conditional request; fsspec's in-memory filesystem is one process's,
-so a lock does it there. Any other store (Azure, SFTP, ...) reads fine but is refused for
-writing, naming what it lacks: its emulation (look, then write) would let two hosts both win.
+stores marked ``atomic_create`` (S3, GCS) do it in one conditional request; a ``process_local``
+one (fsspec's in-memory filesystem) is one process's, so a lock does it there. Any other store
+(Azure, SFTP, ...) reads fine but is refused for writing, naming what it lacks: its emulation
+(look, then write) would let two hosts both win.
 """
 
 from __future__ import annotations
@@ -19,23 +25,23 @@ import errno
 import inspect
 import math
 import threading
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 import fsspec
 from fsspec.asyn import sync as fsspec_sync
 
 from rollout_capture.backends.base import Backend, Fetched, ListingScope, Named, RowLayout
 from rollout_capture.claims import Claim
-from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY, is_s3, join, protocol_of
+from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY, join, protocol_of
 from rollout_capture.identity import validate_rollout_id
 from rollout_capture.layout import Entry, RolloutListing, group_entries, objects_dir
 from rollout_capture.snapshot import RolloutSnapshot, claims_of, listed_paths, parse_snapshot
 
 KEYS_PER_PAGE = 1000
-"""Keys in one page of a listing (S3's and GCS's maximum)."""
+"""Keys in one page of a listing (the maximum of the common object stores)."""
 # Below this many rollouts, and with nothing learnt yet, one listing per rollout is cheapest.
 _FLAT_MIN_IDS = 32
 _CLEAR_ATTEMPTS = 3
@@ -43,10 +49,6 @@ _SCOPES_KEPT = 4  # jobs whose listing is kept at once
 _RELIST_ATTEMPTS = 4  # listings of a rollout whose claims keep vanishing as they are read
 
 _memory_create_lock = threading.Lock()
-ATOMIC_CREATE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
-"""Stores whose fsspec filesystem creates a file only if absent in one request (safe for many writers)."""
-PROCESS_LOCAL_PROTOCOLS = frozenset({"memory"})
-"""Stores that live in one process: creating under a lock is atomic there (tests, one-process tools)."""
 
 
 class UnsafeStoreError(ValueError):
@@ -66,7 +68,16 @@ def _mtime(info: dict[str, Any]) -> float | None:
     return None
 
 
-def _named(folder: str, listed: list[dict[str, Any]]) -> dict[str, Named]:
+def _reads_async(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether the filesystem's coroutine reads work: a wrapper (``dir://``) is async only
+    when the filesystem it wraps is (its ``_cat_file`` calls the inner one's)."""
+    inner = getattr(fs, "fs", None)
+    if isinstance(inner, fsspec.AbstractFileSystem) and not _reads_async(inner):
+        return False
+    return bool(getattr(fs, "async_impl", False))
+
+
+def named_entries(folder: str, listed: list[dict[str, Any]]) -> dict[str, Named]:
     """Base name -> entry for a one-level listing of ``folder`` (its own folder marker left out)."""
     base = folder.rstrip("/")
     out = {}
@@ -94,33 +105,41 @@ def _journal_absent(flat: dict[str, RolloutListing] | None) -> bool:
     return isinstance(flat, RootListing) and not flat.journal
 
 
-class _TooLarge(Exception):
+class ListingTooLarge(Exception):
     """A flat listing outgrew its budget: listing per rollout is quicker."""
 
 
 class ObjectStoreBackend(Backend):
-    """A capture root on any fsspec filesystem but the local disk."""
+    """A capture root on any fsspec filesystem but the local disk (generic: fsspec calls only)."""
 
     default_layout: RowLayout = "objects"
-    supports_append = False  # no object store appends safely (S3's emulated append loses rows)
+    supports_append = False  # no object store appends safely (emulated appends lose rows)
     trust_mtime = True  # modification times come from the store's clock
+    atomic_create: ClassVar[bool] = False
+    """Whether the filesystem's ``pipe_file(mode="create")`` is one conditional request (safe for
+    many writers on many hosts)."""
+    process_local: ClassVar[bool] = False
+    """Whether the store lives in one process, so creating under a lock is atomic (memory://)."""
+    _read_kwargs: ClassVar[Mapping[str, Any]] = {}
+    """Keyword arguments of every ``cat_file`` (a store's own tuning)."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, concurrency: int = DEFAULT_READ_CONCURRENCY):
         self.fs = fs
         self.root = root
         self.concurrency = concurrency
-        self._s3 = is_s3(fs)
         finder = getattr(type(fs), "_find", None) or type(fs).find
         self._find_takes_prefix = "prefix" in inspect.signature(finder).parameters
-        self._read_kwargs: dict[str, Any] = {"max_concurrency": 1} if self._s3 else {}
-        protocol = protocol_of(fs)
-        self._atomic_create = self._s3 or protocol in ATOMIC_CREATE_PROTOCOLS
-        self._process_local = protocol in PROCESS_LOCAL_PROTOCOLS
         self._root_keys: int | None = None  # keys in the root at its last flat listing
         # The listing of each job (flow run) recently served, newest last: jobs sharing this
         # store in parallel (runs enriched side by side) each keep theirs.
         self._scoped: dict[str, dict[str, RolloutListing] | None] = {}
         self._scope_lock = threading.Lock()
+
+    @classmethod
+    def from_filesystem(
+        cls, fs: fsspec.AbstractFileSystem, root: str, concurrency: int
+    ) -> ObjectStoreBackend:
+        return cls(fs, root, concurrency)
 
     def path(self, name: str) -> str:
         return join(self.root, name)
@@ -140,23 +159,11 @@ class ObjectStoreBackend(Backend):
     def _entries(self, prefix: str, budget: int | None) -> list[tuple[str, Entry]]:
         """``(name relative to the root, entry)`` of every file under ``root/prefix``.
 
-        With a ``budget`` (in pages), :class:`_TooLarge` is raised once more keys than it
+        With a ``budget`` (in pages), :class:`ListingTooLarge` is raised once more keys than it
         covers have been seen, and no further page is requested.
         """
         limit = None if budget is None else budget * KEYS_PER_PAGE
-        if self._s3 and hasattr(self.fs, "_iterdir"):
-            found = fsspec_sync(self.fs.loop, self._iter_s3, prefix, limit)
-        else:
-            kwargs: dict[str, Any] = {"detail": True}
-            if self._find_takes_prefix:
-                kwargs["prefix"] = prefix
-            try:
-                listed = self.fs.find(self.root, **kwargs)
-            except FileNotFoundError:
-                listed = {}
-            found = [(name, info) for name, info in listed.items() if info.get("type") != "directory"]
-            if limit is not None and len(found) > limit:
-                raise _TooLarge
+        found = self._listed_files(prefix, limit)
         start = len(self.root) + 1
         out = []
         for name, info in found:
@@ -167,20 +174,20 @@ class ObjectStoreBackend(Backend):
                 out.append((relative, Entry(name, info.get("size"), _mtime(info))))
         return out
 
-    async def _iter_s3(self, prefix: str, limit: int | None) -> list[tuple[str, dict[str, Any]]]:
-        bucket, key, _ = self.fs.split_path(self.root)
-        pages: AsyncIterator[dict[str, Any]] = self.fs._iterdir(
-            bucket, delimiter="", prefix=f"{key}/{prefix}" if key else prefix
-        )
-        out = []
+    def _listed_files(self, prefix: str, limit: int | None) -> list[tuple[str, dict[str, Any]]]:
+        """``(full name, info)`` of every file whose name under the root starts with ``prefix``
+        (a hook: one flat listing); :class:`ListingTooLarge` past ``limit`` files, if given."""
+        kwargs: dict[str, Any] = {"detail": True}
+        if self._find_takes_prefix:
+            kwargs["prefix"] = prefix
         try:
-            async for info in pages:
-                out.append((info["name"], info))
-                if limit is not None and len(out) > limit:
-                    raise _TooLarge
-        finally:
-            await pages.aclose()  # type: ignore[attr-defined]
-        return out
+            listed = self.fs.find(self.root, **kwargs)
+        except FileNotFoundError:
+            listed = {}
+        found = [(name, info) for name, info in listed.items() if info.get("type") != "directory"]
+        if limit is not None and len(found) > limit:
+            raise ListingTooLarge
+        return found
 
     def _flat(self, budget: int | None = None) -> dict[str, RolloutListing]:
         """Every rollout under the root, from one flat listing; learns the root's size."""
@@ -213,7 +220,7 @@ class ObjectStoreBackend(Backend):
                 return None
             try:
                 return self._flat(budget=self._rounds(expected))
-            except _TooLarge:
+            except ListingTooLarge:
                 self._root_keys = (self._rounds(expected) + 1) * KEYS_PER_PAGE  # at least
                 return None
         return self._flat() if quicker else None
@@ -268,7 +275,7 @@ class ObjectStoreBackend(Backend):
     def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
         if not paths:
             return []
-        if getattr(self.fs, "async_impl", False):
+        if _reads_async(self.fs):
             result: list[bytes | None] = fsspec_sync(self.fs.loop, self._read_many_async, list(paths))
             return result
         out: list[bytes | None] = []
@@ -310,9 +317,10 @@ class ObjectStoreBackend(Backend):
     def list_names(self, folders: Sequence[str]) -> list[dict[str, Named]]:
         if not folders:
             return []
-        if self._s3 and hasattr(self.fs, "_iterdir"):
-            result: list[dict[str, Named]] = fsspec_sync(self.fs.loop, self._list_names_s3, list(folders))
-            return result
+        return self._list_names_of(list(folders))
+
+    def _list_names_of(self, folders: list[str]) -> list[dict[str, Named]]:
+        """One-level listings of these (non-empty list of) folders (a hook: one ``ls`` each)."""
         return [self._ls_names(folder) for folder in folders]
 
     def _ls_names(self, folder: str) -> dict[str, Named]:
@@ -320,28 +328,7 @@ class ObjectStoreBackend(Backend):
             listed = self.fs.ls(folder, detail=True)
         except FileNotFoundError:
             return {}
-        return _named(folder, listed)
-
-    async def _list_names_s3(self, folders: list[str]) -> list[dict[str, Named]]:
-        # s3fs's own ls() lists the parent too when a folder is empty; _iterdir is one
-        # delimiter listing per page and nothing else.
-        gate = asyncio.Semaphore(self.concurrency)
-
-        async def one(folder: str) -> dict[str, Named]:
-            bucket, key, _ = self.fs.split_path(folder)
-            async with gate:
-                try:
-                    found = [
-                        info
-                        async for info in self.fs._iterdir(
-                            bucket, prefix=f"{key}/" if key else "", delimiter="/"
-                        )
-                    ]
-                except FileNotFoundError:
-                    return {}
-            return _named(folder, found)
-
-        return list(await asyncio.gather(*(one(f) for f in folders)))
+        return named_entries(folder, listed)
 
     # ------------------------------------------------------------------ writing
 
@@ -351,7 +338,7 @@ class ObjectStoreBackend(Backend):
     @property
     def writable(self) -> bool:
         """Whether several writers may share this store: it creates atomically, or lives in one process."""
-        return self._atomic_create or self._process_local
+        return self.atomic_create or self.process_local
 
     def refuse_unsafe_writes(self) -> None:
         """Raise :class:`UnsafeStoreError` naming the store and what it lacks, unless it is writable."""
@@ -365,11 +352,11 @@ class ObjectStoreBackend(Backend):
             )
 
     def create(self, path: str, data: bytes) -> None:
-        if self._atomic_create:
-            self.fs.pipe_file(path, data, mode="create")  # If-None-Match: * on S3
+        if self.atomic_create:
+            self.fs.pipe_file(path, data, mode="create")  # one conditional request (If-None-Match: *)
             return
         self.refuse_unsafe_writes()
-        with _memory_create_lock:  # in-process filesystems (memory): exclusive under one lock
+        with _memory_create_lock:  # process-local filesystems (memory): exclusive under one lock
             if self.fs.exists(path):
                 raise FileExistsError(path)
             self.fs.pipe_file(path, data)
@@ -378,9 +365,14 @@ class ObjectStoreBackend(Backend):
         self.fs.pipe_file(path, data)
 
     def remove(self, paths: Sequence[str]) -> None:
-        if paths:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(list(paths))
+        if not paths:
+            return
+        try:
+            self.fs.rm(list(paths))
+        except FileNotFoundError:  # some were absent, and fsspec may then have removed none
+            for path in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(path)
 
     def clear_rollouts(self, rollout_ids: Collection[str]) -> None:
         # Listed again after deleting: bulk deletes can drop keys silently.
@@ -393,6 +385,20 @@ class ObjectStoreBackend(Backend):
         if leftover:
             survived = f"{len(leftover)} capture file(s) survived deletion: {leftover[:3]}"
             raise OSError(errno.EIO, f"{self.root}: {survived}")
+
+
+class AtomicCreateBackend(ObjectStoreBackend):
+    """A generic object store whose fsspec filesystem creates only if absent in one request
+    (gcsfs: ``ifGenerationMatch=0``), so many writers on many hosts may share it."""
+
+    atomic_create = True
+
+
+class ProcessLocalBackend(ObjectStoreBackend):
+    """A store that lives in one process (fsspec's ``memory://``): put-if-absent under a lock is
+    atomic there, so it is writable (tests, one-process tools), though never shared by hosts."""
+
+    process_local = True
 
 
 class ObjectFetched(Fetched):

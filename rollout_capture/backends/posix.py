@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Sequence
 from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING
 
 from rollout_capture.backends.base import Backend, Fetched, ListingScope, Named, RowLayout, nothing
 from rollout_capture.claims import Claim
@@ -43,6 +44,9 @@ from rollout_capture.layout import (
 )
 from rollout_capture.rows import Damage, add_jsonl
 from rollout_capture.snapshot import RolloutSnapshot, listed_paths, parse_snapshot
+
+if TYPE_CHECKING:
+    import fsspec
 
 _ALL_SUFFIXES = (JSONL_SUFFIX, MARKER_SUFFIX, OBJECTS_SUFFIX, CLAIMS_SUFFIX)
 # A name in a listing of the root costs a fraction of the access() probes a rollout needs.
@@ -197,6 +201,10 @@ class PosixBackend(Backend):
         self._base = os.path.join(root, "")  # root with its separator, for fast concatenation
         self._names_hint: int | None = None  # how many names the root held when last listed
         self._names_cache: tuple[int, set[str]] | None = None  # (root mtime, its names)
+
+    @classmethod
+    def from_filesystem(cls, fs: fsspec.AbstractFileSystem, root: str, concurrency: int) -> PosixBackend:
+        return cls(root)  # the OS directly: fsspec's local layer has no locks nor exclusive creates
 
     def path(self, name: str) -> str:
         return self._base + name
