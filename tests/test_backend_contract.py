@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import inspect
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,6 +146,19 @@ def test_create_is_put_if_absent(subject: Subject) -> None:
     with pytest.raises(FileExistsError):
         subject.again().create(path, b"third")  # another writer on the same root too
     assert read(b, "x-1.capture/000000000001.json") == b"first"
+
+
+def test_modified_is_the_stores_clock_where_it_is_trusted(subject: Subject) -> None:
+    """Journal claims are judged by their commit's modification time where the store keeps the clock."""
+    b = subject.backend
+    path = b.path("_journal/claims/000000000000.jsonl")
+    b.create(path, b"x")
+    found, missing = b.modified([path, b.path("_journal/claims/000000000001.jsonl")])
+    assert missing is None
+    if b.trust_mtime:
+        assert found is not None and abs(found - time.time()) < 300
+    else:
+        assert found is None  # never asked where the writer's own clock is the judge
 
 
 def test_of_writers_racing_to_create_exactly_one_wins(subject: Subject) -> None:
