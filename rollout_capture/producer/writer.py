@@ -350,7 +350,13 @@ class CaptureWriter:
 
 
 def writer_for(settings: ProducerSettings) -> CaptureWriter:
-    """The writer of the settings' capture root (its store, claim TTL and threads)."""
+    """The writer of the settings' capture root (its store, claim TTL and threads).
+
+    ``auto`` writes JSONL on a local disk (NeMo Gym's layout) and the journal on object stores,
+    where a request per call is what a run costs (spec 2).
+    """
     store = CaptureStore(settings.root, storage_options=settings.storage_options, layout=settings.layout)
+    if settings.layout == "auto" and store.layout == "objects":
+        store = CaptureStore(settings.root, storage_options=settings.storage_options, layout="journal")
     store.refuse_unsafe_writes()  # at startup, not as a logged failure at every call
     return CaptureWriter(store, claim_ttl_s=settings.claim_ttl_s, io_threads=settings.io_threads)
