@@ -11,7 +11,6 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 from uuid import UUID
 
 from fsspec.implementations.local import LocalFileSystem
@@ -31,6 +30,7 @@ from pydantic import BaseModel, Field
 
 from rollout_capture.batch import BatchStats
 from rollout_capture.filesystem import open_filesystem
+from rollout_capture.location import Location
 from rollout_capture.report import default_report_path, render_report, write_report
 from rollout_capture.rollout_files import refuse_unsafe_output
 from rollout_capture.tasks.credentials import credentials_from_block
@@ -179,27 +179,26 @@ def _cell(value: object) -> str | int | float:
     return value if isinstance(value, str | int | float) else "-" if value is None else str(value)
 
 
-def write_evidence_report(
-    summary: EnrichSummary, storage_options: dict[str, Any] | None, credentials_block: str | None
-) -> str:
+def write_evidence_report(summary: EnrichSummary, output: Location) -> str:
     """Write the HTML report beside the output (``x.jsonl`` -> ``x.report.html``); returns where.
 
     Drawn from the summed batch summaries, so the output is not read again. A local report
     is written whole (renamed over) and never through a link; on an object store it is one
     object, written through the output's filesystem with the run's credentials.
     """
-    target = default_report_path(summary.output)
+    where = output.at(default_report_path(summary.output))
     title = summary.source.rstrip("/").rsplit("/", 1)[-1] or summary.source
-    fs, path = open_filesystem(target, storage_options, credentials=credentials_from_block(credentials_block))
+    credentials = credentials_from_block(where.credentials_block)
+    fs, path = open_filesystem(where.url, where.storage_options, credentials=credentials)
     if isinstance(fs, LocalFileSystem):
-        refuse_unsafe_output(target, storage_options)
+        refuse_unsafe_output(where.url, where.storage_options)
         write_report(summary.stats.evidence, path, title=title)
     else:
         html = render_report(
             summary.stats.evidence, title=title, unreadable_lines=len(summary.stats.problems)
         )
         fs.pipe_file(path, html.encode("utf-8"))
-    return target
+    return where.url
 
 
 def poor_evidence(
