@@ -147,6 +147,11 @@ class Location(BaseModel):
             return shared_store(self.url, self.storage_options, credentials=credentials)
         return CaptureStore(self.url, storage_options=self.storage_options, credentials=credentials)
 
+    def flow_parameters(self) -> dict[str, Any]:
+        """The flows' keyword arguments beside a URL (``storage_options``, ``credentials_block``), if set."""
+        given = {"storage_options": self.storage_options, "credentials_block": self.credentials_block}
+        return {name: value for name, value in given.items() if value is not None}
+
     def __str__(self) -> str:
         """The URL alone: what a task run's name, a log line or an error message shows."""
         return self.url
