@@ -951,16 +951,25 @@ def _bounds(field: str, metadata: Sequence[Any]) -> dict[str, Any]:
         for name, key in (("ge", "min"), ("gt", "min"), ("le", "max")):
             if getattr(item, name, None) is not None:
                 found[key] = getattr(item, name)
-        low = getattr(item, "gt", None)
-        if low is not None:
-
-            def above(value: float | None, low: float = low) -> float | None:
-                if value is not None and value <= low:
-                    raise typer.BadParameter(f"{value} is not above {low} ({field} > {low})")
-                return value
-
-            found["callback"] = above
+        if getattr(item, "gt", None) is not None:
+            found["callback"] = _above(field, item.gt)
     return found
+
+
+def _above(field: str, low: float) -> Callable[[float | None], float | None]:
+    """A check for a strict lower bound (Click's ranges here are closed)."""
+
+    def check(value: float | None) -> float | None:
+        if value is not None and value <= low:
+            raise typer.BadParameter(f"{value} is not above {low} ({field} > {low})")
+        return value
+
+    return check
+
+
+def _choice(field: str, choices: Sequence[str]) -> Any:
+    """An enum of a ``Literal`` field's values: Click lists them in ``--help`` and refuses others."""
+    return StrEnum(field, {choice: choice for choice in choices})
 
 
 def _settings_option(model: type[Any], field: str, names: tuple[str, ...]) -> Parameter:
@@ -978,7 +987,7 @@ def _settings_option(model: type[Any], field: str, names: tuple[str, ...]) -> Pa
         annotation = kind
         option.update(_bounds(field, info.metadata))
     elif typing.get_origin(kind) is typing.Literal:
-        annotation = StrEnum(field.title().replace("_", ""), {choice: choice for choice in choices})
+        annotation = _choice(field, choices)
     if info.is_required():
         default: Any = Parameter.empty
     elif info.default_factory is not None:
