@@ -37,7 +37,7 @@ class Location(BaseModel):
 
         captures = Location(url="s3://bucket/r1/captures", credentials_block="rollout-capture")
         rollouts = captures.at("s3://bucket/r1/rollouts.jsonl")  # same options, same block
-        print(rollouts, rollouts.is_local, Location.coerce("runs/r1").is_local)  # ... False True
+        print(rollouts, rollouts.is_local, Location.coerce("runs/r1").is_local)  # s3://... False True
         ```
     """
 
@@ -87,20 +87,15 @@ class Location(BaseModel):
     @classmethod
     def of(
         cls,
-        url: str | os.PathLike[str] | Location,
+        url: str | os.PathLike[str],
         storage_options: Mapping[str, Any] | None = None,
         credentials_block: str | None = None,
     ) -> Location:
         """The location of ``url`` with these options and block; a bad field raises ``LocationError``.
 
-        Given a ``Location``, options or a block passed here replace its own.
+        What a flow does with its ``capture_dir``, ``storage_options`` and ``credentials_block``
+        parameters, first thing: from there on they travel as one value.
         """
-        if isinstance(url, Location):
-            if storage_options is None and credentials_block is None:
-                return url
-            storage_options = storage_options if storage_options is not None else url.storage_options
-            credentials_block = credentials_block or url.credentials_block
-            url = url.url
         return cls._validated(
             {
                 "url": url,

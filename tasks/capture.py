@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -21,7 +22,7 @@ from rollout_capture.location import Location, LocationLike
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
 from rollout_capture.rollout_files import LineRange
 from rollout_capture.store import CaptureStore
-from rollout_capture.tasks.credentials import access_denied_names, credentials_from_block
+from rollout_capture.tasks.credentials import credentials_for, credentials_from_block
 from rollout_capture.tasks.retry import storage_retries
 from rollout_capture.worker_pool import ClaimsPending, enrich_in_worker, require_capture_root, worker_pool
 
@@ -81,8 +82,8 @@ def check_capture_dir(capture_dir: LocationLike, allow_empty: bool = False) -> N
         ```
     """
     where = Location.coerce(capture_dir)
-    with access_denied_names(where.credentials_block):
-        found = capture_store(where).root_found()
+    with credentials_for(where) as credentials:
+        found = where.capture_store(credentials).root_found()
     if not found and not allow_empty:
         raise FileNotFoundError(
             f"capture dir {capture_dir} does not exist or holds no capture "
@@ -123,8 +124,8 @@ def clear_captures(rollout_ids: list[str], capture_dir: LocationLike) -> int:
         ```
     """
     where = Location.coerce(capture_dir)
-    with access_denied_names(where.credentials_block):
-        cleared = capture_store(where).clear(rollout_ids)
+    with credentials_for(where) as credentials:
+        cleared = where.capture_store(credentials).clear(rollout_ids)
     get_run_logger().info("cleared captures of %d rollout(s) in %s", len(cleared), capture_dir)
     return len(cleared)
 
@@ -169,8 +170,8 @@ async def await_quiescence(
         ```
     """
     where = Location.coerce(capture_dir)
-    with access_denied_names(where.credentials_block):
-        store = capture_store(where)
+    with credentials_for(where) as credentials:
+        store = where.capture_store(credentials)
         pending = sorted(await await_quiescence_many(rollout_ids, [store], timeout_s, poll_s))
     logger = get_run_logger()
     if pending:
@@ -269,7 +270,7 @@ def merge_batch(
 
     if capture_root_seen:
         require_capture_root(where.url)
-    with access_denied_names(where.credentials_block):
+    with credentials_for(where) as credentials:
         if worker_processes:
             if parts_dir is None:
                 raise ValueError("worker_processes needs a parts_dir for the workers' output")
@@ -277,6 +278,7 @@ def merge_batch(
                 batch.lines,
                 parts_dir,
                 where,
+                credentials,
                 include_payloads,
                 scope,
                 wait,
@@ -286,7 +288,7 @@ def merge_batch(
         else:
             blob, lines, stats = enrich_blob(
                 batch.data(),
-                [capture_store(where)],
+                [where.capture_store(credentials)],
                 first_line=batch.lines.first_line,
                 include_payloads=include_payloads,
                 quiescence_timeout_s=quiescence_timeout_s,
@@ -307,6 +309,7 @@ def _merge_in_pool(
     batch: LineRange,
     parts_dir: str,
     where: Location,
+    credentials: dict[str, Any] | None,
     include_payloads: bool,
     scope: ListingScope | None,
     wait: Callable[[set[str]], set[str]],
@@ -315,7 +318,6 @@ def _merge_in_pool(
 ) -> BatchOutput:
     """The merge in a worker process; claimed rollouts send the batch back for a wait here."""
     pool = worker_pool(workers)
-    credentials = credentials_from_block(where.credentials_block)
     arguments = (batch, parts_dir, where.url, where.storage_options, credentials, include_payloads)
     waited = 0
     try:

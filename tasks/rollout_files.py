@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rollout_capture.location import Location, LocationLike
 from rollout_capture.rollout_files import StagedRollouts, publish, stage_rollouts
-from rollout_capture.tasks.credentials import access_denied_names, credentials_from_block
+from rollout_capture.tasks.credentials import credentials_for
 from rollout_capture.tasks.retry import storage_retries
 
 
@@ -40,8 +40,7 @@ def read_rollouts(source: LocationLike) -> StagedRollouts:
         ```
     """
     where = Location.coerce(source)
-    with access_denied_names(where.credentials_block):
-        credentials = credentials_from_block(where.credentials_block)
+    with credentials_for(where) as credentials:
         staged = stage_rollouts(where.url, where.storage_options, credentials=credentials)
     how = "copied to a local spool" if staged.temporary else "read in place"
     get_run_logger().info("read %s: %d bytes, %s", source, staged.size, how)
@@ -81,8 +80,7 @@ def write_enriched(
         ```
     """
     where = Location.coerce(output)
-    with access_denied_names(where.credentials_block):
-        credentials = credentials_from_block(where.credentials_block)
+    with credentials_for(where) as credentials:
         size = publish(spool_path, where.url, where.storage_options, credentials=credentials)
     get_run_logger().info("wrote %s: %d line(s), %d bytes", output, lines, size)
     return size
