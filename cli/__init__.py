@@ -9,6 +9,7 @@ input. ``--json`` prints one machine-readable summary on stdout instead, failure
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import json
 import logging
@@ -16,13 +17,21 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from enum import StrEnum
 from importlib.metadata import PackageNotFoundError, version
-from typing import Annotated, Any, TypeVar
+from inspect import Parameter, signature
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from rollout_capture.filesystem import is_local, local_path
+from rollout_capture.producer.settings import ProxySettings
+
+if TYPE_CHECKING:
+    from rollout_capture.location import Location
 
 T = TypeVar("T")
 HELP_MAX_WIDTH = 1000
@@ -129,6 +138,74 @@ def _options(text: str | None) -> dict[str, Any] | None:
     return value
 
 
+@dataclass(frozen=True)
+class Storage:
+    """How one command's URLs are read: ``--storage-options``, ``--credentials-block`` as typed, and
+    (for the commands over one capture root) ``--capture-dir`` and ``--allow-empty``."""
+
+    options: str | None = None
+    block: str | None = None
+    capture_dir: str = ""
+    allow_empty: bool = False
+
+    def at(self, url: str) -> Location:
+        """``url`` as the flows will read it: the JSON parsed, secrets refused, the URL's shape checked."""
+        from rollout_capture.location import Location
+
+        return Location.of(url, _options(self.options), self.block)
+
+    def captures(self) -> Location:
+        """The ``--capture-dir`` location."""
+        return self.at(self.capture_dir)
+
+    def must_exist(self) -> list[Location]:
+        """The capture roots the pre-flight check requires: none with ``--allow-empty``."""
+        return [] if self.allow_empty else [self.captures()]
+
+
+Command = Callable[..., None]
+
+
+def _storage_options(*, block: bool = True, captures: bool = True) -> Callable[[Command], Command]:
+    """Give a command its storage options as one ``storage`` argument, declared once, here.
+
+    ``--storage-options`` (and ``--credentials-block``) land before ``--json`` in the help; with
+    ``captures``, also ``--capture-dir`` (after the command's arguments) and ``--allow-empty``.
+    """
+
+    def decorate(command: Command) -> Command:
+        declared = signature(command, eval_str=True)
+        kept = [p.replace(kind=Parameter.KEYWORD_ONLY) for p in declared.parameters.values()]
+        kept = [p for p in kept if p.name != "storage"]
+        option = functools.partial(Parameter, kind=Parameter.KEYWORD_ONLY, default=None)
+        added = [option("storage_options", annotation=OptionsOpt)]
+        if block:
+            added.append(option("credentials_block", annotation=BlockOpt))
+        if captures:
+            added.insert(0, option("allow_empty", annotation=AllowEmptyOpt, default=False))
+        at = next((i for i, p in enumerate(kept) if p.name == "as_json"), len(kept))
+        kept[at:at] = added
+        if captures:
+            first = next((i for i, p in enumerate(kept) if p.default is not Parameter.empty), len(kept))
+            kept.insert(first, option("capture_dir", annotation=CaptureDirOpt, default=Parameter.empty))
+
+        @functools.wraps(command)
+        def run(
+            storage_options: str | None = None,
+            credentials_block: str | None = None,
+            capture_dir: str = "",
+            allow_empty: bool = False,
+            **given: Any,
+        ) -> None:
+            storage = Storage(storage_options, credentials_block, capture_dir, allow_empty)
+            command(storage=storage, **given)
+
+        run.__signature__ = declared.replace(parameters=kept)  # type: ignore[attr-defined]
+        return run
+
+    return decorate
+
+
 # A loaded node (a training job beside it) takes far longer than Prefect's 20 s default.
 TEMPORARY_SERVER_STARTUP_S = "180"
 TEMPORARY_SERVER_NOTE = "starting a temporary Prefect server; set PREFECT_API_URL to use your own"
@@ -185,67 +262,67 @@ def _terminal_logging() -> None:
             handler.setFormatter(_WithoutTraceback(handler.formatter))
 
 
-def _check_file(url: str, options: dict[str, Any] | None, credentials: Any, what: str) -> None:
+def _check_file(where: Location, credentials: Any, what: str) -> None:
     """The input is there and is a regular file (a FIFO or a folder would hang or mislead the read)."""
     from rollout_capture.filesystem import open_filesystem
 
-    fs, path = open_filesystem(url, options, credentials=credentials)
+    fs, path = open_filesystem(where.url, where.storage_options, credentials=credentials)
     try:
         info = fs.info(path)
     except FileNotFoundError:
-        raise InputError(f"{what} not found: {url}") from None
+        raise InputError(f"{what} not found: {where}") from None
     if info.get("type") != "file":
-        raise InputError(f"{what} is not a regular file: {url} ({info.get('type')})")
+        raise InputError(f"{what} is not a regular file: {where} ({info.get('type')})")
+
+
+def _credentials(block: str | None, prefect: bool) -> Any:
+    """The block's credentials, as the flow will resolve them (Prefect started first: its API holds it)."""
+    if not block:
+        return None
+    if importlib.util.find_spec("prefect_aws") is None:
+        raise InputError("--credentials-block needs prefect-aws: pip install 'rollout-capture[aws]'")
+    if prefect:
+        _start_prefect()
+    from rollout_capture.tasks.credentials import credentials_from_block
+
+    try:
+        return credentials_from_block(block)
+    except ValueError as exc:
+        raise InputError(f"credentials block {block!r}: {exc}") from None
 
 
 def _preflight(
-    storage_options: str | None,
-    credentials_block: str | None = None,
     *,
-    files: Sequence[tuple[str, str]] = (),
-    capture_dirs: Sequence[str] = (),
-    folders: Sequence[tuple[str, str]] = (),
+    files: Sequence[tuple[Location, str]] = (),
+    capture_dirs: Sequence[Location] = (),
+    folders: Sequence[tuple[Location, str]] = (),
     prefect: bool = True,
-) -> dict[str, Any] | None:
+) -> None:
     """Check every input before any Prefect server starts, with the credentials the flow will use.
 
-    ``files``: (url, what) that must be regular files; ``capture_dirs``: capture roots that must
-    be there (a folder on disk, a key under an object prefix); ``folders``: (url, what) roots that
-    must exist where folders exist apart from their contents (a disk; an object prefix with
-    nothing under it is fine). Only a credentials block needs Prefect (its API holds the block):
-    then the server is started first, and the block's absence is bad input too.
+    ``files``: (location, what) that must be regular files; ``capture_dirs``: capture roots that
+    must be there (a folder on disk, a key under an object prefix); ``folders``: (location, what)
+    roots that must exist where folders exist apart from their contents (a disk; an object prefix
+    with nothing under it is fine). Only a credentials block needs Prefect (its API holds the
+    block): then the server is started first, and the block's absence is bad input too.
     """
     from rollout_capture.backends import open_backend
     from rollout_capture.faults import missing_capture_dir
-    from rollout_capture.secret_options import refuse_secret_options
-    from rollout_capture.store import CaptureStore
 
-    options = _options(storage_options)
-    refuse_secret_options(options)
-    credentials = None
-    if credentials_block:
-        if importlib.util.find_spec("prefect_aws") is None:
-            raise InputError("--credentials-block needs prefect-aws: pip install 'rollout-capture[aws]'")
-        if prefect:
-            _start_prefect()
-        from rollout_capture.tasks.credentials import credentials_from_block
-
-        try:
-            credentials = credentials_from_block(credentials_block)
-        except ValueError as exc:
-            raise InputError(f"credentials block {credentials_block!r}: {exc}") from None
-    for url, what in files:
-        _check_file(url, options, credentials, what)
-    for url in capture_dirs:
-        if not CaptureStore(url, storage_options=options, credentials=credentials).root_found():
-            raise InputError(missing_capture_dir(url))
-    for url, what in folders:
-        backend = open_backend(url, options, credentials=credentials)
+    every = [*(where for where, _ in files), *capture_dirs, *(where for where, _ in folders)]
+    block = next((where.credentials_block for where in every if where.credentials_block), None)
+    credentials = _credentials(block, prefect)
+    for where, what in files:
+        _check_file(where, credentials, what)
+    for where in capture_dirs:
+        if not where.capture_store(credentials, shared=False).root_found():
+            raise InputError(missing_capture_dir(where.url))
+    for where, what in folders:
+        backend = open_backend(where.url, where.storage_options, credentials=credentials)
         if backend.folders_exist and not backend.root_found():
-            raise InputError(f"{what} not found: {url}")
-    if prefect and not credentials_block:
+            raise InputError(f"{what} not found: {where}")
+    if prefect and not block:
         _start_prefect()
-    return options
 
 
 def _runner_available(
@@ -381,36 +458,35 @@ def _flow_run(as_json: bool, start: Callable[[], T]) -> T:
         return start()
 
 
+def _rollouts_and_captures(storage: Storage, rollouts: str) -> tuple[Location, Location]:
+    """``enrich``, ``demo`` and ``clear``: both inputs as the flow reads them, checked before it starts."""
+    captures = storage.captures()
+    source = captures.at(rollouts)
+    _preflight(files=[(source, "rollouts file")], capture_dirs=storage.must_exist())
+    return source, captures
+
+
 def _enrich(
+    storage: Storage,
     rollouts: str,
-    capture_dir: str,
     *,
-    allow_empty: bool,
-    storage_options: str | None,
-    credentials_block: str | None,
     runner: RunnerName,
     as_json: bool,
     **parameters: Any,
 ) -> None:
     """``enrich`` and ``demo``: check the input, run the flow, print the summary."""
     _runner_available(runner, parameters.get("dask_address"), parameters.get("ray_address"))
-    options = _preflight(
-        storage_options,
-        credentials_block,
-        files=[(rollouts, "rollouts file")],
-        capture_dirs=[] if allow_empty else [capture_dir],
-    )
+    source, captures = _rollouts_and_captures(storage, rollouts)
     from rollout_capture.flows import enrich_rollouts
 
     summary = _flow_run(
         as_json,
         lambda: enrich_rollouts(
-            rollouts,
-            capture_dir,
+            source.url,
+            captures.url,
             runner=runner.value,
-            allow_empty=allow_empty,
-            storage_options=options,
-            credentials_block=credentials_block,
+            allow_empty=storage.allow_empty,
+            **captures.flow_parameters(),
             **parameters,
         ),
     )
@@ -442,9 +518,10 @@ def _enrich(
 
 
 @app.command()
+@_storage_options()
 def enrich(
+    storage: Storage,
     rollouts: Annotated[str, typer.Argument(help="Rollouts JSONL (any fsspec URL, .gz too).")],
-    capture_dir: CaptureDirOpt,
     output: Annotated[
         str | None, typer.Option(help="Default: <input stem>.enriched.jsonl beside the input.")
     ] = None,
@@ -456,21 +533,15 @@ def enrich(
     dask_address: DaskAddressOpt = None,
     ray_address: RayAddressOpt = None,
     quiescence_timeout: Annotated[float, typer.Option(help="Seconds to wait for claimed writes.")] = 10.0,
-    allow_empty: AllowEmptyOpt = False,
     max_gap_share: MaxGapShareOpt = None,
     max_failed_share: MaxFailedShareOpt = None,
-    storage_options: OptionsOpt = None,
-    credentials_block: BlockOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Enrich every rollout of ROLLOUTS with its captured model calls (and write its report beside it)."""
     with _exits(as_json):
         _enrich(
+            storage,
             rollouts,
-            capture_dir,
-            allow_empty=allow_empty,
-            storage_options=storage_options,
-            credentials_block=credentials_block,
             runner=runner,
             as_json=as_json,
             output=output,
@@ -500,11 +571,8 @@ def demo(
     with _exits(as_json):
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         _enrich(
+            Storage(capture_dir=str(sample / "captures")),
             str(sample / "rollouts.jsonl"),
-            str(sample / "captures"),
-            allow_empty=False,
-            storage_options=None,
-            credentials_block=None,
             runner=RunnerName.threads,
             as_json=as_json,
             output=output,
@@ -512,61 +580,51 @@ def demo(
 
 
 @app.command()
+@_storage_options()
 def clear(
+    storage: Storage,
     rollouts: Annotated[str, typer.Argument(help="Rollouts JSONL about to be dispatched.")],
-    capture_dir: CaptureDirOpt,
-    allow_empty: AllowEmptyOpt = False,
-    storage_options: OptionsOpt = None,
-    credentials_block: BlockOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Remove the captures of the rollouts about to be dispatched."""
     with _exits(as_json):
-        options = _preflight(
-            storage_options,
-            credentials_block,
-            files=[(rollouts, "rollouts file")],
-            capture_dirs=[] if allow_empty else [capture_dir],
-        )
+        source, captures = _rollouts_and_captures(storage, rollouts)
         from rollout_capture.flows import prepare_dispatch
 
         cleared = _flow_run(
             True,  # quick: no progress to show
-            lambda: prepare_dispatch(
-                rollouts, capture_dir, storage_options=options, credentials_block=credentials_block
-            ),
+            lambda: prepare_dispatch(source.url, captures.url, **captures.flow_parameters()),
         )
         if as_json:
-            _print_json({"ok": True, "capture_dir": capture_dir, "rollout_ids_cleared": cleared})
+            _print_json({"ok": True, "capture_dir": captures.url, "rollout_ids_cleared": cleared})
         else:
             typer.echo(f"cleared captures of {cleared} rollout id(s)")
 
 
-def _capture_store(capture_dir: str, storage_options: str | None, allow_empty: bool) -> Any:
-    """``wait`` and ``inspect``: a store whose root is there (no Prefect involved)."""
-    from rollout_capture import CaptureStore
+def _rollout_store(rollout_id: str, storage: Storage) -> Any:
+    """``wait`` and ``inspect``: a valid rollout id, and a store whose root is there (no Prefect)."""
+    from rollout_capture.identity import validate_rollout_id
 
-    options = _preflight(storage_options, capture_dirs=[] if allow_empty else [capture_dir], prefect=False)
-    return CaptureStore(capture_dir, storage_options=options)
+    validate_rollout_id(rollout_id)
+    captures = storage.captures()
+    _preflight(capture_dirs=storage.must_exist(), prefect=False)
+    return captures.capture_store(shared=False)
 
 
 @app.command()
+@_storage_options(block=False)
 def wait(
+    storage: Storage,
     rollout_id: Annotated[str, typer.Argument(help="Rollout id, e.g. 12-3 or 12-3-a1.")],
-    capture_dir: CaptureDirOpt,
     timeout: Annotated[float, typer.Option(help="Seconds before giving up.")] = 10.0,
     poll: Annotated[float, typer.Option(help="Seconds between checks.")] = 0.05,
-    allow_empty: AllowEmptyOpt = False,
-    storage_options: OptionsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Wait until no claimed capture write of the rollout is outstanding (exit 1 on timeout)."""
     with _exits(as_json):
         from rollout_capture import await_model_call_capture_quiescence
-        from rollout_capture.identity import validate_rollout_id
 
-        validate_rollout_id(rollout_id)
-        store = _capture_store(capture_dir, storage_options, allow_empty)
+        store = _rollout_store(rollout_id, storage)
         quiet = asyncio.run(await_model_call_capture_quiescence(rollout_id, [store], timeout, poll))
         if as_json:
             _print_json({"ok": quiet, "rollout_id": rollout_id, "quiescent": quiet, "timeout_s": timeout})
@@ -579,7 +637,9 @@ def wait(
 
 
 @app.command("enrich-runs")
+@_storage_options(captures=False)
 def enrich_runs(
+    storage: Storage,
     runs_root: Annotated[
         str, typer.Argument(help="Folder of runs: <root>/<run>/rollouts.jsonl, captures/, _SUCCESS.")
     ],
@@ -604,18 +664,15 @@ def enrich_runs(
     allow_empty: AllowEmptyOpt = False,
     max_gap_share: MaxGapShareOpt = None,
     max_failed_share: MaxFailedShareOpt = None,
-    storage_options: OptionsOpt = None,
-    credentials_block: BlockOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Enrich every finished, not yet enriched run under RUNS_ROOT (what the schedule runs)."""
     with _exits(as_json):
         _runner_available(runner, dask_address, ray_address)
-        options = _preflight(
-            storage_options,
-            credentials_block,
-            folders=[(runs_root, "runs root")],
-            capture_dirs=[capture_dir] if capture_dir and not allow_empty else [],
+        runs = storage.at(runs_root)
+        captures = runs.at(capture_dir) if capture_dir else None
+        _preflight(
+            folders=[(runs, "runs root")], capture_dirs=[captures] if captures and not allow_empty else []
         )
         from rollout_capture.flows import enrich_completed_runs
 
@@ -634,8 +691,7 @@ def enrich_runs(
                 allow_empty=allow_empty,
                 max_gap_share=max_gap_share,
                 max_failed_share=max_failed_share,
-                storage_options=options,
-                credentials_block=credentials_block,
+                **runs.flow_parameters(),
             ),
         )
         if as_json:
@@ -695,21 +751,18 @@ def _poor_state(name: str | None) -> bool:
 
 
 @app.command()
+@_storage_options(block=False)
 def inspect(
+    storage: Storage,
     rollout_id: Annotated[str, typer.Argument(help="Rollout id, e.g. 12-3.")],
-    capture_dir: CaptureDirOpt,
-    allow_empty: AllowEmptyOpt = False,
-    storage_options: OptionsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Show a rollout's captured calls: tokens, latency, status and gaps."""
     with _exits(as_json):
         from rollout_capture.attachment import build_attachment
         from rollout_capture.evidence import gather_evidence
-        from rollout_capture.identity import validate_rollout_id
 
-        validate_rollout_id(rollout_id)
-        store = _capture_store(capture_dir, storage_options, allow_empty)
+        store = _rollout_store(rollout_id, storage)
         attachment = build_attachment(rollout_id, gather_evidence([rollout_id], [store])[rollout_id])
         if as_json:
             _print_json({"ok": True, **attachment})
@@ -755,9 +808,10 @@ def inspect(
 
 def _local_input(path: str, what: str) -> str:
     """A local, regular file (report and export read the enriched output where it was written)."""
-    if "://" in path and not path.startswith("file://"):
+    local = local_path(path)
+    if local is None:
         raise InputError(f"{what} must be a local file (copy it here first): {path}")
-    path = path.removeprefix("file://")
+    path = local
     if not os.path.exists(path):
         raise InputError(f"{what} not found: {path}")
     if not os.path.isfile(path):
@@ -863,22 +917,6 @@ class LoopImpl(StrEnum):
     uvloop = "uvloop"
 
 
-class UpstreamClient(StrEnum):
-    """The proxy's upstream client."""
-
-    aiohttp = "aiohttp"
-
-
-class Layout(StrEnum):
-    """Capture layout: JSONL on local disks, objects on object stores (auto picks); journal groups
-    many calls' claims and rows into one object (the fewest requests on object stores)."""
-
-    auto = "auto"
-    jsonl = "jsonl"
-    objects = "objects"
-    journal = "journal"
-
-
 PROXY_STACK = ("aiohttp", "uvicorn", "httptools")
 
 
@@ -889,62 +927,118 @@ def _proxy_stack_available() -> None:
         raise InputError(f"the proxy needs {', '.join(missing)}: pip install 'rollout-capture[proxy]'")
 
 
+PROXY_OPTIONS: dict[str, tuple[str, ...]] = {
+    "upstream": ("--upstream",),
+    "capture_dir": ("--capture-dir", "-c"),
+    "enabled": ("--enabled/--no-enabled",),
+    "server_name": ("--server-name",),
+    "claim_ttl_s": ("--claim-ttl",),
+    "max_body_bytes": ("--max-body-bytes",),
+    "connect_timeout_s": ("--connect-timeout",),
+    "read_timeout_s": ("--read-timeout",),
+    "max_connections": ("--max-connections",),
+    "shutdown_grace_s": ("--shutdown-grace",),
+    "layout": ("--layout",),
+    "storage_options": ("--storage-options",),
+    "upstream_client": ("--client",),
+}
+"""The ``ProxySettings`` fields the proxy command takes, and their option names; each option's
+type, default, bounds, help and environment variable come from the field itself."""
+
+
+def _bounds(field: str, metadata: Sequence[Any]) -> dict[str, Any]:
+    """A field's numeric bounds (pydantic's ``ge``/``gt``/``le``) as the option's range and check."""
+    found: dict[str, Any] = {}
+    for item in metadata:
+        for name, key in (("ge", "min"), ("gt", "min"), ("le", "max")):
+            if getattr(item, name, None) is not None:
+                found[key] = getattr(item, name)
+        if getattr(item, "gt", None) is not None:
+            found["callback"] = _above(field, item.gt)
+    return found
+
+
+def _above(field: str, low: float) -> Callable[[float | None], float | None]:
+    """A check for a strict lower bound (Click's ranges here are closed)."""
+
+    def check(value: float | None) -> float | None:
+        if value is not None and value <= low:
+            raise typer.BadParameter(f"{value} is not above {low} ({field} > {low})")
+        return value
+
+    return check
+
+
+def _choice(field: str, choices: Sequence[str]) -> Any:
+    """An enum of a ``Literal`` field's values: Click lists them in ``--help`` and refuses others."""
+    return StrEnum(field, {choice: choice for choice in choices})
+
+
+def _settings_option(model: type[Any], field: str, names: tuple[str, ...]) -> Parameter:
+    """One command-line option made from a settings field: its type, default, bounds, help, env var."""
+    import typing
+
+    from rollout_capture.producer.settings import ENV_NAMES
+
+    info = model.model_fields[field]
+    kind = info.annotation
+    choices = [str(a) for a in typing.get_args(kind) if a is not type(None)]
+    option: dict[str, Any] = {"help": info.description, "envvar": ENV_NAMES.get(field)}
+    annotation: Any = str | None
+    if kind in (bool, int, float):
+        annotation = kind
+        option.update(_bounds(field, info.metadata))
+    elif typing.get_origin(kind) is typing.Literal:
+        annotation = _choice(field, choices)
+    if info.is_required():
+        default: Any = Parameter.empty
+    elif info.default_factory is not None:
+        default = None  # a mapping, given as JSON
+    else:
+        default = info.default
+    return Parameter(
+        field,
+        Parameter.KEYWORD_ONLY,
+        annotation=Annotated[annotation, typer.Option(*names, **option)],
+        default=default,
+    )
+
+
+def _settings_options(model: type[Any], options: dict[str, tuple[str, ...]]) -> Callable[[Command], Command]:
+    """Give a command one option per settings field, handed to it as one ``settings`` mapping.
+
+    Each default, bound and description lives once, on the settings model; ``--help`` shows them.
+    """
+
+    def decorate(command: Command) -> Command:
+        declared = signature(command, eval_str=True)
+        kept = [p.replace(kind=Parameter.KEYWORD_ONLY) for p in declared.parameters.values()]
+        kept = [p for p in kept if p.name != "settings"]
+        generated = [_settings_option(model, field, names) for field, names in options.items()]
+
+        @functools.wraps(command)
+        def run(**given: Any) -> None:
+            values = {field: given.pop(field) for field in options}
+            values = {k: v.value if isinstance(v, StrEnum) else v for k, v in values.items() if v is not None}
+            command(settings=values, **given)
+
+        run.__signature__ = declared.replace(parameters=[*generated, *kept])  # type: ignore[attr-defined]
+        return run
+
+    return decorate
+
+
 @app.command()
+@_settings_options(ProxySettings, PROXY_OPTIONS)
 def proxy(
-    upstream: Annotated[
-        str,
-        typer.Option(
-            envvar="ROLLOUT_CAPTURE_UPSTREAM",
-            help="Model server base URL, e.g. http://127.0.0.1:8000 or https://api.openai.com.",
-        ),
-    ],
-    capture_dir: Annotated[
-        str | None,
-        typer.Option(
-            "--capture-dir",
-            "-c",
-            envvar="ROLLOUT_CAPTURE_DIR",
-            help="Capture root: path or URL (needed when on).",
-        ),
-    ] = None,
-    enabled: Annotated[
-        bool,
-        typer.Option(
-            envvar="ROLLOUT_CAPTURE_ENABLED",
-            help="Capture calls; off: strip the /ng-rollout/<id> prefix and forward, writing nothing.",
-        ),
-    ] = True,
+    settings: dict[str, Any],
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0 picks a free one).")] = 8100,
-    server_name: Annotated[
-        str | None, typer.Option(envvar="ROLLOUT_CAPTURE_SERVER_NAME", help="model_ref name of every row.")
-    ] = None,
-    claim_ttl: Annotated[
-        float,
-        typer.Option(min=0.001, envvar="ROLLOUT_CAPTURE_CLAIM_TTL_S", help="Seconds a claim stays live."),
-    ] = 300.0,
-    max_body_bytes: Annotated[
-        int,
-        typer.Option(
-            min=1, envvar="ROLLOUT_CAPTURE_MAX_BODY_BYTES", help="Body bytes kept per row, at most."
-        ),
-    ] = 16 * 1024 * 1024,
-    connect_timeout: Annotated[float, typer.Option(min=0.001, help="Seconds to connect upstream.")] = 10.0,
-    read_timeout: Annotated[
-        float, typer.Option(min=0.001, help="Longest upstream silence, seconds.")
-    ] = 600.0,
-    max_connections: Annotated[int, typer.Option(min=1, help="Pooled upstream connections.")] = 512,
-    shutdown_grace: Annotated[float, typer.Option(min=0, help="Seconds a stop waits for calls.")] = 30.0,
-    layout: Annotated[Layout, typer.Option(help="Capture layout.")] = Layout.auto,
-    storage_options: OptionsOpt = None,
     log_level: Annotated[LogLevel, typer.Option(help="Log level.")] = LogLevel.info,
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
     as_json: JsonOpt = False,
     http: Annotated[HttpImpl, typer.Option(help="HTTP server protocol.")] = HttpImpl.auto,
     loop: Annotated[LoopImpl, typer.Option(help="Event loop.")] = LoopImpl.auto,
-    client: Annotated[
-        UpstreamClient, typer.Option(envvar="ROLLOUT_CAPTURE_UPSTREAM_CLIENT", help="Upstream HTTP client.")
-    ] = UpstreamClient.aiohttp,
     workers: Annotated[
         int,
         typer.Option(
@@ -956,27 +1050,20 @@ def proxy(
     """Reverse proxy in front of a model server, capturing calls under /ng-rollout/<id>/v1/."""
     with _exits(as_json):
         _proxy_stack_available()
-        from rollout_capture.producer.proxy import serve_proxy
-        from rollout_capture.producer.settings import ProxySettings
+        from pydantic import ValidationError
 
-        settings = ProxySettings(
-            upstream=upstream,
-            enabled=enabled,
-            capture_dir=capture_dir,
-            server_name=server_name,
-            claim_ttl_s=claim_ttl,
-            max_body_bytes=max_body_bytes,
-            connect_timeout_s=connect_timeout,
-            read_timeout_s=read_timeout,
-            max_connections=max_connections,
-            upstream_client=client.value,
-            shutdown_grace_s=shutdown_grace,
-            layout=layout.value,
-            storage_options=_options(storage_options) or {},
-        )
+        from rollout_capture.location import describe_errors
+        from rollout_capture.producer.proxy import serve_proxy
+
+        if "storage_options" in settings:
+            settings["storage_options"] = _options(settings["storage_options"]) or {}
+        try:
+            validated = ProxySettings(**settings)
+        except ValidationError as exc:
+            raise InputError(describe_errors(exc)) from None
         logging.basicConfig(level=log_level.value.upper(), format="%(levelname)s %(name)s: %(message)s")
         serve_proxy(
-            settings,
+            validated,
             host=host,
             port=port,
             log_level=log_level.value,
@@ -991,7 +1078,9 @@ def proxy(
 
 
 @app.command()
+@_storage_options(captures=False)
 def deploy(
+    storage: Storage,
     runs_root: Annotated[
         str,
         typer.Option(help="Runs root the schedule enriches, as the workers see it: absolute path or URL."),
@@ -1006,8 +1095,6 @@ def deploy(
     ray_address: RayAddressOpt = None,
     max_workers: Annotated[int, typer.Option(min=1, help="Batches at once, per run.")] = 8,
     max_parallel_runs: Annotated[int, typer.Option(min=1, help="Runs enriched at once.")] = 4,
-    storage_options: OptionsOpt = None,
-    credentials_block: BlockOpt = None,
     automation: Annotated[
         bool, typer.Option(help="Also create the gaps-exceeded automation (once per server).")
     ] = True,
@@ -1019,12 +1106,11 @@ def deploy(
     entrypoints are module paths, so no code is pushed anywhere.
     """
     with _exits(as_json):
-        if "://" not in runs_root and not os.path.isabs(runs_root):
+        if is_local(runs_root) and not os.path.isabs(local_path(runs_root) or runs_root):
             raise InputError(f"--runs-root must be absolute or a URL (workers resolve it): {runs_root}")
-        options = _options(storage_options)
-        from rollout_capture.secret_options import refuse_secret_options
-
-        refuse_secret_options(options)
+        runs = storage.at(runs_root)  # refused here if bad: the workers would fail every tick
+        if capture_dir:
+            runs.at(capture_dir)
         _prefect_env()
         api = _api_url()
         if not api:
@@ -1043,10 +1129,7 @@ def deploy(
             parameters["dask_address"] = dask_address
         if ray_address:
             parameters["ray_address"] = ray_address
-        if options:
-            parameters["storage_options"] = options
-        if credentials_block:
-            parameters["credentials_block"] = credentials_block
+        parameters.update(runs.flow_parameters())
         done = register(runs_root, pool=pool, cron=cron, parameters=parameters, automation=automation)
         if as_json:
             _print_json({"ok": True, "api": api, **done})

@@ -12,8 +12,9 @@ from pydantic import Field
 
 from rollout_capture.clear import rollout_ids_of
 from rollout_capture.flows.enrich import DEFAULT_BATCH_SIZE
-from rollout_capture.flows.guard import StorageOptions, check_inputs, guarded_flow
+from rollout_capture.flows.guard import StorageOptions, guarded_flow
 from rollout_capture.flows.report import show_core_logs
+from rollout_capture.location import Location
 from rollout_capture.rollout_files import iter_line_batches, remove_staged, split_lines
 from rollout_capture.tasks.capture import clear_captures
 from rollout_capture.tasks.rollout_files import read_rollouts
@@ -75,9 +76,9 @@ def prepare_dispatch(
         ```
     """
     show_core_logs()
-    check_inputs(capture_dir, storage_options)
+    captures = Location.of(capture_dir, storage_options, credentials_block)  # refused here if bad
     if isinstance(rollouts, str):
-        staged = read_rollouts(rollouts, storage_options, credentials_block)
+        staged = read_rollouts(captures.at(rollouts))
         try:
             ids = _ids_from_file(staged.path, rollouts)
         finally:
@@ -85,9 +86,7 @@ def prepare_dispatch(
     else:
         ids = rollout_ids_of(rollouts)
     futures = [
-        clear_captures.submit(
-            ids[start : start + batch_size], capture_dir, storage_options, credentials_block
-        )
+        clear_captures.submit(ids[start : start + batch_size], captures)
         for start in range(0, len(ids), batch_size)
     ]
     wait(futures)

@@ -11,7 +11,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated
 
 from prefect import get_run_logger
 from prefect.client.schemas.objects import State
@@ -22,7 +22,7 @@ from pydantic import Field
 from rollout_capture.backends import ListingScope
 from rollout_capture.batch import BatchStats, DuplicateIds
 from rollout_capture.flows.events import emit_completed, emit_failed
-from rollout_capture.flows.guard import StorageOptions, check_inputs, guarded_flow
+from rollout_capture.flows.guard import StorageOptions, guarded_flow
 from rollout_capture.flows.report import (
     EnrichSummary,
     advance_progress,
@@ -41,6 +41,7 @@ from rollout_capture.flows.runners import (
     effective_workers,
     make_task_runner,
 )
+from rollout_capture.location import Location
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
 from rollout_capture.rollout_files import (
     OutputSpool,
@@ -64,27 +65,20 @@ DEFAULT_BATCH_SIZE = 1000
 logger = logging.getLogger("rollout_capture.flows.enrich")
 
 
-def listed_capture_ids(
-    capture_dir: str,
-    storage_options: dict[str, Any] | None,
-    credentials_block: str | None,
-    scope: ListingScope,
-) -> set[str] | None:
+def listed_capture_ids(captures: Location, scope: ListingScope) -> set[str] | None:
     """The rollout ids under a capture root, from a listing the run already has or that costs little.
 
     A local root: one ``os.scandir`` of its top level (no stat calls). An object store: the
     flat listing the run's batches shared (never a second listing); ``None`` when the
     batches listed rollout by rollout instead (or in other processes), so none exists here.
     """
-    return capture_store(capture_dir, storage_options, credentials_block).listed_rollout_ids(scope)
+    return capture_store(captures).listed_rollout_ids(scope)
 
 
 def count_orphans(
     stats: BatchStats,
     duplicates: DuplicateIds,
-    capture_dir: str,
-    storage_options: dict[str, Any] | None,
-    credentials_block: str | None,
+    captures: Location,
     scope: ListingScope,
 ) -> None:
     """Count (and name the first few) captures under the root that no input line names.
@@ -92,19 +86,19 @@ def count_orphans(
     Evidence, not a fault: a listing that fails is logged and the run goes on.
     """
     try:
-        listed = listed_capture_ids(capture_dir, storage_options, credentials_block, scope)
+        listed = listed_capture_ids(captures, scope)
     except Exception as exc:
-        logger.warning("orphan captures not counted: listing %s failed (%s)", capture_dir, exc)
+        logger.warning("orphan captures not counted: listing %s failed (%s)", captures, exc)
         return
     if listed is None:
-        logger.info("orphan captures not counted: %s was listed rollout by rollout", capture_dir)
+        logger.info("orphan captures not counted: %s was listed rollout by rollout", captures)
         return
     stats.evidence.set_orphans(listed, duplicates.ids)
     if stats.evidence.orphan_captures:
         logger.warning(
             "%d capture(s) under %s match no rollout of the input (first: %s)",
             stats.evidence.orphan_captures,
-            capture_dir,
+            captures,
             ", ".join(stats.evidence.orphan_examples),
         )
 
@@ -124,9 +118,9 @@ class Spooled:
 
 
 def enrich_to_spool(
-    rollouts: str,
-    capture_dir: str,
-    target: str,
+    rollouts: Location,
+    captures: Location,
+    target: Location,
     *,
     include_payloads: bool,
     quiescence_timeout_s: float,
@@ -136,8 +130,6 @@ def enrich_to_spool(
     dask_address: str | None,
     strict: bool,
     allow_empty: bool,
-    storage_options: dict[str, Any] | None,
-    credentials_block: str | None,
     between_batches: Callable[[], None] | None = None,
     ray_address: str | None = None,
 ) -> Spooled:
@@ -149,18 +141,19 @@ def enrich_to_spool(
     A local capture dir is made absolute here: batches may run where the working directory differs.
     """
     check_runner(runner, dask_address, ray_address)
-    check_inputs(capture_dir, storage_options)
-    capture_dir = absolute_location(capture_dir)
-    check_capture_dir(capture_dir, storage_options, credentials_block, allow_empty)
-    refuse_unsafe_output(target, storage_options)  # before reading anything: a link there is refused
-    staged = read_rollouts(rollouts, storage_options, credentials_block)
-    progress = start_progress(rollouts, staged.size)
-    spool = OutputSpool(target, storage_options)
+    captures = captures.absolute()
+    check_capture_dir(captures, allow_empty)
+    # Before reading anything: a link there is refused.
+    refuse_unsafe_output(target.url, target.storage_options)
+    staged = read_rollouts(rollouts)
+    source = rollouts.url
+    progress = start_progress(source, staged.size)
+    spool = OutputSpool(target.url, target.storage_options)
     parts_dir = tempfile.mkdtemp(prefix="enrich-parts-") if runner == "processes" else None
     stats = BatchStats()
     duplicates = DuplicateIds()
     batches = done_bytes = 0
-    workers = effective_workers(runner, max_workers, capture_dir)
+    workers = effective_workers(runner, max_workers, captures.url)
     scope = ListingScope(key=str(flow_run.id or uuid.uuid4()), rollouts=0)
     try:
         # Cut lazily, so the first batches run while the rest of the input is scanned; the
@@ -171,18 +164,16 @@ def enrich_to_spool(
         if first is not None:
             scope = ListingScope(key=scope.key, rollouts=staged.size * first.lines // max(first.length, 1))
         options = {
-            "capture_dir": capture_dir,
-            "storage_options": storage_options,
-            "credentials_block": credentials_block,
+            "capture_dir": captures,
             "include_payloads": include_payloads,
             "quiescence_timeout_s": quiescence_timeout_s,
-            "source": rollouts,
+            "source": source,
             "strict": strict,
             "worker_processes": workers if runner == "processes" else 0,
             "parts_dir": parts_dir,
             "scope": scope,
             # A worker that does not see what this process sees fails its batch, naming itself.
-            "capture_root_seen": sees_capture_root(capture_dir),
+            "capture_root_seen": sees_capture_root(captures.url),
         }
         with (
             api_shared_with_workers(runner),
@@ -203,7 +194,7 @@ def enrich_to_spool(
                 stats += batch.stats
                 batches += 1
                 done_bytes += size
-                advance_progress(progress, rollouts, done_bytes, staged.size)
+                advance_progress(progress, source, done_bytes, staged.size)
                 if between_batches is not None:
                     between_batches()
 
@@ -216,8 +207,8 @@ def enrich_to_spool(
                     collect()
             while in_flight:
                 collect()
-        stats = duplicates.report(stats, rollouts)
-        count_orphans(stats, duplicates, capture_dir, storage_options, credentials_block, scope)
+        stats = duplicates.report(stats, source)
+        count_orphans(stats, duplicates, captures, scope)
         spool.close()
     except BaseException:
         spool.discard()
@@ -233,10 +224,8 @@ def enrich_to_spool(
 def publish_spool(
     done: Spooled,
     source: str,
-    target: str,
+    target: Location,
     started: float,
-    storage_options: dict[str, Any] | None,
-    credentials_block: str | None,
     before: Callable[[], object] | None = None,
 ) -> EnrichSummary:
     """Write the spooled output to its target (``before`` it, e.g. a lease's fence) and
@@ -244,19 +233,19 @@ def publish_spool(
     try:
         if before is not None:
             before()
-        write_enriched(done.spool.path, target, done.spool.lines, storage_options, credentials_block)
+        write_enriched(done.spool.path, target, done.spool.lines)
     except BaseException:
         done.spool.discard()
         raise
     summary = EnrichSummary(
         source=source,
-        output=target,
+        output=target.url,
         batches=done.batches,
         seconds=round(time.perf_counter() - started, 3),
         stats=done.stats,
     )
     try:
-        summary.report = write_evidence_report(summary, storage_options, credentials_block)
+        summary.report = write_evidence_report(summary, target)
     except Exception as exc:  # derived evidence: the output is published, the run goes on
         get_run_logger().warning("evidence report beside %s not written: %s", target, exc)
     return summary
@@ -386,10 +375,12 @@ def enrich_rollouts(
     target = output or default_output(rollouts)
     started = time.perf_counter()
     try:
+        captures = Location.of(capture_dir, storage_options, credentials_block)  # refused here if bad
+        output_at = captures.at(target)
         done = enrich_to_spool(
-            rollouts,
-            capture_dir,
-            target,
+            captures.at(rollouts),
+            captures,
+            output_at,
             include_payloads=include_payloads,
             quiescence_timeout_s=quiescence_timeout_s,
             batch_size=batch_size,
@@ -399,10 +390,8 @@ def enrich_rollouts(
             ray_address=ray_address,
             strict=strict,
             allow_empty=allow_empty,
-            storage_options=storage_options,
-            credentials_block=credentials_block,
         )
-        summary = publish_spool(done, rollouts, target, started, storage_options, credentials_block)
+        summary = publish_spool(done, rollouts, output_at, started)
     except Exception as exc:
         emit_failed(rollouts, target, exc)
         raise

@@ -21,9 +21,10 @@ from pydantic import BaseModel, Field
 
 from rollout_capture.flows.enrich import DEFAULT_BATCH_SIZE, enrich_to_spool, publish_spool, report_enrichment
 from rollout_capture.flows.events import emit_failed
-from rollout_capture.flows.guard import StorageOptions, check_inputs, guarded_flow
+from rollout_capture.flows.guard import StorageOptions, guarded_flow
 from rollout_capture.flows.report import EnrichSummary, flow_run_link, publish_runs_table, show_core_logs
 from rollout_capture.flows.runners import Runner, check_runner
+from rollout_capture.location import Location
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
 from rollout_capture.run_folders import (
     DEFAULT_LEASE_S,
@@ -31,16 +32,15 @@ from rollout_capture.run_folders import (
     LeaseKeeper,
     LeaseLost,
     RunFolder,
-    RunsRoot,
     new_owner,
 )
-from rollout_capture.tasks.credentials import credentials_from_block
 from rollout_capture.tasks.run_folders import (
     fence_run,
     find_runs,
     finish_run,
     release_run,
     remember_enriched,
+    runs_root_at,
     take_run,
 )
 from rollout_capture.worker_pool import absolute_location
@@ -89,10 +89,10 @@ class RunsFailed(RuntimeError):
 
 @guarded_flow(name="enrich_run")
 def enrich_run(
-    runs_root: str,
+    runs_root: Location,
     run: RunFolder,
     lease: Lease,
-    capture_dir: str | None = None,
+    capture_dir: Location | None = None,
     include_payloads: bool = False,
     quiescence_timeout_s: float = CAPTURE_DRAIN_TIMEOUT_S,
     batch_size: int = DEFAULT_BATCH_SIZE,
@@ -103,8 +103,6 @@ def enrich_run(
     heartbeat_s: float | None = None,
     allow_empty: bool = False,
     max_gap_share: float | None = None,
-    storage_options: dict[str, Any] | None = None,
-    credentials_block: str | None = None,
     max_failed_share: float | None = None,
 ) -> EnrichSummary:
     """Enrich one run folder whose lease this flow run holds; publish only as its current holder.
@@ -112,20 +110,21 @@ def enrich_run(
     The lease is renewed in the background (every ``lease_s / 3``) however long the run
     takes. The output and ``_ENRICHED`` are each written right after a renewal succeeds,
     so a holder that lost its lease (paused past it, say) stops and publishes nothing.
+    The run's files are read and written as ``runs_root`` is (its options, its block).
     """
     show_core_logs()
-    check_inputs(capture_dir, storage_options)
     # Asked at each use: the lease is renewed for as long as the run takes, past temporary credentials.
-    root = RunsRoot(runs_root, storage_options, credentials=lambda: credentials_from_block(credentials_block))
+    root = runs_root_at(runs_root, renewing=True)
+    output = runs_root.at(run.output)
     keeper = LeaseKeeper(root, run, lease, heartbeat_s)
     started = time.perf_counter()
     finished = False
     with _this_flow_runs_context(), keeper:
         try:
             done = enrich_to_spool(
-                run.rollouts,
-                capture_dir or run.captures,
-                run.output,
+                runs_root.at(run.rollouts),
+                capture_dir or runs_root.at(run.captures),
+                output,
                 include_payloads=include_payloads,
                 quiescence_timeout_s=quiescence_timeout_s,
                 batch_size=batch_size,
@@ -135,19 +134,9 @@ def enrich_run(
                 ray_address=ray_address,
                 strict=False,
                 allow_empty=allow_empty,
-                storage_options=storage_options,
-                credentials_block=credentials_block,
                 between_batches=keeper.check,
             )
-            summary = publish_spool(
-                done,
-                run.rollouts,
-                run.output,
-                started,
-                storage_options,
-                credentials_block,
-                before=lambda: fence_run(keeper),
-            )
+            summary = publish_spool(done, run.rollouts, output, started, before=lambda: fence_run(keeper))
             marker = summary.model_dump(mode="json", exclude={"stats": {"problems", "evidence"}})
             marker["evidence"] = done.stats.evidence.digest()
             marker["unparseable_lines"] = [p.line for p in done.stats.problems]
@@ -197,10 +186,10 @@ def _give_back(keeper: LeaseKeeper) -> None:
 
 @task(name="enrich_run_folder", task_run_name="enrich_run_folder {run.name}", cache_policy=NO_CACHE)
 def enrich_run_folder(
-    runs_root: str,
+    runs_root: Location,
     run: RunFolder,
     lease_s: float,
-    capture_dir: str | None,
+    capture_dir: Location | None,
     include_payloads: bool,
     quiescence_timeout_s: float,
     batch_size: int,
@@ -208,8 +197,6 @@ def enrich_run_folder(
     runner: Runner,
     allow_empty: bool,
     max_gap_share: float | None,
-    storage_options: dict[str, Any] | None,
-    credentials_block: str | None,
     dask_address: str | None = None,
     ray_address: str | None = None,
     max_failed_share: float | None = None,
@@ -221,7 +208,7 @@ def enrich_run_folder(
     """
     logger = get_run_logger()
     try:
-        taken = take_run(runs_root, run, lease_s, storage_options, credentials_block, new_owner())
+        taken = take_run(runs_root, run, lease_s, new_owner())
         if taken == "busy":
             logger.info("run %s is being enriched by another flow run; skipped", run.name)
             return RunOutcome(status="busy")
@@ -242,8 +229,6 @@ def enrich_run_folder(
             allow_empty=allow_empty,
             max_gap_share=max_gap_share,
             max_failed_share=max_failed_share,
-            storage_options=storage_options,
-            credentials_block=credentials_block,
             return_state=True,
         )
     except Exception as exc:
@@ -364,11 +349,12 @@ def enrich_completed_runs(
     """
     show_core_logs()
     check_runner(runner, dask_address, ray_address)
-    check_inputs(capture_dir, storage_options)
+    runs = Location.of(runs_root, storage_options, credentials_block)  # refused here if bad
+    captures = runs.at(capture_dir) if capture_dir else None
     logger = get_run_logger()
     summary = RunsSummary()
     ready = []
-    for run in find_runs(runs_root, storage_options, credentials_block, full_scan, recheck):
+    for run in find_runs(runs, full_scan, recheck):
         if run.enriched:
             summary.already_enriched.append(run.name)
         elif not run.finished:
@@ -377,9 +363,9 @@ def enrich_completed_runs(
             ready.append(run)
     if ready:
         parameters = {
-            "runs_root": runs_root,
+            "runs_root": runs,
             "lease_s": lease_s,
-            "capture_dir": capture_dir,
+            "capture_dir": captures,
             "include_payloads": include_payloads,
             "quiescence_timeout_s": quiescence_timeout_s,
             "batch_size": batch_size,
@@ -390,8 +376,6 @@ def enrich_completed_runs(
             "allow_empty": allow_empty,
             "max_gap_share": max_gap_share,
             "max_failed_share": max_failed_share,
-            "storage_options": storage_options,
-            "credentials_block": credentials_block,
         }
         pool: ThreadPoolTaskRunner[Any] = ThreadPoolTaskRunner(max_workers=min(max_parallel_runs, len(ready)))
         with pool:
@@ -401,7 +385,7 @@ def enrich_completed_runs(
     if summary.outcomes:
         publish_runs_table(runs_root, runs_rows(summary))
     if summary.enriched:
-        remember_enriched(runs_root, summary.enriched, storage_options, credentials_block)
+        remember_enriched(runs, summary.enriched)
     logger.info(
         "enriched %d run(s), %d busy, %d unfinished, %d already enriched, %d lost, %d failed",
         len(summary.enriched),

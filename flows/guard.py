@@ -2,7 +2,8 @@
 
 Prefect stores a run's parameters when it creates the run, before the flow can refuse
 them; this flow class redacts secret-looking storage options from what is stored, and
-the flow body then fails with an error naming the option.
+the flow body then fails with an error naming the option (``rollout_capture.location``, the
+one place a location and its options are validated).
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ from prefect.client.schemas.objects import State
 from prefect.futures import PrefectFuture
 from pydantic import Field
 
-from rollout_capture.config import check_capture_url
 from rollout_capture.flows.prefect_adapter import rebuild
-from rollout_capture.secret_options import SECRET_KEY_WORDS, redact_secret_options, refuse_secret_options
+from rollout_capture.secret_options import SECRET_KEY_WORDS, redact_secret_options
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -75,13 +75,3 @@ def guarded_flow(**options: Any) -> Callable[[Callable[P, R]], GuardedFlow[P, R]
         return GuardedFlow(fn, **options)
 
     return decorate
-
-
-def check_inputs(capture_dir: str | None, storage_options: dict[str, Any] | None) -> None:
-    """Refuse secret-looking storage options and unknown URL schemes before any work starts.
-
-    Relative local capture dirs are fine (people at a terminal use them).
-    """
-    refuse_secret_options(storage_options)
-    if capture_dir and "://" in capture_dir:
-        check_capture_url(capture_dir)

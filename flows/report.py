@@ -11,10 +11,8 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 from uuid import UUID
 
-from fsspec.implementations.local import LocalFileSystem
 from prefect.artifacts import (
     create_link_artifact,
     create_markdown_artifact,
@@ -30,7 +28,8 @@ from prefect.utilities.urls import url_for
 from pydantic import BaseModel, Field
 
 from rollout_capture.batch import BatchStats
-from rollout_capture.filesystem import open_filesystem
+from rollout_capture.filesystem import is_local, local_path, open_filesystem
+from rollout_capture.location import Location
 from rollout_capture.report import default_report_path, render_report, write_report
 from rollout_capture.rollout_files import refuse_unsafe_output
 from rollout_capture.tasks.credentials import credentials_from_block
@@ -65,7 +64,8 @@ def artifact_key(kind: str, output: str) -> str:
 
 
 def _link(output: str) -> str:
-    return output if "://" in output else "file://" + os.path.abspath(output)
+    local = local_path(output)
+    return output if local is None else "file://" + os.path.abspath(local)
 
 
 class EnrichSummary(BaseModel):
@@ -179,27 +179,26 @@ def _cell(value: object) -> str | int | float:
     return value if isinstance(value, str | int | float) else "-" if value is None else str(value)
 
 
-def write_evidence_report(
-    summary: EnrichSummary, storage_options: dict[str, Any] | None, credentials_block: str | None
-) -> str:
+def write_evidence_report(summary: EnrichSummary, output: Location) -> str:
     """Write the HTML report beside the output (``x.jsonl`` -> ``x.report.html``); returns where.
 
     Drawn from the summed batch summaries, so the output is not read again. A local report
     is written whole (renamed over) and never through a link; on an object store it is one
     object, written through the output's filesystem with the run's credentials.
     """
-    target = default_report_path(summary.output)
+    where = output.at(default_report_path(summary.output))
     title = summary.source.rstrip("/").rsplit("/", 1)[-1] or summary.source
-    fs, path = open_filesystem(target, storage_options, credentials=credentials_from_block(credentials_block))
-    if isinstance(fs, LocalFileSystem):
-        refuse_unsafe_output(target, storage_options)
+    credentials = credentials_from_block(where.credentials_block)
+    fs, path = open_filesystem(where.url, where.storage_options, credentials=credentials)
+    if is_local(fs):
+        refuse_unsafe_output(where.url, where.storage_options)
         write_report(summary.stats.evidence, path, title=title)
     else:
         html = render_report(
             summary.stats.evidence, title=title, unreadable_lines=len(summary.stats.problems)
         )
         fs.pipe_file(path, html.encode("utf-8"))
-    return target
+    return where.url
 
 
 def poor_evidence(

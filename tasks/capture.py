@@ -18,18 +18,17 @@ from pydantic import BaseModel
 
 from rollout_capture.backends import ListingScope
 from rollout_capture.batch import BatchStats, enrich_blob
+from rollout_capture.location import Location, LocationLike
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
 from rollout_capture.rollout_files import LineRange
-from rollout_capture.store import CaptureStore, shared_store
-from rollout_capture.tasks.credentials import access_denied_names, credentials_from_block
+from rollout_capture.store import CaptureStore
+from rollout_capture.tasks.credentials import credentials_for, credentials_from_block
 from rollout_capture.tasks.retry import storage_retries
 from rollout_capture.worker_pool import ClaimsPending, enrich_in_worker, require_capture_root, worker_pool
 
 
-def capture_store(
-    capture_dir: str, storage_options: dict[str, Any] | None = None, credentials_block: str | None = None
-) -> CaptureStore:
-    """This process's store for the dir, with credentials resolved here from the named block.
+def capture_store(capture_dir: LocationLike) -> CaptureStore:
+    """This process's store for the location, with credentials resolved here from its named block.
 
     Examples:
         Open the store of a capture root (with a block's credentials, if named):
@@ -43,7 +42,8 @@ def capture_store(
         print(len(store.read("0-0")), store.live_claims("0-0"))  # its rows; no call in flight
         ```
     """
-    return shared_store(capture_dir, storage_options, credentials=credentials_from_block(credentials_block))
+    where = Location.coerce(capture_dir)
+    return where.capture_store(credentials_from_block(where.credentials_block))
 
 
 @task(
@@ -52,12 +52,7 @@ def capture_store(
     cache_policy=NO_CACHE,
     **storage_retries(),
 )
-def check_capture_dir(
-    capture_dir: str,
-    storage_options: dict[str, Any] | None = None,
-    credentials_block: str | None = None,
-    allow_empty: bool = False,
-) -> None:
+def check_capture_dir(capture_dir: LocationLike, allow_empty: bool = False) -> None:
     """Fail before any reading when the capture dir is not there (a mistyped path, a wrong prefix).
 
     Otherwise every rollout would come out ``model_call_capture_no_records`` and the run
@@ -86,8 +81,9 @@ def check_capture_dir(
         print(checked(tempfile.mkdtemp() + "/captrues"))
         ```
     """
-    with access_denied_names(credentials_block):
-        found = capture_store(capture_dir, storage_options, credentials_block).root_found()
+    where = Location.coerce(capture_dir)
+    with credentials_for(where) as credentials:
+        found = where.capture_store(credentials).root_found()
     if not found and not allow_empty:
         raise FileNotFoundError(
             f"capture dir {capture_dir} does not exist or holds no capture "
@@ -103,12 +99,7 @@ def check_capture_dir(
     cache_policy=NO_CACHE,
     **storage_retries(),
 )
-def clear_captures(
-    rollout_ids: list[str],
-    capture_dir: str,
-    storage_options: dict[str, Any] | None = None,
-    credentials_block: str | None = None,
-) -> int:
+def clear_captures(rollout_ids: list[str], capture_dir: LocationLike) -> int:
     """Remove the captures of a batch of (already validated) rollout ids.
 
     Examples:
@@ -132,8 +123,9 @@ def clear_captures(
         print(before_retry(), CaptureStore(captures).has_any("12-3"))  # 2 False
         ```
     """
-    with access_denied_names(credentials_block):
-        cleared = capture_store(capture_dir, storage_options, credentials_block).clear(rollout_ids)
+    where = Location.coerce(capture_dir)
+    with credentials_for(where) as credentials:
+        cleared = where.capture_store(credentials).clear(rollout_ids)
     get_run_logger().info("cleared captures of %d rollout(s) in %s", len(cleared), capture_dir)
     return len(cleared)
 
@@ -146,9 +138,7 @@ def clear_captures(
 )
 async def await_quiescence(
     rollout_ids: list[str],
-    capture_dir: str,
-    storage_options: dict[str, Any] | None = None,
-    credentials_block: str | None = None,
+    capture_dir: LocationLike,
     timeout_s: float = CAPTURE_DRAIN_TIMEOUT_S,
     poll_s: float = DEFAULT_POLL_S,
 ) -> list[str]:
@@ -179,8 +169,9 @@ async def await_quiescence(
         print(asyncio.run(wait_for_writes()))  # ['12-3']: still claimed after half a second
         ```
     """
-    with access_denied_names(credentials_block):
-        store = capture_store(capture_dir, storage_options, credentials_block)
+    where = Location.coerce(capture_dir)
+    with credentials_for(where) as credentials:
+        store = where.capture_store(credentials)
         pending = sorted(await await_quiescence_many(rollout_ids, [store], timeout_s, poll_s))
     logger = get_run_logger()
     if pending:
@@ -228,9 +219,7 @@ class BatchOutput(BaseModel):
 )
 def merge_batch(
     batch: BatchInput,
-    capture_dir: str,
-    storage_options: dict[str, Any] | None = None,
-    credentials_block: str | None = None,
+    capture_dir: LocationLike,
     include_payloads: bool = False,
     quiescence_timeout_s: float = CAPTURE_DRAIN_TIMEOUT_S,
     source: str = "rollouts",
@@ -273,33 +262,33 @@ def merge_batch(
         print(first_batch())
         ```
     """
+    where = Location.coerce(capture_dir)
 
     def wait(pending: set[str]) -> set[str]:
-        still = run_coro_as_sync(
-            await_quiescence(
-                sorted(pending),
-                capture_dir,
-                storage_options,
-                credentials_block,
-                timeout_s=quiescence_timeout_s,
-            )
-        )
+        still = run_coro_as_sync(await_quiescence(sorted(pending), where, timeout_s=quiescence_timeout_s))
         return set(still or ())
 
     if capture_root_seen:
-        require_capture_root(capture_dir)
-    with access_denied_names(credentials_block):
+        require_capture_root(where.url)
+    with credentials_for(where) as credentials:
         if worker_processes:
             if parts_dir is None:
                 raise ValueError("worker_processes needs a parts_dir for the workers' output")
-            settings = (capture_dir, storage_options, credentials_block, include_payloads, scope)
             output = _merge_in_pool(
-                batch.lines, parts_dir, *settings, wait, quiescence_timeout_s > 0, worker_processes
+                batch.lines,
+                parts_dir,
+                where,
+                credentials,
+                include_payloads,
+                scope,
+                wait,
+                quiescence_timeout_s > 0,
+                worker_processes,
             )
         else:
             blob, lines, stats = enrich_blob(
                 batch.data(),
-                [capture_store(capture_dir, storage_options, credentials_block)],
+                [where.capture_store(credentials)],
                 first_line=batch.lines.first_line,
                 include_payloads=include_payloads,
                 quiescence_timeout_s=quiescence_timeout_s,
@@ -319,9 +308,8 @@ def merge_batch(
 def _merge_in_pool(
     batch: LineRange,
     parts_dir: str,
-    capture_dir: str,
-    storage_options: dict[str, Any] | None,
-    credentials_block: str | None,
+    where: Location,
+    credentials: dict[str, Any] | None,
     include_payloads: bool,
     scope: ListingScope | None,
     wait: Callable[[set[str]], set[str]],
@@ -330,8 +318,7 @@ def _merge_in_pool(
 ) -> BatchOutput:
     """The merge in a worker process; claimed rollouts send the batch back for a wait here."""
     pool = worker_pool(workers)
-    credentials = credentials_from_block(credentials_block)
-    arguments = (batch, parts_dir, capture_dir, storage_options, credentials, include_payloads)
+    arguments = (batch, parts_dir, where.url, where.storage_options, credentials, include_payloads)
     waited = 0
     try:
         part, lines, stats = pool.submit(enrich_in_worker, *arguments, wait_for_claims, scope).result()

@@ -11,7 +11,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from rollout_capture.location import Location
 
 # A block is loaded (and a role assumed) once per this long in a process, not per batch;
 # credentials that expire sooner are resolved again this long before they do.
@@ -103,6 +106,13 @@ def _load_block(block_name: str) -> Any:
         ) from exc
     # _sync: this also runs inside async tasks, where load() would return a coroutine.
     return cast(AwsCredentials, AwsCredentials.load(block_name, _sync=True))  # type: ignore[call-arg]
+
+
+@contextmanager
+def credentials_for(where: Location) -> Iterator[dict[str, Any] | None]:
+    """The location's credentials, resolved here from its block; a refused request inside names them."""
+    with access_denied_names(where.credentials_block):
+        yield credentials_from_block(where.credentials_block)
 
 
 @contextmanager

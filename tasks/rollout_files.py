@@ -6,22 +6,19 @@ re-uploads the finished spool. Neither can leave a partial file behind.
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from rollout_capture.location import Location, LocationLike
 from rollout_capture.rollout_files import StagedRollouts, publish, stage_rollouts
-from rollout_capture.tasks.credentials import access_denied_names, credentials_from_block
+from rollout_capture.tasks.credentials import credentials_for
 from rollout_capture.tasks.retry import storage_retries
 
 
 @task(
     name="read_rollouts", task_run_name="read_rollouts {source}", cache_policy=NO_CACHE, **storage_retries()
 )
-def read_rollouts(
-    source: str, storage_options: dict[str, Any] | None = None, credentials_block: str | None = None
-) -> StagedRollouts:
+def read_rollouts(source: LocationLike) -> StagedRollouts:
     """Make the rollouts file a local, uncompressed file to stream batches from.
 
     Examples:
@@ -42,10 +39,9 @@ def read_rollouts(
         print(stage(str(files("rollout_capture") / "sample" / "rollouts.jsonl")))
         ```
     """
-    with access_denied_names(credentials_block):
-        staged = stage_rollouts(
-            source, storage_options, credentials=credentials_from_block(credentials_block)
-        )
+    where = Location.coerce(source)
+    with credentials_for(where) as credentials:
+        staged = stage_rollouts(where.url, where.storage_options, credentials=credentials)
     how = "copied to a local spool" if staged.temporary else "read in place"
     get_run_logger().info("read %s: %d bytes, %s", source, staged.size, how)
     return staged
@@ -56,10 +52,8 @@ def read_rollouts(
 )
 def write_enriched(
     spool_path: str,
-    output: str,
+    output: LocationLike,
     lines: int,
-    storage_options: dict[str, Any] | None = None,
-    credentials_block: str | None = None,
 ) -> int:
     """Publish the finished output atomically (rename on local disk, one object on S3).
 
@@ -85,8 +79,8 @@ def write_enriched(
         print(publish(), sorted(p.name for p in out.iterdir()))  # 16 ['rollouts.enriched.jsonl']
         ```
     """
-    with access_denied_names(credentials_block):
-        credentials = credentials_from_block(credentials_block)
-        size = publish(spool_path, output, storage_options, credentials=credentials)
+    where = Location.coerce(output)
+    with credentials_for(where) as credentials:
+        size = publish(spool_path, where.url, where.storage_options, credentials=credentials)
     get_run_logger().info("wrote %s: %d line(s), %d bytes", output, lines, size)
     return size

@@ -11,20 +11,28 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from rollout_capture.location import Location, LocationLike
 from rollout_capture.run_folders import DEFAULT_LEASE_S, Lease, LeaseKeeper, RunFolder, RunsRoot, Taken
 from rollout_capture.tasks.credentials import credentials_from_block
 from rollout_capture.tasks.retry import storage_retries
 
 
-def _root(runs_root: str, storage_options: dict[str, Any] | None, credentials_block: str | None) -> RunsRoot:
-    return RunsRoot(runs_root, storage_options, credentials=credentials_from_block(credentials_block))
+def runs_root_at(runs_root: LocationLike, *, renewing: bool = False) -> RunsRoot:
+    """The runs root at a location, its credentials resolved here from the location's block.
+
+    ``renewing``: asked again at each use (a lease renewed for hours outlives temporary
+    credentials), rather than once now.
+    """
+    where = Location.coerce(runs_root)
+    block = where.credentials_block
+    if renewing:
+        return RunsRoot(where.url, where.storage_options, credentials=lambda: credentials_from_block(block))
+    return RunsRoot(where.url, where.storage_options, credentials=credentials_from_block(block))
 
 
 @task(name="find_runs", task_run_name="find_runs {runs_root}", cache_policy=NO_CACHE, **storage_retries())
 def find_runs(
-    runs_root: str,
-    storage_options: dict[str, Any] | None = None,
-    credentials_block: str | None = None,
+    runs_root: LocationLike,
     full_scan: bool = False,
     recheck: list[str] | None = None,
 ) -> list[RunFolder]:
@@ -54,7 +62,7 @@ def find_runs(
         print(listed())  # [('r1', True, False)]
         ```
     """
-    root = _root(runs_root, storage_options, credentials_block)
+    root = runs_root_at(runs_root)
     if root.backend.folders_exist and not root.backend.root_found():
         # A mistyped or unmounted root would otherwise read as "0 runs", green every tick.
         raise FileNotFoundError(f"runs root {runs_root} does not exist")
@@ -73,11 +81,9 @@ def find_runs(
 
 @task(name="take_run", task_run_name="take_run {run.name}", cache_policy=NO_CACHE, **storage_retries())
 def take_run(
-    runs_root: str,
+    runs_root: LocationLike,
     run: RunFolder,
     lease_s: float = DEFAULT_LEASE_S,
-    storage_options: dict[str, Any] | None = None,
-    credentials_block: str | None = None,
     owner: str | None = None,
 ) -> Lease | Taken:
     """The run's lease, or ``"busy"`` (another flow run holds it) or ``"enriched"`` (done meanwhile).
@@ -113,7 +119,7 @@ def take_run(
         print(take_twice())  # [0, 'busy']
         ```
     """
-    return _root(runs_root, storage_options, credentials_block).take(run, lease_s, owner)
+    return runs_root_at(runs_root).take(run, lease_s, owner)
 
 
 @task(
@@ -248,10 +254,8 @@ def release_run(keeper: LeaseKeeper) -> None:
     **storage_retries(),
 )
 def remember_enriched(
-    runs_root: str,
+    runs_root: LocationLike,
     names: list[str],
-    storage_options: dict[str, Any] | None = None,
-    credentials_block: str | None = None,
 ) -> None:
     """Add the runs just enriched to the root's index, so the next flow runs skip them unlisted.
 
@@ -282,4 +286,4 @@ def remember_enriched(
         print(indexed(), (runs / "_rollout_capture_index.json").exists())  # ['r1'] True
         ```
     """
-    _root(runs_root, storage_options, credentials_block).remember_enriched(names)
+    runs_root_at(runs_root).remember_enriched(names)

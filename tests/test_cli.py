@@ -487,3 +487,32 @@ def test_enrich_runs_prints_each_runs_evidence(prefect_api: str, tmp_path: Path)
     assert evidence["failed_calls"] == 10 and evidence["calls_by_error_category"]["rate_limit"] == 2
     assert evidence["ttft_ms"] == {"p50": 50, "p90": 90, "p99": 99}
     assert evidence["orphan_examples"] == ["24-1"]
+
+
+def test_the_proxy_options_come_from_the_settings_model() -> None:
+    """Each default, bound and description of the proxy's options lives once, on ProxySettings;
+    ``--help`` still shows them, and a value past a bound is refused naming the option."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from rollout_capture.cli import PROXY_OPTIONS, app
+    from rollout_capture.producer.settings import ProxySettings
+
+    runner = CliRunner()
+    shown = " ".join(runner.invoke(app, ["proxy", "--help"]).output.split())  # unwrapped
+    # Each option's text: from its name to the next option's name.
+    texts = dict(
+        re.findall(r"(?:^| )((?:-c, )?--[a-z-]+(?: / --[a-z-]+)?) (.*?)(?= (?:-c, )?--[a-z]|$)", shown)
+    )
+    for field, names in PROXY_OPTIONS.items():
+        info = ProxySettings.model_fields[field]
+        name = ", ".join(reversed(names)) if len(names) > 1 else names[0].replace("/", " / ")
+        text = texts[name]
+        assert (info.description or "") in text, (field, text)
+        if not info.is_required() and info.default_factory is None and info.default is not None:
+            default = "enabled" if info.default is True else str(info.default)
+            assert f"default: {default}" in text, (field, text)
+    assert "default: 300.0" in texts["--claim-ttl"] and "default: 16777216" in texts["--max-body-bytes"]
+    zero = runner.invoke(app, ["proxy", "--upstream", "http://x", "--no-enabled", "--claim-ttl", "0"])
+    assert zero.exit_code == 2 and "--claim-ttl" in zero.output, zero.output

@@ -1,7 +1,9 @@
 """Producer configuration (spec 11): one validated model, from arguments or the environment.
 
 Servers that load a middleware by import path (vLLM's ``--middleware``) give it no
-arguments, so every setting also has a ``ROLLOUT_CAPTURE_*`` environment variable.
+arguments, so every setting also has a ``ROLLOUT_CAPTURE_*`` environment variable. Each
+default and description lives here once: ``rollout-capture proxy`` makes its options from
+these fields (their types, defaults, bounds, descriptions and variables).
 """
 
 from __future__ import annotations
@@ -56,8 +58,16 @@ class ProducerSettings(BaseModel):
     max_body_bytes: int = Field(
         DEFAULT_MAX_BODY_BYTES, ge=1, description="Cap on the request or response bytes kept for a row."
     )
-    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options (no secrets).")
-    layout: Literal["auto", "jsonl", "objects", "journal"] = "auto"
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description='fsspec options as JSON (no secrets), e.g. {"anon": false}.'
+    )
+    layout: Literal["auto", "jsonl", "objects", "journal"] = Field(
+        "auto",
+        description=(
+            "Capture layout: auto writes JSONL on local disks (NeMo Gym's) and the journal on object "
+            "stores (many calls' claims and rows in one object); objects: one object a row."
+        ),
+    )
     io_threads: int = Field(32, ge=1, le=1024, description="Threads writing claims and rows.")
     verify_paths: tuple[str, ...] = Field(
         VERIFY_PATHS,
@@ -129,9 +139,9 @@ class ProxySettings(ProducerSettings):
     """A producer that forwards to an upstream it cannot modify."""
 
     upstream: str = Field(description="Base URL of the model server, e.g. http://127.0.0.1:8000.")
-    connect_timeout_s: float = Field(10.0, gt=0)
+    connect_timeout_s: float = Field(10.0, gt=0, description="Seconds to connect to the upstream.")
     read_timeout_s: float = Field(600.0, gt=0, description="Longest silence from the upstream mid-answer.")
-    write_timeout_s: float = Field(60.0, gt=0)
+    write_timeout_s: float = Field(60.0, gt=0, description="Seconds to send a request to the upstream.")
     max_connections: int = Field(512, ge=1, description="Pooled upstream connections.")
     upstream_client: Literal["aiohttp"] = Field(
         "aiohttp",

@@ -1,0 +1,132 @@
+"""``Location``: one validated value for a URL, its storage options and its credentials block.
+
+Validated once where it is made: errors name the field, a secret-looking option is refused
+naming its key (its value never echoed, not even by pydantic's own error), a plain path or
+URL coerces to a location, and it knows whether it is local.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from rollout_capture import CaptureStore
+from rollout_capture.location import Location, LocationError
+
+from .conftest import S3
+
+ROW = {"model_call_id": "c", "dialect": "chat"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"url": ""}, "url: "),
+        ({"url": "   "}, "url: is empty"),
+        ({"url": "nosuchscheme://bucket/caps"}, "url: unknown storage scheme 'nosuchscheme'"),
+        ({"url": "/c", "storage_options": "anon"}, "storage_options: "),
+        ({"url": "/c", "credentials_block": 3}, "credentials_block: "),
+        ({"url": "/c", "endpoint": "http://x"}, "endpoint: "),
+    ],
+)
+def test_a_bad_field_is_refused_naming_it(fields: dict[str, object], named: str) -> None:
+    with pytest.raises(LocationError) as raised:
+        Location.coerce(fields)
+    assert str(raised.value).startswith(named), raised.value
+    assert "\n" not in str(raised.value)  # one line, for a terminal
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"secret": "hunter2"},
+        {"client_kwargs": {"aws_secret_access_key": "hunter2"}},
+        {"anon": False, "token": "hunter2"},
+    ],
+)
+def test_a_secret_in_the_storage_options_is_refused_naming_the_key_never_the_value(
+    options: dict[str, object],
+) -> None:
+    with pytest.raises(LocationError, match=r"storage_options\.\S+ looks like a secret") as raised:
+        Location.of("s3://bucket/caps", options)
+    assert "hunter2" not in str(raised.value)
+    # Validated directly (a Prefect parameter typed Location): pydantic's error hides the input too.
+    with pytest.raises(ValidationError) as direct:
+        Location.model_validate({"url": "s3://bucket/caps", "storage_options": options})
+    assert "looks like a secret" in str(direct.value) and "hunter2" not in str(direct.value)
+
+
+def test_an_empty_secret_looking_option_is_no_secret() -> None:
+    assert Location.of("s3://b/c", {"token": None, "anon": True}).storage_options == {
+        "token": None,
+        "anon": True,
+    }
+
+
+def test_a_plain_path_or_url_coerces_to_a_location(tmp_path: Path) -> None:
+    assert Location.coerce("s3://bucket/caps") == Location(url="s3://bucket/caps")
+    assert Location.coerce(tmp_path).url == str(tmp_path)  # os.PathLike too
+    where = Location.of("s3://bucket/caps", {"anon": True}, "rollout-capture")
+    assert Location.coerce(where) is where
+
+    class Parameters(BaseModel):  # how Prefect validates a flow's parameters
+        captures: Location
+
+    assert Parameters.model_validate({"captures": "runs/r1"}).captures == Location(url="runs/r1")
+    assert Location.of("/c", {}, "").model_dump() == {
+        "url": "/c",
+        "storage_options": None,
+        "credentials_block": None,
+    }
+
+
+def test_local_or_remote() -> None:
+    assert Location.coerce("captures").is_local and Location.coerce("/data/c").is_local
+    assert Location.coerce("file:///data/c").is_local
+    assert not Location.coerce("s3://bucket/c").is_local
+    assert not Location.coerce("memory://c").is_local
+
+
+def test_a_sibling_url_is_read_the_same_way_and_validated() -> None:
+    captures = Location.of("s3://bucket/r1/captures", {"anon": True}, "rollout-capture")
+    rollouts = captures.at("s3://bucket/r1/rollouts.jsonl")
+    assert (rollouts.storage_options, rollouts.credentials_block) == ({"anon": True}, "rollout-capture")
+    assert str(rollouts) == "s3://bucket/r1/rollouts.jsonl"  # what a task run's name shows
+    with pytest.raises(LocationError, match="url: unknown storage scheme"):
+        captures.at("nosuchscheme://x")
+    assert captures.flow_parameters() == {
+        "storage_options": {"anon": True},
+        "credentials_block": "rollout-capture",
+    }
+    assert Location.coerce("/c").flow_parameters() == {}
+
+
+def test_it_is_frozen_hashable_and_travels_to_workers() -> None:
+    where = Location.of("s3://bucket/caps", {"client_kwargs": {"region_name": "x"}})
+    with pytest.raises(ValidationError):
+        where.url = "elsewhere"  # type: ignore[misc]
+    assert hash(where) == hash(Location.of("s3://bucket/caps", {"client_kwargs": {"region_name": "x"}}))
+    assert pickle.loads(pickle.dumps(where)) == where  # Dask, Ray and spawned workers get it pickled
+
+
+def test_a_relative_local_path_is_made_absolute_for_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert Location.coerce("caps").absolute().url == str(tmp_path / "caps")
+    remote = Location.coerce("s3://bucket/caps")
+    assert remote.absolute() is remote
+
+
+def test_the_capture_store_it_opens_reads_with_its_options(tmp_path: Path, s3: S3) -> None:
+    CaptureStore(tmp_path).record("1-0", ROW)
+    store = Location.coerce(tmp_path).capture_store(shared=False)
+    assert [row["model_call_id"] for row in store.read("1-0")] == ["c"]
+    local = Location.coerce(str(tmp_path))
+    assert local.capture_store() is local.capture_store()  # the process's one store for it
+    remote = Location.of(s3.url("caps"), s3.storage_options)  # the endpoint travels with the URL
+    remote.capture_store(shared=False).record("2-0", ROW)
+    assert CaptureStore(s3.url("caps"), storage_options=s3.storage_options).has_any("2-0")
