@@ -251,3 +251,23 @@ async def test_the_answer_waits_for_its_claim_but_the_call_does_not() -> None:
     await asyncio.wait_for(call, 10)
     assert sent and sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
     assert [row["model_call_id"] for row in store.read("w-0")] and store.claims(["w-0"]) == {}
+
+
+def test_the_merge_reads_a_journal_in_fewer_larger_gets(flaky_s3: tuple[S3, Any], s3: S3) -> None:
+    """1,200 rows written by calls finishing together: the merge reads each commit once (one GET
+    a commit, not a row), plus a GET at each stream's end."""
+    writer = journal(s3.url("caps"), s3.storage_options).journal_writer
+    futures = [
+        writer.submit([row_entry(f"{r}-0", {**ROW, "model_call_id": f"{r}-{n}"})])
+        for r in range(300)
+        for n in range(4)
+    ]
+    commits = len({future.result(timeout=60) for future in futures})
+    lines = [orjson.dumps({"_ng_task_index": r, "_ng_rollout_index": 0}) for r in range(300)]
+    via, proxy = flaky_s3
+    proxy.reset_counts()
+    batch = enrich_lines(lines, [CaptureStore(via.url("caps"), storage_options=via.storage_options)])
+    assert batch.stats.calls == 1200 and not batch.stats.gaps
+    counts = proxy.reset_counts()
+    assert counts["GET"] == commits + 2  # each commit once, and the first missing number of each stream
+    assert commits < 100 and counts.get("LIST", 0) <= 2 and "HEAD" not in counts
