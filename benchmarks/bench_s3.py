@@ -19,10 +19,8 @@ moto runs in its own process so it does not share an interpreter with the client
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +36,7 @@ import fsspec
 import orjson
 
 from benchmarks.corpus import source_corpus
+from benchmarks.store_bench import free_port, wait_for_port
 from examples.samples import capture_rows, corpus_records
 from rollout_capture import CaptureStore
 from rollout_capture.backends import ListingScope
@@ -55,21 +54,6 @@ def s3(endpoint: str, **options: object) -> fsspec.AbstractFileSystem:
         use_listings_cache=False,
         **options,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_for_port(host: str, port: int, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"moto server did not start on {host}:{port}")
 
 
 def build(endpoint: str, rollouts: int, rows: int) -> list[bytes]:

@@ -35,6 +35,7 @@ from rollout_capture.backends.base import Backend, Fetched
 from rollout_capture.claims import Claim, claim_body, read_claim
 from rollout_capture.identity import validate_rollout_id
 from rollout_capture.rows import Damage, ParsedRows, add_journal_row
+from rollout_capture.sequence import create_numbered, first_absent
 from rollout_capture.snapshot import RolloutSnapshot
 
 logger = logging.getLogger(__name__)
@@ -281,25 +282,28 @@ class JournalWriter:
     def _commit(self, headers: list[list[str]], lines: list[bytes]) -> int:
         nonce = os.urandom(16).hex()
         body = encode_commit(self.writer_id, nonce, headers, lines)
-        backend = self._backend
         if self._next is None:
             self._next = self._tail()
-        seq, taken = self._next, 0
-        while True:
-            path = backend.path(commit_name(seq, self.stream))
+        taken = 0
+
+        def after_taken(seq: int) -> int:
+            # Another writer's: the next number (commits have no gaps, so this stays above
+            # everything that existed), or, after several, the tail looked up.
+            nonlocal taken
+            taken += 1
             self.tries += 1
-            try:
-                backend.create(path, body)
-                break
-            except FileExistsError:
-                existing = backend.read_many([path])[0]
-                if existing is not None and _nonce_of(existing) == nonce:
-                    break  # our own write, landed before a retried request found it
-                taken += 1
-                # Taken by another writer: the next number (commits have no gaps, so this stays
-                # above everything that existed), or, after several, the tail looked up.
-                seq = seq + 1 if taken < _LINEAR_TRIES else first_free(backend, seq + 1, self.stream)
-                self._next = seq  # a failed try is retried here, never past it (no gap)
+            self._next = seq + 1 if taken < _LINEAR_TRIES else first_free(self._backend, seq + 1, self.stream)
+            return self._next  # a failed try is retried here, never past it (no gap)
+
+        self.tries += 1
+        seq = create_numbered(
+            self._backend,
+            lambda n: commit_name(n, self.stream),
+            self._next,
+            body,
+            lambda existing: _nonce_of(existing) == nonce,
+            after_taken,
+        )
         self._next = seq + 1
         self.commits += 1
         return seq
@@ -311,25 +315,7 @@ class JournalWriter:
 
 def first_free(backend: Backend, start: int = 0, stream: Stream = "rows") -> int:
     """The first commit number at or above ``start`` that does not exist (taken ones form a prefix)."""
-    exists = backend.exists
-
-    def path(seq: int) -> str:
-        return backend.path(commit_name(seq, stream))
-
-    if not exists(path(start)):
-        return start
-    low, step = start, 1  # low is taken
-    while exists(path(low + step)):
-        low += step
-        step *= 2
-    high = low + step  # free
-    while high - low > 1:
-        mid = (low + high) // 2
-        if exists(path(mid)):
-            low = mid
-        else:
-            high = mid
-    return high
+    return first_absent(lambda seq: backend.exists(backend.path(commit_name(seq, stream))), start)
 
 
 # ---------------------------------------------------------------------------- reading

@@ -39,6 +39,7 @@ from rollout_capture.journal import (
 )
 from rollout_capture.layout import RolloutListing
 from rollout_capture.rows import NONCE_KEY, CaptureRowError, Row
+from rollout_capture.sequence import create_numbered, first_absent
 from rollout_capture.snapshot import RolloutSnapshot
 
 logger = logging.getLogger(__name__)
@@ -255,39 +256,22 @@ class CaptureStore:
     def _append_object(self, rollout_id: str, row: Mapping[str, Any]) -> None:
         nonce = uuid.uuid4().hex
         body = orjson.dumps({**row, NONCE_KEY: nonce}, default=str)
-        backend = self._backend
-        seq = self._seq_hints.get(rollout_id, 0)
-        while True:
-            path = backend.path(names.object_name(rollout_id, seq))
-            try:
-                backend.create(path, body)
-                break
-            except FileExistsError:
-                # Our own retried request may have landed: the nonce tells.
-                existing = backend.read_many([path])[0]
-                if existing is not None and _nonce_of(existing) == nonce:
-                    break
-                seq = self._first_free_after(rollout_id, seq)
+        seq = create_numbered(
+            self._backend,
+            lambda n: names.object_name(rollout_id, n),
+            self._seq_hints.get(rollout_id, 0),
+            body,
+            lambda existing: _nonce_of(existing) == nonce,
+            lambda taken: self._first_free_after(rollout_id, taken),
+        )
         if len(self._seq_hints) >= _MAX_SEQ_HINTS:
             self._seq_hints.clear()
         self._seq_hints[rollout_id] = seq + 1
 
     def _first_free_after(self, rollout_id: str, taken: int) -> int:
         """Smallest free seq above ``taken``; occupied seqs always form a prefix."""
-        exists = self._backend.exists
-        path = self._backend.path
-        low, step = taken, 1
-        while exists(path(names.object_name(rollout_id, low + step))):
-            low += step
-            step *= 2
-        high = low + step  # free; low is taken
-        while high - low > 1:
-            mid = (low + high) // 2
-            if exists(path(names.object_name(rollout_id, mid))):
-                low = mid
-            else:
-                high = mid
-        return high
+        exists, path = self._backend.exists, self._backend.path
+        return first_absent(lambda seq: exists(path(names.object_name(rollout_id, seq))), taken + 1)
 
     # ------------------------------------------------------------------ the journal (spec 2, extension)
 

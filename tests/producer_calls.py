@@ -95,3 +95,15 @@ def check_row(row: dict[str, Any], dialect: str, *, server_name: str | None) -> 
         }
     )
     assert API_KEY not in str(row)
+
+
+def post_scope(path: str) -> dict[str, Any]:
+    """The ASGI scope of a ``POST`` to ``path``, as a server hands it to an app."""
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "raw_path": path.encode(),
+        "headers": [],
+        "query_string": b"",
+    }

@@ -16,11 +16,14 @@ from .spawned import write_rows
 WRITERS, ROWS = 4, 50
 
 
-def run_writers(url: str, options: dict[str, Any], layout: str) -> None:
+def run_writers(
+    url: str, options: dict[str, Any], layout: str, writers: int = WRITERS, rows: int = ROWS
+) -> None:
+    """``writers`` processes each writing ``rows`` rows of one rollout at once (every layout's test)."""
     context = multiprocessing.get_context("spawn")  # filesystems are not fork-safe
     go = context.Event()
     processes = [
-        context.Process(target=write_rows, args=(url, options, layout, w, ROWS, go)) for w in range(WRITERS)
+        context.Process(target=write_rows, args=(url, options, layout, w, rows, go)) for w in range(writers)
     ]
     for process in processes:
         process.start()

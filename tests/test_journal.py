@@ -21,8 +21,9 @@ from rollout_capture.journal import JOURNAL_DIR, commit_name, decode_commit, row
 from rollout_capture.producer.middleware import CaptureMiddleware
 
 from .conftest import S3
+from .producer_calls import post_scope
 from .scripted_upstream import ScriptedUpstream
-from .spawned import write_rows
+from .test_concurrency import run_writers
 
 BACKENDS = ["local", "memory", "s3"]
 ROW = {"kind": "model_call", "dialect": "chat", "response": {"usage": {"prompt_tokens": 3}}}
@@ -120,18 +121,7 @@ def test_writer_processes_share_one_gapless_order(
         s3: S3 = request.getfixturevalue("s3")
         url, options = s3.url("caps"), s3.storage_options
     writers, count = 4, 25
-    context = multiprocessing.get_context("spawn")
-    go = context.Event()
-    processes = [
-        context.Process(target=write_rows, args=(url, options, "journal", w, count, go))
-        for w in range(writers)
-    ]
-    for process in processes:
-        process.start()
-    go.set()
-    for process in processes:
-        process.join(120)
-        assert process.exitcode == 0
+    run_writers(url, options, "journal", writers, count)
     store = reader(url, options)
     rows, damaged = store.read_available("c-0")
     assert damaged == 0 and len(rows) == writers * count
@@ -233,14 +223,7 @@ async def test_the_answer_waits_for_its_claim_but_the_call_does_not() -> None:
         sent.append(message)
 
     path = "/ng-rollout/w-0/v1/chat/completions"
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "headers": [],
-    }
+    scope = post_scope(path)
     call = asyncio.ensure_future(app(scope, receive, send))
     assert await asyncio.to_thread(entered.wait, 10)
     await asyncio.wait_for(forwarded.wait(), 10)

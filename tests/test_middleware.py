@@ -27,7 +27,7 @@ from rollout_capture.producer.proxy import CaptureProxy
 from rollout_capture.producer.settings import ProxySettings
 
 from .conftest import S3
-from .producer_calls import DIALECTS, check_row, openai_client, sdk_call
+from .producer_calls import DIALECTS, check_row, openai_client, post_scope, sdk_call
 from .scripted_upstream import CHAT, CUT_ANSWERS, RAISING, ScriptedUpstream
 from .servers import ThreadedServer
 
@@ -229,14 +229,7 @@ async def test_a_client_that_leaves_mid_stream_leaves_a_cancelled_row(tmp_path: 
         sent.append(message)
 
     path = "/ng-rollout/g-1/v1/chat/completions"
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": path,
-        "raw_path": path.encode(),
-        "headers": [],
-        "query_string": b"",
-    }
+    scope = post_scope(path)
     await middleware(scope, receive, send)
     (row,) = CaptureStore(tmp_path).read("g-1")
     assert (row["status_code"], row["error_category"]) == (200, "cancelled")

@@ -85,6 +85,7 @@ def test_the_embedded_servers_url_is_found_in_a_run_and_shared_with_workers(tmp_
     """Without a configured API, remote workers get the URL of this run's temporary server."""
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["PREFECT_HOME"] = str(tmp_path)
+    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"  # a loaded machine starts it slowly
     done = subprocess.run(
         [sys.executable, "-c", _EMBEDDED], env=env, capture_output=True, text=True, timeout=240, check=False
     )
