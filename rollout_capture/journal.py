@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -324,12 +325,27 @@ Loc = tuple[Stream, int]
 """Where a commit is: its stream and number."""
 
 
+_INDEX_BITS = 20  # entries of one commit: MAX_COMMIT_ENTRIES fits
+
+
+def _pack(seq: int, index: int) -> int:
+    return seq << _INDEX_BITS | index
+
+
+def _unpack(packed: int) -> tuple[int, int]:
+    return packed >> _INDEX_BITS, packed & ((1 << _INDEX_BITS) - 1)
+
+
 @dataclass(slots=True)
 class _Held:
-    """What the journal holds for one rollout: its rows and open claims, by where they sit."""
+    """What the journal holds for one rollout: its rows (packed commit and line, 8 bytes a row, so
+    a reader indexing millions of rows stays small) and open claims, by where they sit."""
 
-    rows: list[tuple[int, int]] = field(default_factory=list)
+    rows: array[int] = field(default_factory=lambda: array("q"))
     claims: dict[str, tuple[int, int]] = field(default_factory=dict)  # claim id -> (claims seq, index)
+
+    def row_places(self) -> list[tuple[int, int]]:
+        return [_unpack(packed) for packed in self.rows]
 
 
 class JournalReader:
@@ -362,12 +378,17 @@ class JournalReader:
         return any(self._next.values())
 
     def refresh(self) -> None:
-        """Read every commit written since the last refresh (a GET per stream when none was)."""
+        """Read every commit written since the last refresh (a GET per stream when none was, and a
+        HEAD of the last one read, so a journal deleted and begun again is never half-read)."""
         with self._lock:
             for stream in STREAMS:
-                self._catch_up(stream)
+                if self._catch_up(stream):  # begun again: every stream from its start
+                    for again in STREAMS:
+                        self._catch_up(again)
+                    return
 
-    def _catch_up(self, stream: Stream) -> None:
+    def _catch_up(self, stream: Stream) -> bool:
+        """Read ``stream`` on to its end; True when what was read had been deleted (all forgotten)."""
         path = self._backend.path
         while True:
             start, window = self._next[stream], self._window[stream]
@@ -375,11 +396,28 @@ class JournalReader:
             bodies = self._backend.read_many([path(commit_name(s, stream)) for s in seqs])
             for seq, body in zip(seqs, bodies, strict=True):
                 if body is None:
-                    self._window[stream] = 1 if seq == start else window
-                    return
+                    self._window[stream] = max(1, seq - start)  # about what came since the last look
+                    last = path(commit_name(start - 1, stream))
+                    if seq == start and start and not self._backend.exists(last):
+                        self._restart()
+                        return True
+                    return False
                 self._apply(stream, seq, body)
                 self._next[stream] = seq + 1
             self._window[stream] = min(_READ_WINDOW, window * 2)
+
+    def _restart(self) -> None:
+        """Forget everything read: commits this reader read are gone (deleted from outside)."""
+        logger.warning(
+            "the journal under %s was deleted since it was read: reading it afresh", self._backend.root
+        )
+        self._next = {"claims": 0, "rows": 0}
+        self._window = {"claims": 1, "rows": 1}
+        self._held.clear()
+        self._released.clear()
+        self._bodies.clear()
+        self._body_bytes = 0
+        self._mtimes.clear()
 
     def _apply(self, stream: Stream, seq: int, body: bytes) -> None:
         try:
@@ -395,14 +433,14 @@ class JournalReader:
             if op == "clear":
                 if held is not None:
                     if stream == "rows":
-                        held.rows.clear()
+                        del held.rows[:]
                         self._released = {r for r in self._released if r[0] != rollout_id}
                     else:
                         held.claims.clear()
             elif op == "row" and stream == "rows":
                 if held is None:
                     held = self._held[rollout_id] = _Held()
-                held.rows.append((seq, index))
+                held.rows.append(_pack(seq, index))
             elif op == "claim" and stream == "claims" and claim_id is not None:
                 if (rollout_id, claim_id) in self._released:
                     self._released.discard((rollout_id, claim_id))
@@ -438,8 +476,10 @@ class JournalReader:
     def view(self, rollout_ids: Collection[str]) -> JournalView:
         """What the journal holds for these rollouts, with the bodies it needs read (one pass)."""
         with self._lock:
-            held = {r: _Held(list(h.rows), dict(h.claims)) for r in rollout_ids if (h := self._held.get(r))}
-            needed: set[Loc] = {("rows", seq) for h in held.values() for seq, _ in h.rows}
+            held = {
+                r: _Held(array("q", h.rows), dict(h.claims)) for r in rollout_ids if (h := self._held.get(r))
+            }
+            needed: set[Loc] = {("rows", packed >> _INDEX_BITS) for h in held.values() for packed in h.rows}
             needed |= {("claims", seq) for h in held.values() for seq, _ in h.claims.values()}
             commits = {loc: self._bodies[loc] for loc in needed if loc in self._bodies}
             for loc in commits:
@@ -490,7 +530,7 @@ class JournalView:
         held = self._held.get(rollout_id)
         if held is None:
             return
-        for seq, index in held.rows:
+        for seq, index in held.row_places():
             source = self._backend.path(commit_name(seq))
             commit = self._commits.get(("rows", seq))
             if commit is None:  # unreadable since its header was read

@@ -521,5 +521,9 @@ def end_scope(key: str) -> None:
 
 
 def as_store(target: CaptureDir) -> CaptureStore:
-    """Accept a path, a URL or a store wherever ``capture_dirs`` are taken."""
-    return target if isinstance(target, CaptureStore) else CaptureStore(target)
+    """Accept a path, a URL or a store wherever ``capture_dirs`` are taken.
+
+    A path or URL gets this process's shared store of it, so what it has read (a journal, read
+    from where it stopped) serves the next call too (a quiescence wait per rollout, say).
+    """
+    return target if isinstance(target, CaptureStore) else shared_store(os.fspath(target))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import shutil
 import signal
 import threading
 import uuid
@@ -238,7 +239,7 @@ async def test_the_answer_waits_for_its_claim_but_the_call_does_not() -> None:
 
 def test_the_merge_reads_a_journal_in_fewer_larger_gets(flaky_s3: tuple[S3, Any], s3: S3) -> None:
     """1,200 rows written by calls finishing together: the merge reads each commit once (one GET
-    a commit, not a row), plus a GET at each stream's end."""
+    a commit, not a row), plus the look past each stream's end."""
     writer = journal(s3.url("caps"), s3.storage_options).journal_writer
     futures = [
         writer.submit([row_entry(f"{r}-0", {**ROW, "model_call_id": f"{r}-{n}"})])
@@ -252,5 +253,19 @@ def test_the_merge_reads_a_journal_in_fewer_larger_gets(flaky_s3: tuple[S3, Any]
     batch = enrich_lines(lines, [CaptureStore(via.url("caps"), storage_options=via.storage_options)])
     assert batch.stats.calls == 1200 and not batch.stats.gaps
     counts = proxy.reset_counts()
-    assert counts["GET"] == commits + 2  # each commit once, and the first missing number of each stream
-    assert commits < 100 and counts.get("LIST", 0) <= 2 and "HEAD" not in counts
+    # each commit once, plus the numbers past each stream's end that its last window asked for
+    assert commits < 100 and counts["GET"] <= 2 * commits + 2
+    assert counts.get("LIST", 0) <= 2 and counts.get("HEAD", 0) <= 2  # (is the last one read still there)
+
+
+def test_a_journal_deleted_and_begun_again_is_read_afresh(tmp_path: Path) -> None:
+    """A long-lived process (a worker enriching run after run) keeps its store of a path; if the
+    capture dir is deleted and written again, its reader starts over rather than skip commits."""
+    url = str(tmp_path / "caps")
+    shared = reader(url, {})
+    journal(url, {}).record("again-0", {**ROW, "model_call_id": "old"})
+    journal(url, {}).record("again-0", {**ROW, "model_call_id": "old-2"})
+    assert len(shared.read("again-0")) == 2
+    shutil.rmtree(url)
+    journal(url, {}).record("again-0", {**ROW, "model_call_id": "new"})
+    assert [row["model_call_id"] for row in shared.read("again-0")] == ["new"]
