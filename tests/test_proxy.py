@@ -297,38 +297,33 @@ def test_a_verifier_names_its_invocation_in_a_header(proxy: Proxy) -> None:
     assert row["verifier_invocation_id"] == "v-7"
 
 
+def _calls_on_s3(upstream: str, s3: S3, **settings: Any) -> list[str]:
+    """One streamed call of each dialect through a proxy writing to S3; the keys it left there."""
+    on_s3 = Proxy(upstream, s3.url("caps"), storage_options=s3.storage_options, **settings)
+    try:
+        for dialect in DIALECTS:
+            sdk_call(on_s3.url, "s3-1", dialect, stream=True)
+        rows = on_s3.rows("s3-1")
+        assert [r["dialect"] for r in rows] == list(DIALECTS)
+        for row, dialect in zip(rows, DIALECTS, strict=True):
+            check_row(row, dialect, server_name=SERVER)
+        assert on_s3.store.claims(["s3-1"]) == {}  # every claim released with its row
+    finally:
+        on_s3.server.stop()
+    return sorted(k.split("/caps/", 1)[1] for k in s3.fs().find(f"{s3.bucket}/caps"))
+
+
 def test_the_proxy_writes_the_journal_on_s3_unless_told_otherwise(
     scripted_upstream: tuple[str, Any], s3: S3
 ) -> None:
     """Spec 2: on an object store a producer groups its calls' claims and rows into journal commits."""
-    on_s3 = Proxy(scripted_upstream[0], s3.url("caps"), storage_options=s3.storage_options)
-    try:
-        for dialect in DIALECTS:
-            sdk_call(on_s3.url, "s3-1", dialect, stream=True)
-        rows = on_s3.rows("s3-1")
-        assert [r["dialect"] for r in rows] == list(DIALECTS)
-        for row, dialect in zip(rows, DIALECTS, strict=True):
-            check_row(row, dialect, server_name=SERVER)
-        keys = sorted(k.split("/caps/", 1)[1] for k in s3.fs().find(f"{s3.bucket}/caps"))
-        assert keys and all(k.startswith("_journal/") for k in keys)  # no per-call object, no claim file
-        assert on_s3.store.claims(["s3-1"]) == {}  # every claim released with its row
-    finally:
-        on_s3.server.stop()
+    keys = _calls_on_s3(scripted_upstream[0], s3)
+    assert keys and all(k.startswith("_journal/") for k in keys)  # no per-call object, no claim file
 
 
 def test_the_proxy_writes_objects_on_s3(scripted_upstream: tuple[str, Any], s3: S3) -> None:
-    on_s3 = Proxy(scripted_upstream[0], s3.url("caps"), storage_options=s3.storage_options, layout="objects")
-    try:
-        for dialect in DIALECTS:
-            sdk_call(on_s3.url, "s3-1", dialect, stream=True)
-        rows = on_s3.rows("s3-1")
-        assert [r["dialect"] for r in rows] == list(DIALECTS)
-        for row, dialect in zip(rows, DIALECTS, strict=True):
-            check_row(row, dialect, server_name=SERVER)
-        keys = sorted(k.rsplit("/", 1)[1] for k in s3.fs().find(f"{s3.bucket}/caps"))
-        assert keys == ["000000000000.json", "000000000001.json", "000000000002.json"]  # no claims left
-    finally:
-        on_s3.server.stop()
+    keys = _calls_on_s3(scripted_upstream[0], s3, layout="objects")
+    assert keys == [f"s3-1.capture/00000000000{n}.json" for n in range(3)]  # no claims left
 
 
 # ---------------------------------------------------------------- a real proxy process
