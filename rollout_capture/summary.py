@@ -952,11 +952,11 @@ def _fold(
     rollout_of = chain.from_iterable(map(repeat, range(len(rollouts)), (r[1] for r in rollouts)))
     partials: dict[tuple[int, str], float] = {}
     get = partials.get
-    for key, value in zip(zip(rollout_of, names, strict=True), latency, strict=True):
+    for pair, value in zip(zip(rollout_of, names, strict=True), latency, strict=True):
         if value is not None:
-            partials[key] = get(key, 0.0) + value
-        elif key not in partials:
-            partials[key] = 0.0
+            partials[pair] = get(pair, 0.0) + value
+        elif pair not in partials:
+            partials[pair] = 0.0
     for (_, name), value in partials.items():
         models[name]["latency_ms_total"] += value
     for name, n in Counter(compress(names, map(_not_none, latency))).items():
