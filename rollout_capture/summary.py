@@ -749,9 +749,14 @@ _STR_OR_NONE = frozenset((str, _NONE))
 _NUMBER_OR_NONE = frozenset((int, float, _NONE))
 _STR = frozenset((str,))
 _not_none = partial(operator.is_not, None)
+_Rollout = tuple[str, int, int | None, int, Sequence[str], Sequence[str]]
+"""(rollout id, calls, metrics.tokens_total, verifier invocations, gap codes, observation gap codes)"""
 _OK_STATUSES = frozenset(range(200, 300))
 _MODEL_PASSES = 6
 """Up to this many models, a batch's tokens are summed by a C-level pass per model."""
+_FLUSH_ROWS = 512
+"""Calls held before they are counted: enough for the C-level passes to pay, few enough
+that the values they keep alive add nothing to a batch's peak memory."""
 
 
 def _failed(status_code: int | None, error_category: str | None) -> bool:
@@ -775,8 +780,7 @@ class AttachmentFold:
     def __init__(self, summary: EvidenceSummary) -> None:
         self._summary = summary
         self._rows: list[tuple[Any, ...]] = []
-        # (rollout id, calls, metrics.tokens_total, verifier invocations, gap codes, observation gap codes)
-        self._rollouts: list[tuple[str, int, int | None, int, list[str], list[str]]] = []
+        self._rollouts: list[_Rollout] = []
 
     def add(self, attachment: Mapping[str, Any], observation_gaps: Iterable[str] = ()) -> None:
         """Count one rollout's attachment (counted for good at the next :meth:`flush`)."""
@@ -801,9 +805,10 @@ class AttachmentFold:
             except KeyError:  # a call without some field: .get's None, one by one
                 del rows[start:]
             else:
-                self._rollouts.append(
-                    (rollout_id, len(calls), tokens, len(verifiers) if verifiers else 0, [], [])
-                )
+                invocations = len(verifiers) if verifiers else 0
+                self._rollouts.append((rollout_id, len(calls), tokens, invocations, (), ()))
+                if len(rows) >= _FLUSH_ROWS:  # what the rows hold stays alive until counted
+                    self.flush()
                 return
         self._add_checked(attachment, list(observation_gaps))
 
@@ -854,9 +859,7 @@ class AttachmentFold:
             self._summary.add_attachment(attachment, observed)
 
 
-def _rollout_parts(
-    attachment: Mapping[str, Any], observed: list[str]
-) -> tuple[str, int, int | None, int, list[str], list[str]]:
+def _rollout_parts(attachment: Mapping[str, Any], observed: list[str]) -> _Rollout:
     """What :meth:`EvidenceSummary.add_attachment` reads of a rollout beside its calls (raises as it does)."""
     calls = attachment.get("calls") or []
     metrics = attachment.get("metrics") or {}
@@ -890,7 +893,7 @@ def _canonical(columns: Sequence[Sequence[Any]]) -> bool:
 def _fold(
     summary: EvidenceSummary,
     columns: Sequence[Sequence[Any]],
-    rollouts: Sequence[tuple[str, int, int | None, int, list[str], list[str]]],
+    rollouts: Sequence[_Rollout],
 ) -> None:
     """Count canonical columns into the summary, as add_attachment would one rollout at a time."""
     status, category, dialect, verifier, latency, ttft, tokens_in, tokens_out, tokens_total, model, ref = (
