@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from examples.samples import DIALECTS, capture_rows, corpus_records, jsonl_bytes
 from rollout_capture import CaptureStore
+from rollout_capture import summary as summary_module
 from rollout_capture.batch import enrich_lines
 from rollout_capture.layout import jsonl_name
 from rollout_capture.summary import (
@@ -260,8 +261,13 @@ def test_a_value_of_another_type_fails_in_bulk_naming_the_call_as_one_by_one() -
 # ---------------------------------------------------------------- batches
 
 
-def test_a_batch_counts_its_evidence_as_summarizing_its_output(tmp_path: Path) -> None:
-    """enrich_lines counts in bulk; summarizing the lines it wrote counts one by one."""
+@pytest.mark.parametrize("held", [3, summary_module._FLUSH_ROWS])
+def test_a_batch_counts_its_evidence_as_summarizing_its_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: int
+) -> None:
+    """enrich_lines counts in bulk (counting every ``held`` calls); summarizing the lines it
+    wrote counts one by one."""
+    monkeypatch.setattr(summary_module, "_FLUSH_ROWS", held)
     captures = tmp_path / "captures"
     captures.mkdir()
     records = corpus_records(CORPUS)
