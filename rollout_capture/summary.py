@@ -754,7 +754,7 @@ _Rollout = tuple[str, int, int | None, int, Sequence[str], Sequence[str]]
 _OK_STATUSES = frozenset(range(200, 300))
 _MODEL_PASSES = 6
 """Up to this many models, a batch's tokens are summed by a C-level pass per model."""
-_FLUSH_ROWS = 512
+_FLUSH_ROWS = 256
 """Calls held before they are counted: enough for the C-level passes to pay, few enough
 that the values they keep alive add nothing to a batch's peak memory."""
 
