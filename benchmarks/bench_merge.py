@@ -1,6 +1,6 @@
 """Core merge throughput versus the orjson floor, on local disk, measured in one run.
 
-    python benchmarks/bench_merge.py [--rollouts 10000] [--repeat 2]
+    python benchmarks/bench_merge.py [--rollouts 10000] [--repeat 2] [--stages]
 
 The floor reads the same capture files and rollout lines and merely parses them with
 orjson (every row's full dict); the bytes floor only reads them and cuts their lines. The
@@ -8,7 +8,8 @@ merge loop reads what it needs of each line (typed decoding), merges and seriali
 enriched record. Each is timed
 by wall clock and by CPU time (``process_time``, which a busy shared machine disturbs
 less), best of interleaved rounds. Peak RSS is taken from separate processes at two
-corpus sizes, to show it does not grow with them.
+corpus sizes, to show it does not grow with them. ``--stages`` prints instead the CPU
+seconds of each stage of the merge, each run alone (where the time goes).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import msgspec
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -31,10 +33,16 @@ from pydantic import ValidationError
 
 from benchmarks import corpus
 from rollout_capture import CaptureStore, build_model_call_record, merge_model_call_capture_into_record
-from rollout_capture.batch import enrich_lines
+from rollout_capture.attachment import build_attachment
+from rollout_capture.batch import enrich_lines, splice_attachment
+from rollout_capture.evidence import Evidence, EvidenceReader
 from rollout_capture.identity import rollout_id_of
 from rollout_capture.layout import jsonl_name
 from rollout_capture.metrics import aggregate_call_dicts
+from rollout_capture.summary import AttachmentFold, EvidenceSummary
+from rollout_capture.typed_lines import identify_line
+from rollout_capture.typed_rows import _decode as typed_decode
+from rollout_capture.typed_rows import orjson_reads
 
 
 def floor(rollouts: Path, captures: Path) -> float:
@@ -176,6 +184,124 @@ def pydantic_loop(rollouts: Path, captures: Path) -> float:
     return time.perf_counter() - started
 
 
+def stages(rollouts: Path, captures: Path, batch_size: int = 1000) -> dict[str, float]:
+    """CPU seconds of each stage of the merge, each run alone over the whole corpus.
+
+    Where the merge's time goes: the stages are what :func:`merge_loop` does, taken apart
+    (``batch overhead`` is the merge less their sum). Each stage's output is dropped per
+    batch, as the merge drops it.
+    """
+    store = CaptureStore(captures)
+    with rollouts.open("rb") as handle:
+        batches = [lines for lines in iter(lambda: list(itertools.islice(handle, batch_size)), [])]
+    ids = [[item[0] for item in map(identify_line, lines) if item] for lines in batches]
+
+    def reader(batch: list[str]) -> Iterator[tuple[str, Evidence]]:
+        read = EvidenceReader(batch, [store])
+        return ((rollout_id, read.evidence(rollout_id)) for rollout_id in batch)
+
+    def read_lines() -> None:
+        with rollouts.open("rb") as handle:
+            while list(itertools.islice(handle, batch_size)):
+                pass
+
+    def reads() -> None:
+        for batch in ids:
+            for _ in reader(batch):
+                pass
+
+    def rows_alone(step: Callable[[bytes], object], whole: Callable[[bytes], object] | None = None) -> None:
+        for batch in ids:
+            for _, evidence in reader(batch):
+                snap = evidence.snapshot
+                for data in [part[1] for part in snap.parsed._parts if part[0] == "jsonl"] if snap else ():
+                    if whole is not None:
+                        whole(data)
+                        continue
+                    find, end, start = data.find, len(data), 0
+                    while start < end:
+                        stop = find(b"\n", start)
+                        stop = end if stop < 0 else stop
+                        try:  # noqa: SIM105 - contextlib.suppress would slow the stage down
+                            step(data[start:stop])
+                        except msgspec.DecodeError:
+                            pass
+                        start = stop + 1
+
+    def records() -> None:
+        for batch in ids:
+            for _, evidence in reader(batch):
+                if evidence.snapshot is not None:
+                    evidence.snapshot.record_rows(False)
+
+    def attachments() -> None:
+        for batch in ids:
+            for rollout_id, evidence in reader(batch):
+                build_attachment(rollout_id, evidence)
+
+    built = [[build_attachment(r, e) for r, e in reader(batch)] for batch in ids[:2]]
+    repeat = max(1, len(ids) // max(1, len(built)))
+
+    def splices() -> None:
+        for _ in range(repeat):
+            for lines, batch in zip(batches, built, strict=False):
+                for line, attachment in zip(lines, batch, strict=False):
+                    splice_attachment(line, attachment)
+
+    def folds() -> None:
+        for _ in range(repeat):
+            for batch in built:
+                fold = AttachmentFold(EvidenceSummary())
+                for attachment in batch:
+                    fold.add(attachment)
+                fold.flush()
+
+    timed: dict[str, Callable[[], object]] = {
+        "read rollout lines": read_lines,
+        "identify rollout lines (typed)": lambda: [identify_line(line) for b in batches for line in b],
+        "  of which the UTF-8 check": lambda: [orjson_reads(line) for b in batches for line in b],
+        "read captures": reads,
+        "cut + UTF-8 check + decode + build records": records,
+        "  cut + decode rows (msgspec)": lambda: rows_alone(typed_decode),
+        "  UTF-8 check of captures": lambda: rows_alone(orjson_reads, whole=orjson_reads),
+        "attachments (records, metrics, gaps)": attachments,
+        "dump + splice": splices,
+        "evidence fold": folds,
+        "merge": lambda: merge_loop(rollouts, captures, batch_size),
+        "floor": lambda: floor(rollouts, captures),
+    }
+    best = dict.fromkeys(timed, float("inf"))
+    for _ in range(3):
+        for name, run in timed.items():
+            started = time.process_time()
+            run()
+            best[name] = min(best[name], time.process_time() - started)
+    best["read captures (alone)"] = best["read captures"]
+    for name in ("cut + UTF-8 check + decode + build records", "attachments (records, metrics, gaps)"):
+        best[name] -= best["read captures"]
+    best["  build records (the rest)"] = (
+        best["cut + UTF-8 check + decode + build records"]
+        - best["  cut + decode rows (msgspec)"]
+        - best["  UTF-8 check of captures"]
+        + 2 * best["read captures"]
+    )
+    best["  cut + decode rows (msgspec)"] -= best["read captures"]
+    best["  UTF-8 check of captures"] -= best["read captures"]
+    best["attachments (metrics, gaps): the rest"] = (
+        best["attachments (records, metrics, gaps)"] - best["cut + UTF-8 check + decode + build records"]
+    )
+    parts = (
+        "read rollout lines",
+        "identify rollout lines (typed)",
+        "read captures",
+        "attachments (records, metrics, gaps)",
+        "dump + splice",
+        "evidence fold",
+    )
+    best["batch overhead (merge less the stages)"] = best["merge"] - sum(best[name] for name in parts)
+    return {name: round(value, 3) for name, value in best.items()}
+
+
 def peak_rss_mb(rollouts: int, repeat: int) -> float:
     """Peak RSS of a fresh process merging a corpus of this size."""
     return corpus.peak_rss_mb_of(
@@ -192,9 +318,14 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=10_000)
     parser.add_argument("--repeat", type=int, default=2, help="turn multiplier: calls per rollout")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--stages", action="store_true", help="only the CPU seconds of each merge stage")
     args = parser.parse_args()
 
     rollouts, captures = corpus.build(args.rollouts, repeat=args.repeat)
+    if args.stages:
+        floor(rollouts, captures)  # warm the page cache
+        print(json.dumps({"rollouts": args.rollouts, "cpu_s": stages(rollouts, captures)}, indent=2))
+        return
     sizes = corpus.manifest(rollouts)
     runs: dict[str, Callable[[Path, Path], object]] = {
         "floor": floor,

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rollout_capture.call_records import call_record_dict, verifier_invocation_dict
+from rollout_capture.call_records import BuiltCall, call_record_dict, verifier_invocation_dict
 from rollout_capture.claims import partition
 from rollout_capture.evidence import Evidence
 from rollout_capture.metrics import aggregate_call_dicts
@@ -56,6 +56,11 @@ def build_attachment(
         rows, damage = snap.record_rows(include_payloads)
         damaged = len(damage)
         for call_index, row in rows:
+            if type(row) is BuiltCall:  # read typed: its record is built (call_record_dict's)
+                record = row.record
+                record["call_index"] = call_index
+                calls.append(record)
+                continue
             kind = row.get("kind")
             try:
                 if kind is None or kind == "model_call":

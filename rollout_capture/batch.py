@@ -28,7 +28,7 @@ from rollout_capture.identity import rollout_id_of
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
 from rollout_capture.rollout_files import split_lines
 from rollout_capture.store import CaptureDir, CaptureStore, as_store
-from rollout_capture.summary import EvidenceSummary, observation_gap_codes
+from rollout_capture.summary import AttachmentFold, EvidenceSummary, observation_gap_codes
 from rollout_capture.typed_lines import identify_line
 from rollout_capture.typed_rows import Untyped
 
@@ -313,7 +313,7 @@ def _enrich(
     id_lines: dict[str, list[int]] = {}
     gaps: Counter[str] = Counter()
     rollouts = calls = tokens_in = tokens_out = tokens_total = gapped = 0
-    summary = stats.evidence
+    fold = AttachmentFold(stats.evidence)  # counted in bulk: see AttachmentFold
     for number, (line, item) in enumerate(zip(lines, identified, strict=True), first_line):
         if item is None:
             out.append(_bare(line))
@@ -324,11 +324,11 @@ def _enrich(
         attachment = build_attachment(rollout_id, evidence, include_payloads=include_payloads)
         if only_added:
             out.append(splice_attachment(line, attachment))
-            summary.add_attachment(attachment)
+            fold.add(attachment)
         else:  # the record already has our key or agent observations: merge into it
             record = attach(orjson.loads(line), attachment)
             out.append(orjson.dumps(record))
-            summary.add_attachment(attachment, observation_gap_codes(record))
+            fold.add(attachment, observation_gap_codes(record))
         metrics = attachment["metrics"]
         rollouts += 1
         calls += metrics["num_calls"]
@@ -338,6 +338,7 @@ def _enrich(
         if "gaps" in attachment:
             gapped += 1
             gaps.update(gap["code"] for gap in attachment["gaps"])
+    fold.flush()
     stats.rollouts, stats.calls = rollouts, calls
     stats.tokens_in, stats.tokens_out, stats.tokens_total = tokens_in, tokens_out, tokens_total
     stats.rollouts_with_gaps = gapped

@@ -290,16 +290,21 @@ def _usage_stats(
     tokens_total: Any = usage.total_tokens
     if type(tokens_total) is not int or tokens_total < 0:
         tokens_total = None if tokens_in is None or tokens_out is None else tokens_in + tokens_out
-    reasoning: Any = _detail_count(usage.output_tokens_details, "reasoning_tokens")
+    # A details group is looked into only where there is one (a call each costs more).
+    details: Any = usage.output_tokens_details
+    reasoning: Any = _detail_count(details, "reasoning_tokens") if type(details) is _Details else None
     if reasoning is None:
-        reasoning = _detail_count(usage.completion_tokens_details, "reasoning_tokens")
+        details = usage.completion_tokens_details
+        reasoning = _detail_count(details, "reasoning_tokens") if type(details) is _Details else None
         if reasoning is None:
             reasoning = usage.reasoning_output_tokens
             if type(reasoning) is not int or reasoning < 0:
                 reasoning = None
-    cached_tokens: Any = _detail_count(usage.prompt_tokens_details, "cached_tokens")
+    details = usage.prompt_tokens_details
+    cached_tokens: Any = _detail_count(details, "cached_tokens") if type(details) is _Details else None
     if cached_tokens is None:
-        cached_tokens = _detail_count(usage.input_tokens_details, "cached_tokens")
+        details = usage.input_tokens_details
+        cached_tokens = _detail_count(details, "cached_tokens") if type(details) is _Details else None
         if cached_tokens is None:
             cached_tokens = cache_read
             if cached_tokens is None:

@@ -1,0 +1,298 @@
+"""Evidence counted in bulk (AttachmentFold, Sketch.add_many) against the one-by-one way.
+
+The bulk way must leave the summary exactly as counting each attachment and value one by
+one: the same counts, the same key order, the same float sums to the last bit, the same
+errors. Summaries are compared by the repr of their dump (order and every float bit).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from examples.samples import DIALECTS, capture_rows, corpus_records, jsonl_bytes
+from rollout_capture import CaptureStore
+from rollout_capture import summary as summary_module
+from rollout_capture.batch import enrich_lines
+from rollout_capture.layout import jsonl_name
+from rollout_capture.summary import (
+    EXACT_LIMIT,
+    AttachmentFold,
+    EvidenceShapeError,
+    EvidenceSummary,
+    Sketch,
+    summarize_records,
+)
+from tests.conftest import CORPUS
+
+FIELDS = (
+    "status_code",
+    "error_category",
+    "dialect",
+    "verifier_invocation_id",
+    "latency_total_ms",
+    "latency_ttft_ms",
+    "tokens_in",
+    "tokens_out",
+    "tokens_total",
+    "model",
+    "model_ref",
+)
+"""The fields of a call a summary reads."""
+
+
+def dumped(model: Any) -> str:
+    return repr(model.model_dump())
+
+
+# ---------------------------------------------------------------- Sketch.add_many
+
+
+def one_by_one(sketch: Sketch, values: list[Any]) -> None:
+    """Sketch.add_many as it was: a Python loop, one value at a time (the reference)."""
+    inv = 1 / math.log(1.02)
+    for value in values:
+        fields = sketch.__dict__
+        if value <= 0:
+            value = 0.0
+            fields["zeros"] += 1
+        else:
+            key = math.floor(math.log(value) * inv)
+            sketch.buckets[key] = sketch.buckets.get(key, 0) + 1
+        fields["count"] += 1
+        fields["total"] += value
+        if sketch.min is None or value < sketch.min:
+            fields["min"] = value
+        if sketch.max is None or value > sketch.max:
+            fields["max"] = value
+        if sketch.values is not None:
+            if sketch.count <= EXACT_LIMIT:
+                sketch.values.append(float(value))
+            else:
+                fields["values"] = None
+
+
+numbers = st.one_of(
+    st.floats(min_value=-1e6, max_value=1e12, allow_nan=False),
+    st.integers(min_value=-5, max_value=2**70),
+    st.sampled_from([0, 0.0, -0.0, 1, 1.0, 5e-324, 1e-300]),
+)
+
+
+@given(st.lists(st.lists(numbers, max_size=40), max_size=6), st.integers(0, EXACT_LIMIT + 5))
+@settings(max_examples=300, deadline=None)
+def test_add_many_counts_as_one_by_one(chunks: list[list[Any]], already: int) -> None:
+    bulk, reference = Sketch(), Sketch()
+    warmup = [float(i % 97 + 1) for i in range(already)]  # near the exact limit, or past it
+    bulk.add_many(warmup)
+    one_by_one(reference, warmup)
+    for chunk in chunks:
+        bulk.add_many(iter(chunk))
+        one_by_one(reference, chunk)
+    assert dumped(bulk) == dumped(reference)
+    assert bulk.percentiles() == reference.percentiles()
+
+
+def test_an_infinite_value_fails_as_before() -> None:
+    with pytest.raises(OverflowError):
+        Sketch().add_many([1.0, math.inf])
+
+
+# ---------------------------------------------------------------- AttachmentFold
+
+status_codes = st.one_of(st.none(), st.sampled_from([200, 201, 404, 429, 500, 302, 99, 700]))
+texts = st.one_of(st.none(), st.sampled_from(["", "timeout", "http_5xx", "chat", "responses"]))
+counts = st.one_of(st.none(), st.integers(0, 10**6), st.just(0))
+latencies = st.one_of(
+    st.none(), st.floats(min_value=-10, max_value=1e7, allow_nan=False), st.integers(-2, 10**4)
+)
+models = st.one_of(st.none(), st.sampled_from(["", "m-a", "m-b", "m-c"]), st.integers(0, 2))
+REF = {"type": "responses_api_models", "name": "policy"}
+refs = st.one_of(st.none(), st.just(REF), st.just({"name": ""}))
+odd = st.one_of(st.booleans(), st.floats(0, 1e4, allow_nan=False), st.text(max_size=2), st.just([1]))
+
+
+@st.composite
+def calls(draw: st.DrawFn) -> Any:
+    call: dict[str, Any] = {
+        "model_call_id": draw(st.one_of(st.none(), st.text(max_size=3))),
+        "status_code": draw(status_codes),
+        "error_category": draw(texts),
+        "dialect": draw(texts),
+        "verifier_invocation_id": draw(st.one_of(st.none(), st.sampled_from(["", "v-1"]))),
+        "latency_total_ms": draw(latencies),
+        "latency_ttft_ms": draw(latencies),
+        "tokens_in": draw(counts),
+        "tokens_out": draw(counts),
+        "tokens_total": draw(counts),
+        "model": draw(models),
+        "model_ref": draw(refs),
+    }
+    shape = draw(st.integers(0, 60))
+    if shape == 0:  # a value of another type: coerced, or an error
+        call[draw(st.sampled_from(sorted(call)))] = draw(odd)
+    elif shape == 1:  # a field left out: .get's None
+        del call[draw(st.sampled_from(sorted(call)))]
+    elif shape == 2:
+        return draw(st.sampled_from([[], "call", 3]))  # not a mapping
+    return call
+
+
+@st.composite
+def attachments(draw: st.DrawFn) -> tuple[Any, list[str]]:
+    attachment: dict[str, Any] = {
+        "rollout_id": draw(st.sampled_from(["r-1", "r-2", "r-3", "24-1"])),
+        "metrics": {"tokens_total": draw(counts)},
+        "calls": draw(st.lists(calls(), max_size=6)),
+    }
+    shape = draw(st.integers(0, 20))
+    if shape == 0:
+        odd_metrics = [None, {}, {"tokens_total": 2.5}, {"tokens_total": "x"}]
+        attachment["metrics"] = draw(st.sampled_from(odd_metrics))
+    elif shape == 1:
+        attachment["calls"] = draw(st.sampled_from([None, (), {}]))
+    elif shape == 2:
+        attachment["gaps"] = draw(st.sampled_from([[{"code": 1}], "gaps"]))
+    if draw(st.booleans()):
+        codes = st.sampled_from(["model_call_capture_incomplete", "g-a", "g-b"])
+        attachment["gaps"] = [{"code": c} for c in draw(st.lists(codes, max_size=3))]
+    if draw(st.booleans()):
+        attachment["verifier_invocations"] = draw(st.sampled_from([[], [{}], [{}, {}]]))
+    observed = draw(st.lists(st.sampled_from(["agent_observation_join_failed", "g-a", "o-1"]), max_size=3))
+    return attachment, observed
+
+
+def count_both_ways(
+    items: list[tuple[Any, list[str]]], flushes: set[int]
+) -> tuple[tuple[str, str | None], tuple[str, str | None]]:
+    """``((dump, error) one by one, (dump, error) in bulk)``, each stopping at its first error."""
+    results = []
+    for bulk in (False, True):
+        summary = EvidenceSummary()
+        fold = AttachmentFold(summary)
+        error = None
+        try:
+            for index, (attachment, observed) in enumerate(items):
+                if bulk:
+                    fold.add(attachment, iter(observed))
+                    if index in flushes:
+                        fold.flush()
+                else:
+                    summary.add_attachment(attachment, observed)
+            fold.flush()
+        except (EvidenceShapeError, TypeError, AttributeError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        results.append((dumped(summary), error))
+    return results[0], results[1]
+
+
+@given(st.lists(attachments(), max_size=12), st.sets(st.integers(0, 12)))
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_the_fold_counts_as_one_by_one(items: list[tuple[Any, list[str]]], flushes: set[int]) -> None:
+    one, bulk = count_both_ways(items, flushes)
+    assert bulk == one
+
+
+def test_float_sums_keep_their_order_across_a_rollout_counted_one_by_one() -> None:
+    """A model's latency total is added rollout by rollout, also around one counted apart."""
+    call = dict.fromkeys(FIELDS)
+    apart = {k: v for k, v in call.items() if k != "dialect"}  # a field left out: one by one
+    items: list[tuple[Any, list[str]]] = [
+        ({"rollout_id": "r-1", "calls": [apart | {"latency_total_ms": 2390091.7824230585}]}, []),
+        ({"rollout_id": "r-2", "calls": [call | {"latency_total_ms": 5998517.067499143}]}, []),
+        ({"rollout_id": "r-3", "calls": [call | {"latency_total_ms": 1.3205917284358293}]}, []),
+    ]
+    one, bulk = count_both_ways(items, set())
+    assert "'latency_ms_total': 8388610.170513932" in one[0]
+    assert bulk == one
+
+
+def test_the_fold_of_many_models_caps_them_as_one_by_one() -> None:
+    items = [
+        (
+            {
+                "rollout_id": f"r-{k}",
+                "metrics": {"tokens_total": k},
+                "calls": [
+                    {
+                        "status_code": 200 if i % 3 else 500,
+                        "error_category": None if i % 3 else "http_5xx",
+                        "dialect": "chat",
+                        "verifier_invocation_id": None,
+                        "latency_total_ms": 0.1 * i + k,
+                        "latency_ttft_ms": None,
+                        "tokens_in": i,
+                        "tokens_out": 1,
+                        "tokens_total": i + 1,
+                        "model": f"m-{(k * 7 + i) % 60}",
+                        "model_ref": None,
+                    }
+                    for i in range(4)
+                ],
+            },
+            [],
+        )
+        for k in range(40)
+    ]
+    one, bulk = count_both_ways(items, set())
+    assert one[1] is None and bulk == one
+    assert "'(other models)'" in one[0]
+
+
+def test_a_value_of_another_type_fails_in_bulk_naming_the_call_as_one_by_one() -> None:
+    call = dict.fromkeys(FIELDS) | {"status_code": 200, "tokens_in": 3}
+    good = {"rollout_id": "r-1", "calls": [call]}
+    bad = {"rollout_id": "r-2", "calls": [call, call | {"tokens_in": "3"}]}
+    summary = EvidenceSummary()
+    fold = AttachmentFold(summary)
+    fold.add(good)
+    fold.add(bad)
+    with pytest.raises(EvidenceShapeError, match=r"ng_model_call_capture\.calls\[1\]\.tokens_in"):
+        fold.flush()
+    assert (summary.rollouts, summary.calls, summary.tokens_in) == (1, 1, 3)  # r-1 only, as one by one
+
+
+# ---------------------------------------------------------------- batches
+
+
+@pytest.mark.parametrize("held", [3, summary_module._FLUSH_ROWS])
+def test_a_batch_counts_its_evidence_as_summarizing_its_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: int
+) -> None:
+    """enrich_lines counts in bulk (counting every ``held`` calls); summarizing the lines it
+    wrote counts one by one."""
+    monkeypatch.setattr(summary_module, "_FLUSH_ROWS", held)
+    captures = tmp_path / "captures"
+    captures.mkdir()
+    records = corpus_records(CORPUS)
+    lines = []
+    for index in range(60):
+        record = dict(records[index % len(records)])
+        record.pop("ng_model_call_capture", None)
+        record["_ng_task_index"], record["_ng_rollout_index"] = index // 4, index % 4
+        rollout_id = f"{index // 4}-{index % 4}"
+        rows = capture_rows(
+            record, rollout_id, dialect=DIALECTS[index % 3], seed=index, repeat=2, verifier=index % 5 == 0
+        )
+        data = jsonl_bytes(rows) + (b'{"torn": ' if index % 7 == 0 else b"")
+        if index % 11 != 3:  # some rollouts have no captures: a gap
+            (captures / jsonl_name(rollout_id)).write_bytes(data)
+        if index % 9 == 0:  # observations: merged in full, their gaps counted too
+            record["ng_agent_observations"] = {"source": "t", "invocations": [], "gaps": [{"code": "o-1"}]}
+        lines.append(orjson.dumps(record))
+    store = CaptureStore(captures)
+    batched = EvidenceSummary()
+    for start in range(0, len(lines), 25):
+        batched.merge(enrich_lines(lines[start : start + 25], [store], first_line=start + 1).stats.evidence)
+    expected = EvidenceSummary()
+    for start in range(0, len(lines), 25):
+        out = enrich_lines(lines[start : start + 25], [store], first_line=start + 1).lines
+        expected.merge(summarize_records(orjson.loads(line) for line in out))
+    assert batched.calls > 100 and batched.gaps and batched.observation_gaps
+    assert dumped(batched) == dumped(expected)
