@@ -728,7 +728,7 @@ class EvidenceSummary(BaseModel):
 
 # ---------------------------------------------------------------------- in bulk
 
-_CALL_KEYS = (
+CALL_FIELDS = (
     "status_code",
     "error_category",
     "dialect",
@@ -741,8 +741,8 @@ _CALL_KEYS = (
     "model",
     "model_ref",
 )
-_CALL_FIELDS = operator.itemgetter(*_CALL_KEYS)
-"""Every field of a call :meth:`EvidenceSummary.add_attachment` reads, in one C call."""
+"""Every field of a call :meth:`EvidenceSummary.add_attachment` reads."""
+_CALL_FIELDS = operator.itemgetter(*CALL_FIELDS)  # all of them in one C call
 _NONE = type(None)
 _INT_OR_NONE = frozenset((int, _NONE))
 _STR_OR_NONE = frozenset((str, _NONE))
@@ -840,7 +840,7 @@ class AttachmentFold:
         if not rollouts:
             return
         self._rollouts, self._rows = [], []
-        columns = list(zip(*rows, strict=True)) if rows else [()] * len(_CALL_KEYS)
+        columns = list(zip(*rows, strict=True)) if rows else [()] * len(CALL_FIELDS)
         if _canonical(columns):
             _fold(self._summary, columns, rollouts)
             return
@@ -848,7 +848,7 @@ class AttachmentFold:
         for rollout_id, count, tokens, verifiers, codes, observed in rollouts:
             attachment: dict[str, Any] = {
                 "rollout_id": rollout_id,
-                "calls": [dict(zip(_CALL_KEYS, row, strict=True)) for row in rows[start : start + count]],
+                "calls": [dict(zip(CALL_FIELDS, row, strict=True)) for row in rows[start : start + count]],
                 "metrics": {"tokens_total": tokens},
             }
             if verifiers:

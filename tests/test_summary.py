@@ -22,6 +22,7 @@ from rollout_capture import summary as summary_module
 from rollout_capture.batch import enrich_lines
 from rollout_capture.layout import jsonl_name
 from rollout_capture.summary import (
+    CALL_FIELDS,
     EXACT_LIMIT,
     AttachmentFold,
     EvidenceShapeError,
@@ -31,20 +32,7 @@ from rollout_capture.summary import (
 )
 from tests.conftest import CORPUS
 
-FIELDS = (
-    "status_code",
-    "error_category",
-    "dialect",
-    "verifier_invocation_id",
-    "latency_total_ms",
-    "latency_ttft_ms",
-    "tokens_in",
-    "tokens_out",
-    "tokens_total",
-    "model",
-    "model_ref",
-)
-"""The fields of a call a summary reads."""
+FIELDS = CALL_FIELDS  # the fields of a call a summary reads
 
 
 def dumped(model: Any) -> str:
