@@ -269,3 +269,20 @@ def test_a_journal_deleted_and_begun_again_is_read_afresh(tmp_path: Path) -> Non
     shutil.rmtree(url)
     journal(url, {}).record("again-0", {**ROW, "model_call_id": "new"})
     assert [row["model_call_id"] for row in shared.read("again-0")] == ["new"]
+
+
+def test_a_failed_commit_marks_its_rollouts_and_its_number_is_not_skipped(flaky_s3: tuple[S3, Any]) -> None:
+    """The store refuses the commit: its rollouts are marked incomplete, the error reaches the caller,
+    and the next commit takes the same number (no hole for readers to stop at)."""
+    via, proxy = flaky_s3
+    store = journal(via.url("caps"), via.storage_options)
+    store.record("f-0", {**ROW, "model_call_id": "a"})
+    proxy.deny_on(f"PUT /{via.bucket}/caps/{JOURNAL_DIR}/".encode())
+    with pytest.raises(OSError):
+        store.record("f-1", {**ROW, "model_call_id": "refused"})
+    proxy.deny_on(None)
+    store.record("f-1", {**ROW, "model_call_id": "b"})
+    read = reader(via.url("caps"), via.storage_options)
+    assert read.is_incomplete("f-1") and not read.is_incomplete("f-0")
+    assert [row["model_call_id"] for row in read.read("f-1")] == ["b"]
+    assert _commits(read) == [0, 1]  # the refused write's number went to the next commit
