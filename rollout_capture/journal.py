@@ -35,13 +35,13 @@ import orjson
 from rollout_capture.backends.base import Backend, Fetched
 from rollout_capture.claims import Claim, claim_body, read_claim
 from rollout_capture.identity import validate_rollout_id
+from rollout_capture.layout import JOURNAL_DIR
 from rollout_capture.rows import Damage, ParsedRows, add_journal_row
 from rollout_capture.sequence import create_numbered, first_absent
 from rollout_capture.snapshot import RolloutSnapshot
 
 logger = logging.getLogger(__name__)
 
-JOURNAL_DIR = "_journal"
 SEQ_WIDTH = 12
 FORMAT = 1
 Op = Literal["claim", "row", "release", "clear"]
@@ -188,7 +188,6 @@ def _nonce_of(body: bytes) -> str | None:
 class _Submission:
     entries: list[Entry]
     future: concurrent.futures.Future[int]
-    size: int = 0
 
 
 class JournalWriter:
@@ -263,7 +262,7 @@ class JournalWriter:
                     continue
                 if ready and size + sum(map(len, built)) > MAX_COMMIT_BYTES:
                     with self._cond:  # too big to ride along: first in line for the next commit
-                        self._queue.insert(0, _Submission(submission.entries, submission.future))
+                        self._queue.insert(0, submission)
                     continue
                 size += sum(map(len, built))
                 headers.extend(e.header() for e in submission.entries)

@@ -19,6 +19,8 @@ MARKER_SUFFIX = ".capture.incomplete"
 OBJECTS_SUFFIX = ".capture"
 CLAIMS_SUFFIX = ".capture.claims"
 SEQ_WIDTH = 12
+JOURNAL_DIR = "_journal"
+"""The folder of the journal layout's commits (``rollout_capture.journal``): shared by all rollouts."""
 
 
 def jsonl_name(rollout_id: str) -> str:

@@ -37,7 +37,7 @@ from rollout_capture.backends.base import Backend, Fetched, ListingScope, Named,
 from rollout_capture.claims import Claim
 from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY, join, protocol_of
 from rollout_capture.identity import validate_rollout_id
-from rollout_capture.layout import Entry, RolloutListing, group_entries, objects_dir
+from rollout_capture.layout import JOURNAL_DIR, Entry, RolloutListing, group_entries, objects_dir
 from rollout_capture.snapshot import RolloutSnapshot, claims_of, listed_paths, parse_snapshot
 
 KEYS_PER_PAGE = 1000
@@ -90,9 +90,6 @@ def named_entries(folder: str, listed: list[dict[str, Any]]) -> dict[str, Named]
         size = None if is_folder else info.get("size")
         out[name] = Named(name, path, is_folder, size, None if is_folder else _mtime(info))
     return out
-
-
-JOURNAL_PREFIX = "_journal/"
 
 
 class RootListing(dict[str, RolloutListing]):
@@ -194,7 +191,7 @@ class ObjectStoreBackend(Backend):
         entries = self._entries("", budget)
         self._root_keys = len(entries)
         flat = RootListing(group_entries(entries))
-        flat.journal = any(relative.startswith(JOURNAL_PREFIX) for relative, _ in entries)
+        flat.journal = any(relative.startswith(JOURNAL_DIR + "/") for relative, _ in entries)
         return flat
 
     def _one_by_one(self, ids: Sequence[str]) -> dict[str, RolloutListing]:
