@@ -116,3 +116,17 @@ def test_jobs_sharing_a_store_in_parallel_each_keep_their_listing(flaky_s3: tupl
             calls += enrich_lines(lines[start : start + 10], [store], scope=job).stats.calls
     assert calls == 3 * 240
     assert proxy.reset_counts() == {"LIST": 3 * 2, "GET": 3 * 240}
+
+
+def test_a_missing_file_costs_one_head_and_no_listing(flaky_s3: tuple[S3, Any]) -> None:
+    """A marker looked for, a sequence probed: s3fs would list the prefix after each miss (to tell a
+    folder); every path asked is a file, so a miss is one HEAD."""
+    via, proxy = flaky_s3
+    store = CaptureStore(via.url("caps"), storage_options=via.storage_options)
+    proxy.reset_counts()
+    assert not store.is_incomplete("m-0")
+    assert proxy.reset_counts() == {"HEAD": 1}
+    store.mark_incomplete("m-0")
+    proxy.reset_counts()
+    assert store.is_incomplete("m-0")
+    assert proxy.reset_counts() == {"HEAD": 1}

@@ -55,7 +55,8 @@ class UnsafeStoreError(ValueError):
     """A store that cannot create a file only if it is absent, asked to do so: refused, never emulated."""
 
 
-def _mtime(info: dict[str, Any]) -> float | None:
+def mtime_of(info: dict[str, Any]) -> float | None:
+    """The modification time (epoch s) an fsspec info dict gives, whatever the store calls it."""
     for key in ("LastModified", "mtime", "updated", "created", "last_modified"):
         value = info.get(key)
         if isinstance(value, datetime):
@@ -88,7 +89,7 @@ def named_entries(folder: str, listed: list[dict[str, Any]]) -> dict[str, Named]
             continue
         is_folder = info.get("type") == "directory"
         size = None if is_folder else info.get("size")
-        out[name] = Named(name, path, is_folder, size, None if is_folder else _mtime(info))
+        out[name] = Named(name, path, is_folder, size, None if is_folder else mtime_of(info))
     return out
 
 
@@ -168,7 +169,7 @@ class ObjectStoreBackend(Backend):
                 continue
             relative = name[start:]
             if relative.startswith(prefix):
-                out.append((relative, Entry(name, info.get("size"), _mtime(info))))
+                out.append((relative, Entry(name, info.get("size"), mtime_of(info))))
         return out
 
     def _listed_files(self, prefix: str, limit: int | None) -> list[tuple[str, dict[str, Any]]]:
@@ -303,7 +304,7 @@ class ObjectStoreBackend(Backend):
         out: list[float | None] = []
         for path in paths:  # open claims only: a handful
             try:
-                out.append(_mtime(self.fs.info(path)))
+                out.append(mtime_of(self.fs.info(path)))
             except FileNotFoundError:
                 out.append(None)
         return out

@@ -10,13 +10,13 @@ read would send first (``max_concurrency=1``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from fsspec.asyn import sync as fsspec_sync
 
 from rollout_capture.backends.base import Named
-from rollout_capture.backends.object_store import ListingTooLarge, ObjectStoreBackend, named_entries
+from rollout_capture.backends.object_store import ListingTooLarge, ObjectStoreBackend, mtime_of, named_entries
 
 
 class S3Backend(ObjectStoreBackend):
@@ -24,6 +24,26 @@ class S3Backend(ObjectStoreBackend):
 
     atomic_create = True  # PutObject If-None-Match: *
     _read_kwargs: ClassVar[Mapping[str, Any]] = {"max_concurrency": 1}  # one GET, no HEAD first
+
+    def _head(self, path: str) -> dict[str, Any] | None:
+        """One HEAD of a file; None when it is not there. (s3fs's ``exists``/``info`` list the
+        prefix after a miss, to tell a folder: every path asked here is a file.)"""
+        bucket, key, _ = self.fs.split_path(path)
+        if not key:
+            return None
+        try:
+            found: dict[str, Any] = fsspec_sync(
+                self.fs.loop, self.fs._call_s3, "head_object", Bucket=bucket, Key=key
+            )
+        except FileNotFoundError:
+            return None
+        return found
+
+    def exists(self, path: str) -> bool:
+        return self._head(path) is not None
+
+    def modified(self, paths: Sequence[str]) -> list[float | None]:
+        return [None if (head := self._head(path)) is None else mtime_of(head) for path in paths]
 
     def _listed_files(self, prefix: str, limit: int | None) -> list[tuple[str, dict[str, Any]]]:
         if not hasattr(self.fs, "_iterdir"):  # an s3fs too old for it: fsspec's find
