@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from rollout_capture.filesystem import is_local
 from rollout_capture.journal import release_entry
 from rollout_capture.producer.settings import ProducerSettings
 from rollout_capture.store import CaptureStore, ClaimContext, finish_shielded
@@ -123,10 +124,14 @@ class CaptureWriter:
 
     async def _shielded(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn`` on the writer's threads; finish it even if the caller is cancelled."""
+        return await self._in_flight(self._threads.submit(fn, *args))
+
+    async def _in_flight(self, future: asyncio.Future[T]) -> T:
+        """Wait for a write, counted as in flight (:meth:`wait_idle`), finished even if cancelled."""
         with self._lock:
             self._pending += 1
         try:
-            return await finish_shielded(self._threads.submit(fn, *args))
+            return await finish_shielded(future)
         finally:
             with self._lock:
                 self._pending -= 1
@@ -224,16 +229,8 @@ class CaptureWriter:
         return not self._local
 
     async def _committed(self, future: concurrent.futures.Future[int]) -> None:
-        """Wait for a journal submission, counted as a write in flight, finished even if cancelled."""
-        with self._lock:
-            self._pending += 1
-        try:
-            await finish_shielded(asyncio.wrap_future(future))
-        finally:
-            with self._lock:
-                self._pending -= 1
-                if not self._pending:
-                    self._idle.notify_all()
+        """Wait for a journal submission (a write in flight like any other)."""
+        await self._in_flight(asyncio.wrap_future(future))
 
     async def _mark_later(self, rollout_id: str) -> None:
         await self._shielded(self._mark, rollout_id)
@@ -355,8 +352,9 @@ def writer_for(settings: ProducerSettings) -> CaptureWriter:
     ``auto`` writes JSONL on a local disk (NeMo Gym's layout) and the journal on object stores,
     where a request per call is what a run costs (spec 2).
     """
-    store = CaptureStore(settings.root, storage_options=settings.storage_options, layout=settings.layout)
-    if settings.layout == "auto" and store.layout == "objects":
-        store = CaptureStore(settings.root, storage_options=settings.storage_options, layout="journal")
+    layout = settings.layout
+    if layout == "auto" and not is_local(settings.root):
+        layout = "journal"
+    store = CaptureStore(settings.root, storage_options=settings.storage_options, layout=layout)
     store.refuse_unsafe_writes()  # at startup, not as a logged failure at every call
     return CaptureWriter(store, claim_ttl_s=settings.claim_ttl_s, io_threads=settings.io_threads)
