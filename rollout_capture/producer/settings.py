@@ -32,6 +32,7 @@ ENV_NAMES: dict[str, str] = {
     "max_body_bytes": "ROLLOUT_CAPTURE_MAX_BODY_BYTES",
     "storage_options": "ROLLOUT_CAPTURE_STORAGE_OPTIONS",
     "layout": "ROLLOUT_CAPTURE_LAYOUT",
+    "claims": "ROLLOUT_CAPTURE_CLAIMS",
     "io_threads": "ROLLOUT_CAPTURE_IO_THREADS",
     "upstream": "ROLLOUT_CAPTURE_UPSTREAM",
     "upstream_client": "ROLLOUT_CAPTURE_UPSTREAM_CLIENT",
@@ -66,6 +67,14 @@ class ProducerSettings(BaseModel):
         description=(
             "Capture layout: auto writes JSONL on local disks (NeMo Gym's) and the journal on object "
             "stores (many calls' claims and rows in one object); objects: one object a row."
+        ),
+    )
+    claims: Literal["auto", "log", "files"] = Field(
+        "auto",
+        description=(
+            "Claims on a local disk: auto and log append them to this process's claims log "
+            "(_claims/, two appends a call); files: a claim file a call (R.capture.claims/). "
+            "Object stores: claim files (objects) or the journal."
         ),
     )
     io_threads: int = Field(32, ge=1, le=1024, description="Threads writing claims and rows.")
