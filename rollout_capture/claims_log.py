@@ -160,9 +160,9 @@ def _close_all(logs: dict[str, _Log]) -> None:
 class ClaimsLogWriter:
     """This process's claims log under one capture root (thread-safe; one per store)."""
 
-    def __init__(self, root: str, *, max_bytes: int = MAX_LOG_BYTES) -> None:
+    def __init__(self, root: str, *, max_bytes: int | None = None) -> None:
         self._root = root
-        self._max_bytes = max_bytes
+        self._max_bytes = MAX_LOG_BYTES if max_bytes is None else max_bytes
         self._lock = threading.Lock()
         self._current: _Log | None = None
         self._held: dict[str, _Log] = {}  # claim id -> the log its claim is in
@@ -401,7 +401,9 @@ class ClaimsLogReader:
                 return
             except OSError as exc:
                 if exc.errno == errno.ELOOP:  # a planted link: never followed
-                    logger.warning("%s/%s is a symbolic link; its claims are not read", self._root, CLAIMS_LOG_DIR)
+                    logger.warning(
+                        "%s/%s is a symbolic link; its claims are not read", self._root, CLAIMS_LOG_DIR
+                    )
                     self._logs.clear()
                     return
                 raise
@@ -494,9 +496,7 @@ class ClaimsLogReader:
         wanted = set(rollout_ids)
         self.refresh()
         with self._lock:
-            targets = {
-                name: sorted(wanted.intersection(state.held)) for name, state in self._logs.items()
-            }
+            targets = {name: sorted(wanted.intersection(state.held)) for name, state in self._logs.items()}
         targets = {name: ids for name, ids in targets.items() if ids}
         if not targets:
             return

@@ -191,7 +191,9 @@ class CaptureStore:
         if claims not in ("files", "log"):
             raise ValueError(f"claims must be 'files' or 'log'; got {claims!r}")
         if claims == "log" and not isinstance(self._backend, PosixBackend):
-            raise ValueError(f"{self.url}: the claims log needs a local disk (object stores write claim files)")
+            raise ValueError(
+                f"{self.url}: the claims log needs a local disk (object stores write claim files)"
+            )
         self.claims_mode: ClaimsMode = claims
         self._seq_hints: dict[str, int] = {}
         self._journal_lock = threading.Lock()

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from rollout_capture.filesystem import is_local
 from rollout_capture.journal import release_entry
 from rollout_capture.producer.settings import ProducerSettings
-from rollout_capture.store import CaptureStore, ClaimContext, finish_shielded
+from rollout_capture.store import CaptureStore, ClaimContext, ClaimsMode, finish_shielded
 
 logger = logging.getLogger("rollout_capture.producer")
 
@@ -345,6 +345,11 @@ class CaptureWriter:
         """Finish every write already started, then stop the threads (and remove this process's
         claims log if nothing is open in it)."""
         self._threads.close()
+        self.close_claims_log()
+
+    def close_claims_log(self) -> None:
+        """Remove this process's claims log if nothing is open in it (a producer that stops: its
+        log would otherwise stay until a reader found it dead)."""
         try:
             self.store.close_claims_log()
         except Exception:
@@ -364,7 +369,7 @@ def writer_for(settings: ProducerSettings) -> CaptureWriter:
         layout = "journal"
     if settings.claims == "log" and not local:
         raise ValueError(f"{settings.root}: claims=log needs a local disk (object stores write claim files)")
-    claims = "log" if local and settings.claims != "files" else "files"
+    claims: ClaimsMode = "log" if local and settings.claims != "files" else "files"
     store = CaptureStore(
         settings.root, storage_options=settings.storage_options, layout=layout, claims=claims
     )
