@@ -500,7 +500,10 @@ class ClaimsLogReader:
         targets = {name: ids for name, ids in targets.items() if ids}
         if not targets:
             return
-        folder = _open_folder(self._root, create=False)
+        try:
+            folder = _open_folder(self._root, create=False)
+        except FileNotFoundError:  # removed meanwhile: every log in it had nothing open
+            return
         try:
             for name, ids in targets.items():
                 lines = b"".join(orjson.dumps(["clear", r], option=orjson.OPT_APPEND_NEWLINE) for r in ids)
