@@ -69,8 +69,15 @@ def test_claim_files_of_old_producers_are_read_beside_the_log(tmp_path: Path) ->
 
 
 def test_the_claims_log_is_for_local_disks(tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    from rollout_capture.producer.settings import ProducerSettings
+
     with pytest.raises(ValueError, match="claims log needs a local disk"):
         CaptureStore("memory://no-log", claims="log")
+    with pytest.raises(ValidationError, match=r"claims=log \(ROLLOUT_CAPTURE_CLAIMS\) needs a local disk"):
+        ProducerSettings(capture_dir="s3://bucket/caps", claims="log")
+    assert ProducerSettings(capture_dir="s3://bucket/caps").claims == "auto"  # claim files or the journal
     with pytest.raises(ValueError, match="claims must be 'files' or 'log'"):
         CaptureStore(tmp_path, claims="both")  # type: ignore[arg-type]
 
