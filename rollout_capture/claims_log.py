@@ -150,6 +150,12 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _own_logs() -> set[str]:
+    """The logs this process writes: live whatever a lock says (a disk that emulates ``flock``
+    with POSIX locks, NFS, lets a process take a lock its own other descriptor holds)."""
+    return {name for writer in list(_writers) for name in list(writer._logs)}
+
+
 def _close_all(logs: dict[str, _Log]) -> None:
     for log in logs.values():
         with contextlib.suppress(OSError):
@@ -436,7 +442,7 @@ class ClaimsLogReader:
             state = self._logs.get(name)
             if state is None or state.ino != st.st_ino or st.st_size < state.offset:
                 state = self._logs[name] = _LogState(st.st_ino)  # new, or not the log it was: whole
-            if state.dead_at is None and _try_lock(fd):
+            if state.dead_at is None and name not in _own_logs() and _try_lock(fd):
                 state.dead_at = current_time()  # locked first, then read: a dead log is read to its end
                 st = os.fstat(fd)
             state.read(fd, st.st_size, name)
