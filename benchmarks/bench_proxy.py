@@ -26,8 +26,10 @@ unsaturated.
 Issue 20's targets instead: a proxy for each of ``--layouts`` writing to ``s3://`` on moto
 (its own process) through tests/fault_proxy.py's FaultProxy (its own process too, adding
 ``--store-latency-ms`` to each request and counting them by method), and one for each of
-``--disk-layouts`` on a local disk, beside direct calls and each other in interleaved rounds
-at ``--concurrency`` and ``--light-concurrency`` clients. Per proxy: first chunk and last byte
+``--disk-layouts`` on a local disk (``jsonl+files``, ``jsonl+log``: the JSONL layout with claim
+files, or with the claims log; a plain ``jsonl`` takes the producer's default), beside direct
+calls and each other in interleaved rounds at ``--concurrency`` and ``--light-concurrency``
+clients. Per proxy: first chunk and last byte
 added (p50, p99), store requests per call by method over the measured calls only, CPU per
 call until its store went quiet, and the rows a reader then finds (missing, doubled, claims
 left). A layout whose proxy does not start or breaks is reported as ``{"error": ...}``. JSON
@@ -801,12 +803,17 @@ def store_main(args: argparse.Namespace) -> None:
             started.append(proc)
             read_options = {"client_kwargs": {"endpoint_url": moto.endpoint}}  # uncounted, unslowed
             targets[name] = Target(proc, url, capture_url, read_options, counter)
-        for layout in disk_layouts:
-            name = "disk_" + layout
+        for disk_layout in disk_layouts:
+            name = "disk_" + disk_layout.replace("+", "-")  # the name is in rollout ids: no "+"
             capture_dir = str(work / name)
+            layout, _, claims = disk_layout.partition("+")  # jsonl+files: claim files, jsonl+log: the log
             env = {**os.environ, "ROLLOUT_CAPTURE_LAYOUT": layout}
+            flags = [*extra, "--layout", layout]
+            if claims:
+                env["ROLLOUT_CAPTURE_CLAIMS"] = claims
+                flags += ["--claims", claims]
             try:
-                proc, url = start_proxy(upstream_url, capture_dir, [*extra, "--layout", layout], env=env)
+                proc, url = start_proxy(upstream_url, capture_dir, flags, env=env)
             except RuntimeError as exc:
                 errors[name] = str(exc)
                 continue
@@ -926,7 +933,8 @@ def main() -> None:
     parser.add_argument(
         "--disk-layouts",
         default="jsonl",
-        help="with --store: local-disk layouts measured beside them ('' for none)",
+        help="with --store: local-disk layouts measured beside them ('' for none); layout+files or "
+        "layout+log (jsonl+files, jsonl+log) picks how claims are written",
     )
     parser.add_argument(
         "--store-latency-ms", type=float, default=20.0, help="with --store: added per store request"

@@ -939,6 +939,7 @@ PROXY_OPTIONS: dict[str, tuple[str, ...]] = {
     "max_connections": ("--max-connections",),
     "shutdown_grace_s": ("--shutdown-grace",),
     "layout": ("--layout",),
+    "claims": ("--claims",),
     "storage_options": ("--storage-options",),
     "upstream_client": ("--client",),
 }

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rollout_capture.claims import Claim
 from rollout_capture.identity import validate_rollout_id
 
 JSONL_SUFFIX = ".capture.jsonl"
@@ -21,6 +22,8 @@ CLAIMS_SUFFIX = ".capture.claims"
 SEQ_WIDTH = 12
 JOURNAL_DIR = "_journal"
 """The folder of the journal layout's commits (``rollout_capture.journal``): shared by all rollouts."""
+CLAIMS_LOG_DIR = "_claims"
+"""The folder of the producers' claims logs on a local disk (``rollout_capture.claims_log``)."""
 
 
 def jsonl_name(rollout_id: str) -> str:
@@ -125,11 +128,15 @@ class RolloutListing:
     objects: list[tuple[int, Entry]] = field(default_factory=list)
     claims: list[tuple[str, Entry]] = field(default_factory=list)
     refused: list[Refused] = field(default_factory=list)
+    logged_claims: list[Claim] = field(default_factory=list)
+    """Open claims of the rollout in the claims logs of a local disk (no file of their own)."""
 
     @property
     def found(self) -> bool:
         """True when the store holds anything for the rollout (rows, objects, marker, claims, refused)."""
-        return bool(self.jsonl or self.marker or self.objects or self.claims or self.refused)
+        return bool(
+            self.jsonl or self.marker or self.objects or self.claims or self.refused or self.logged_claims
+        )
 
     def paths(self) -> list[str]:
         """Every readable path of the rollout, for clearing."""

@@ -21,9 +21,10 @@ from typing import Any, Literal, TypeVar
 import orjson
 
 from rollout_capture import layout as names
-from rollout_capture.backends import Backend, Fetched, ListingScope, open_backend
+from rollout_capture.backends import Backend, Fetched, ListingScope, PosixBackend, open_backend
 from rollout_capture.backends.base import nothing
 from rollout_capture.claims import DEFAULT_CLAIM_TTL_S, Claim, claim_body, new_claim, partition
+from rollout_capture.claims_log import ClaimsLogWriter
 from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY
 from rollout_capture.identity import validate_rollout_id
 from rollout_capture.journal import (
@@ -47,6 +48,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Layout = Literal["auto", "jsonl", "objects", "journal"]
 RowsLayout = Literal["jsonl", "objects", "journal"]
+ClaimsMode = Literal["files", "log"]
+"""How a store writes its claims outside the journal: a file each (spec 3), or this process's
+claims log (local disks only, ``rollout_capture.claims_log``). Readers read both, always."""
 
 _MAX_SEQ_HINTS = 10_000
 _MAX_SCOPES = 64
@@ -94,6 +98,11 @@ class ClaimContext:
             self._store.journal_writer_of("claims").write([claim_entry(self._rollout_id, claim)])
             self.claim = claim
             return claim
+        log = self._store.claims_log_writer
+        if log is not None:
+            log.claim(self._rollout_id, claim)
+            self.claim = claim
+            return claim
         self._store._backend.put_live(
             self._store._backend.path(names.claim_name(self._rollout_id, claim.claim_id)), claim_body(claim)
         )
@@ -118,6 +127,10 @@ class ClaimContext:
         if self.claim is not None and self._store.layout == "journal":
             self._store.journal_writer.write([release_entry(self._rollout_id, self.claim.claim_id)])
             self.claim = None
+        log = self._store.claims_log_writer
+        if self.claim is not None and log is not None:
+            claim_id, self.claim = self.claim.claim_id, None  # a release that fails is not retried
+            log.release(self._rollout_id, claim_id)
         if self.claim is not None:
             self._store._backend.remove(
                 [self._store._backend.path(names.claim_name(self._rollout_id, self.claim.claim_id))]
@@ -159,6 +172,7 @@ class CaptureStore:
         layout: Layout = "auto",
         concurrency: int = DEFAULT_READ_CONCURRENCY,
         credentials: Mapping[str, Any] | None = None,
+        claims: ClaimsMode = "files",
     ) -> None:
         self.url = os.fspath(url)
         self.storage_options = dict(storage_options or {})
@@ -174,6 +188,13 @@ class CaptureStore:
                 f"{self.url}: the JSONL layout needs a local disk (object stores have no append)"
             )
         self.layout: RowsLayout = layout
+        if claims not in ("files", "log"):
+            raise ValueError(f"claims must be 'files' or 'log'; got {claims!r}")
+        if claims == "log" and not isinstance(self._backend, PosixBackend):
+            raise ValueError(
+                f"{self.url}: the claims log needs a local disk (object stores write claim files)"
+            )
+        self.claims_mode: ClaimsMode = claims
         self._seq_hints: dict[str, int] = {}
         self._journal_lock = threading.Lock()
         self._journal_reader: JournalReader | None = None
@@ -183,10 +204,26 @@ class CaptureStore:
     def __reduce__(self) -> tuple[Any, ...]:
         # Filesystems are not fork- or pickle-safe, and credentials never travel: a worker
         # rebuilds its own store (resolving credentials itself, see shared_store).
-        return (_rebuild_store, (self.url, self.storage_options, self.layout, self.concurrency))
+        return (
+            _rebuild_store,
+            (self.url, self.storage_options, self.layout, self.concurrency, self.claims_mode),
+        )
 
     def __repr__(self) -> str:
         return f"CaptureStore({self.url!r}, layout={self.layout!r})"
+
+    @property
+    def claims_log_writer(self) -> ClaimsLogWriter | None:
+        """This process's claims log, when claims go to one (not in the journal layout)."""
+        if self.claims_mode != "log" or self.layout == "journal":
+            return None
+        assert isinstance(self._backend, PosixBackend)
+        return self._backend.claims_log_writer
+
+    def close_claims_log(self) -> None:
+        """Remove this process's claims logs that hold nothing open (a producer that stops)."""
+        if self.claims_mode == "log" and isinstance(self._backend, PosixBackend):
+            self._backend.close_claims_log()
 
     # ------------------------------------------------------------------ writing
 
@@ -462,9 +499,11 @@ def _nonce_of(body: bytes) -> str | None:
 
 
 def _rebuild_store(
-    url: str, storage_options: dict[str, Any], layout: Layout, concurrency: int
+    url: str, storage_options: dict[str, Any], layout: Layout, concurrency: int, claims: ClaimsMode = "files"
 ) -> CaptureStore:
-    return CaptureStore(url, storage_options=storage_options, layout=layout, concurrency=concurrency)
+    return CaptureStore(
+        url, storage_options=storage_options, layout=layout, concurrency=concurrency, claims=claims
+    )
 
 
 CaptureDir = CaptureStore | str | os.PathLike[str]

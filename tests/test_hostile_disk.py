@@ -324,7 +324,7 @@ def test_the_proxy_serves_a_call_whose_capture_file_is_a_link_and_marks_the_roll
     before = tree(outside)
     (root / "p-1.capture.jsonl").symlink_to("../outside/victim.txt")
     (root / "p-2.capture.claims").symlink_to("../outside")
-    served = Proxy(scripted_upstream[0], str(root))
+    served = Proxy(scripted_upstream[0], str(root), claims="files")  # a claim file a call, as before the log
     try:
         for rollout_id in ("p-1", "p-2"):
             assert sdk_call(served.url, rollout_id, "chat", stream=False)["tool"] == "get_weather"

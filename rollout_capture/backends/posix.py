@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING
 
 from rollout_capture.backends.base import Backend, Fetched, ListingScope, Named, RowLayout, nothing
 from rollout_capture.claims import Claim
+from rollout_capture.claims_log import ClaimsLogReader, ClaimsLogWriter
 from rollout_capture.identity import validate_rollout_id
 from rollout_capture.layout import (
+    CLAIMS_LOG_DIR,
     CLAIMS_SUFFIX,
     JSONL_SUFFIX,
     MARKER_SUFFIX,
@@ -43,7 +45,7 @@ from rollout_capture.layout import (
     parse_capture_name,
 )
 from rollout_capture.rows import Damage, add_jsonl
-from rollout_capture.snapshot import RolloutSnapshot, listed_paths, parse_snapshot
+from rollout_capture.snapshot import RolloutSnapshot, claims_of, listed_paths, parse_snapshot
 
 if TYPE_CHECKING:
     import fsspec
@@ -201,6 +203,25 @@ class PosixBackend(Backend):
         self._base = os.path.join(root, "")  # root with its separator, for fast concatenation
         self._names_hint: int | None = None  # how many names the root held when last listed
         self._names_cache: tuple[int, set[str]] | None = None  # (root mtime, its names)
+        self.claims_log = ClaimsLogReader(root)  # the producers' claims logs, read incrementally
+        self._claims_log_writer: ClaimsLogWriter | None = None
+
+    @property
+    def claims_log_writer(self) -> ClaimsLogWriter:
+        """This process's claims log under the root (opened by its first claim)."""
+        if self._claims_log_writer is None:
+            self._claims_log_writer = ClaimsLogWriter(self.root)
+        return self._claims_log_writer
+
+    def close_claims_log(self) -> None:
+        """Remove this process's claims logs that hold nothing open."""
+        if self._claims_log_writer is not None:
+            self._claims_log_writer.close()
+
+    def _logged(self, listing: RolloutListing, rollout_id: str) -> RolloutListing:
+        """The listing with the rollout's open claims in the claims logs, as last read."""
+        listing.logged_claims = self.claims_log.claims([rollout_id]).get(rollout_id, [])
+        return listing
 
     @classmethod
     def from_filesystem(cls, fs: fsspec.AbstractFileSystem, root: str, concurrency: int) -> PosixBackend:
@@ -361,10 +382,12 @@ class PosixBackend(Backend):
         found = grouped.get(rollout_id)
         if found is not None:
             listing.objects, listing.claims = found.objects, found.claims
-        return listing
+        return self._logged(listing, rollout_id)
 
     def list_rollouts(self, rollout_ids: Collection[str]) -> dict[str, RolloutListing]:
-        return {r: self._list_one(validate_rollout_id(r)) for r in rollout_ids}
+        ids = [validate_rollout_id(r) for r in rollout_ids]
+        self.claims_log.refresh()  # logs first, then the rows' files: a released claim's row is there
+        return {r: self._list_one(r) for r in ids}
 
     def fetch(self, rollout_ids: Collection[str], *, scope: ListingScope | None = None) -> Fetched:
         ids = {validate_rollout_id(r) for r in rollout_ids}
@@ -377,6 +400,10 @@ class PosixBackend(Backend):
         if worth:
             names = self._names()
             self._names_hint = len(names)
+        if names is None or CLAIMS_LOG_DIR in names:
+            self.claims_log.refresh()  # before any row is read (claims first, as listings do)
+        else:
+            self.claims_log.forget()  # no log when the root was listed
         return PosixFetched(self, ids, names)
 
     def _names(self) -> set[str]:
@@ -406,9 +433,24 @@ class PosixBackend(Backend):
         return os.access(self._base + rollout_id + CLAIMS_SUFFIX, os.F_OK)
 
     def claims(self, rollout_ids: Collection[str]) -> dict[str, list[Claim]]:
-        # One access() per id; only rollouts with a claims folder are listed.
-        claimed = [r for r in rollout_ids if self._may_have_claims(validate_rollout_id(r))]
-        return super().claims(claimed) if claimed else {}
+        # The logs read now; then one access() per id, and only rollouts with a claims folder listed.
+        ids = [validate_rollout_id(r) for r in rollout_ids]
+        return self.claims_read(ids, refresh=True)
+
+    def claims_read(self, ids: Collection[str], *, refresh: bool) -> dict[str, list[Claim]]:
+        """The claims of these (validated) rollouts: files listed now, logs read now if ``refresh``."""
+        if refresh:
+            self.claims_log.refresh()
+        logged = self.claims_log.claims(ids)
+        claimed = [r for r in ids if self._may_have_claims(r)]
+        out: dict[str, list[Claim]] = {}
+        if claimed:
+            listings = {r: v for r in claimed if (v := self._list_one(r)).claims}
+            paths = [path for listing in listings.values() for path in listed_paths(listing, rows=False)]
+            out = claims_of(listings, dict(zip(paths, self.read_many(paths), strict=True)), trust_mtime=False)
+        for rollout_id, held in logged.items():
+            out[rollout_id] = [*out.get(rollout_id, []), *held]
+        return out
 
     def snapshot(self, rollout_id: str, names: AbstractSet[str] | None = None) -> RolloutSnapshot:
         """One rollout with the fewest syscalls.
@@ -431,6 +473,7 @@ class PosixBackend(Backend):
             paths = listed_paths(listing)
             bodies = dict(zip(paths, [self._read_listed(path, listing) for path in paths], strict=True))
             snap = parse_snapshot(rollout_id, listing, bodies, trust_mtime=False)
+            snap.claims.extend(listing.logged_claims)
             for entry in listing.refused:
                 snap.parsed.add_damage(Damage(entry.path, None, entry.reason))
             return snap
@@ -443,8 +486,12 @@ class PosixBackend(Backend):
             has_marker = rollout_id + MARKER_SUFFIX in names
             if rollout_id + JSONL_SUFFIX in names:
                 data, refused = self._read_or_refuse(jsonl)
+        logged = self.claims_log.claims([rollout_id]).get(rollout_id, [])  # as read when fetched
         snap = RolloutSnapshot(
-            rollout_id, found=data is not None or has_marker or refused is not None, incomplete=has_marker
+            rollout_id,
+            found=data is not None or has_marker or refused is not None or bool(logged),
+            incomplete=has_marker,
+            claims=logged,
         )
         if data:
             add_jsonl(snap.parsed, data, jsonl)
@@ -487,9 +534,11 @@ class PosixBackend(Backend):
     def listed_rollout_ids(self, scope_key: str) -> set[str] | None:
         try:  # one look at the root's top level, no stat calls: cheap on a disk
             with os.scandir(self.root) as entries:
-                return capture_ids_from_root_entries(entry.name for entry in entries)
+                found = capture_ids_from_root_entries(entry.name for entry in entries)
         except FileNotFoundError:
             return set()
+        self.claims_log.refresh()
+        return found | self.claims_log.rollout_ids()
 
     def root_found(self) -> bool:
         return os.path.isdir(self.root)
@@ -676,6 +725,7 @@ class PosixBackend(Backend):
                     os.unlink(path)  # never follow a link out of the root
                 elif os.path.isdir(path):
                     shutil.rmtree(path)  # fd-based: a link met inside is removed, not followed
+        self.claims_log.clear(rollout_ids)
 
 
 class PosixFetched(Fetched):
@@ -693,8 +743,10 @@ class PosixFetched(Fetched):
     def found(self, rollout_id: str) -> bool:
         names = self._names_for(rollout_id)
         if names is None:
-            return self._backend.list_rollouts([rollout_id])[rollout_id].found
-        return any(rollout_id + suffix in names for suffix in _ALL_SUFFIXES)
+            return self._backend._list_one(validate_rollout_id(rollout_id)).found
+        return any(rollout_id + suffix in names for suffix in _ALL_SUFFIXES) or (
+            self._backend.claims_log.holds(rollout_id)
+        )
 
     def snapshot(self, rollout_id: str) -> RolloutSnapshot:
         if rollout_id not in self._ids:  # the batch's ids were validated when it was fetched
@@ -703,11 +755,20 @@ class PosixFetched(Fetched):
 
     def claims(self) -> dict[str, list[Claim]]:
         names = self._names
-        return self._backend.claims(
-            [r for r in self._ids if names is None or r in self._fresh or r + CLAIMS_SUFFIX in names]
+        backend = self._backend
+        backend.claims_log.refresh()
+        logged = backend.claims_log.rollout_ids()
+        return backend.claims_read(
+            [
+                r
+                for r in self._ids
+                if names is None or r in self._fresh or r + CLAIMS_SUFFIX in names or r in logged
+            ],
+            refresh=False,
         )
 
     def refresh(self, rollout_ids: Collection[str]) -> None:
         ids = {validate_rollout_id(r) for r in rollout_ids}
         self._ids |= ids
         self._fresh |= ids
+        self._backend.claims_log.refresh()

@@ -154,6 +154,7 @@ class CaptureProxy:
             self._client = None
         if self._writer is not None:
             await asyncio.to_thread(self._writer.wait_idle, self.settings.shutdown_grace_s)
+            self._writer.close_claims_log()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

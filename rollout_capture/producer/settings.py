@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from rollout_capture.claims import DEFAULT_CLAIM_TTL_S
 from rollout_capture.config import check_capture_url
+from rollout_capture.filesystem import is_local
 from rollout_capture.producer.routing import VERIFY_PATHS
 from rollout_capture.secret_options import refuse_secret_options
 
@@ -32,6 +33,7 @@ ENV_NAMES: dict[str, str] = {
     "max_body_bytes": "ROLLOUT_CAPTURE_MAX_BODY_BYTES",
     "storage_options": "ROLLOUT_CAPTURE_STORAGE_OPTIONS",
     "layout": "ROLLOUT_CAPTURE_LAYOUT",
+    "claims": "ROLLOUT_CAPTURE_CLAIMS",
     "io_threads": "ROLLOUT_CAPTURE_IO_THREADS",
     "upstream": "ROLLOUT_CAPTURE_UPSTREAM",
     "upstream_client": "ROLLOUT_CAPTURE_UPSTREAM_CLIENT",
@@ -68,6 +70,14 @@ class ProducerSettings(BaseModel):
             "stores (many calls' claims and rows in one object); objects: one object a row."
         ),
     )
+    claims: Literal["auto", "log", "files"] = Field(
+        "auto",
+        description=(
+            "Claims on a local disk: auto and log append them to this process's claims log "
+            "(_claims/, two appends a call); files: a claim file a call (R.capture.claims/). "
+            "Object stores: claim files (objects) or the journal."
+        ),
+    )
     io_threads: int = Field(32, ge=1, le=1024, description="Threads writing claims and rows.")
     verify_paths: tuple[str, ...] = Field(
         VERIFY_PATHS,
@@ -91,6 +101,15 @@ class ProducerSettings(BaseModel):
             raise ValueError(
                 f"{ENV_NAMES['capture_dir']} is not set (the capture root, a path or URL); "
                 f"{ENV_NAMES['enabled']}=false turns capture off"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _log_on_local_disks(self) -> ProducerSettings:
+        if self.claims == "log" and self.capture_dir is not None and not is_local(self.capture_dir):
+            raise ValueError(
+                f"claims=log ({ENV_NAMES['claims']}) needs a local disk; {self.capture_dir} is an object "
+                "store, where claims are claim files (objects layout) or in the journal"
             )
         return self
 

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from rollout_capture.filesystem import is_local
 from rollout_capture.journal import release_entry
 from rollout_capture.producer.settings import ProducerSettings
-from rollout_capture.store import CaptureStore, ClaimContext, finish_shielded
+from rollout_capture.store import CaptureStore, ClaimContext, ClaimsMode, finish_shielded
 
 logger = logging.getLogger("rollout_capture.producer")
 
@@ -342,19 +342,36 @@ class CaptureWriter:
         return self._threads.running
 
     def close(self) -> None:
-        """Finish every write already started, then stop the threads."""
+        """Finish every write already started, then stop the threads (and remove this process's
+        claims log if nothing is open in it)."""
         self._threads.close()
+        self.close_claims_log()
+
+    def close_claims_log(self) -> None:
+        """Remove this process's claims log if nothing is open in it (a producer that stops: its
+        log would otherwise stay until a reader found it dead)."""
+        try:
+            self.store.close_claims_log()
+        except Exception:
+            logger.warning("could not remove the claims log", exc_info=True)
 
 
 def writer_for(settings: ProducerSettings) -> CaptureWriter:
     """The writer of the settings' capture root (its store, claim TTL and threads).
 
     ``auto`` writes JSONL on a local disk (NeMo Gym's layout) and the journal on object stores,
-    where a request per call is what a run costs (spec 2).
+    where a request per call is what a run costs (spec 2); claims go to this process's claims
+    log on a local disk unless told ``files`` (spec 3).
     """
     layout = settings.layout
-    if layout == "auto" and not is_local(settings.root):
+    local = is_local(settings.root)
+    if layout == "auto" and not local:
         layout = "journal"
-    store = CaptureStore(settings.root, storage_options=settings.storage_options, layout=layout)
+    if settings.claims == "log" and not local:
+        raise ValueError(f"{settings.root}: claims=log needs a local disk (object stores write claim files)")
+    claims: ClaimsMode = "log" if local and settings.claims != "files" else "files"
+    store = CaptureStore(
+        settings.root, storage_options=settings.storage_options, layout=layout, claims=claims
+    )
     store.refuse_unsafe_writes()  # at startup, not as a logged failure at every call
     return CaptureWriter(store, claim_ttl_s=settings.claim_ttl_s, io_threads=settings.io_threads)
