@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar
 import orjson
 
 from rollout_capture import layout as names
-from rollout_capture.backends import Backend, Fetched, ListingScope, PosixBackend, open_backend
+from rollout_capture.backends import Backend, Fetched, ListingScope, open_backend
 from rollout_capture.backends.base import nothing
 from rollout_capture.claims import DEFAULT_CLAIM_TTL_S, Claim, claim_body, new_claim, partition
 from rollout_capture.claims_log import ClaimsLogWriter
@@ -190,7 +190,7 @@ class CaptureStore:
         self.layout: RowsLayout = layout
         if claims not in ("files", "log"):
             raise ValueError(f"claims must be 'files' or 'log'; got {claims!r}")
-        if claims == "log" and not isinstance(self._backend, PosixBackend):
+        if claims == "log" and not self._backend.keeps_claims_log:
             raise ValueError(
                 f"{self.url}: the claims log needs a local disk (object stores write claim files)"
             )
@@ -217,12 +217,11 @@ class CaptureStore:
         """This process's claims log, when claims go to one (not in the journal layout)."""
         if self.claims_mode != "log" or self.layout == "journal":
             return None
-        assert isinstance(self._backend, PosixBackend)
         return self._backend.claims_log_writer
 
     def close_claims_log(self) -> None:
         """Remove this process's claims logs that hold nothing open (a producer that stops)."""
-        if self.claims_mode == "log" and isinstance(self._backend, PosixBackend):
+        if self.claims_mode == "log":
             self._backend.close_claims_log()
 
     # ------------------------------------------------------------------ writing

@@ -19,6 +19,8 @@ from rollout_capture.snapshot import RolloutSnapshot, claims_of, listed_paths
 if TYPE_CHECKING:
     import fsspec
 
+    from rollout_capture.claims_log import ClaimsLogWriter
+
 RowLayout = Literal["jsonl", "objects"]
 
 
@@ -88,6 +90,9 @@ class Backend(ABC):
     writes_in_place: bool = False
     """Whether small writes are page-cache work, quick enough for an event loop (a local disk);
     only their fsync blocks. Object stores go over the network: never on a loop."""
+    keeps_claims_log: bool = False
+    """Whether producers here may keep their claims in a claims log of their own (a local disk,
+    where flock tells a live writer from a dead one), not a claim file each (spec 3)."""
     folders_exist: bool = False
     """Whether a folder exists apart from what it holds (a disk), so a missing root is a mistyped
     path; under an object prefix a folder is there only once a key is, and none is fine."""
@@ -187,6 +192,15 @@ class Backend(ABC):
     @abstractmethod
     def put(self, path: str, data: bytes) -> None:
         """Write a file whole, replacing any earlier one."""
+
+    @property
+    def claims_log_writer(self) -> ClaimsLogWriter | None:
+        """This process's claims log on this store (spec 3), where the store keeps one: a local
+        disk. ``None`` elsewhere: object stores write a claim file each, or the journal."""
+        return None
+
+    def close_claims_log(self) -> None:  # noqa: B027 - nothing to close where no log is kept
+        """Remove this process's claims logs that hold nothing open (a producer that stops)."""
 
     def put_live(self, path: str, data: bytes) -> None:
         """Write a new file that matters only while its writer lives (a claim, under a fresh

@@ -197,6 +197,7 @@ class PosixBackend(Backend):
     trust_mtime = False  # a local file's mtime is the writer's own clock
     writes_in_place = True
     folders_exist = True
+    keeps_claims_log = True
 
     def __init__(self, root: str) -> None:
         self.root = root
