@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial, reduce
-from itertools import chain, compress, repeat
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Any
 
@@ -751,16 +751,9 @@ _STR = frozenset((str,))
 _not_none = partial(operator.is_not, None)
 _Rollout = tuple[str, int, int | None, int, Sequence[str], Sequence[str]]
 """(rollout id, calls, metrics.tokens_total, verifier invocations, gap codes, observation gap codes)"""
-_OK_STATUSES = frozenset(range(200, 300))
-_MODEL_PASSES = 6
-"""Up to this many models, a batch's tokens are summed by a C-level pass per model."""
 _FLUSH_ROWS = 256
 """Calls held before they are counted: enough for the C-level passes to pay, few enough
 that the values they keep alive add nothing to a batch's peak memory."""
-
-
-def _failed(status_code: int | None, error_category: str | None) -> bool:
-    return error_category is not None or status_code is None or not 200 <= status_code < 300
 
 
 class AttachmentFold:
@@ -811,6 +804,28 @@ class AttachmentFold:
                     self.flush()
                 return
         self._add_checked(attachment, list(observation_gaps))
+
+    def add_built(
+        self, rollout_id: str, calls: list[dict[str, Any]], tokens_total: int | None, invocations: int
+    ) -> None:
+        """:meth:`add` of an attachment :func:`~rollout_capture.attachment.build_attachment` built
+        without gaps: its rollout id, calls, ``metrics.tokens_total`` and how many verifier
+        invocations it holds (what :meth:`add` checks is so by construction)."""
+        rows = self._rows
+        start = len(rows)
+        try:
+            rows.extend(map(_CALL_FIELDS, calls))
+        except KeyError:  # not a call record after all: one by one
+            del rows[start:]
+            attachment: dict[str, Any] = {"rollout_id": rollout_id, "calls": calls}
+            attachment["metrics"] = {"tokens_total": tokens_total}
+            if invocations:
+                attachment["verifier_invocations"] = [None] * invocations
+            self._add_checked(attachment, [])
+            return
+        self._rollouts.append((rollout_id, len(calls), tokens_total, invocations, (), ()))
+        if len(rows) >= _FLUSH_ROWS:
+            self.flush()
 
     def _add_checked(self, attachment: Mapping[str, Any], observed: list[str]) -> None:
         """:meth:`add` of any other attachment: read as add_attachment reads it, or counted by it."""
@@ -901,48 +916,55 @@ def _fold(
     )
     plain = set(map(type, model)) <= _STR and "" not in model
     names: Sequence[str] = model if plain else list(map(_model_name, model, ref))
-    # Counters keep first-seen order, so every dict gets its keys in the order the calls
-    # first show them, as one by one.
+    # What is counted per call in as few passes as there can be: one C-level count of each
+    # (status, category, dialect, model) and one Python pass for the sums per model. Dicts
+    # get their keys in the order the calls first show them, as one by one.
     by_status, by_category, by_dialect = (
         summary.calls_by_status_class,
         summary.calls_by_error_category,
         summary.calls_by_dialect,
     )
     classes = _STATUS_CLASSES
-    statuses = Counter(status)
-    for code, n in statuses.items():
+    # name -> [calls, failed, in, out, total, calls with a latency]
+    per_model: dict[str, list[int]] = {}
+    failed_calls = 0
+    combos = Counter(zip(status, category, dialect, names, strict=True))
+    for (code, why, dialect_name, name), n in combos.items():
         key = classes.get(code) or status_class(code)
         by_status[key] = by_status.get(key, 0) + n
-    categories = Counter(category)
-    for why, n in categories.items():
         if why is not None:
             by_category[why] = by_category.get(why, 0) + n
-    for key, n in Counter(dialect).items():
-        key = key or "(unknown)"
+        key = dialect_name or "(unknown)"
         by_dialect[key] = by_dialect.get(key, 0) + n
-    # name -> [calls, failed, in, out, total]
-    per_model: dict[str, list[int]] = {name: [n, 0, 0, 0, 0] for name, n in Counter(names).items()}
-    if categories.keys() - {None} or statuses.keys() - _OK_STATUSES:  # some call failed
-        failed = list(map(_failed, status, category))
-        failed_calls = failed.count(True)
-        for name, n in Counter(compress(names, failed)).items():
-            per_model[name][1] = n
-    else:
-        failed_calls = 0
-    if len(per_model) <= _MODEL_PASSES:  # a pass per model, in C; else one in Python
-        whole = len(per_model) == 1
-        for name, acc in per_model.items():
-            mine = None if whole else list(map(name.__eq__, names))
-            acc[2] = sum(filter(None, tokens_in if mine is None else compress(tokens_in, mine)))
-            acc[3] = sum(filter(None, tokens_out if mine is None else compress(tokens_out, mine)))
-            acc[4] = sum(filter(None, tokens_total if mine is None else compress(tokens_total, mine)))
-    else:
-        for name, tokens in zip(names, zip(tokens_in, tokens_out, tokens_total, strict=True), strict=True):
-            acc = per_model[name]
-            acc[2] += tokens[0] or 0
-            acc[3] += tokens[1] or 0
-            acc[4] += tokens[2] or 0
+        acc = per_model.get(name)
+        if acc is None:
+            acc = per_model[name] = [0, 0, 0, 0, 0, 0]
+        acc[0] += n
+        if why is not None or code is None or not 200 <= code < 300:
+            acc[1] += n
+            failed_calls += n
+    # Latency is summed per rollout and model, each sum then added to the model's total in
+    # turn (float sums depend on their order): per (rollout, model) in first-call order.
+    rollout_of = chain.from_iterable(map(repeat, range(len(rollouts)), (r[1] for r in rollouts)))
+    partials: dict[tuple[int, str], float] = {}
+    get = partials.get
+    for pair, value, count_in, count_out, count_total in zip(
+        zip(rollout_of, names, strict=True), latency, tokens_in, tokens_out, tokens_total, strict=True
+    ):
+        acc = per_model[pair[1]]
+        if count_in is not None:
+            acc[2] += count_in
+        if count_out is not None:
+            acc[3] += count_out
+        if count_total is not None:
+            acc[4] += count_total
+        if value is not None:
+            partials[pair] = get(pair, 0.0) + value
+            acc[5] += 1
+        elif pair not in partials:
+            partials[pair] = 0.0
     models = {name: summary._model_stats(name).__dict__ for name in per_model}  # plain field writes
+    sum_in = sum_out = sum_total = 0
     for name, acc in per_model.items():
         stats = models[name]
         stats["calls"] += acc[0]
@@ -950,28 +972,20 @@ def _fold(
         stats["tokens_in"] += acc[2]
         stats["tokens_out"] += acc[3]
         stats["tokens_total"] += acc[4]
-    # Latency is summed per rollout and model, each sum then added to the model's total in
-    # turn (float sums depend on their order): per (rollout, model) in first-call order.
-    rollout_of = chain.from_iterable(map(repeat, range(len(rollouts)), (r[1] for r in rollouts)))
-    partials: dict[tuple[int, str], float] = {}
-    get = partials.get
-    for pair, value in zip(zip(rollout_of, names, strict=True), latency, strict=True):
-        if value is not None:
-            partials[pair] = get(pair, 0.0) + value
-        elif pair not in partials:
-            partials[pair] = 0.0
+        stats["latency_calls"] += acc[5]
+        sum_in += acc[2]
+        sum_out += acc[3]
+        sum_total += acc[4]
     for (_, name), value in partials.items():
         models[name]["latency_ms_total"] += value
-    for name, n in Counter(compress(names, map(_not_none, latency))).items():
-        models[name]["latency_calls"] += n
     fields = summary.__dict__
     fields["rollouts"] += len(rollouts)
     fields["calls"] += len(status)
     fields["failed_calls"] += failed_calls
     fields["verifier_calls"] += sum(map(operator.truth, verifier))
-    fields["tokens_in"] += sum(filter(None, tokens_in))
-    fields["tokens_out"] += sum(filter(None, tokens_out))
-    fields["tokens_total"] += sum(filter(None, tokens_total))
+    fields["tokens_in"] += sum_in
+    fields["tokens_out"] += sum_out
+    fields["tokens_total"] += sum_total
     summary.latency_ms.add_many(list(filter(_not_none, latency)))
     summary.ttft_ms.add_many(list(filter(_not_none, ttft)))
     summary.calls_per_rollout.add_many([r[1] for r in rollouts])

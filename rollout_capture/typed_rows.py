@@ -156,6 +156,8 @@ class _Row(msgspec.Struct):
 
 
 _decode = msgspec.json.Decoder(_Row).decode
+typed_decode = _decode
+"""A capture line as a typed row (raises ``msgspec.DecodeError``, ``RecursionError``)."""
 _FIELDS = call_record_fields_template()
 _REF_KIND = "responses_api_models"
 
@@ -220,10 +222,15 @@ def typed_row(line: bytes, call_index: int, *, checked: bool = False) -> BuiltCa
         raise Untyped from None
     if not (checked or orjson_reads(line)):
         raise Untyped
+    return typed_of(row, call_index)
+
+
+def typed_of(row: _Row, call_index: int) -> BuiltCall | dict[str, Any]:
+    """:func:`typed_row` of a row already decoded (and checked)."""
     kind = row.kind
     if kind is None or kind == "model_call":
         try:
-            return BuiltCall(_record(row, call_index))
+            return BuiltCall(typed_record(row, call_index))
         except orjson.JSONDecodeError:  # a tool call's arguments orjson cannot read
             raise Untyped from None
     if kind == "verifier_invocation":
@@ -374,7 +381,7 @@ def _calls_and_reasoning(response: _Response) -> tuple[list[dict[str, Any]], str
     return calls, None
 
 
-def _record(row: _Row, call_index: int) -> dict[str, Any]:
+def typed_record(row: _Row, call_index: int) -> dict[str, Any]:
     """``call_record_dict(row, call_index, include_payloads=False)`` of a typed row.
 
     Every typed field already has its record type, so nothing is validated here; the

@@ -442,7 +442,14 @@ class PosixBackend(Backend):
         else:
             has_marker = rollout_id + MARKER_SUFFIX in names
             if rollout_id + JSONL_SUFFIX in names:
-                data, refused = self._read_or_refuse(jsonl)
+                try:  # directly under the root: one no-follow open (what _open does, unwrapped)
+                    fd = os.open(jsonl, _READ)
+                except (FileNotFoundError, NotADirectoryError):
+                    pass
+                except OSError:  # a link, say: the full way names it
+                    data, refused = self._read_or_refuse(jsonl)
+                else:
+                    data = _read_locked(fd)
         snap = RolloutSnapshot(
             rollout_id, found=data is not None or has_marker or refused is not None, incomplete=has_marker
         )
