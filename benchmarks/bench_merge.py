@@ -41,8 +41,7 @@ from rollout_capture.layout import jsonl_name
 from rollout_capture.metrics import aggregate_call_dicts
 from rollout_capture.summary import AttachmentFold, EvidenceSummary
 from rollout_capture.typed_lines import identify_line
-from rollout_capture.typed_rows import _decode as typed_decode
-from rollout_capture.typed_rows import orjson_reads
+from rollout_capture.typed_rows import orjson_reads, typed_decode
 
 
 def floor(rollouts: Path, captures: Path) -> float:
@@ -248,12 +247,21 @@ def stages(rollouts: Path, captures: Path, batch_size: int = 1000) -> dict[str, 
                 for line, attachment in zip(lines, batch, strict=False):
                     splice_attachment(line, attachment)
 
-    def folds() -> None:
+    def folds() -> None:  # as the merge folds: a built attachment without gaps counted as built
         for _ in range(repeat):
             for batch in built:
                 fold = AttachmentFold(EvidenceSummary())
                 for attachment in batch:
-                    fold.add(attachment)
+                    if "gaps" in attachment:
+                        fold.add(attachment)
+                        continue
+                    verifiers = attachment.get("verifier_invocations")
+                    fold.add_built(
+                        attachment["rollout_id"],
+                        attachment["calls"],
+                        attachment["metrics"]["tokens_total"],
+                        len(verifiers) if verifiers else 0,
+                    )
                 fold.flush()
 
     timed: dict[str, Callable[[], object]] = {

@@ -322,19 +322,34 @@ def _enrich(
         id_lines.setdefault(rollout_id, []).append(number)
         evidence = reader.evidence(rollout_id)
         attachment = build_attachment(rollout_id, evidence, include_payloads=include_payloads)
+        metrics = attachment["metrics"]
         if only_added:
             out.append(splice_attachment(line, attachment))
-            fold.add(attachment)
+            if "gaps" in attachment:
+                fold.add(attachment)
+            else:  # as built: counted without looking it over
+                verifiers = attachment.get("verifier_invocations")
+                fold.add_built(
+                    rollout_id,
+                    attachment["calls"],
+                    metrics["tokens_total"],
+                    len(verifiers) if verifiers else 0,
+                )
         else:  # the record already has our key or agent observations: merge into it
             record = attach(orjson.loads(line), attachment)
             out.append(orjson.dumps(record))
             fold.add(attachment, observation_gap_codes(record))
-        metrics = attachment["metrics"]
         rollouts += 1
         calls += metrics["num_calls"]
-        tokens_in += metrics["tokens_in"] or 0
-        tokens_out += metrics["tokens_out"] or 0
-        tokens_total += metrics["tokens_total"] or 0
+        value = metrics["tokens_in"]
+        if value is not None:
+            tokens_in += value
+        value = metrics["tokens_out"]
+        if value is not None:
+            tokens_out += value
+        value = metrics["tokens_total"]
+        if value is not None:
+            tokens_total += value
         if "gaps" in attachment:
             gapped += 1
             gaps.update(gap["code"] for gap in attachment["gaps"])

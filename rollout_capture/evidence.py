@@ -85,12 +85,16 @@ class EvidenceReader:
 
     def evidence(self, rollout_id: str) -> Evidence:
         """The snapshot from the first store holding anything for the id."""
+        broken = self._broken
         for index, (store, fetched) in enumerate(zip(self._stores, self._fetched, strict=True)):
-            if index in self._broken:
+            if broken and index in broken:
                 return Evidence(None, unreadable=True)
-            try:
-                snap = _guard(store, store.snapshot if fetched is None else fetched.snapshot, rollout_id)
-            except _Unreadable:
+            try:  # _guard's rule, written out: this runs once per rollout
+                snap = store.snapshot(rollout_id) if fetched is None else fetched.snapshot(rollout_id)
+            except Exception as exc:
+                if is_transient_storage_error(exc):
+                    raise
+                logger.warning("could not read captures in %s: %s", store.url, exc)
                 return Evidence(None, unreadable=True)
             if snap.found:
                 return Evidence(snap)

@@ -41,7 +41,7 @@ ORJSON_MAX_DEPTH = 1024
 
 # The parts of a response that call records read; keys they do not read are skipped.
 # Every field defaults to None, as ``dict.get`` gives for a missing key.
-class _Details(msgspec.Struct):
+class _Details(msgspec.Struct, gc=False):
     reasoning_tokens: Scalar = None
     cached_tokens: Scalar = None
     cached_input_tokens: Scalar = None
@@ -50,7 +50,7 @@ class _Details(msgspec.Struct):
 _AnyDetails = _Details | Scalar
 
 
-class _Usage(msgspec.Struct):
+class _Usage(msgspec.Struct, gc=False):
     input_tokens: Scalar = None
     prompt_tokens: Scalar = None
     output_tokens: Scalar = None
@@ -66,11 +66,11 @@ class _Usage(msgspec.Struct):
     input_tokens_details: _AnyDetails = None
 
 
-class _Summary(msgspec.Struct):
+class _Summary(msgspec.Struct, gc=False):
     text: Scalar = None
 
 
-class _OutputItem(msgspec.Struct):
+class _OutputItem(msgspec.Struct, gc=False):
     type: Scalar = None
     call_id: Scalar = None
     id: Scalar = None
@@ -79,28 +79,28 @@ class _OutputItem(msgspec.Struct):
     summary: list[_Summary | Scalar] | Scalar = None
 
 
-class _Function(msgspec.Struct):
+class _Function(msgspec.Struct, gc=False):
     name: Scalar = None
     arguments: Raw = None  # type: ignore[assignment]
 
 
-class _ToolCall(msgspec.Struct):
+class _ToolCall(msgspec.Struct, gc=False):
     id: Scalar = None
     function: _Function | Scalar = None
 
 
-class _Message(msgspec.Struct):
+class _Message(msgspec.Struct, gc=False):
     tool_calls: list[_ToolCall | Scalar] | Scalar = None
     reasoning_content: Scalar = None
     reasoning: Scalar = None
 
 
-class _Choice(msgspec.Struct):
+class _Choice(msgspec.Struct, gc=False):
     message: _Message | Scalar = None
     finish_reason: Scalar = None
 
 
-class _Block(msgspec.Struct):
+class _Block(msgspec.Struct, gc=False):
     type: Scalar = None
     id: Scalar = None
     name: Scalar = None
@@ -108,11 +108,11 @@ class _Block(msgspec.Struct):
     thinking: Scalar = None
 
 
-class _Incomplete(msgspec.Struct):
+class _Incomplete(msgspec.Struct, gc=False):
     reason: Scalar = None
 
 
-class _Response(msgspec.Struct):
+class _Response(msgspec.Struct, gc=False):
     id: Scalar = None
     model: Scalar = None
     status: Scalar = None
@@ -124,16 +124,16 @@ class _Response(msgspec.Struct):
     content: list[_Block | Scalar] | Scalar = None
 
 
-class _Request(msgspec.Struct):
+class _Request(msgspec.Struct, gc=False):
     model: Scalar = None
 
 
-class _ModelRef(msgspec.Struct, forbid_unknown_fields=True):
+class _ModelRef(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     type: Literal["responses_api_models"]
     name: str
 
 
-class _Row(msgspec.Struct):
+class _Row(msgspec.Struct, gc=False):
     """A capture row's fields with the types a call record takes as they are."""
 
     kind: str | None = None
@@ -156,6 +156,8 @@ class _Row(msgspec.Struct):
 
 
 _decode = msgspec.json.Decoder(_Row).decode
+typed_decode = _decode
+"""A capture line as a typed row (raises ``msgspec.DecodeError``, ``RecursionError``)."""
 _FIELDS = call_record_fields_template()
 _REF_KIND = "responses_api_models"
 
@@ -220,10 +222,15 @@ def typed_row(line: bytes, call_index: int, *, checked: bool = False) -> BuiltCa
         raise Untyped from None
     if not (checked or orjson_reads(line)):
         raise Untyped
+    return typed_of(row, call_index)
+
+
+def typed_of(row: _Row, call_index: int) -> BuiltCall | dict[str, Any]:
+    """:func:`typed_row` of a row already decoded (and checked)."""
     kind = row.kind
     if kind is None or kind == "model_call":
         try:
-            return BuiltCall(_record(row, call_index))
+            return BuiltCall(typed_record(row, call_index))
         except orjson.JSONDecodeError:  # a tool call's arguments orjson cannot read
             raise Untyped from None
     if kind == "verifier_invocation":
@@ -248,16 +255,14 @@ def typed_row(line: bytes, call_index: int, *, checked: bool = False) -> BuiltCa
 _NO_USAGE = (None, None, None, None, None, None, None)
 
 
-def _detail_count(details: Any, name: str) -> int | None:
-    if type(details) is not _Details:
-        return None
-    value = details.reasoning_tokens if name == "reasoning_tokens" else details.cached_tokens
+def _cached_count(details: _Details) -> int | None:
+    """The first valid count among a details group's ``cached_tokens`` and ``cached_input_tokens``."""
+    value = details.cached_tokens
     if type(value) is int and value >= 0:
         return value
-    if name == "cached_tokens":
-        value = details.cached_input_tokens
-        if type(value) is int and value >= 0:
-            return value
+    value = details.cached_input_tokens
+    if type(value) is int and value >= 0:
+        return value
     return None
 
 
@@ -290,21 +295,31 @@ def _usage_stats(
     tokens_total: Any = usage.total_tokens
     if type(tokens_total) is not int or tokens_total < 0:
         tokens_total = None if tokens_in is None or tokens_out is None else tokens_in + tokens_out
-    # A details group is looked into only where there is one (a call each costs more).
+    # A details group is looked into only where there is one; _detail_count written out.
+    reasoning: Any = None
     details: Any = usage.output_tokens_details
-    reasoning: Any = _detail_count(details, "reasoning_tokens") if type(details) is _Details else None
+    if type(details) is _Details:
+        reasoning = details.reasoning_tokens
+        if type(reasoning) is not int or reasoning < 0:
+            reasoning = None
     if reasoning is None:
         details = usage.completion_tokens_details
-        reasoning = _detail_count(details, "reasoning_tokens") if type(details) is _Details else None
+        if type(details) is _Details:
+            reasoning = details.reasoning_tokens
+            if type(reasoning) is not int or reasoning < 0:
+                reasoning = None
         if reasoning is None:
             reasoning = usage.reasoning_output_tokens
             if type(reasoning) is not int or reasoning < 0:
                 reasoning = None
+    cached_tokens: Any = None
     details = usage.prompt_tokens_details
-    cached_tokens: Any = _detail_count(details, "cached_tokens") if type(details) is _Details else None
+    if type(details) is _Details:
+        cached_tokens = _cached_count(details)
     if cached_tokens is None:
         details = usage.input_tokens_details
-        cached_tokens = _detail_count(details, "cached_tokens") if type(details) is _Details else None
+        if type(details) is _Details:
+            cached_tokens = _cached_count(details)
         if cached_tokens is None:
             cached_tokens = cache_read
             if cached_tokens is None:
@@ -374,7 +389,7 @@ def _calls_and_reasoning(response: _Response) -> tuple[list[dict[str, Any]], str
     return calls, None
 
 
-def _record(row: _Row, call_index: int) -> dict[str, Any]:
+def typed_record(row: _Row, call_index: int) -> dict[str, Any]:
     """``call_record_dict(row, call_index, include_payloads=False)`` of a typed row.
 
     Every typed field already has its record type, so nothing is validated here; the

@@ -486,7 +486,14 @@ class PosixBackend(Backend):
         else:
             has_marker = rollout_id + MARKER_SUFFIX in names
             if rollout_id + JSONL_SUFFIX in names:
-                data, refused = self._read_or_refuse(jsonl)
+                try:  # directly under the root: one no-follow open (what _open does, unwrapped)
+                    fd = os.open(jsonl, _READ)
+                except (FileNotFoundError, NotADirectoryError):
+                    pass
+                except OSError:  # a link, say: the full way names it
+                    data, refused = self._read_or_refuse(jsonl)
+                else:
+                    data = _read_locked(fd)
         logged = self.claims_log.claims([rollout_id]).get(rollout_id, [])  # as read when fetched
         snap = RolloutSnapshot(
             rollout_id,
