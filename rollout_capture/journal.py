@@ -288,6 +288,7 @@ class JournalWriter:
         self.commits = 0
         self.tries = 0
         self.tombstones = 0
+        self.peak_in_flight = 0  # the most commits this writer had in flight at once
 
     def _reset(self) -> None:
         self._pid = os.getpid()
@@ -357,6 +358,7 @@ class JournalWriter:
                     taken = self._group() if self._landed_any or not self._active else []
                     if taken:
                         self._active += 1
+                        self.peak_in_flight = max(self.peak_in_flight, self._active)
                         return taken
                     if not self._cond.wait(timeout=30.0) and not self._queue:
                         self._workers -= 1  # idle: a later submission starts a fresh thread
