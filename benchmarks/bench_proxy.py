@@ -589,7 +589,7 @@ def compare_store(
         pids: dict[str, int | None] = {"proxy": target.proc.pid, **direct_pids, **other_pids}
         if target.counter is not None:
             pids["store_proxy"] = target.counter.proc.pid
-        label = name.replace(":", ".")  # journal:1 -> a valid rollout id
+        label = name.replace(":", ".").replace("/", ".")  # journal:4/1 -> a valid rollout id
         try:
             runs[name] = measured_store(
                 target,
@@ -765,8 +765,12 @@ def layout_spec(spec: str) -> tuple[str, dict[str, str]]:
     layout, _, in_flight = spec.partition(":")
     if not in_flight:
         return layout, {}
-    if layout != "journal" or not in_flight.isdigit() or not 1 <= int(in_flight) <= 64:
-        raise SystemExit(f"--layouts: {spec!r}: only journal:N (N commits in flight, 1-64) takes a number")
+    parts = in_flight.split("/")
+    if layout != "journal" or len(parts) > 2 or not all(p.isdigit() and 1 <= int(p) <= 64 for p in parts):
+        raise SystemExit(
+            f"--layouts: {spec!r}: only journal:N or journal:ROWS/CLAIMS (commits in flight, 1-64) "
+            "takes numbers"
+        )
     return layout, {"ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT": in_flight}
 
 
@@ -939,7 +943,7 @@ def main() -> None:
         "--layouts",
         default="objects",
         help="with --store: object-store layouts, comma-separated; journal:N keeps N commits in flight "
-        "per stream (journal:1 is the journal before pipelining)",
+        "per stream, journal:ROWS/CLAIMS each stream's (journal:1 is the journal before pipelining)",
     )
     parser.add_argument(
         "--disk-layouts",

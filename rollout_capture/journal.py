@@ -221,9 +221,13 @@ def _floor_of(seq: int, body: bytes | None) -> int:
 
 # ---------------------------------------------------------------------------- writing
 
-DEFAULT_IN_FLIGHT = 4
+DEFAULT_IN_FLIGHT: dict[Stream, int] = {"rows": 2, "claims": 1}
 """Commits a writer keeps in flight per stream on object stores (local disks: 1, a commit there is
-a quick fsync). ``ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT`` overrides both (1-64)."""
+a quick fsync). Rows: 2, since a row finishing just after a commit started then goes at once
+instead of waiting for it, and more only add PUTs that slow the store (measured, see
+docs/benchmarks.md); claims: 1, since a claim's latency hides behind the upstream's first byte.
+``ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT`` overrides it: ``N`` for both streams, or ``ROWS/CLAIMS``
+(each 1-64)."""
 IN_FLIGHT_ENV = "ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT"
 HOLE_GRACE_S = 5.0
 """How long a missing number below an existing commit may stay missing before a writer or reader
@@ -233,18 +237,17 @@ SETTLE_TIMEOUT_S = 120.0
 """How long a landed commit waits for the numbers below it before its calls are failed."""
 
 
-def in_flight_bound(backend: Backend) -> int:
-    """Commits in flight per stream: the environment's setting, else the default for the store."""
+def in_flight_bound(backend: Backend, stream: Stream = "rows") -> int:
+    """Commits in flight for ``stream``: the environment's setting, else the default for the store."""
     raw = os.environ.get(IN_FLIGHT_ENV, "").strip()
     if not raw:
-        return 1 if backend.writes_in_place else DEFAULT_IN_FLIGHT
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{IN_FLIGHT_ENV} must be an integer from 1 to 64; got {raw!r}") from None
-    if not 1 <= value <= 64:
-        raise ValueError(f"{IN_FLIGHT_ENV} must be an integer from 1 to 64; got {value}")
-    return value
+        return 1 if backend.writes_in_place else DEFAULT_IN_FLIGHT[stream]
+    parts = raw.split("/")
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() and 1 <= int(p) <= 64 for p in parts):
+        raise ValueError(
+            f"{IN_FLIGHT_ENV} must be N or ROWS/CLAIMS, each an integer from 1 to 64; got {raw!r}"
+        )
+    return int(parts[0] if stream == "rows" or len(parts) == 1 else parts[1])
 
 
 @dataclass(slots=True)
@@ -279,7 +282,7 @@ class JournalWriter:
         self._backend = backend
         self.stream: Stream = stream
         self._tail_hint = tail_hint
-        self.in_flight = in_flight if in_flight is not None else in_flight_bound(backend)
+        self.in_flight = in_flight if in_flight is not None else in_flight_bound(backend, stream)
         if self.in_flight < 1:
             raise ValueError(f"in_flight must be at least 1; got {self.in_flight}")
         self.writer_id = os.urandom(8).hex()
@@ -493,11 +496,16 @@ class JournalWriter:
                     self._floor = max(self._floor, hint)  # what a reader read exists
                 start = hint
             found = first_free(self._backend, start, self.stream, seen=seen)
+            below = None
+            if found > start:  # the header of the one below tells how far down all exist
+                below = self._backend.read_many([self._backend.path(commit_name(found - 1, self.stream))])[0]
         except BaseException:
             with self._cond:
                 self._starting = False
                 self._cond.notify_all()
             raise
+        if below is not None:
+            self._learn(found - 1, below)
         with self._cond:
             self._known |= seen
             self._normalize()
@@ -551,15 +559,16 @@ class JournalWriter:
             with self._cond:
                 if self._floor > seq:
                     return
-                unknown = [n for n in range(self._floor, seq) if n not in self._known]
+                if seq - self._floor > _READ_WINDOW:  # joining a long journal: the highest first,
+                    unknown = [self._highest_unknown(seq)]  # its header's floor says much of the rest
+                else:
+                    unknown = [n for n in range(self._floor, seq) if n not in self._known]
                 debts = [n for n in unknown if n in self._debts and n not in self._filling]
                 others = [
                     n
                     for n in unknown
                     if n not in self._mine and n not in self._debts and n not in self._filling
                 ]
-                if len(others) > _READ_WINDOW:
-                    others = others[-1:]  # the highest first: its header's floor says much of the rest
                 self._filling |= {*debts, *others}
                 if not debts and not others:
                     remaining = deadline - time.monotonic()
@@ -582,6 +591,13 @@ class JournalWriter:
                     raise TimeoutError(self._stuck(seq))
                 time.sleep(delay)
                 delay = min(delay * 2, 0.25)
+
+    def _highest_unknown(self, seq: int) -> int:
+        """The highest number below ``seq`` not known to exist (locked; one exists: the floor)."""
+        n = seq - 1
+        while n > self._floor and n in self._known:
+            n -= 1
+        return n
 
     def _stuck(self, seq: int) -> str:
         return (

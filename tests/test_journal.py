@@ -310,7 +310,8 @@ def test_lost_answers_with_several_commits_in_flight_lose_move_and_double_nothin
     via, proxy = flaky_s3
     store = journal(via.url("caps"), via.storage_options)
     writer = store.journal_writer
-    assert writer.in_flight == 4  # object stores pipeline by default
+    assert writer.in_flight == 2  # object stores pipeline rows by default
+    writer.in_flight = 4
     pattern = f"PUT /{via.bucket}/caps/{JOURNAL_DIR}/".encode()
     store.record("p-0", {**ROW, "model_call_id": "p0-first"})  # the first commit goes alone
     proxy.lose_every(pattern, 3)
@@ -358,9 +359,9 @@ def test_pipelined_writer_processes_keep_each_rollouts_order(
     """Three processes, four commits in flight each: a step of the shared rollout written after the
     previous one was acknowledged (on another host) reads after it, and every background rollout
     reads its rows once each, in the order its process submitted them."""
+    monkeypatch.setenv("ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT", "4")  # more than the default, on disk too
     if where == "local":
         url, options = str(tmp_path / "caps"), {}
-        monkeypatch.setenv("ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT", "4")  # local disks keep one otherwise
     else:
         s3: S3 = request.getfixturevalue("s3")
         url, options = s3.url("caps"), s3.storage_options
@@ -413,6 +414,7 @@ def test_a_writer_killed_with_commits_in_flight_leaves_a_hole_readers_fill(
 
     via, proxy = flaky_s3
     proxy.hold_on(f"PUT /{via.bucket}/caps/{commit_name(1)}".encode())
+    monkeypatch.setenv("ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT", "4")  # the child's: three rows at once
     context = multiprocessing.get_context("spawn")
     ready = context.Event()
     process = context.Process(
@@ -504,3 +506,22 @@ def test_a_late_put_into_a_tombstoned_number_is_renumbered_not_lost(
     assert _ids(reader(s3.url("caps"), s3.storage_options).read("l-1")) == ["late"]
     tombstone = _body(s3, 1)
     assert tombstone is not None and decode_commit(1, tombstone).headers == []
+
+
+def test_a_writer_joining_a_long_journal_reads_one_header_not_every_commit(
+    flaky_s3: tuple[S3, Any], s3: S3
+) -> None:
+    """Before its first acknowledgement a writer must know every number below exists: the header
+    of the commit below its own says below which number all did (``floor``)."""
+    first = journal(s3.url("caps"), s3.storage_options)
+    for n in range(40):
+        first.record(f"j-{n % 3}", {**ROW, "model_call_id": f"m{n}"})
+    via, proxy = flaky_s3
+    joining = journal(via.url("caps"), via.storage_options)
+    proxy.reset_counts()
+    joining.record("j-0", {**ROW, "model_call_id": "joined"})
+    counts = proxy.reset_counts()
+    assert counts.get("PUT") == 1 and counts.get("GET", 0) <= 1  # one header read, not 40
+    assert counts.get("HEAD", 0) <= 16  # the tail found by doubling and bisecting
+    assert _ids(reader(s3.url("caps"), s3.storage_options).read("j-0"))[-1] == "joined"
+    assert _commits(joining) == list(range(41))
