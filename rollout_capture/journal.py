@@ -4,17 +4,20 @@ per call.
 
 ``_journal/{seq:012d}.jsonl`` under the capture root holds one *commit*: a header line naming each
 entry (``[op, rollout_id]`` or ``[op, rollout_id, claim_id]``), then one line per entry (a row, a
-claim body, or ``null``). Commits form one sequence for the whole root, with no gaps: a writer
-creates commit ``s`` only once it knows ``s - 1`` exists (its own last commit, or one it found
-taken), so every commit is numbered above every commit that existed when it was written. A
+claim body, or ``null``). Commits form one put-if-absent sequence a stream for the whole root. A
 rollout's rows are in commit order, then line order: one total order across hosts, with no
-clock, that respects which call finished first. A lost acknowledgement is told by the
+clock, that respects which call finished first, because a writer keeps a few commits in flight
+(group commit: whatever is submitted meanwhile goes into the next one) under two rules: two
+commits in flight never hold one rollout, and a commit is acknowledged only once every number
+below it exists, so a later call can only land above it. A lost acknowledgement is told by the
 commit's nonce, as for row objects.
 
-A writer keeps one commit in flight; whatever is submitted meanwhile goes into the next one
-(group commit). Readers read commits in order from where they stopped (no listing: the first
-missing number is the end), index each rollout's entries by their header alone and keep a
-bounded cache of bodies, so a rollout's rows cost one GET per commit holding them.
+A writer killed with commits in flight can leave a number missing below a later commit; a
+writer or reader that finds such a hole older than :data:`HOLE_GRACE_S` fills it with an empty
+tombstone, put-if-absent (a late put there then lands higher, as any taken number does).
+Readers read commits in order from where they stopped (no listing: the first missing number is
+the end), index each rollout's entries by their header alone and keep a bounded cache of
+bodies, so a rollout's rows cost one GET per commit holding them.
 """
 
 from __future__ import annotations
