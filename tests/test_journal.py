@@ -322,7 +322,7 @@ def test_lost_answers_with_several_commits_in_flight_lose_move_and_double_nothin
             threading.Event().wait(0.004)  # calls finishing one after another, not all at once
     seqs = [future.result(timeout=120) for future in futures]
     proxy.lose_every(None)
-    assert proxy.lost >= 3 and proxy.lost * 4 >= writer.tries - 1  # a third of the answers lost
+    assert proxy.lost >= 2 and proxy.lost * 4 >= writer.tries - 1  # a third of the answers lost
     assert writer.peak_in_flight > 1  # the commits did overlap
     for r in range(8):
         mine = seqs[r::8]
