@@ -526,3 +526,32 @@ def test_a_writer_joining_a_long_journal_reads_one_header_not_every_commit(
     assert counts.get("HEAD", 0) <= 16  # the tail found by doubling and bisecting
     assert _ids(reader(s3.url("caps"), s3.storage_options).read("j-0"))[-1] == "joined"
     assert _commits(joining) == list(range(41))
+
+
+def test_the_merge_reads_a_pipelined_journal_as_the_objects_layout(tmp_path: Path, s3: S3) -> None:
+    """Rows written with four commits in flight on S3 merge byte for byte as the objects layout's."""
+    rows = {
+        f"{t}-0": [{**ROW, "model_call_id": f"{t}-{n}", "latency_ms": 10.0 + n} for n in range(1 + t % 4)]
+        for t in range(12)
+    }
+    lines = [orjson.dumps({"_ng_task_index": t, "_ng_rollout_index": 0, "reward": 1.0}) for t in range(13)]
+    objects = CaptureStore(tmp_path / "objects", layout="objects")
+    for rollout_id, written in rows.items():
+        for row in written:
+            objects.record(rollout_id, row)
+    writer = journal(s3.url("caps"), s3.storage_options).journal_writer
+    writer.in_flight = 4
+    futures = []
+    for n in range(4):  # every rollout's n-th row, one after another, never waiting
+        for rollout_id, written in rows.items():
+            if n < len(written):
+                futures.append(writer.submit([row_entry(rollout_id, written[n])]))
+                threading.Event().wait(0.002)
+    for future in futures:
+        future.result(timeout=60)
+    assert writer.peak_in_flight > 1
+    expected = enrich_lines(lines, [CaptureStore(tmp_path / "objects")], quiescence_timeout_s=0).lines
+    merged = enrich_lines(
+        lines, [CaptureStore(s3.url("caps"), storage_options=s3.storage_options)], quiescence_timeout_s=0
+    ).lines
+    assert merged == expected
