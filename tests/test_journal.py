@@ -555,3 +555,24 @@ def test_the_merge_reads_a_pipelined_journal_as_the_objects_layout(tmp_path: Pat
         lines, [CaptureStore(s3.url("caps"), storage_options=s3.storage_options)], quiescence_timeout_s=0
     ).lines
     assert merged == expected
+
+
+def test_a_writer_fills_a_dead_writers_hole_below_its_commit(
+    s3: S3, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """Commits 0-9 but 5 (a writer died with 5 in flight): a writer joining lands at 10, and
+    before acknowledging it fills 5 with a tombstone, so its row is readable at once."""
+    import rollout_capture.journal as journal_module
+
+    store = journal(s3.url("caps"), s3.storage_options)
+    backend = store._backend
+    for seq in [*range(5), *range(6, 10)]:
+        backend.create(backend.path(commit_name(seq)), _one_row("d-0", f"m{seq}"))
+    monkeypatch.setattr(journal_module, "HOLE_GRACE_S", 0.0)
+    with caplog.at_level("WARNING"):
+        store.record("d-0", {**ROW, "model_call_id": "joined"})
+    assert store.journal_writer.tombstones == 1 and "filled with a tombstone" in caplog.text
+    tombstone = _body(s3, 5)
+    assert tombstone is not None and decode_commit(5, tombstone).headers == []
+    rows = reader(s3.url("caps"), s3.storage_options).read("d-0")
+    assert _ids(rows) == [f"m{seq}" for seq in range(10) if seq != 5] + ["joined"]
