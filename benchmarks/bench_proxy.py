@@ -591,14 +591,15 @@ def compare_store(
         pids: dict[str, int | None] = {"proxy": target.proc.pid, **direct_pids, **other_pids}
         if target.counter is not None:
             pids["store_proxy"] = target.counter.proc.pid
+        label = name.replace(":", ".").replace("/", ".")  # journal:4/1 -> a valid rollout id
         try:
             runs[name] = measured_store(
                 target,
-                f"/ng-rollout/{tag}{name}-" + "{n}-0",
+                f"/ng-rollout/{tag}{label}-" + "{n}-0",
                 calls,
                 concurrency,
                 pids,
-                sorted({f"{tag}{name}-{n // per_rollout}-0" for n in range(calls)}),
+                sorted({f"{tag}{label}-{n // per_rollout}-0" for n in range(calls)}),
                 settle_s,
                 per_rollout,
             )
@@ -760,6 +761,21 @@ def format_table(rows: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
+def layout_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """``journal:1`` -> the journal layout with one commit in flight per stream (main's before
+    pipelining), as the environment tells the proxy; a plain name -> that layout as it comes."""
+    layout, _, in_flight = spec.partition(":")
+    if not in_flight:
+        return layout, {}
+    parts = in_flight.split("/")
+    if layout != "journal" or len(parts) > 2 or not all(p.isdigit() and 1 <= int(p) <= 64 for p in parts):
+        raise SystemExit(
+            f"--layouts: {spec!r}: only journal:N or journal:ROWS/CLAIMS (commits in flight, 1-64) "
+            "takes numbers"
+        )
+    return layout, {"ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT": in_flight}
+
+
 def store_main(args: argparse.Namespace) -> None:
     """``--store s3``: each layout's proxy writing to moto behind a counting, slowed proxy, beside
     the local-disk layouts, direct calls and each other, in interleaved rounds at two loads."""
@@ -781,18 +797,20 @@ def store_main(args: argparse.Namespace) -> None:
     try:
         moto.make_bucket(STORE_BUCKET)
         upstream, upstream_url = start_upstream(args.delay_ms / 1000, args.http, args.loop)
-        for layout in layouts:
-            name = "s3_" + layout
+        for spec in layouts:
+            name = "s3_" + spec
+            layout, in_flight = layout_spec(spec)
             counter = CountingProxy(moto.port, args.store_latency_ms)
             started.append(counter)
             options = {"client_kwargs": {"endpoint_url": counter.endpoint}}
-            folder = "".join(c if c.isalnum() else "-" for c in layout.lower()) or "layout"
+            folder = "".join(c if c.isalnum() else "-" for c in spec.lower()) or "layout"
             capture_url = f"s3://{STORE_BUCKET}/{folder}"
             env = {
                 **os.environ,
                 **DUMMY_CREDENTIALS,
                 "ROLLOUT_CAPTURE_STORAGE_OPTIONS": json.dumps(options),
                 "ROLLOUT_CAPTURE_LAYOUT": layout,
+                **in_flight,
             }
             flags = [*extra, "--layout", layout, "--storage-options", json.dumps(options)]
             try:
@@ -803,11 +821,14 @@ def store_main(args: argparse.Namespace) -> None:
             started.append(proc)
             read_options = {"client_kwargs": {"endpoint_url": moto.endpoint}}  # uncounted, unslowed
             targets[name] = Target(proc, url, capture_url, read_options, counter)
-        for disk_layout in disk_layouts:
-            name = "disk_" + disk_layout.replace("+", "-")  # the name is in rollout ids: no "+"
+        for spec in disk_layouts:
+            # jsonl+files: claim files, jsonl+log: the claims log; journal:N: N commits in flight.
+            # The name is in rollout ids: no "+" nor ":".
+            name = "disk_" + "".join(c if c.isalnum() else "-" for c in spec)
             capture_dir = str(work / name)
-            layout, _, claims = disk_layout.partition("+")  # jsonl+files: claim files, jsonl+log: the log
-            env = {**os.environ, "ROLLOUT_CAPTURE_LAYOUT": layout}
+            base, _, claims = spec.partition("+")
+            layout, in_flight = layout_spec(base)
+            env = {**os.environ, "ROLLOUT_CAPTURE_LAYOUT": layout, **in_flight}
             flags = [*extra, "--layout", layout]
             if claims:
                 env["ROLLOUT_CAPTURE_CLAIMS"] = claims
@@ -928,7 +949,10 @@ def main() -> None:
         "beside --disk-layouts on local disk (issue 20's targets)",
     )
     parser.add_argument(
-        "--layouts", default="objects", help="with --store: object-store layouts, comma-separated"
+        "--layouts",
+        default="objects",
+        help="with --store: object-store layouts, comma-separated; journal:N keeps N commits in flight "
+        "per stream, journal:ROWS/CLAIMS each stream's (journal:1 is the journal before pipelining)",
     )
     parser.add_argument(
         "--disk-layouts",

@@ -61,7 +61,13 @@ class FaultProxy:
         self._lose_pattern: bytes | None = None
         self._lose_times = 0
         self._lose: set[socket.socket] = set()  # upstream sockets whose next answer is dropped
+        self._lose_every: tuple[bytes, int] | None = None
+        self._lose_seen = 0
         self._deny: bytes | None = None
+        self._hold: bytes | None = None
+        self._release = threading.Event()
+        self._drop_held = False
+        self.held = 0
         self.denied = 0
         self.lost = 0
         self.outages = 0
@@ -113,11 +119,23 @@ class FaultProxy:
                 if from_client:
                     if self._trigger is not None and self._fire(data):
                         return  # this request dies with the endpoint
+                    if self._hold is not None and self._hold in data:
+                        with self._lock:
+                            self._hold, release = None, self._release
+                            self.held += 1
+                        release.wait()
+                        if self._drop_held:
+                            return  # never forwarded: the store never sees it
                     if self._deny is not None and self._deny in data:
                         with self._lock:
                             self.denied += 1
                         source.sendall(_ACCESS_DENIED)  # never forwarded: the store is untouched
                         return
+                    if self._lose_every is not None and self._lose_every[0] in data:
+                        with self._lock:
+                            self._lose_seen += 1
+                            if self._lose_seen % self._lose_every[1] == 0:
+                                self._lose.add(sink)
                     if self._lose_pattern is not None and self._lose_pattern in data:
                         with self._lock:
                             self._lose_times -= 1
@@ -213,6 +231,22 @@ class FaultProxy:
         connection before its answer (``times=0``: stop losing answers)."""
         with self._lock:
             self._lose_pattern, self._lose_times = (pattern if times > 0 else None), times
+
+    def lose_every(self, pattern: bytes | None, k: int = 3) -> None:
+        """Lose the answer of every ``k``-th request carrying ``pattern`` (None: stop)."""
+        with self._lock:
+            self._lose_every, self._lose_seen = (None if pattern is None else (pattern, k)), 0
+
+    def hold_on(self, pattern: bytes) -> None:
+        """Hold the next request carrying ``pattern`` unforwarded until :meth:`release_held`
+        (a request slow on the wire, or one whose sender dies before it arrives)."""
+        with self._lock:
+            self._hold, self._release, self._drop_held = pattern, threading.Event(), False
+
+    def release_held(self, *, drop: bool = False) -> None:
+        """Forward the held request now (``drop``: cut it instead, so it never lands)."""
+        self._drop_held = drop
+        self._release.set()
 
     def deny_on(self, pattern: bytes | None) -> None:
         """Answer every request carrying ``pattern`` 403 AccessDenied, unforwarded (None: stop)."""

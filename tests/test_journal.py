@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import orjson
 import pytest
 
@@ -286,3 +287,308 @@ def test_a_failed_commit_marks_its_rollouts_and_its_number_is_not_skipped(flaky_
     assert read.is_incomplete("f-1") and not read.is_incomplete("f-0")
     assert [row["model_call_id"] for row in read.read("f-1")] == ["b"]
     assert _commits(read) == [0, 1]  # the refused write's number went to the next commit
+
+
+# ---------------------------------------------------------------------------- several commits in flight
+
+
+def _ids(rows: list[dict[str, Any]]) -> list[str]:
+    return [row["model_call_id"] for row in rows]
+
+
+def _body(s3: S3, seq: int) -> bytes | None:
+    path = f"{s3.bucket}/caps/{commit_name(seq)}"
+    fs = s3.fs()
+    return fs.cat_file(path) if fs.exists(path) else None
+
+
+def test_lost_answers_with_several_commits_in_flight_lose_move_and_double_nothing(
+    flaky_s3: tuple[S3, Any],
+) -> None:
+    """Eight rollouts written at once, five rows each, never waiting: commits overlap, a third of
+    their answers are lost, and every rollout still reads its rows once each, in submission order."""
+    via, proxy = flaky_s3
+    store = journal(via.url("caps"), via.storage_options)
+    writer = store.journal_writer
+    assert writer.in_flight == 2  # object stores pipeline rows by default
+    writer.in_flight = 4
+    pattern = f"PUT /{via.bucket}/caps/{JOURNAL_DIR}/".encode()
+    store.record("p-0", {**ROW, "model_call_id": "p0-first"})  # the first commit goes alone
+    proxy.lose_every(pattern, 3)
+    futures = []
+    for n in range(5):
+        for r in range(8):
+            futures.append(writer.submit([row_entry(f"p-{r}", {**ROW, "model_call_id": f"p{r}-{n}"})]))
+            threading.Event().wait(0.004)  # calls finishing one after another, not all at once
+    seqs = [future.result(timeout=120) for future in futures]
+    proxy.lose_every(None)
+    assert proxy.lost >= 2 and proxy.lost * 4 >= writer.tries - 1  # a third of the answers lost
+    assert writer.peak_in_flight > 1  # the commits did overlap
+    for r in range(8):
+        mine = seqs[r::8]
+        assert mine == sorted(mine)  # in submission order
+    read = reader(via.url("caps"), via.storage_options)
+    for r in range(8):
+        assert _ids(read.read(f"p-{r}")) == ["p0-first"] * (r == 0) + [f"p{r}-{n}" for n in range(5)]
+    assert _commits(read) == list(range(writer.commits))  # no hole, nothing twice, no tombstone
+    assert writer.tombstones == 0
+
+
+def _pipelined_writer(url: str, options: dict[str, Any], k: int, turn: Any, steps: int, writers: int) -> None:
+    """Background rollouts of its own written without waiting, while the shared rollout's steps
+    go round the writers: step j is written by writer j % writers once step j - 1 is durable."""
+    store = CaptureStore(url, storage_options=options, layout="journal")
+    writer = store.journal_writer
+    futures = []
+    for step in range(k, steps, writers):
+        while turn.value != step:
+            for r in range(3):  # keep commits in flight, and holes below them, on every host
+                futures.append(writer.submit([row_entry(f"bg{k}-{r}", {**ROW, "n": len(futures)})]))
+            threading.Event().wait(0.01)
+        writer.write([row_entry("s-0", {**ROW, "step": step, "writer": k})])
+        with turn.get_lock():
+            turn.value += 1
+    for future in futures:
+        future.result(timeout=120)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_pipelined_writer_processes_keep_each_rollouts_order(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three processes, four commits in flight each: a step of the shared rollout written after the
+    previous one was acknowledged (on another host) reads after it, and every background rollout
+    reads its rows once each, in the order its process submitted them."""
+    monkeypatch.setenv("ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT", "4")  # more than the default, on disk too
+    if where == "local":
+        url, options = str(tmp_path / "caps"), {}
+    else:
+        s3: S3 = request.getfixturevalue("s3")
+        url, options = s3.url("caps"), s3.storage_options
+    context = multiprocessing.get_context("spawn")
+    turn = context.Value("i", 0)
+    writers, steps = 3, 18
+    processes = [
+        context.Process(target=_pipelined_writer, args=(url, options, k, turn, steps, writers))
+        for k in range(writers)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(180)
+        assert process.exitcode == 0
+    store = reader(url, options)
+    assert [row["step"] for row in store.read("s-0")] == list(range(steps))
+    assert [row["writer"] for row in store.read("s-0")] == [s % writers for s in range(steps)]
+    for k in range(writers):
+        ns = [row["n"] for r in range(3) for row in store.read(f"bg{k}-{r}")]
+        assert sorted(ns) == list(range(len(ns))) and ns  # every background row once
+        for r in range(3):
+            mine = [row["n"] for row in store.read(f"bg{k}-{r}")]
+            assert mine == sorted(mine)  # in submission order
+    fs, root = fsspec.core.url_to_fs(url, **options)
+    listed = sorted(n.rsplit("/", 1)[-1] for n in fs.ls(f"{root}/{JOURNAL_DIR}", detail=False))
+    seqs = _commits(store)
+    assert [n for n in listed if n.endswith(".jsonl")] == [commit_name(s).rsplit("/", 1)[-1] for s in seqs]
+
+
+def _hold_a_commit_then_hang(url: str, options: dict[str, Any], ready: Any) -> None:
+    """Commit 0 alone, then three rollouts' commits at once; the proxy holds commit 1's put."""
+    store = CaptureStore(url, storage_options=options, layout="journal")
+    store.record("h-0", {**ROW, "model_call_id": "first"})
+    writer = store.journal_writer
+    for r in (1, 2, 3):
+        writer.submit([row_entry(f"h-{r}", {**ROW, "model_call_id": f"in-flight-{r}"})])
+        threading.Event().wait(0.3)  # each in a commit of its own
+    ready.set()
+    threading.Event().wait(120)
+
+
+def test_a_writer_killed_with_commits_in_flight_leaves_a_hole_readers_fill(
+    flaky_s3: tuple[S3, Any], s3: S3, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """SIGKILL with commit 1 still on the wire and commits 2 and 3 landed: commit 1 never lands,
+    readers would stop there forever; an old hole is filled with a tombstone, put-if-absent, and
+    every landed row is read."""
+    import rollout_capture.journal as journal_module
+
+    via, proxy = flaky_s3
+    proxy.hold_on(f"PUT /{via.bucket}/caps/{commit_name(1)}".encode())
+    monkeypatch.setenv("ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT", "4")  # the child's: three rows at once
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    process = context.Process(
+        target=_hold_a_commit_then_hang, args=(via.url("caps"), via.storage_options, ready)
+    )
+    process.start()
+    try:
+        assert ready.wait(60)
+        for _ in range(300):
+            if _body(s3, 2) is not None and _body(s3, 3) is not None:
+                break
+            threading.Event().wait(0.05)
+        assert proxy.held == 1 and _body(s3, 1) is None and _body(s3, 3) is not None
+    finally:
+        assert process.pid is not None
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(30)
+        proxy.release_held(drop=True)  # the dead writer's put never arrives
+    monkeypatch.setattr(journal_module, "HOLE_GRACE_S", 3600.0)  # however slow this machine is
+    young = reader(s3.url("caps"), s3.storage_options)
+    assert _ids(young.read("h-0")) == ["first"] and young.read("h-2") == []  # a young hole is waited on
+    assert _body(s3, 1) is None
+    monkeypatch.setattr(journal_module, "HOLE_GRACE_S", 0.0)  # as if the grace had passed
+    with caplog.at_level("WARNING"):
+        store = reader(s3.url("caps"), s3.storage_options)
+        assert _ids(store.read("h-2")) == ["in-flight-2"] and _ids(store.read("h-3")) == ["in-flight-3"]
+    assert store.read("h-1") == [] and _ids(store.read("h-0")) == ["first"]
+    tombstone = _body(s3, 1)
+    assert tombstone is not None and decode_commit(1, tombstone).headers == []
+    assert b'"tombstone":true' in tombstone and "filled with a tombstone" in caplog.text
+    assert _ids(young.read("h-3")) == ["in-flight-3"]  # the waiting reader reads on too
+
+
+def test_a_reader_that_may_not_write_reports_the_hole_and_does_not_hang(
+    flaky_s3: tuple[S3, Any], s3: S3, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    import rollout_capture.journal as journal_module
+
+    backend = CaptureStore(s3.url("caps"), storage_options=s3.storage_options)._backend
+    backend.create(backend.path(commit_name(0)), _one_row("x-0", "a"))
+    backend.create(backend.path(commit_name(2)), _one_row("x-0", "c"))  # 1 never landed
+    monkeypatch.setattr(journal_module, "HOLE_GRACE_S", 0.0)
+    via, proxy = flaky_s3
+    proxy.deny_on(f"PUT /{via.bucket}/caps/{JOURNAL_DIR}/".encode())  # a read-only credential
+    with caplog.at_level("WARNING"):
+        assert _ids(reader(via.url("caps"), via.storage_options).read("x-0")) == ["a"]
+    assert commit_name(1) in caplog.text and "cannot fill it" in caplog.text
+    proxy.deny_on(None)
+    assert _ids(reader(via.url("caps"), via.storage_options).read("x-0")) == ["a", "c"]
+
+
+def _one_row(rollout_id: str, call: str) -> bytes:
+    from rollout_capture.journal import encode_commit
+
+    line = orjson.dumps({**ROW, "model_call_id": call})
+    return encode_commit("test", uuid.uuid4().hex, [["row", rollout_id]], [line])
+
+
+def test_a_late_put_into_a_tombstoned_number_is_renumbered_not_lost(
+    flaky_s3: tuple[S3, Any], s3: S3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Commit 1 is slow on the wire; commit 2 lands; a reader fills 1 with a tombstone. The late
+    put then meets If-None-Match, finds a tombstone (not its nonce) and lands above: its row is
+    read once, after everything acknowledged before it."""
+    import rollout_capture.journal as journal_module
+
+    via, proxy = flaky_s3
+    store = journal(via.url("caps"), via.storage_options)
+    writer = store.journal_writer
+    store.record("l-0", {**ROW, "model_call_id": "a"})
+    proxy.hold_on(f"PUT /{via.bucket}/caps/{commit_name(1)}".encode())
+    late = writer.submit([row_entry("l-1", {**ROW, "model_call_id": "late"})])
+    for _ in range(200):
+        if proxy.held:
+            break
+        threading.Event().wait(0.02)
+    other = writer.submit([row_entry("l-2", {**ROW, "model_call_id": "b"})])
+    for _ in range(300):
+        if _body(s3, 2) is not None:
+            break
+        threading.Event().wait(0.02)
+    assert not other.done()  # landed at 2, but not acknowledged while 1 is missing
+    monkeypatch.setattr(journal_module, "HOLE_GRACE_S", 0.0)
+    read = reader(s3.url("caps"), s3.storage_options)
+    assert _ids(read.read("l-2")) == ["b"] and read.read("l-1") == []
+    proxy.release_held()  # the late put arrives at a number already filled
+    assert other.result(timeout=60) == 2
+    assert late.result(timeout=60) == 3  # renumbered above, not lost
+    assert _ids(read.read("l-1")) == ["late"] and _ids(read.read("l-0")) == ["a"]
+    assert _ids(reader(s3.url("caps"), s3.storage_options).read("l-1")) == ["late"]
+    tombstone = _body(s3, 1)
+    assert tombstone is not None and decode_commit(1, tombstone).headers == []
+
+
+def test_a_writer_joining_a_long_journal_reads_one_header_not_every_commit(
+    flaky_s3: tuple[S3, Any], s3: S3
+) -> None:
+    """Before its first acknowledgement a writer must know every number below exists: the header
+    of the commit below its own says below which number all did (``floor``)."""
+    first = journal(s3.url("caps"), s3.storage_options)
+    for n in range(40):
+        first.record(f"j-{n % 3}", {**ROW, "model_call_id": f"m{n}"})
+    via, proxy = flaky_s3
+    joining = journal(via.url("caps"), via.storage_options)
+    proxy.reset_counts()
+    joining.record("j-0", {**ROW, "model_call_id": "joined"})
+    counts = proxy.reset_counts()
+    assert counts.get("PUT") == 1 and counts.get("GET", 0) <= 1  # one header read, not 40
+    assert counts.get("HEAD", 0) <= 16  # the tail found by doubling and bisecting
+    assert _ids(reader(s3.url("caps"), s3.storage_options).read("j-0"))[-1] == "joined"
+    assert _commits(joining) == list(range(41))
+
+
+def test_the_merge_reads_a_pipelined_journal_as_the_objects_layout(tmp_path: Path, s3: S3) -> None:
+    """Rows written with four commits in flight on S3 merge byte for byte as the objects layout's."""
+    rows = {
+        f"{t}-0": [{**ROW, "model_call_id": f"{t}-{n}", "latency_ms": 10.0 + n} for n in range(1 + t % 4)]
+        for t in range(12)
+    }
+    lines = [orjson.dumps({"_ng_task_index": t, "_ng_rollout_index": 0, "reward": 1.0}) for t in range(13)]
+    objects = CaptureStore(tmp_path / "objects", layout="objects")
+    for rollout_id, written in rows.items():
+        for row in written:
+            objects.record(rollout_id, row)
+    writer = journal(s3.url("caps"), s3.storage_options).journal_writer
+    writer.in_flight = 4
+    futures = []
+    for n in range(4):  # every rollout's n-th row, one after another, never waiting
+        for rollout_id, written in rows.items():
+            if n < len(written):
+                futures.append(writer.submit([row_entry(rollout_id, written[n])]))
+                threading.Event().wait(0.002)
+    for future in futures:
+        future.result(timeout=60)
+    assert writer.peak_in_flight > 1
+    expected = enrich_lines(lines, [CaptureStore(tmp_path / "objects")], quiescence_timeout_s=0).lines
+    merged = enrich_lines(
+        lines, [CaptureStore(s3.url("caps"), storage_options=s3.storage_options)], quiescence_timeout_s=0
+    ).lines
+    assert merged == expected
+
+
+def test_a_writer_fills_a_dead_writers_hole_below_its_commit(
+    s3: S3, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """Commits 0-9 but 5 (a writer died with 5 in flight): a writer joining lands at 10, and
+    before acknowledging it fills 5 with a tombstone, so its row is readable at once."""
+    import rollout_capture.journal as journal_module
+
+    store = journal(s3.url("caps"), s3.storage_options)
+    backend = store._backend
+    for seq in [*range(5), *range(6, 10)]:
+        backend.create(backend.path(commit_name(seq)), _one_row("d-0", f"m{seq}"))
+    monkeypatch.setattr(journal_module, "HOLE_GRACE_S", 0.0)
+    with caplog.at_level("WARNING"):
+        store.record("d-0", {**ROW, "model_call_id": "joined"})
+    assert store.journal_writer.tombstones == 1 and "filled with a tombstone" in caplog.text
+    tombstone = _body(s3, 5)
+    assert tombstone is not None and decode_commit(5, tombstone).headers == []
+    rows = reader(s3.url("caps"), s3.storage_options).read("d-0")
+    assert _ids(rows) == [f"m{seq}" for seq in range(10) if seq != 5] + ["joined"]
+
+
+@pytest.mark.parametrize("value", ["0", "two", "2/1/1", "65"])
+def test_a_malformed_in_flight_setting_is_refused_when_the_producer_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """Not at the first call, where a failed write would only be logged and the row lost."""
+    from rollout_capture.producer.settings import ProducerSettings
+    from rollout_capture.producer.writer import writer_for
+
+    monkeypatch.setenv("ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT", value)
+    settings = ProducerSettings(capture_dir=str(tmp_path), layout="journal")
+    with pytest.raises(ValueError, match="ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT") as raised:
+        writer_for(settings)
+    assert repr(value) in str(raised.value)
+    assert not (tmp_path / JOURNAL_DIR).exists()  # nothing written

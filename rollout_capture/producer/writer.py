@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from rollout_capture.filesystem import is_local
-from rollout_capture.journal import release_entry
+from rollout_capture.journal import in_flight_setting, release_entry
 from rollout_capture.producer.settings import ProducerSettings
 from rollout_capture.store import CaptureStore, ClaimContext, ClaimsMode, finish_shielded
 
@@ -367,6 +367,8 @@ def writer_for(settings: ProducerSettings) -> CaptureWriter:
     local = is_local(settings.root)
     if layout == "auto" and not local:
         layout = "journal"
+    if layout == "journal":
+        in_flight_setting()  # a malformed ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT refused at startup, not per call
     if settings.claims == "log" and not local:
         raise ValueError(f"{settings.root}: claims=log needs a local disk (object stores write claim files)")
     claims: ClaimsMode = "log" if local and settings.claims != "files" else "files"
