@@ -342,8 +342,11 @@ def _pipelined_writer(url: str, options: dict[str, Any], k: int, turn: Any, step
     futures = []
     for step in range(k, steps, writers):
         while turn.value != step:
-            for r in range(3):  # keep commits in flight, and holes below them, on every host
-                futures.append(writer.submit([row_entry(f"bg{k}-{r}", {**ROW, "n": len(futures)})]))
+            # Keep commits in flight, and holes below them, on every host; bounded, so a slow
+            # store is not flooded the longer a turn takes (the load would feed on itself).
+            if len(futures) < 240 and sum(not future.done() for future in futures) < 12:
+                for r in range(3):
+                    futures.append(writer.submit([row_entry(f"bg{k}-{r}", {**ROW, "n": len(futures)})]))
             threading.Event().wait(0.01)
         writer.write([row_entry("s-0", {**ROW, "step": step, "writer": k})])
         with turn.get_lock():
@@ -374,9 +377,14 @@ def test_pipelined_writer_processes_keep_each_rollouts_order(
     ]
     for process in processes:
         process.start()
-    for process in processes:
-        process.join(180)
-        assert process.exitcode == 0
+    try:
+        for process in processes:
+            process.join(180)
+            assert process.exitcode == 0
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
     store = reader(url, options)
     assert [row["step"] for row in store.read("s-0")] == list(range(steps))
     assert [row["writer"] for row in store.read("s-0")] == [s % writers for s in range(steps)]

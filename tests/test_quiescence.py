@@ -52,16 +52,16 @@ async def test_release_lets_the_wait_return_true(tmp_path: Path) -> None:
     store = CaptureStore(tmp_path)
     claim = store.claim("1-0")
     claim.__enter__()
-    released = threading.Event()
+    releasing = threading.Event()  # set before the release, so a wait that returns has seen it begin
 
     def release_soon() -> None:
         time.sleep(0.15)
+        releasing.set()
         claim.__exit__(None, None, None)
-        released.set()
 
     threading.Thread(target=release_soon).start()
     assert await await_model_call_capture_quiescence("1-0", [tmp_path], timeout_s=30, poll_s=0.02) is True
-    assert released.is_set()
+    assert releasing.is_set()
     assert gaps(tmp_path) == [{"code": "model_call_capture_no_records"}]
 
 

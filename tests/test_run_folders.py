@@ -200,7 +200,7 @@ def test_a_holder_whose_lease_is_taken_stops_and_publishes_nothing(tmp_path: Pat
         claim.__exit__(None, None, None)
         tick.join(120)
     summary: RunsSummary = out["state"]
-    assert summary.lost == ["r"] and not summary.enriched and not summary.failed
+    assert (summary.lost, summary.enriched, summary.failed) == (["r"], [], {}), summary.outcomes
     assert "thief" in (summary.outcomes["r"].error or "")
     assert not (root / "r" / "rollouts.enriched.jsonl").exists() and not (root / "r" / "_ENRICHED").exists()
     assert (root / "r" / f"_ENRICHING.{thief.generation:06d}").exists()  # the new holder's lease untouched
