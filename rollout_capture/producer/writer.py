@@ -18,6 +18,7 @@ import concurrent.futures
 import contextlib
 import logging
 import queue
+import resource
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -33,7 +34,25 @@ logger = logging.getLogger("rollout_capture.producer")
 T = TypeVar("T")
 # Work on the loop that takes longer than this (a slow or network disk) moves to threads.
 INLINE_LIMIT_S = 0.05
+_RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)  # Linux
 _Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
+
+
+def _context_switches() -> tuple[int, int] | None:
+    """This thread's (voluntary, involuntary) context switches so far; None where not told."""
+    if _RUSAGE_THREAD is None:
+        return None
+    usage = resource.getrusage(_RUSAGE_THREAD)
+    return usage.ru_nvcsw, usage.ru_nivcsw
+
+
+def _only_preempted(before: tuple[int, int] | None) -> bool:
+    """Whether, since ``before``, this thread was only preempted (the machine's other work took
+    its core) and never waited itself (a disk that blocks it is a voluntary switch)."""
+    after = _context_switches()
+    if before is None or after is None:
+        return False
+    return after[0] == before[0] and after[1] > before[1]
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
@@ -212,10 +231,14 @@ class CaptureWriter:
         except Exception:
             logger.warning("could not mark rollout %s incomplete", rollout_id, exc_info=True)
 
-    def _inline(self, started: float) -> None:
-        """After work done on the loop: a disk that makes it slow sends all of it to threads."""
+    def _inline(self, started: float, switches: tuple[int, int] | None) -> None:
+        """After work done on the loop: a disk that makes it slow sends all of it to threads.
+
+        ``switches`` (:func:`_context_switches` before the work) tells a slow disk from a busy
+        machine: a loop thread only preempted meanwhile (no wait of its own) met no slow disk.
+        """
         took = time.perf_counter() - started
-        if took > INLINE_LIMIT_S and self._local:
+        if took > INLINE_LIMIT_S and self._local and not _only_preempted(switches):
             self._local = False
             logger.warning(
                 "a capture write on the event loop took %.1f ms; claims and rows go to threads from now on",
@@ -262,11 +285,11 @@ class CaptureWriter:
         if self._journal:
             return await self._journal_claim(context, rollout_id, model_call_id)
         if self._local:
-            started = time.perf_counter()
+            switches, started = _context_switches(), time.perf_counter()
             try:
                 return self._claim(context, rollout_id, model_call_id)
             finally:
-                self._inline(started)
+                self._inline(started, switches)
         try:
             return await self._shielded(self._claim, context, rollout_id, model_call_id)
         except asyncio.CancelledError:
@@ -298,9 +321,9 @@ class CaptureWriter:
             return await self._shielded(self._record, rollout_id, row, release)
         staged = None
         try:
-            started = time.perf_counter()
+            switches, started = _context_switches(), time.perf_counter()
             staged = self._stage(rollout_id, row)
-            self._inline(started)
+            self._inline(started, switches)
             if staged is None:
                 return False
             return await self._shielded(self._durable, staged[0])  # the fsync: one hop
