@@ -702,6 +702,43 @@ async def test_a_loop_only_preempted_keeps_capture_writes_on_it(
     assert store.claims(["busy-1"]) == {}
 
 
+async def test_capture_writes_moved_to_threads_go_back_on_the_loop_after_a_while(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One slow moment of a local disk does not cost a thread hop per call for good: after the
+    wait, writes are tried on the loop again."""
+    import threading
+
+    from rollout_capture.producer import writer
+
+    monkeypatch.setattr(writer, "RETRY_INLINE_S", 0.0)  # the wait is over at once
+    store = CaptureStore(tmp_path)
+    staged_on: list[str] = []
+    stage = store.record_staged
+
+    def spy(rollout_id: str, row: dict[str, Any]) -> Any:
+        staged_on.append(threading.current_thread().name)
+        return stage(rollout_id, row)
+
+    monkeypatch.setattr(store, "record_staged", spy)
+    capture = writer.CaptureWriter(store, claim_ttl_s=60)
+    loop_thread = threading.current_thread().name
+    try:
+        monkeypatch.setattr(writer, "INLINE_LIMIT_S", 0.0)  # the disk is slow: the claim moves writes
+        claim = await capture.claim("back-1", "c1")
+        assert capture.claims_in_background  # on threads now
+        monkeypatch.setattr(writer, "INLINE_LIMIT_S", 3600.0)  # fast again
+        assert await capture.record("back-1", {"model_call_id": "c1"}, release=claim)
+        assert not capture.claims_in_background  # back on the loop
+        claim = await capture.claim("back-1", "c2")
+        assert await capture.record("back-1", {"model_call_id": "c2"}, release=claim)
+    finally:
+        capture.close()
+    assert staged_on == [loop_thread, loop_thread]
+    assert [r["model_call_id"] for r in store.read("back-1")] == ["c1", "c2"]
+    assert store.claims(["back-1"]) == {}
+
+
 def test_a_wait_of_the_thread_itself_is_not_taken_for_preemption() -> None:
     import time
 

@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import math
 import queue
 import resource
 import threading
@@ -34,6 +35,11 @@ logger = logging.getLogger("rollout_capture.producer")
 T = TypeVar("T")
 # Work on the loop that takes longer than this (a slow or network disk) moves to threads.
 INLINE_LIMIT_S = 0.05
+# ...for this long, then it is tried on the loop again (a busy moment passes: each thread hop
+# costs CPU per call); each move within RETRY_RESET_S of the last return doubles the wait.
+RETRY_INLINE_S = 30.0
+RETRY_INLINE_MAX_S = 3600.0
+RETRY_RESET_S = 600.0
 _RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)  # Linux
 _Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
 
@@ -135,6 +141,10 @@ class CaptureWriter:
         self.store = store
         self.claim_ttl_s = claim_ttl_s
         self._local = store.writes_in_place
+        self._in_place = store.writes_in_place
+        self._retry_wait_s = RETRY_INLINE_S
+        self._retry_at: float | None = None  # when writes moved to threads go back on the loop
+        self._returned_at = -math.inf
         self._journal = store.layout == "journal"
         self._threads = _Threads(io_threads, "rollout-capture")
         self._pending = 0
@@ -239,11 +249,26 @@ class CaptureWriter:
         """
         took = time.perf_counter() - started
         if took > INLINE_LIMIT_S and self._local and not _only_preempted(switches):
+            now = time.monotonic()
+            if now - self._returned_at < RETRY_RESET_S:  # slow again soon after: wait longer
+                self._retry_wait_s = min(self._retry_wait_s * 2, RETRY_INLINE_MAX_S)
+            else:
+                self._retry_wait_s = RETRY_INLINE_S
             self._local = False
+            self._retry_at = now + self._retry_wait_s
             logger.warning(
-                "a capture write on the event loop took %.1f ms; claims and rows go to threads from now on",
+                "a capture write on the event loop took %.1f ms; claims and rows go to threads "
+                "for the next %.0f s",
                 took * 1000.0,
+                self._retry_wait_s,
             )
+
+    def _retry_inline(self) -> None:
+        """Writes moved to threads go back on the loop once their wait is over (a local disk only)."""
+        if self._retry_at is not None and time.monotonic() >= self._retry_at:
+            self._retry_at = None
+            self._returned_at = time.monotonic()
+            self._local = self._in_place
 
     @property
     def claims_in_background(self) -> bool:
@@ -284,6 +309,8 @@ class CaptureWriter:
         context = self.store.claim(rollout_id, model_call_id, ttl_s=self.claim_ttl_s)
         if self._journal:
             return await self._journal_claim(context, rollout_id, model_call_id)
+        if self._retry_at is not None:
+            self._retry_inline()
         if self._local:
             switches, started = _context_switches(), time.perf_counter()
             try:
@@ -317,6 +344,8 @@ class CaptureWriter:
                 await self._mark_later(rollout_id)
                 return False
             return True
+        if self._retry_at is not None:
+            self._retry_inline()
         if not self._local:
             return await self._shielded(self._record, rollout_id, row, release)
         staged = None
