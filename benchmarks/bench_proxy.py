@@ -895,6 +895,8 @@ def store_main(args: argparse.Namespace) -> None:
             "until no request crossed for --settle-s",
         },
         "errors": {name: {"error": text} for name, text in errors.items()},
+        # What each proxy logged (warnings: e.g. writes moved off its event loop by a slow moment).
+        "proxy_said": {name: list(t.said) for name, t in targets.items() if t.said},
         "summary_min_median_max": {str(c): s for c, s in summaries.items()},
         "targets": [{"target": t, "proxy": p, "measured": m} for t, p, m in rows],
         "rounds": {str(c): rounds for c, rounds in comparisons.items()},
