@@ -647,6 +647,7 @@ async def test_a_slow_disk_moves_capture_writes_off_the_event_loop(
     from rollout_capture.producer import writer
 
     monkeypatch.setattr(writer, "INLINE_LIMIT_S", 0.0)  # every write on the loop counts as slow
+    monkeypatch.setattr(writer, "_context_switches", lambda: None)  # even if preempted meanwhile
     store = CaptureStore(tmp_path)
     staged_on: list[str] = []
     stage = store.record_staged
@@ -712,6 +713,7 @@ async def test_capture_writes_moved_to_threads_go_back_on_the_loop_after_a_while
     from rollout_capture.producer import writer
 
     monkeypatch.setattr(writer, "RETRY_INLINE_S", 0.0)  # the wait is over at once
+    monkeypatch.setattr(writer, "_context_switches", lambda: None)  # a slow write counts, preempted or not
     store = CaptureStore(tmp_path)
     staged_on: list[str] = []
     stage = store.record_staged
