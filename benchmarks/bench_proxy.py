@@ -104,8 +104,15 @@ def start_upstream(delay_s: float, http: str, loop: str) -> tuple[subprocess.Pop
 
 
 def start_proxy(
-    upstream: str, capture_dir: str, extra: list[str], env: dict[str, str] | None = None
+    upstream: str,
+    capture_dir: str,
+    extra: list[str],
+    env: dict[str, str] | None = None,
+    checkout: Path = ROOT,
 ) -> tuple[subprocess.Popen[str], str]:
+    """A proxy process running the code of ``checkout`` (another tree's, for a before/after run)."""
+    if checkout != ROOT:
+        env = {**(env if env is not None else os.environ), "PYTHONPATH": str(checkout)}
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -126,7 +133,7 @@ def start_proxy(
         ],
         stderr=subprocess.PIPE,
         text=True,
-        cwd=ROOT,
+        cwd=checkout,
         env=env,
     )
     assert proc.stderr is not None
@@ -702,7 +709,7 @@ def targets_table(
             rows.append((target, name, "not measured" if values is None else _range(values) + unit))
 
     s3 = [n for n in names if n.startswith("s3_")]
-    disk = [n for n in names if n.startswith("disk_")]
+    disk = [n for n in names if n.startswith(("disk_", "base_disk_"))]
     each(f"first chunk added p50 <= 5 ms @{light}", light, "added_first_chunk_p50_ms", s3 + disk)
     each(f"first chunk added p99 (no target) @{light}", light, "added_first_chunk_p99_ms", s3 + disk)
     each(f"first chunk added p50 (no target) @{heavy}", heavy, "added_first_chunk_p50_ms", s3 + disk)
@@ -821,10 +828,11 @@ def store_main(args: argparse.Namespace) -> None:
             started.append(proc)
             read_options = {"client_kwargs": {"endpoint_url": moto.endpoint}}  # uncounted, unslowed
             targets[name] = Target(proc, url, capture_url, read_options, counter)
-        for spec in disk_layouts:
+        checkouts = [("", ROOT)] + ([("base_", Path(args.baseline).resolve())] if args.baseline else [])
+        for (tag, checkout), spec in [(c, d) for d in disk_layouts for c in checkouts]:
             # jsonl+files: claim files, jsonl+log: the claims log; journal:N: N commits in flight.
             # The name is in rollout ids: no "+" nor ":".
-            name = "disk_" + "".join(c if c.isalnum() else "-" for c in spec)
+            name = tag + "disk_" + "".join(c if c.isalnum() else "-" for c in spec)
             capture_dir = str(work / name)
             base, _, claims = spec.partition("+")
             layout, in_flight = layout_spec(base)
@@ -834,7 +842,7 @@ def store_main(args: argparse.Namespace) -> None:
                 env["ROLLOUT_CAPTURE_CLAIMS"] = claims
                 flags += ["--claims", claims]
             try:
-                proc, url = start_proxy(upstream_url, capture_dir, flags, env=env)
+                proc, url = start_proxy(upstream_url, capture_dir, flags, env=env, checkout=checkout)
             except RuntimeError as exc:
                 errors[name] = str(exc)
                 continue
@@ -908,6 +916,8 @@ def store_main(args: argparse.Namespace) -> None:
             "until no request crossed for --settle-s",
         },
         "errors": {name: {"error": text} for name, text in errors.items()},
+        # What each proxy logged (warnings: e.g. writes moved off its event loop by a slow moment).
+        "proxy_said": {name: list(t.said) for name, t in targets.items() if t.said},
         "summary_min_median_max": {str(c): s for c, s in summaries.items()},
         "targets": [{"target": t, "proxy": p, "measured": m} for t, p, m in rows],
         "rounds": {str(c): rounds for c, rounds in comparisons.items()},
@@ -959,6 +969,12 @@ def main() -> None:
         default="jsonl",
         help="with --store: local-disk layouts measured beside them ('' for none); layout+files or "
         "layout+log (jsonl+files, jsonl+log) picks how claims are written",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="with --store: a checkout (e.g. `git archive main` unpacked) whose proxy runs each "
+        "--disk-layouts too, named base_disk_*: before and after measured in one run",
     )
     parser.add_argument(
         "--store-latency-ms", type=float, default=20.0, help="with --store: added per store request"

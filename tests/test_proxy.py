@@ -647,6 +647,7 @@ async def test_a_slow_disk_moves_capture_writes_off_the_event_loop(
     from rollout_capture.producer import writer
 
     monkeypatch.setattr(writer, "INLINE_LIMIT_S", 0.0)  # every write on the loop counts as slow
+    monkeypatch.setattr(writer, "_context_switches", lambda: None)  # even if preempted meanwhile
     store = CaptureStore(tmp_path)
     staged_on: list[str] = []
     stage = store.record_staged
@@ -666,6 +667,89 @@ async def test_a_slow_disk_moves_capture_writes_off_the_event_loop(
     assert staged_on[0] != threading.current_thread().name  # the first claim was slow: all threaded after
     assert [r["model_call_id"] for r in store.read("slow-1")] == ["c1", "c2"]
     assert store.claims(["slow-1"]) == {}
+
+
+async def test_a_loop_only_preempted_keeps_capture_writes_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A busy machine that takes the loop's core mid-write (an involuntary switch, no wait of
+    its own) is no slow disk: writes stay on the loop (each thread hop costs CPU per call)."""
+    import itertools
+    import threading
+
+    from rollout_capture.producer import writer
+
+    monkeypatch.setattr(writer, "INLINE_LIMIT_S", 0.0)  # every write on the loop counts as slow
+    preemptions = itertools.count()
+    monkeypatch.setattr(writer, "_context_switches", lambda: (7, next(preemptions)))  # only preempted
+    store = CaptureStore(tmp_path)
+    staged_on: list[str] = []
+    stage = store.record_staged
+
+    def spy(rollout_id: str, row: dict[str, Any]) -> Any:
+        staged_on.append(threading.current_thread().name)
+        return stage(rollout_id, row)
+
+    monkeypatch.setattr(store, "record_staged", spy)
+    capture = writer.CaptureWriter(store, claim_ttl_s=60)
+    try:
+        for call in ("c1", "c2"):
+            claim = await capture.claim("busy-1", call)
+            assert await capture.record("busy-1", {"model_call_id": call}, release=claim)
+    finally:
+        capture.close()
+    assert staged_on == [threading.current_thread().name] * 2
+    assert [r["model_call_id"] for r in store.read("busy-1")] == ["c1", "c2"]
+    assert store.claims(["busy-1"]) == {}
+
+
+async def test_capture_writes_moved_to_threads_go_back_on_the_loop_after_a_while(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One slow moment of a local disk does not cost a thread hop per call for good: after the
+    wait, writes are tried on the loop again."""
+    import threading
+
+    from rollout_capture.producer import writer
+
+    monkeypatch.setattr(writer, "RETRY_INLINE_S", 0.0)  # the wait is over at once
+    monkeypatch.setattr(writer, "_context_switches", lambda: None)  # a slow write counts, preempted or not
+    store = CaptureStore(tmp_path)
+    staged_on: list[str] = []
+    stage = store.record_staged
+
+    def spy(rollout_id: str, row: dict[str, Any]) -> Any:
+        staged_on.append(threading.current_thread().name)
+        return stage(rollout_id, row)
+
+    monkeypatch.setattr(store, "record_staged", spy)
+    capture = writer.CaptureWriter(store, claim_ttl_s=60)
+    loop_thread = threading.current_thread().name
+    try:
+        monkeypatch.setattr(writer, "INLINE_LIMIT_S", 0.0)  # the disk is slow: the claim moves writes
+        claim = await capture.claim("back-1", "c1")
+        assert capture.claims_in_background  # on threads now
+        monkeypatch.setattr(writer, "INLINE_LIMIT_S", 3600.0)  # fast again
+        assert await capture.record("back-1", {"model_call_id": "c1"}, release=claim)
+        assert not capture.claims_in_background  # back on the loop
+        claim = await capture.claim("back-1", "c2")
+        assert await capture.record("back-1", {"model_call_id": "c2"}, release=claim)
+    finally:
+        capture.close()
+    assert staged_on == [loop_thread, loop_thread]
+    assert [r["model_call_id"] for r in store.read("back-1")] == ["c1", "c2"]
+    assert store.claims(["back-1"]) == {}
+
+
+def test_a_wait_of_the_thread_itself_is_not_taken_for_preemption() -> None:
+    import time
+
+    from rollout_capture.producer.writer import _context_switches, _only_preempted
+
+    before = _context_switches()
+    time.sleep(0.01)  # a wait of its own, as a disk that blocks the loop is: a voluntary switch
+    assert not _only_preempted(before)
+    assert not _only_preempted(None)  # nothing known (no RUSAGE_THREAD): a slow write is a slow disk
 
 
 @pytest.mark.parametrize(("model", "stream", "expected"), CUT_ANSWERS)

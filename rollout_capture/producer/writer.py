@@ -17,7 +17,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import math
 import queue
+import resource
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -33,7 +35,30 @@ logger = logging.getLogger("rollout_capture.producer")
 T = TypeVar("T")
 # Work on the loop that takes longer than this (a slow or network disk) moves to threads.
 INLINE_LIMIT_S = 0.05
+# ...for this long, then it is tried on the loop again (a busy moment passes: each thread hop
+# costs CPU per call); each move within RETRY_RESET_S of the last return doubles the wait.
+RETRY_INLINE_S = 30.0
+RETRY_INLINE_MAX_S = 3600.0
+RETRY_RESET_S = 600.0
+_RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)  # Linux
 _Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
+
+
+def _context_switches() -> tuple[int, int] | None:
+    """This thread's (voluntary, involuntary) context switches so far; None where not told."""
+    if _RUSAGE_THREAD is None:
+        return None
+    usage = resource.getrusage(_RUSAGE_THREAD)
+    return usage.ru_nvcsw, usage.ru_nivcsw
+
+
+def _only_preempted(before: tuple[int, int] | None) -> bool:
+    """Whether, since ``before``, this thread was only preempted (the machine's other work took
+    its core) and never waited itself (a disk that blocks it is a voluntary switch)."""
+    after = _context_switches()
+    if before is None or after is None:
+        return False
+    return after[0] == before[0] and after[1] > before[1]
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
@@ -116,6 +141,10 @@ class CaptureWriter:
         self.store = store
         self.claim_ttl_s = claim_ttl_s
         self._local = store.writes_in_place
+        self._in_place = store.writes_in_place
+        self._retry_wait_s = RETRY_INLINE_S
+        self._retry_at: float | None = None  # when writes moved to threads go back on the loop
+        self._returned_at = -math.inf
         self._journal = store.layout == "journal"
         self._threads = _Threads(io_threads, "rollout-capture")
         self._pending = 0
@@ -212,15 +241,34 @@ class CaptureWriter:
         except Exception:
             logger.warning("could not mark rollout %s incomplete", rollout_id, exc_info=True)
 
-    def _inline(self, started: float) -> None:
-        """After work done on the loop: a disk that makes it slow sends all of it to threads."""
+    def _inline(self, started: float, switches: tuple[int, int] | None) -> None:
+        """After work done on the loop: a disk that makes it slow sends all of it to threads.
+
+        ``switches`` (:func:`_context_switches` before the work) tells a slow disk from a busy
+        machine: a loop thread only preempted meanwhile (no wait of its own) met no slow disk.
+        """
         took = time.perf_counter() - started
-        if took > INLINE_LIMIT_S and self._local:
+        if took > INLINE_LIMIT_S and self._local and not _only_preempted(switches):
+            now = time.monotonic()
+            if now - self._returned_at < RETRY_RESET_S:  # slow again soon after: wait longer
+                self._retry_wait_s = min(self._retry_wait_s * 2, RETRY_INLINE_MAX_S)
+            else:
+                self._retry_wait_s = RETRY_INLINE_S
             self._local = False
+            self._retry_at = now + self._retry_wait_s
             logger.warning(
-                "a capture write on the event loop took %.1f ms; claims and rows go to threads from now on",
+                "a capture write on the event loop took %.1f ms; claims and rows go to threads "
+                "for the next %.0f s",
                 took * 1000.0,
+                self._retry_wait_s,
             )
+
+    def _retry_inline(self) -> None:
+        """Writes moved to threads go back on the loop once their wait is over (a local disk only)."""
+        if self._retry_at is not None and time.monotonic() >= self._retry_at:
+            self._retry_at = None
+            self._returned_at = time.monotonic()
+            self._local = self._in_place
 
     @property
     def claims_in_background(self) -> bool:
@@ -261,12 +309,14 @@ class CaptureWriter:
         context = self.store.claim(rollout_id, model_call_id, ttl_s=self.claim_ttl_s)
         if self._journal:
             return await self._journal_claim(context, rollout_id, model_call_id)
+        if self._retry_at is not None:
+            self._retry_inline()
         if self._local:
-            started = time.perf_counter()
+            switches, started = _context_switches(), time.perf_counter()
             try:
                 return self._claim(context, rollout_id, model_call_id)
             finally:
-                self._inline(started)
+                self._inline(started, switches)
         try:
             return await self._shielded(self._claim, context, rollout_id, model_call_id)
         except asyncio.CancelledError:
@@ -294,13 +344,15 @@ class CaptureWriter:
                 await self._mark_later(rollout_id)
                 return False
             return True
+        if self._retry_at is not None:
+            self._retry_inline()
         if not self._local:
             return await self._shielded(self._record, rollout_id, row, release)
         staged = None
         try:
-            started = time.perf_counter()
+            switches, started = _context_switches(), time.perf_counter()
             staged = self._stage(rollout_id, row)
-            self._inline(started)
+            self._inline(started, switches)
             if staged is None:
                 return False
             return await self._shielded(self._durable, staged[0])  # the fsync: one hop
