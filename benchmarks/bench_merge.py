@@ -252,16 +252,7 @@ def stages(rollouts: Path, captures: Path, batch_size: int = 1000) -> dict[str, 
             for batch in built:
                 fold = AttachmentFold(EvidenceSummary())
                 for attachment in batch:
-                    if "gaps" in attachment:
-                        fold.add(attachment)
-                        continue
-                    verifiers = attachment.get("verifier_invocations")
-                    fold.add_built(
-                        attachment["rollout_id"],
-                        attachment["calls"],
-                        attachment["metrics"]["tokens_total"],
-                        len(verifiers) if verifiers else 0,
-                    )
+                    fold.add_made(attachment)
                 fold.flush()
 
     timed: dict[str, Callable[[], object]] = {

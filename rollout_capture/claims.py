@@ -83,18 +83,21 @@ def new_claim(model_call_id: str | None, ttl_s: float, *, clock: Clock | None = 
     )
 
 
+def claim_fields(claim: Claim) -> dict[str, object]:
+    """A claim's written fields, without the derived ``expires_at`` (a file's body, a log's line)."""
+    return {
+        "claim_id": claim.claim_id,
+        "model_call_id": claim.model_call_id,
+        "host": claim.host,
+        "pid": claim.pid,
+        "claimed_at": claim.claimed_at,
+        "ttl_s": claim.ttl_s,
+    }
+
+
 def claim_body(claim: Claim) -> bytes:
     """Serialized claim, without the derived ``expires_at``."""
-    return orjson.dumps(
-        {
-            "claim_id": claim.claim_id,
-            "model_call_id": claim.model_call_id,
-            "host": claim.host,
-            "pid": claim.pid,
-            "claimed_at": claim.claimed_at,
-            "ttl_s": claim.ttl_s,
-        }
-    )
+    return orjson.dumps(claim_fields(claim))
 
 
 def read_claim(

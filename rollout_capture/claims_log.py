@@ -40,7 +40,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from rollout_capture.claims import Claim, current_time
+from rollout_capture.claims import Claim, claim_fields, current_time
 from rollout_capture.layout import CLAIMS_LOG_DIR
 
 logger = logging.getLogger(__name__)
@@ -262,21 +262,7 @@ class ClaimsLogWriter:
 
     def claim(self, rollout_id: str, claim: Claim) -> None:
         """Append a claim; it is visible to readers when this returns (it raises if not written)."""
-        line = orjson.dumps(
-            [
-                "claim",
-                rollout_id,
-                {
-                    "claim_id": claim.claim_id,
-                    "model_call_id": claim.model_call_id,
-                    "host": claim.host,
-                    "pid": claim.pid,
-                    "claimed_at": claim.claimed_at,
-                    "ttl_s": claim.ttl_s,
-                },
-            ],
-            option=orjson.OPT_APPEND_NEWLINE,
-        )
+        line = orjson.dumps(["claim", rollout_id, claim_fields(claim)], option=orjson.OPT_APPEND_NEWLINE)
         with self._lock:
             log = self._log_for_claim()
             log.append(line)

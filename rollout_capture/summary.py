@@ -810,6 +810,20 @@ class AttachmentFold:
                 return
         self._add_checked(attachment, list(observation_gaps))
 
+    def add_made(self, attachment: dict[str, Any]) -> None:
+        """Fold an attachment :func:`~rollout_capture.attachment.build_attachment` made, as the
+        merge folds it: one without gaps by :meth:`add_built`, one with gaps by :meth:`add`."""
+        if "gaps" in attachment:
+            self.add(attachment)
+            return
+        verifiers = attachment.get("verifier_invocations")
+        self.add_built(
+            attachment["rollout_id"],
+            attachment["calls"],
+            attachment["metrics"]["tokens_total"],
+            len(verifiers) if verifiers else 0,
+        )
+
     def add_built(
         self, rollout_id: str, calls: list[dict[str, Any]], tokens_total: int | None, invocations: int
     ) -> None:

@@ -90,16 +90,7 @@ def folded(attachments: list[dict[str, Any]], built: bool) -> str:
     if built:
         fold = AttachmentFold(summary)
         for attachment in attachments:
-            if "gaps" in attachment:
-                fold.add(attachment)
-            else:
-                verifiers = attachment.get("verifier_invocations")
-                fold.add_built(
-                    attachment["rollout_id"],
-                    attachment["calls"],
-                    attachment["metrics"]["tokens_total"],
-                    len(verifiers) if verifiers else 0,
-                )
+            fold.add_made(attachment)
         fold.flush()
     else:
         for attachment in attachments:

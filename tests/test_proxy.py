@@ -639,15 +639,9 @@ async def test_the_proxys_connections_have_nagle_off() -> None:
     assert nodelay == [1]
 
 
-async def test_a_slow_disk_moves_capture_writes_off_the_event_loop(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import threading
+def _store_noting_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[CaptureStore, list[str]]:
+    """A store that notes the thread each row is staged on (the loop's, or a writer thread's)."""
 
-    from rollout_capture.producer import writer
-
-    monkeypatch.setattr(writer, "INLINE_LIMIT_S", 0.0)  # every write on the loop counts as slow
-    monkeypatch.setattr(writer, "_context_switches", lambda: None)  # even if preempted meanwhile
     store = CaptureStore(tmp_path)
     staged_on: list[str] = []
     stage = store.record_staged
@@ -657,13 +651,30 @@ async def test_a_slow_disk_moves_capture_writes_off_the_event_loop(
         return stage(rollout_id, row)
 
     monkeypatch.setattr(store, "record_staged", spy)
-    capture = writer.CaptureWriter(store, claim_ttl_s=60)
+    return store, staged_on
+
+
+async def _two_calls(capture: Any, rollout_id: str) -> None:
+    """Two calls of one rollout through ``capture``, each claimed then recorded; then closed."""
     try:
         for call in ("c1", "c2"):
-            claim = await capture.claim("slow-1", call)
-            assert await capture.record("slow-1", {"model_call_id": call}, release=claim)
+            claim = await capture.claim(rollout_id, call)
+            assert await capture.record(rollout_id, {"model_call_id": call}, release=claim)
     finally:
         capture.close()
+
+
+async def test_a_slow_disk_moves_capture_writes_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+
+    from rollout_capture.producer import writer
+
+    monkeypatch.setattr(writer, "INLINE_LIMIT_S", 0.0)  # every write on the loop counts as slow
+    monkeypatch.setattr(writer, "_context_switches", lambda: None)  # even if preempted meanwhile
+    store, staged_on = _store_noting_threads(tmp_path, monkeypatch)
+    capture = writer.CaptureWriter(store, claim_ttl_s=60)
+    await _two_calls(capture, "slow-1")
     assert staged_on[0] != threading.current_thread().name  # the first claim was slow: all threaded after
     assert [r["model_call_id"] for r in store.read("slow-1")] == ["c1", "c2"]
     assert store.claims(["slow-1"]) == {}
@@ -675,29 +686,15 @@ async def test_a_loop_only_preempted_keeps_capture_writes_on_it(
     """A busy machine that takes the loop's core mid-write (an involuntary switch, no wait of
     its own) is no slow disk: writes stay on the loop (each thread hop costs CPU per call)."""
     import itertools
-    import threading
 
     from rollout_capture.producer import writer
 
     monkeypatch.setattr(writer, "INLINE_LIMIT_S", 0.0)  # every write on the loop counts as slow
     preemptions = itertools.count()
     monkeypatch.setattr(writer, "_context_switches", lambda: (7, next(preemptions)))  # only preempted
-    store = CaptureStore(tmp_path)
-    staged_on: list[str] = []
-    stage = store.record_staged
-
-    def spy(rollout_id: str, row: dict[str, Any]) -> Any:
-        staged_on.append(threading.current_thread().name)
-        return stage(rollout_id, row)
-
-    monkeypatch.setattr(store, "record_staged", spy)
+    store, staged_on = _store_noting_threads(tmp_path, monkeypatch)
     capture = writer.CaptureWriter(store, claim_ttl_s=60)
-    try:
-        for call in ("c1", "c2"):
-            claim = await capture.claim("busy-1", call)
-            assert await capture.record("busy-1", {"model_call_id": call}, release=claim)
-    finally:
-        capture.close()
+    await _two_calls(capture, "busy-1")
     assert staged_on == [threading.current_thread().name] * 2
     assert [r["model_call_id"] for r in store.read("busy-1")] == ["c1", "c2"]
     assert store.claims(["busy-1"]) == {}
@@ -708,21 +705,12 @@ async def test_capture_writes_moved_to_threads_go_back_on_the_loop_after_a_while
 ) -> None:
     """One slow moment of a local disk does not cost a thread hop per call for good: after the
     wait, writes are tried on the loop again."""
-    import threading
 
     from rollout_capture.producer import writer
 
     monkeypatch.setattr(writer, "RETRY_INLINE_S", 0.0)  # the wait is over at once
     monkeypatch.setattr(writer, "_context_switches", lambda: None)  # a slow write counts, preempted or not
-    store = CaptureStore(tmp_path)
-    staged_on: list[str] = []
-    stage = store.record_staged
-
-    def spy(rollout_id: str, row: dict[str, Any]) -> Any:
-        staged_on.append(threading.current_thread().name)
-        return stage(rollout_id, row)
-
-    monkeypatch.setattr(store, "record_staged", spy)
+    store, staged_on = _store_noting_threads(tmp_path, monkeypatch)
     capture = writer.CaptureWriter(store, claim_ttl_s=60)
     loop_thread = threading.current_thread().name
     try:
