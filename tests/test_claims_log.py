@@ -19,7 +19,7 @@ from rollout_capture import (
     clear_model_call_captures_for_rollouts,
     merge_model_call_capture_into_record,
 )
-from rollout_capture.claims import new_claim
+from rollout_capture.claims import Claim, new_claim
 from rollout_capture.claims_log import ClaimsLogReader, ClaimsLogWriter
 from rollout_capture.layout import CLAIMS_LOG_DIR
 
@@ -316,21 +316,16 @@ async def test_the_middleware_claims_in_the_log_before_the_app_answers(tmp_path:
 async def test_a_killed_proxy_leaves_its_claim_in_its_log_abandoned_at_once(
     scripted_upstream: tuple[str, Any], tmp_path: Path
 ) -> None:
-    from .test_proxy import spawn_proxy, stream_in_background
+    from .test_proxy import kill_mid_stream, spawn_proxy
 
     proc, url = spawn_proxy(scripted_upstream[0], tmp_path)  # the default: the claims log
     store = CaptureStore(tmp_path)
-    try:
-        thread, outcome = stream_in_background(url, "7-0", "scripted-gated-log-killed")
-        (claim,) = wait_for(lambda: store.live_claims("7-0"))
+
+    def in_the_log_alone(claims: list[Claim]) -> None:
+        (claim,) = claims
         assert claim.ttl_s == 300 and logs(tmp_path) and not (tmp_path / "7-0.capture.claims").exists()
-        proc.send_signal(signal.SIGKILL)  # mid-stream: the upstream waits at its gate
-        proc.wait(10)
-        thread.join(30)
-    finally:
-        scripted_upstream[1].gate("log-killed").set()
-        if proc.poll() is None:
-            proc.kill()
+
+    outcome = kill_mid_stream(scripted_upstream, proc, url, store, "log-killed", in_the_log_alone)
     assert "error" in outcome
     assert await await_model_call_capture_quiescence("7-0", [store], timeout_s=15)
     assert {"code": "model_call_capture_claim_abandoned", "detail": "count=1"} in gaps(store, "7-0")

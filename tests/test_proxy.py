@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -410,6 +410,29 @@ def stream_in_background(url: str, rollout_id: str, model: str) -> tuple[threadi
     return thread, outcome
 
 
+def kill_mid_stream(
+    scripted_upstream: tuple[str, Any],
+    proc: subprocess.Popen[str],
+    url: str,
+    store: CaptureStore,
+    gate: str,
+    while_claimed: Callable[[list[Any]], None] = lambda claims: None,
+) -> dict[str, Any]:
+    """SIGKILL a proxy while it streams a call of rollout 7-0 held at the upstream's ``gate``
+    (``while_claimed`` looks at the live claims first); what the client got."""
+    try:
+        thread, outcome = stream_in_background(url, "7-0", f"scripted-gated-{gate}")
+        while_claimed(wait_for(lambda: store.live_claims("7-0")))
+        proc.send_signal(signal.SIGKILL)  # mid-stream: the upstream waits at its gate
+        proc.wait(10)
+        thread.join(30)
+    finally:
+        scripted_upstream[1].gate(gate).set()
+        if proc.poll() is None:
+            proc.kill()
+    return outcome
+
+
 def refused(url: str) -> bool:
     """Whether a new connection to the server is refused (it stopped listening)."""
     import socket
@@ -429,16 +452,7 @@ async def test_a_killed_proxy_leaves_claims_that_expire_as_abandoned(
 ) -> None:
     proc, url = spawn_proxy(scripted_upstream[0], tmp_path, "--claim-ttl", "1")
     store = CaptureStore(tmp_path)
-    try:
-        thread, outcome = stream_in_background(url, "7-0", "scripted-gated-killed")
-        wait_for(lambda: store.live_claims("7-0"))
-        proc.send_signal(signal.SIGKILL)  # mid-stream: the upstream waits at its gate
-        proc.wait(10)
-        thread.join(30)
-    finally:
-        scripted_upstream[1].gate("killed").set()
-        if proc.poll() is None:
-            proc.kill()
+    outcome = kill_mid_stream(scripted_upstream, proc, url, store, "killed")
     assert "error" in outcome  # the client saw its connection die
     record = {"_ng_task_index": 7, "_ng_rollout_index": 0}
     assert await await_model_call_capture_quiescence("7-0", [store], timeout_s=15, poll_s=0.05)
