@@ -27,7 +27,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from rollout_capture.filesystem import is_local, local_path
+from rollout_capture.filesystem import local_path
 from rollout_capture.producer.settings import ProxySettings
 
 if TYPE_CHECKING:
@@ -158,9 +158,10 @@ class Storage:
         """The ``--capture-dir`` location."""
         return self.at(self.capture_dir)
 
-    def must_exist(self) -> list[Location]:
-        """The capture roots the pre-flight check requires: none with ``--allow-empty``."""
-        return [] if self.allow_empty else [self.captures()]
+    def must_exist(self, captures: Location) -> list[Location]:
+        """The capture roots the pre-flight check requires of ``captures`` (this ``--capture-dir``,
+        validated once): none with ``--allow-empty``."""
+        return [] if self.allow_empty else [captures]
 
 
 Command = Callable[..., None]
@@ -462,7 +463,7 @@ def _rollouts_and_captures(storage: Storage, rollouts: str) -> tuple[Location, L
     """``enrich``, ``demo`` and ``clear``: both inputs as the flow reads them, checked before it starts."""
     captures = storage.captures()
     source = captures.at(rollouts)
-    _preflight(files=[(source, "rollouts file")], capture_dirs=storage.must_exist())
+    _preflight(files=[(source, "rollouts file")], capture_dirs=storage.must_exist(captures))
     return source, captures
 
 
@@ -607,7 +608,7 @@ def _rollout_store(rollout_id: str, storage: Storage) -> Any:
 
     validate_rollout_id(rollout_id)
     captures = storage.captures()
-    _preflight(capture_dirs=storage.must_exist(), prefect=False)
+    _preflight(capture_dirs=storage.must_exist(captures), prefect=False)
     return captures.capture_store(shared=False)
 
 
@@ -1107,7 +1108,8 @@ def deploy(
     entrypoints are module paths, so no code is pushed anywhere.
     """
     with _exits(as_json):
-        if is_local(runs_root) and not os.path.isabs(local_path(runs_root) or runs_root):
+        local = local_path(runs_root)
+        if local is not None and not os.path.isabs(local):
             raise InputError(f"--runs-root must be absolute or a URL (workers resolve it): {runs_root}")
         runs = storage.at(runs_root)  # refused here if bad: the workers would fail every tick
         if capture_dir:

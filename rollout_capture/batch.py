@@ -325,16 +325,7 @@ def _enrich(
         metrics = attachment["metrics"]
         if only_added:
             out.append(splice_attachment(line, attachment))
-            if "gaps" in attachment:
-                fold.add(attachment)
-            else:  # as built: counted without looking it over
-                verifiers = attachment.get("verifier_invocations")
-                fold.add_built(
-                    rollout_id,
-                    attachment["calls"],
-                    metrics["tokens_total"],
-                    len(verifiers) if verifiers else 0,
-                )
+            fold.add_made(attachment)  # as built: counted without looking it over
         else:  # the record already has our key or agent observations: merge into it
             record = attach(orjson.loads(line), attachment)
             out.append(orjson.dumps(record))

@@ -279,8 +279,7 @@ class ClaimsLogWriter:
             log.append(line)  # a failed release keeps the claim open (abandoned once we are gone)
             del self._held[claim_id]
             log.open -= 1
-            if not log.open and log is not self._current:
-                self._retire(log)
+            self._retire(log)  # once nothing in it is open, unless it is the current one
 
     def close(self) -> None:
         """Remove the logs in which nothing is open (a log with an open claim stays, locked)."""

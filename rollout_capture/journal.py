@@ -713,9 +713,8 @@ class JournalReader:
     Thread-safe: batches of one job share it.
     """
 
-    def __init__(self, backend: Backend, *, hole_grace_s: float | None = None) -> None:
+    def __init__(self, backend: Backend) -> None:
         self._backend = backend
-        self._grace = hole_grace_s  # None: HOLE_GRACE_S
         self._looked: dict[Stream, float] = {}  # when each stream was last looked past its end
         self._holes: dict[tuple[Stream, int], float] = {}  # missing below later ones: since when
         self._refused: set[tuple[Stream, int]] = set()  # holes this reader could not fill (logged)
@@ -793,7 +792,7 @@ class JournalReader:
         """Fill a missing ``seq`` below the existing ``later`` with a tombstone once the hole is old
         (missing for the grace since this reader saw it, or ``later`` that old by the store's clock);
         whether the stream may be read on past it (the tombstone, or whatever was there first)."""
-        grace = HOLE_GRACE_S if self._grace is None else self._grace
+        grace = HOLE_GRACE_S
         key = (stream, seq)
         if len(self._holes) > 1024:
             self._holes.clear()

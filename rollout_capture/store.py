@@ -450,7 +450,7 @@ class CaptureStore:
         reader = self.journal_reader
         reader.refresh()
         if reader.exists:
-            for rollout_id, claims in reader.view([r for r in ids if reader.holds(r)]).all_claims().items():
+            for rollout_id, claims in reader.view(ids).all_claims().items():
                 out[rollout_id] = [*out.get(rollout_id, []), *claims]
         return out
 

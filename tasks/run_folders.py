@@ -25,9 +25,8 @@ def runs_root_at(runs_root: LocationLike, *, renewing: bool = False) -> RunsRoot
     """
     where = Location.coerce(runs_root)
     block = where.credentials_block
-    if renewing:
-        return RunsRoot(where.url, where.storage_options, credentials=lambda: credentials_from_block(block))
-    return RunsRoot(where.url, where.storage_options, credentials=credentials_from_block(block))
+    credentials = (lambda: credentials_from_block(block)) if renewing else credentials_from_block(block)
+    return RunsRoot(where.url, where.storage_options, credentials=credentials)
 
 
 @task(name="find_runs", task_run_name="find_runs {runs_root}", cache_policy=NO_CACHE, **storage_retries())

@@ -254,8 +254,9 @@ def test_the_merge_reads_a_journal_in_fewer_larger_gets(flaky_s3: tuple[S3, Any]
     batch = enrich_lines(lines, [CaptureStore(via.url("caps"), storage_options=via.storage_options)])
     assert batch.stats.calls == 1200 and not batch.stats.gaps
     counts = proxy.reset_counts()
-    # each commit once, plus the numbers past each stream's end that its last window asked for
-    assert commits < 100 and counts["GET"] <= 2 * commits + 2
+    # each commit once, plus the numbers past each stream's end: three a stream (contract 2), so
+    # the bound holds however few commits a loaded machine grouped the rows into
+    assert commits < 100 and counts["GET"] <= commits + 2 * 3
     assert counts.get("LIST", 0) <= 2 and counts.get("HEAD", 0) <= 2  # (is the last one read still there)
 
 

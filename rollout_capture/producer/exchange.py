@@ -241,10 +241,8 @@ class Exchange:
         self.row_written = True
         try:
             await self.claimed()
-        except asyncio.CancelledError:  # the claim is settled even so: the row still lands
+        finally:  # cancelled meanwhile, the claim is settled even so: the row still lands
             await writer.record(self.rollout_id, self.row, release=self._claim)
-            raise
-        await writer.record(self.rollout_id, self.row, release=self._claim)
 
     async def complete(self, writer: CaptureWriter) -> bytes:
         """The upstream's answer ended normally: write its row, then return what was held back

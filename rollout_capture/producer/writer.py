@@ -141,7 +141,6 @@ class CaptureWriter:
         self.store = store
         self.claim_ttl_s = claim_ttl_s
         self._local = store.writes_in_place
-        self._in_place = store.writes_in_place
         self._retry_wait_s = RETRY_INLINE_S
         self._retry_at: float | None = None  # when writes moved to threads go back on the loop
         self._returned_at = -math.inf
@@ -268,7 +267,7 @@ class CaptureWriter:
         if self._retry_at is not None and time.monotonic() >= self._retry_at:
             self._retry_at = None
             self._returned_at = time.monotonic()
-            self._local = self._in_place
+            self._local = self.store.writes_in_place
 
     @property
     def claims_in_background(self) -> bool:
@@ -421,8 +420,6 @@ def writer_for(settings: ProducerSettings) -> CaptureWriter:
         layout = "journal"
     if layout == "journal":
         in_flight_setting()  # a malformed ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT refused at startup, not per call
-    if settings.claims == "log" and not local:
-        raise ValueError(f"{settings.root}: claims=log needs a local disk (object stores write claim files)")
     claims: ClaimsMode = "log" if local and settings.claims != "files" else "files"
     store = CaptureStore(
         settings.root, storage_options=settings.storage_options, layout=layout, claims=claims
