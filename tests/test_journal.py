@@ -442,11 +442,11 @@ def test_a_writer_killed_with_commits_in_flight_leaves_a_hole_readers_fill(
         os.kill(process.pid, signal.SIGKILL)
         process.join(30)
         proxy.release_held(drop=True)  # the dead writer's put never arrives
-    monkeypatch.setattr(journal_module, "HOLE_GRACE_S", 3600.0)  # however slow this machine is
+    monkeypatch.setattr(journal_module.commits, "HOLE_GRACE_S", 3600.0)  # however slow this machine is
     young = reader(s3.url("caps"), s3.storage_options)
     assert _ids(young.read("h-0")) == ["first"] and young.read("h-2") == []  # a young hole is waited on
     assert _body(s3, 1) is None
-    monkeypatch.setattr(journal_module, "HOLE_GRACE_S", 0.0)  # as if the grace had passed
+    monkeypatch.setattr(journal_module.commits, "HOLE_GRACE_S", 0.0)  # as if the grace had passed
     with caplog.at_level("WARNING"):
         store = reader(s3.url("caps"), s3.storage_options)
         assert _ids(store.read("h-2")) == ["in-flight-2"] and _ids(store.read("h-3")) == ["in-flight-3"]
@@ -465,7 +465,7 @@ def test_a_reader_that_may_not_write_reports_the_hole_and_does_not_hang(
     backend = CaptureStore(s3.url("caps"), storage_options=s3.storage_options)._backend
     backend.create(backend.path(commit_name(0)), _one_row("x-0", "a"))
     backend.create(backend.path(commit_name(2)), _one_row("x-0", "c"))  # 1 never landed
-    monkeypatch.setattr(journal_module, "HOLE_GRACE_S", 0.0)
+    monkeypatch.setattr(journal_module.commits, "HOLE_GRACE_S", 0.0)
     via, proxy = flaky_s3
     proxy.deny_on(f"PUT /{via.bucket}/caps/{JOURNAL_DIR}/".encode())  # a read-only credential
     with caplog.at_level("WARNING"):
@@ -506,7 +506,7 @@ def test_a_late_put_into_a_tombstoned_number_is_renumbered_not_lost(
             break
         threading.Event().wait(0.02)
     assert not other.done()  # landed at 2, but not acknowledged while 1 is missing
-    monkeypatch.setattr(journal_module, "HOLE_GRACE_S", 0.0)
+    monkeypatch.setattr(journal_module.commits, "HOLE_GRACE_S", 0.0)
     read = reader(s3.url("caps"), s3.storage_options)
     assert _ids(read.read("l-2")) == ["b"] and read.read("l-1") == []
     proxy.release_held()  # the late put arrives at a number already filled
@@ -577,7 +577,7 @@ def test_a_writer_fills_a_dead_writers_hole_below_its_commit(
     backend = store._backend
     for seq in [*range(5), *range(6, 10)]:
         backend.create(backend.path(commit_name(seq)), _one_row("d-0", f"m{seq}"))
-    monkeypatch.setattr(journal_module, "HOLE_GRACE_S", 0.0)
+    monkeypatch.setattr(journal_module.commits, "HOLE_GRACE_S", 0.0)
     with caplog.at_level("WARNING"):
         store.record("d-0", {**ROW, "model_call_id": "joined"})
     assert store.journal_writer.tombstones == 1 and "filled with a tombstone" in caplog.text

@@ -1,0 +1,372 @@
+"""The journal's reader: catches up from where it stopped (no listing: the first missing number
+is the end), indexes each rollout's entries by their header alone and keeps a bounded cache of
+bodies, so a rollout's rows cost one GET per commit holding them."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from rollout_capture.backends.base import Backend, Fetched
+from rollout_capture.claims import Claim, read_claim
+from rollout_capture.journal import commits
+from rollout_capture.journal.commits import (
+    LOOK_AHEAD,
+    STREAMS,
+    BadCommit,
+    Commit,
+    Stream,
+    commit_name,
+    decode_commit,
+    tombstone_body,
+)
+from rollout_capture.rows import Damage, ParsedRows, add_journal_row
+from rollout_capture.snapshot import RolloutSnapshot
+
+logger = logging.getLogger(__name__)
+
+_READ_WINDOW = 64  # commits read at once, at most, while catching up
+_BODY_BUDGET = 32 << 20  # bytes of commit bodies a reader keeps
+_LOOK_EVERY_S = 1.0  # how often a reader stopped at the same end looks past it again
+
+Loc = tuple[Stream, int]
+"""Where a commit is: its stream and number."""
+
+
+_INDEX_BITS = 20  # entries of one commit: MAX_COMMIT_ENTRIES fits
+
+
+def _pack(seq: int, index: int) -> int:
+    return seq << _INDEX_BITS | index
+
+
+def _unpack(packed: int) -> tuple[int, int]:
+    return packed >> _INDEX_BITS, packed & ((1 << _INDEX_BITS) - 1)
+
+
+@dataclass(slots=True)
+class _Held:
+    """What the journal holds for one rollout: its rows (packed commit and line, 8 bytes a row, so
+    a reader indexing millions of rows stays small) and open claims, by where they sit."""
+
+    rows: array[int] = field(default_factory=lambda: array("q"))
+    claims: dict[str, tuple[int, int]] = field(default_factory=dict)  # claim id -> (claims seq, index)
+
+    def row_places(self) -> list[tuple[int, int]]:
+        return [_unpack(packed) for packed in self.rows]
+
+
+class JournalReader:
+    """The journal of one capture root as read so far, caught up by :meth:`refresh`.
+
+    Commits never change once written, so each is read once; a clear entry drops what came
+    before it in its stream for its rollout. The claims stream is read first, so a release
+    (in the rows stream) nearly always finds its claim; one that does not waits for it.
+    Thread-safe: batches of one job share it.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._looked: dict[Stream, float] = {}  # when each stream was last looked past its end
+        self._holes: dict[tuple[Stream, int], float] = {}  # missing below later ones: since when
+        self._refused: set[tuple[Stream, int]] = set()  # holes this reader could not fill (logged)
+        self._next: dict[Stream, int] = {"claims": 0, "rows": 0}
+        self._window: dict[Stream, int] = {"claims": 1, "rows": 1}
+        self._held: dict[str, _Held] = {}
+        self._released: set[tuple[str, str]] = set()  # releases read before their claim
+        self._bodies: OrderedDict[Loc, Commit] = OrderedDict()
+        self._body_bytes = 0
+        self._mtimes: dict[int, float | None] = {}  # of claims commits
+        self._lock = threading.Lock()
+
+    def tail(self, stream: Stream = "rows") -> int:
+        """The first commit number of ``stream`` not read yet (all below it exist)."""
+        return self._next[stream]
+
+    @property
+    def exists(self) -> bool:
+        """Whether any commit was found."""
+        return any(self._next.values())
+
+    def refresh(self) -> None:
+        """Read every commit written since the last refresh (a GET per stream when none was, and a
+        HEAD of the last one read, so a journal deleted and begun again is never half-read)."""
+        with self._lock:
+            for stream in STREAMS:
+                if self._catch_up(stream):  # begun again: every stream from its start
+                    for again in STREAMS:
+                        self._catch_up(again)
+                    return
+
+    def _catch_up(self, stream: Stream) -> bool:
+        """Read ``stream`` on to its end; True when what was read had been deleted (all forgotten)."""
+        path = self._backend.path
+        while True:
+            start, window = self._next[stream], self._window[stream]
+            seqs = list(range(start, start + window))
+            bodies = self._backend.read_many([path(commit_name(s, stream)) for s in seqs])
+            filled = False
+            for at, (seq, body) in enumerate(zip(seqs, bodies, strict=True)):
+                if body is None:
+                    self._window[stream] = max(1, seq - start)  # about what came since the last look
+                    last = path(commit_name(start - 1, stream))
+                    if seq == start and start and not self._backend.exists(last):
+                        self._restart()
+                        return True
+                    later = [
+                        s for s, b in zip(seqs[at + 1 :], bodies[at + 1 :], strict=True) if b is not None
+                    ]
+                    if not later and seq:  # 0 is never a hole: a writer's first commit is alone
+                        later = self._look_ahead(stream, seq, seqs[at + 1 :])
+                    if later and self._fill(stream, seq, later[0]):
+                        filled = True  # read again from the number filled
+                        break
+                    return False
+                self._apply(stream, seq, body)
+                self._next[stream] = seq + 1
+            if not filled:
+                self._window[stream] = min(_READ_WINDOW, window * 2)
+
+    def _look_ahead(self, stream: Stream, seq: int, read: list[int]) -> list[int]:
+        """The numbers just past a missing ``seq`` that exist (a writer that died with commits in
+        flight leaves a hole): looked at on a reader's first stop, then at most once a second."""
+        now = time.monotonic()
+        last = self._looked.get(stream)
+        if last is not None and now - last < _LOOK_EVERY_S:
+            return []
+        self._looked[stream] = now
+        ahead = [s for s in range(seq + 1, seq + LOOK_AHEAD) if s not in read]
+        path = self._backend.path
+        bodies = self._backend.read_many([path(commit_name(s, stream)) for s in ahead])
+        return [s for s, body in zip(ahead, bodies, strict=True) if body is not None]
+
+    def _fill(self, stream: Stream, seq: int, later: int) -> bool:
+        """Fill a missing ``seq`` below the existing ``later`` with a tombstone once the hole is old
+        (missing for the grace since this reader saw it, or ``later`` that old by the store's clock);
+        whether the stream may be read on past it (the tombstone, or whatever was there first)."""
+        grace = commits.HOLE_GRACE_S
+        key = (stream, seq)
+        if len(self._holes) > 1024:
+            self._holes.clear()
+        first = key not in self._holes
+        since = self._holes.setdefault(key, time.monotonic())
+        old = time.monotonic() - since >= grace
+        path = self._backend.path(commit_name(seq, stream))
+        if not old and first and self._backend.trust_mtime:
+            written = self._backend.modified([self._backend.path(commit_name(later, stream))])[0]
+            old = written is not None and time.time() - written >= grace
+        if not old:
+            return False
+        try:
+            self._backend.create(path, tombstone_body("reader", seq))
+        except FileExistsError:
+            pass  # the late commit, or another's tombstone: read as it is
+        except Exception as exc:
+            if key not in self._refused:
+                self._refused.add(key)
+                logger.warning(
+                    "journal commit %s is missing below later ones (a writer died mid-commit?) and this "
+                    "reader cannot fill it (%s: %s): the commits after it are not read until a writer "
+                    "or a reader allowed to write fills it",
+                    path,
+                    type(exc).__name__,
+                    exc,
+                )
+            return False
+        else:
+            logger.warning("journal commit %s was missing below later ones: filled with a tombstone", path)
+        self._holes.pop(key, None)
+        return True
+
+    def _restart(self) -> None:
+        """Forget everything read: commits this reader read are gone (deleted from outside)."""
+        logger.warning(
+            "the journal under %s was deleted since it was read: reading it afresh", self._backend.root
+        )
+        self._next = {"claims": 0, "rows": 0}
+        self._window = {"claims": 1, "rows": 1}
+        self._looked.clear()
+        self._holes.clear()
+        self._held.clear()
+        self._released.clear()
+        self._bodies.clear()
+        self._body_bytes = 0
+        self._mtimes.clear()
+
+    def _apply(self, stream: Stream, seq: int, body: bytes) -> None:
+        try:
+            commit = decode_commit(seq, body)
+        except BadCommit as exc:
+            path = self._backend.path(commit_name(seq, stream))
+            logger.warning(
+                "journal commit %s cannot be read (%s): its entries are lost to readers", path, exc
+            )
+            return
+        for index, (op, rollout_id, claim_id) in enumerate(commit.headers):
+            held = self._held.get(rollout_id)
+            if op == "clear":
+                if held is not None:
+                    if stream == "rows":
+                        del held.rows[:]
+                        self._released = {r for r in self._released if r[0] != rollout_id}
+                    else:
+                        held.claims.clear()
+            elif op == "row" and stream == "rows":
+                if held is None:
+                    held = self._held[rollout_id] = _Held()
+                held.rows.append(_pack(seq, index))
+            elif op == "claim" and stream == "claims" and claim_id is not None:
+                if (rollout_id, claim_id) in self._released:
+                    self._released.discard((rollout_id, claim_id))
+                    continue
+                if held is None:
+                    held = self._held[rollout_id] = _Held()
+                held.claims[claim_id] = (seq, index)
+            elif op == "release" and stream == "rows" and claim_id is not None:
+                if held is not None and claim_id in held.claims:
+                    del held.claims[claim_id]
+                else:
+                    self._released.add((rollout_id, claim_id))
+            if held is not None and not held.rows and not held.claims:
+                del self._held[rollout_id]
+        self._keep(stream, commit)
+
+    def _keep(self, stream: Stream, commit: Commit) -> None:
+        self._bodies[(stream, commit.seq)] = commit
+        self._body_bytes += len(commit.body)
+        while self._body_bytes > _BODY_BUDGET and len(self._bodies) > 1:
+            _, dropped = self._bodies.popitem(last=False)
+            self._body_bytes -= len(dropped.body)
+
+    def holds(self, rollout_id: str) -> bool:
+        """Whether the journal has rows or open claims of the rollout."""
+        return rollout_id in self._held
+
+    def rollout_ids(self) -> set[str]:
+        """Every rollout the journal has rows or open claims of."""
+        with self._lock:
+            return set(self._held)
+
+    def view(self, rollout_ids: Collection[str]) -> JournalView:
+        """What the journal holds for these rollouts, with the bodies it needs read (one pass)."""
+        with self._lock:
+            held = {
+                r: _Held(array("q", h.rows), dict(h.claims)) for r in rollout_ids if (h := self._held.get(r))
+            }
+            needed: set[Loc] = {("rows", packed >> _INDEX_BITS) for h in held.values() for packed in h.rows}
+            needed |= {("claims", seq) for h in held.values() for seq, _ in h.claims.values()}
+            commits = {loc: self._bodies[loc] for loc in needed if loc in self._bodies}
+            for loc in commits:
+                self._bodies.move_to_end(loc)
+        missing = sorted(needed - set(commits))
+        if missing:
+            paths = [self._backend.path(commit_name(seq, stream)) for stream, seq in missing]
+            for loc, body in zip(missing, self._backend.read_many(paths), strict=True):
+                if body is not None:
+                    with contextlib.suppress(BadCommit):
+                        commits[loc] = decode_commit(loc[1], body)
+        claimed = sorted({seq for h in held.values() for seq, _ in h.claims.values()})
+        return JournalView(self._backend, held, commits, self._claim_times(claimed))
+
+    def _claim_times(self, seqs: list[int]) -> dict[int, float | None]:
+        """Modification times of the claims commits holding open claims, by the store's clock where
+        it keeps one (claims are judged by it there)."""
+        if not self._backend.trust_mtime:
+            return {}
+        unknown = [s for s in seqs if s not in self._mtimes]
+        if unknown:
+            times = self._backend.modified([self._backend.path(commit_name(s, "claims")) for s in unknown])
+            with self._lock:
+                self._mtimes.update(zip(unknown, times, strict=True))
+        return {s: self._mtimes.get(s) for s in seqs}
+
+
+class JournalView:
+    """The journal's rows and open claims of some rollouts, ready to add to their snapshots."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        held: dict[str, _Held],
+        commits: dict[Loc, Commit],
+        mtimes: dict[int, float | None],
+    ) -> None:
+        self._backend = backend
+        self._held = held
+        self._commits = commits
+        self._mtimes = mtimes
+
+    def found(self, rollout_id: str) -> bool:
+        return rollout_id in self._held
+
+    def add_rows(self, rollout_id: str, parsed: ParsedRows) -> None:
+        """Append the rollout's journal rows, in journal order (after any other layout's)."""
+        held = self._held.get(rollout_id)
+        if held is None:
+            return
+        for seq, index in held.row_places():
+            source = self._backend.path(commit_name(seq))
+            commit = self._commits.get(("rows", seq))
+            if commit is None:  # unreadable since its header was read
+                parsed.add_damage(Damage(source, index + 2, "journal commit vanished or damaged"))
+                continue
+            add_journal_row(parsed, commit.line(index), source, index + 2)
+
+    def claims(self, rollout_id: str) -> list[Claim]:
+        """The rollout's claims not released yet (live or abandoned)."""
+        held = self._held.get(rollout_id)
+        if held is None:
+            return []
+        out = []
+        trust = self._backend.trust_mtime
+        for claim_id, (seq, index) in held.claims.items():
+            commit = self._commits.get(("claims", seq))
+            body = commit.line(index) if commit is not None else None
+            out.append(read_claim(claim_id, body, self._mtimes.get(seq), trust_mtime=trust))
+        return out
+
+    def all_claims(self) -> dict[str, list[Claim]]:
+        out = {}
+        for rollout_id in self._held:
+            found = self.claims(rollout_id)
+            if found:
+                out[rollout_id] = found
+        return out
+
+
+class JournalFetched(Fetched):
+    """A batch fetched from the other layouts, with what the journal holds for it added."""
+
+    def __init__(self, base: Fetched, reader: JournalReader, rollout_ids: Collection[str]) -> None:
+        self._base = base
+        self._reader = reader
+        self._ids = list(rollout_ids)
+        self._view = reader.view(self._ids)
+
+    def found(self, rollout_id: str) -> bool:
+        return self._view.found(rollout_id) or self._base.found(rollout_id)
+
+    def snapshot(self, rollout_id: str) -> RolloutSnapshot:
+        snap = self._base.snapshot(rollout_id)
+        if self._view.found(rollout_id):
+            snap.found = True
+            self._view.add_rows(rollout_id, snap.parsed)
+            snap.claims.extend(self._view.claims(rollout_id))
+        return snap
+
+    def claims(self) -> dict[str, list[Claim]]:
+        out = self._base.claims()
+        for rollout_id, claims in self._view.all_claims().items():
+            out[rollout_id] = [*out.get(rollout_id, []), *claims]
+        return out
+
+    def refresh(self, rollout_ids: Collection[str]) -> None:
+        self._base.refresh(rollout_ids)
+        self._reader.refresh()
+        self._view = self._reader.view(self._ids)

@@ -1,0 +1,474 @@
+"""The journal's group committer: a few commits in flight per stream, never two holding one
+rollout, each acknowledged once every number below it exists; holes a dead writer left filled
+with tombstones after the grace (see :mod:`.commits`)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from rollout_capture.backends.base import Backend
+from rollout_capture.journal import commits
+from rollout_capture.journal.commits import (
+    MAX_COMMIT_BYTES,
+    MAX_COMMIT_ENTRIES,
+    Entry,
+    Stream,
+    commit_name,
+    encode_commit,
+    floor_of,
+    nonce_of,
+    tombstone_body,
+)
+from rollout_capture.sequence import first_absent
+
+logger = logging.getLogger(__name__)
+
+_LINEAR_TRIES = 8  # commits found taken before the tail is looked up instead of tried one by one
+_READ_WINDOW = 64  # numbers below a commit read at once, at most, while settling it
+
+DEFAULT_IN_FLIGHT: dict[Stream, int] = {"rows": 2, "claims": 1}
+"""Commits a writer keeps in flight per stream on object stores (local disks: 1, a commit there is
+a quick fsync). Rows: 2, since a row finishing just after a commit started then goes at once
+instead of waiting for it, and more only add PUTs that slow the store (measured, see
+docs/benchmarks.md); claims: 1, since a claim's latency hides behind the upstream's first byte.
+``ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT`` overrides it: ``N`` for both streams, or ``ROWS/CLAIMS``
+(each 1-64)."""
+IN_FLIGHT_ENV = "ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT"
+SETTLE_TIMEOUT_S = 120.0
+"""How long a landed commit waits for the numbers below it before its calls are failed."""
+
+
+def in_flight_setting() -> dict[Stream, int] | None:
+    """The environment's commits in flight per stream (``N`` or ``ROWS/CLAIMS``), ``None`` when unset;
+    a ``ValueError`` naming the variable when malformed (producers ask at startup)."""
+    raw = os.environ.get(IN_FLIGHT_ENV, "").strip()
+    if not raw:
+        return None
+    parts = raw.split("/")
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() and 1 <= int(p) <= 64 for p in parts):
+        raise ValueError(
+            f"{IN_FLIGHT_ENV} must be N or ROWS/CLAIMS, each an integer from 1 to 64; got {raw!r}"
+        )
+    return {"rows": int(parts[0]), "claims": int(parts[-1])}
+
+
+def in_flight_bound(backend: Backend, stream: Stream = "rows") -> int:
+    """Commits in flight for ``stream``: the environment's setting, else the default for the store."""
+    setting = in_flight_setting()
+    if setting is None:
+        return 1 if backend.writes_in_place else DEFAULT_IN_FLIGHT[stream]
+    return setting[stream]
+
+
+@dataclass(slots=True)
+class _Submission:
+    entries: list[Entry]
+    future: concurrent.futures.Future[int]
+    rollouts: frozenset[str]
+
+
+class JournalWriter:
+    """Group commit for one stream of a capture root in this process: up to ``in_flight`` commits
+    in flight at once, and everything submitted meanwhile goes into the next one.
+
+    Two commits in flight at once never hold the same rollout (a submission waits for its
+    rollout's commit to land), so a commit renumbered past another cannot reorder a rollout.
+    A commit is acknowledged only once every number below it exists (spec 2): a call that
+    starts after the acknowledgement can only land above it, on any host.
+
+    ``submit`` never blocks on the store; its future resolves to the commit's number once the
+    entries are durable (or raises the store's error: the caller marks the rollout incomplete).
+    Threads start with the first submission, so a forked child gets its own.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        stream: Stream = "rows",
+        *,
+        tail_hint: Callable[[], int] | None = None,
+        in_flight: int | None = None,
+    ) -> None:
+        self._backend = backend
+        self.stream: Stream = stream
+        self._tail_hint = tail_hint
+        self.in_flight = in_flight if in_flight is not None else in_flight_bound(backend, stream)
+        if self.in_flight < 1:
+            raise ValueError(f"in_flight must be at least 1; got {self.in_flight}")
+        self.writer_id = os.urandom(8).hex()
+        self._cond = threading.Condition()
+        self._reset()
+        self.commits = 0
+        self.tries = 0
+        self.tombstones = 0
+        self.peak_in_flight = 0  # the most commits this writer had in flight at once
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._queue: list[_Submission] = []
+        self._workers = 0
+        self._idle = 0
+        self._busy: set[str] = set()  # rollouts of the commits in flight (not landed yet)
+        self._active = 0  # commits taken, not landed or failed yet
+        self._landed_any = False
+        self._next: int | None = None  # the number handed out next
+        self._starting = False  # a thread is looking the tail up
+        self._floor = 0  # every number below it exists
+        self._known: set[int] = set()  # numbers at or above the floor known to exist
+        self._mine: set[int] = set()  # numbers this writer's puts are trying now
+        self._debts: set[int] = set()  # our numbers whose put failed with later ones handed out
+        self._filling: set[int] = set()  # numbers a thread of ours is resolving now
+        self._missing: dict[int, float] = {}  # others' numbers seen missing: since when (monotonic)
+
+    def submit(self, entries: Sequence[Entry]) -> concurrent.futures.Future[int]:
+        """Queue entries to land together in one commit; the future has the commit's number."""
+        future: concurrent.futures.Future[int] = concurrent.futures.Future()
+        listed = list(entries)
+        submission = _Submission(listed, future, frozenset(e.rollout_id for e in listed))
+        with self._cond:
+            if self._pid != os.getpid():  # a forked child: its parent's threads are not here
+                self._reset()
+            self._queue.append(submission)
+            self._cond.notify_all()
+            if self._idle == 0 and self._workers < self.in_flight:
+                self._workers += 1
+                thread = threading.Thread(target=self._run, name="rollout-capture-journal", daemon=True)
+                thread.start()
+        return future
+
+    def write(self, entries: Sequence[Entry]) -> int:
+        """Submit and wait: the entries are durable when this returns."""
+        return self.submit(entries).result()
+
+    # -- taking work
+
+    def _group(self) -> list[_Submission]:
+        """The submissions for the next commit, in order, none of a rollout in flight (locked)."""
+        blocked = set(self._busy)
+        taken: list[_Submission] = []
+        rest: list[_Submission] = []
+        entries = 0
+        for submission in self._queue:
+            too_many = bool(taken) and entries + len(submission.entries) > MAX_COMMIT_ENTRIES
+            if too_many or not submission.rollouts.isdisjoint(blocked):
+                blocked |= submission.rollouts  # later ones of these rollouts wait behind it
+                rest.append(submission)
+                continue
+            taken.append(submission)
+            entries += len(submission.entries)
+        self._queue = rest
+        for submission in taken:
+            self._busy |= submission.rollouts
+        return taken
+
+    def _take(self) -> list[_Submission] | None:
+        with self._cond:
+            self._idle += 1
+            try:
+                while True:
+                    # Until one commit of this writer has landed it keeps one in flight, so the
+                    # first number of a journal is never a hole (readers need not look past it).
+                    taken = self._group() if self._landed_any or not self._active else []
+                    if taken:
+                        self._active += 1
+                        self.peak_in_flight = max(self.peak_in_flight, self._active)
+                        return taken
+                    if not self._cond.wait(timeout=30.0) and not self._queue:
+                        self._workers -= 1  # idle: a later submission starts a fresh thread
+                        return None
+            finally:
+                self._idle -= 1
+
+    def _run(self) -> None:
+        while True:
+            taken = self._take()
+            if taken is None:
+                return
+            try:
+                ready, held = self._build(taken)
+                if not ready:
+                    continue
+                headers = [e.header() for s in ready for e in s.entries]
+                lines = [line for s in ready for line in held[id(s)]]
+                try:
+                    seq = self._commit(headers, lines)
+                except BaseException as exc:
+                    for submission in ready:
+                        submission.future.set_exception(exc)
+                else:
+                    for submission in ready:
+                        submission.future.set_result(seq)
+            finally:
+                with self._cond:
+                    self._active -= 1
+                    self._cond.notify_all()
+
+    def _build(self, taken: list[_Submission]) -> tuple[list[_Submission], dict[int, list[bytes]]]:
+        """Each submission's lines: those that fit ride, a submission too big waits (first in line,
+        with any later one of its rollouts), one whose row cannot be written fails alone."""
+        ready: list[_Submission] = []
+        held: dict[int, list[bytes]] = {}
+        deferred: list[_Submission] = []
+        deferred_ids: set[str] = set()
+        size = 0
+        for submission in taken:
+            if not submission.rollouts.isdisjoint(deferred_ids):
+                deferred.append(submission)
+                deferred_ids |= submission.rollouts
+                continue
+            try:
+                built = [e.line() if callable(e.line) else e.line for e in submission.entries]
+            except Exception as exc:  # a row that cannot be written fails its own call only
+                submission.future.set_exception(exc)
+                continue
+            if ready and size + sum(map(len, built)) > MAX_COMMIT_BYTES:
+                deferred.append(submission)
+                deferred_ids |= submission.rollouts
+                continue
+            size += sum(map(len, built))
+            held[id(submission)] = built
+            ready.append(submission)
+        if deferred or len(ready) < len(taken):
+            with self._cond:
+                riding = {r for s in ready for r in s.rollouts}
+                self._busy -= {r for s in taken for r in s.rollouts} - riding
+                self._queue[:0] = deferred
+                self._cond.notify_all()
+        return ready, held
+
+    # -- numbers
+
+    def _commit(self, headers: list[list[str]], lines: list[bytes]) -> int:
+        """Land one commit and wait until every number below it exists; its number."""
+        nonce = os.urandom(16).hex()
+        seq = self._numbered(headers)
+        taken = 0
+        while True:
+            self.tries += 1
+            body = encode_commit(self.writer_id, nonce, headers, lines, floor=self._floor)
+            where = self._backend.path(commit_name(seq, self.stream))
+            try:
+                try:
+                    self._backend.create(where, body)
+                    break
+                except FileExistsError:
+                    existing = self._backend.read_many([where])[0]
+                if existing is not None and nonce_of(existing) == nonce:
+                    break  # our own write, landed before a retried request found it
+            except BaseException:
+                self._failed(seq, headers)
+                raise
+            with self._cond:  # another writer's: it exists, and its header tells what is below
+                self._mine.discard(seq)
+            self._learn(seq, existing)
+            taken += 1
+            seq = self._numbered(headers, jump=taken >= _LINEAR_TRIES)
+        # Its number is final: its rollouts may go in the next commit now, before the numbers
+        # below it settle (that one is handed out above this one).
+        with self._cond:
+            self._mine.discard(seq)
+            self._known.add(seq)
+            self._normalize()
+            self._busy -= {h[1] for h in headers}
+            self._landed_any = True
+            self._cond.notify_all()
+        self.commits += 1
+        self._settle(seq)
+        return seq
+
+    def _numbered(self, headers: list[list[str]], *, jump: bool = False) -> int:
+        """:meth:`_hand_out`, the commit's rollouts freed if no number can be had."""
+        try:
+            return self._hand_out(jump=jump)
+        except BaseException:
+            with self._cond:
+                self._busy -= {h[1] for h in headers}
+                self._cond.notify_all()
+            raise
+
+    def _hand_out(self, *, jump: bool = False) -> int:
+        """The next number to try: the tail looked up first (and after several taken in a row)."""
+        with self._cond:
+            while self._starting:
+                self._cond.wait()
+            if self._next is not None and not jump:
+                seq = self._next
+                self._next += 1
+                self._mine.add(seq)
+                return seq
+            self._starting = True
+            start = self._next
+        try:
+            seen: set[int] = set()
+            if start is None:
+                hint = self._tail_hint() if self._tail_hint is not None else 0
+                with self._cond:
+                    self._floor = max(self._floor, hint)  # what a reader read exists
+                start = hint
+            found = first_free(self._backend, start, self.stream, seen=seen)
+            below = None
+            if found > start:  # the header of the one below tells how far down all exist
+                below = self._backend.read_many([self._backend.path(commit_name(found - 1, self.stream))])[0]
+        except BaseException:
+            with self._cond:
+                self._starting = False
+                self._cond.notify_all()
+            raise
+        if below is not None:
+            self._learn(found - 1, below)
+        with self._cond:
+            self._known |= seen
+            self._normalize()
+            self._next = max(found, self._next or 0)
+            self._starting = False
+            self._cond.notify_all()
+            seq = self._next
+            self._next += 1
+            self._mine.add(seq)
+            return seq
+
+    def _failed(self, seq: int, headers: list[list[str]]) -> None:
+        """A put that failed (not taken): its number is tried again by the next commit when
+        nothing was handed out above it, else filled with a tombstone (no hole is left)."""
+        with self._cond:
+            self._busy -= {h[1] for h in headers}
+            self._mine.discard(seq)
+            if self._next == seq + 1:
+                self._next = seq
+                while self._next - 1 in self._debts:
+                    self._debts.discard(self._next - 1)
+                    self._next -= 1
+            else:
+                self._debts.add(seq)
+            self._cond.notify_all()
+
+    def _learn(self, seq: int, body: bytes | None) -> None:
+        """``seq`` exists; its header says below which number everything existed when written."""
+        floor = floor_of(seq, body)
+        with self._cond:
+            self._known.add(seq)
+            self._missing.pop(seq, None)
+            self._floor = max(self._floor, floor)
+            self._normalize()
+            self._cond.notify_all()
+
+    def _normalize(self) -> None:
+        while self._floor in self._known:
+            self._floor += 1
+        if self._known and min(self._known) < self._floor:
+            self._known = {n for n in self._known if n >= self._floor}
+        for n in [n for n in self._missing if n < self._floor]:
+            del self._missing[n]
+
+    def _settle(self, seq: int) -> None:
+        """Wait until every number below ``seq`` exists: ours land; others' are read, and any
+        missing for :data:`~.commits.HOLE_GRACE_S` (a writer that died mid-commit) filled with a tombstone."""
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        delay = 0.005
+        while True:
+            with self._cond:
+                if self._floor > seq:
+                    return
+                if seq - self._floor > _READ_WINDOW:  # joining a long journal: the highest first,
+                    unknown = [self._highest_unknown(seq)]  # its header's floor says much of the rest
+                else:
+                    unknown = [n for n in range(self._floor, seq) if n not in self._known]
+                debts = [n for n in unknown if n in self._debts and n not in self._filling]
+                others = [
+                    n
+                    for n in unknown
+                    if n not in self._mine and n not in self._debts and n not in self._filling
+                ]
+                self._filling |= {*debts, *others}
+                if not debts and not others:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError(self._stuck(seq))
+                    self._cond.wait(timeout=min(remaining, 0.5))  # ours in flight, or another thread's
+                    continue
+            progressed = False
+            try:
+                for n in debts:
+                    progressed |= self._tombstone(n)
+                if others:
+                    progressed |= self._look(others)
+            finally:
+                with self._cond:
+                    self._filling -= {*debts, *others}
+                    self._cond.notify_all()
+            if not progressed:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(self._stuck(seq))
+                time.sleep(delay)
+                delay = min(delay * 2, 0.25)
+
+    def _highest_unknown(self, seq: int) -> int:
+        """The highest number below ``seq`` not known to exist (locked; one exists: the floor)."""
+        n = seq - 1
+        while n > self._floor and n in self._known:
+            n -= 1
+        return n
+
+    def _stuck(self, seq: int) -> str:
+        return (
+            f"journal commit {self._backend.path(commit_name(seq, self.stream))} landed, but number "
+            f"{self._floor} below it is still missing after {SETTLE_TIMEOUT_S:.0f} s"
+        )
+
+    def _look(self, seqs: list[int]) -> bool:
+        """Read others' numbers below ours; fill those missing past the grace. Whether any settled."""
+        path = self._backend.path
+        bodies = self._backend.read_many([path(commit_name(n, self.stream)) for n in seqs])
+        progressed = False
+        now = time.monotonic()
+        for n, body in zip(seqs, bodies, strict=True):
+            if body is not None:
+                self._learn(n, body)
+                progressed = True
+                continue
+            with self._cond:
+                since = self._missing.setdefault(n, now)
+            if now - since >= commits.HOLE_GRACE_S:
+                progressed |= self._tombstone(n)
+        return progressed
+
+    def _tombstone(self, seq: int) -> bool:
+        """Fill ``seq`` with an empty commit, put-if-absent (what is there already counts)."""
+        path = self._backend.path(commit_name(seq, self.stream))
+        body = tombstone_body(self.writer_id, self._floor)
+        try:
+            self._backend.create(path, body)
+        except FileExistsError:
+            existing = self._backend.read_many([path])[0]
+            self._learn(seq, existing)
+        except Exception:
+            logger.warning("could not fill missing journal commit %s", path, exc_info=True)
+            return False
+        else:
+            self.tombstones += 1
+            logger.warning("journal commit %s was missing below later ones: filled with a tombstone", path)
+            self._learn(seq, body)
+        with self._cond:
+            self._debts.discard(seq)
+        return True
+
+
+def first_free(
+    backend: Backend, start: int = 0, stream: Stream = "rows", *, seen: set[int] | None = None
+) -> int:
+    """A commit number at or above ``start`` that does not exist, just above one that does
+    (doubling, then bisecting); ``seen`` collects the numbers found to exist."""
+
+    def exists(seq: int) -> bool:
+        found = backend.exists(backend.path(commit_name(seq, stream)))
+        if found and seen is not None:
+            seen.add(seq)
+        return found
+
+    return first_absent(exists, start)
