@@ -777,7 +777,7 @@ def layout_spec(spec: str) -> tuple[str, dict[str, str]]:
     parts = in_flight.split("/")
     if layout != "journal" or len(parts) > 2 or not all(p.isdigit() and 1 <= int(p) <= 64 for p in parts):
         raise SystemExit(
-            f"--layouts: {spec!r}: only journal:N or journal:ROWS/CLAIMS (commits in flight, 1-64) "
+            f"--layouts: {spec!r}: only journal:N or journal:ROWS/CLAIMS (commits in flight, 1-4) "
             "takes numbers"
         )
     return layout, {"ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT": in_flight}

@@ -85,6 +85,8 @@ def build_attachment(
                 gaps.append(_gap(GAP_PENDING, f"count={len(live)}"))
             elif expired:
                 gaps.append(_gap(GAP_CLAIM_ABANDONED, f"count={len(expired)}"))
+        for hole in snap.holes:  # rows above a hole this reader may not fill are unread: pending
+            gaps.append(_gap(GAP_PENDING, f"journal hole: {hole}"))
     judged = [call for call in calls if call["verifier_invocation_id"]] if calls else []
     if verifiers:
         by_invocation: dict[str, list[dict[str, Any]]] = {key: [] for key in verifiers}

@@ -24,6 +24,7 @@ class RolloutSnapshot:
     parsed: ParsedRows = field(default_factory=new_parsed_rows)
     incomplete: bool = False
     claims: list[Claim] = field(default_factory=list)
+    holes: list[str] = field(default_factory=list)  # journal holes its reader could not fill (pending)
 
     @property
     def rows(self) -> list[tuple[int, Row]]:

@@ -202,3 +202,8 @@ def scripted_upstream() -> Iterator[tuple[str, Any]]:
         yield server.url, app
     finally:
         server.stop()
+
+
+def pytest_addoption(parser: Any) -> None:
+    """``--sim-seed N``: run one schedule of the protocol simulations alone (a failing seed replays)."""
+    parser.addoption("--sim-seed", default=None, help="replay one seed of the journal simulation")

@@ -236,6 +236,17 @@ def test_exists(subject: Subject) -> None:
     assert not b.exists(b.path("f.json/below")) and not b.exists(b.path("nothing/here.json"))
 
 
+def test_existing_says_which_of_several_files_exist(subject: Subject) -> None:
+    """In order, however the backend asks (S3: one LIST from just before the first name)."""
+    b = subject.backend
+    names = [f"_journal/{n:012d}.jsonl" for n in range(6)]
+    for n in (1, 2, 5):
+        b.create(b.path(names[n]), b"x")
+    b.create(b.path("_journal/000000000003.jsonl.tmp"), b"between")  # sorts among them
+    assert b.existing([b.path(name) for name in names[1:]]) == [True, True, False, False, True]
+    assert b.existing([b.path(names[0])]) == [False] and b.existing([]) == []
+
+
 def test_list_names_is_one_level_of_each_folder(subject: Subject) -> None:
     b = subject.backend
     b.put(b.path("d/a.json"), b"abc")

@@ -475,6 +475,71 @@ def test_a_reader_that_may_not_write_reports_the_hole_and_does_not_hang(
     assert _ids(reader(via.url("caps"), via.storage_options).read("x-0")) == ["a", "c"]
 
 
+def test_a_reader_that_may_not_write_gives_the_record_a_pending_gap_naming_the_hole(
+    flaky_s3: tuple[S3, Any], s3: S3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every PUT refused (403) and commit 1 missing below commit 2: the record has the one call it
+    could read and says, as a pending gap naming the hole, that more may stand above it."""
+    import rollout_capture.journal as journal_module
+    from rollout_capture import merge_model_call_capture_into_record
+
+    backend = CaptureStore(s3.url("gapcaps"), storage_options=s3.storage_options)._backend
+    backend.create(backend.path(commit_name(0)), _one_row("4-0", "a"))
+    backend.create(backend.path(commit_name(2)), _one_row("4-0", "c"))  # 1 never landed
+    monkeypatch.setattr(journal_module.commits, "HOLE_GRACE_S", 0.0)
+    via, proxy = flaky_s3
+    proxy.deny_on(f"PUT /{via.bucket}/gapcaps/".encode())  # a read-only credential
+    try:
+        store = reader(via.url("gapcaps"), via.storage_options)
+        record = {"_ng_task_index": 4, "_ng_rollout_index": 0}
+        attachment = merge_model_call_capture_into_record(record, [store])["ng_model_call_capture"]
+    finally:
+        proxy.deny_on(None)
+    assert attachment["metrics"]["num_calls"] == 1
+    pending = [g for g in attachment.get("gaps", []) if g["code"] == "model_call_capture_pending"]
+    assert len(pending) == 1 and commit_name(1) in pending[0]["detail"], attachment.get("gaps")
+    writable = reader(s3.url("gapcaps"), s3.storage_options)
+    again = merge_model_call_capture_into_record(dict(record), [writable])["ng_model_call_capture"]
+    assert again["metrics"]["num_calls"] == 2 and "gaps" not in again  # filled: nothing pending
+
+
+def test_a_row_is_never_put_below_a_commit_that_already_exists(tmp_path: Path) -> None:
+    """Writer Y has written commit 0; a dead writer's commit 2 (the rollout's first row) landed
+    while its commit 1 never did. Y's next row of the rollout goes above commit 2, not into the
+    hole (which Y fills with a tombstone), so the rollout reads in the order its rows were durable."""
+    store = journal(str(tmp_path), {})
+    store.record("y-0", {**ROW, "model_call_id": "y-first"})
+    backend = store._backend
+    backend.create(backend.path(commit_name(2)), _one_row("r-0", "dead-writers"))  # 1 never landed
+    seq = store.journal_writer.write([row_entry("r-0", {**ROW, "model_call_id": "y-second"})])
+    assert seq == 3
+    assert _ids(reader(str(tmp_path), {}).read("r-0")) == ["dead-writers", "y-second"]
+    hole = backend.read_many([backend.path(commit_name(1))])[0]
+    assert hole is not None and decode_commit(1, hole).headers == []  # a tombstone, not a real commit
+
+
+def test_a_live_claim_below_a_dead_writers_clear_stays_open(tmp_path: Path) -> None:
+    """A claim alone is put without looking above its number, so it can land in a hole below a
+    clear that a dead writer left above it. The clear drops only the claims below its floor (all
+    that existed when it was written): the stale claim goes, the live one stays open."""
+    from rollout_capture.claims import claim_body, new_claim
+    from rollout_capture.journal import encode_commit
+
+    store = journal(str(tmp_path), {})
+    backend = store._backend
+    stale, live = new_claim("stale", 600.0), new_claim("live", 600.0)
+
+    def claims_commit(seq: int, headers: list[list[str]], lines: list[bytes], floor: int) -> None:
+        body = encode_commit("w", os.urandom(4).hex(), headers, lines, floor=floor)
+        backend.create(backend.path(commit_name(seq, "claims")), body)
+
+    claims_commit(0, [["claim", "q-0", stale.claim_id]], [claim_body(stale)], 0)
+    claims_commit(2, [["clear", "q-0"]], [b"null"], 1)  # a dead clearer's, above the hole at 1
+    claims_commit(1, [["claim", "q-0", live.claim_id]], [claim_body(live)], 1)  # put later, into it
+    claims = reader(str(tmp_path), {}).claims(["q-0"])
+    assert [c.claim_id for c in claims.get("q-0", [])] == [live.claim_id]
+
+
 def _one_row(rollout_id: str, call: str) -> bytes:
     from rollout_capture.journal import encode_commit
 
@@ -531,7 +596,8 @@ def test_a_writer_joining_a_long_journal_reads_one_header_not_every_commit(
     proxy.reset_counts()
     joining.record("j-0", {**ROW, "model_call_id": "joined"})
     counts = proxy.reset_counts()
-    assert counts.get("PUT") == 1 and counts.get("GET", 0) <= 1  # one header read, not 40
+    # one header read, not 40, and one LIST of the numbers above its own (spec 2: never below)
+    assert counts.get("PUT") == 1 and counts.get("GET", 0) <= 2
     assert counts.get("HEAD", 0) <= 16  # the tail found by doubling and bisecting
     assert _ids(reader(s3.url("caps"), s3.storage_options).read("j-0"))[-1] == "joined"
     assert _commits(joining) == list(range(41))

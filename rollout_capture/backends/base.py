@@ -134,6 +134,11 @@ class Backend(ABC):
     def exists(self, path: str) -> bool:
         """Whether the path exists."""
 
+    def existing(self, paths: Sequence[str]) -> list[bool]:
+        """Whether each of these files exists, in as few requests as the store allows (a journal
+        writer asks for the few commit numbers above its own before each put)."""
+        return [self.exists(path) for path in paths]
+
     def modified(self, paths: Sequence[str]) -> list[float | None]:
         """Each file's modification time (epoch s), ``None`` where unknown or missing; only asked
         where :attr:`trust_mtime` holds (the store's own clock judges claims there)."""

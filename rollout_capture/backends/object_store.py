@@ -300,6 +300,9 @@ class ObjectStoreBackend(Backend):
     def exists(self, path: str) -> bool:
         return bool(self.fs.exists(path))
 
+    def existing(self, paths: Sequence[str]) -> list[bool]:
+        return [body is not None for body in self.read_many(paths)]  # at once, not one by one
+
     def modified(self, paths: Sequence[str]) -> list[float | None]:
         out: list[float | None] = []
         for path in paths:  # open claims only: a handful

@@ -42,6 +42,37 @@ class S3Backend(ObjectStoreBackend):
     def exists(self, path: str) -> bool:
         return self._head(path) is not None
 
+    def existing(self, paths: Sequence[str]) -> list[bool]:
+        """One ``ListObjectsV2`` from just before the first name, where the paths share a folder
+        (S3 lists keys in order, consistently): the names that sort among them come back in one
+        page; what the page did not reach is asked by HEAD."""
+        split = [self.fs.split_path(path) for path in paths]
+        keys = [key for _, key, _ in split]
+        folder = keys[0].rpartition("/")[0] if keys else ""
+        if (
+            len(paths) < 2
+            or not folder
+            or any(b != split[0][0] or k.rpartition("/")[0] != folder for b, k, _ in split)
+        ):
+            return [self.exists(path) for path in paths]
+        listed: dict[str, Any] = fsspec_sync(
+            self.fs.loop,
+            self.fs._call_s3,
+            "list_objects_v2",
+            Bucket=split[0][0],
+            Prefix=f"{folder}/",
+            StartAfter=min(keys)[:-1],  # sorts just before the first name, and nothing else does
+            MaxKeys=len(keys) + 8,
+        )
+        found = {item["Key"] for item in listed.get("Contents", [])}
+        reached = max(found, default="")
+        if listed.get("IsTruncated") and reached < max(keys):  # the page stopped short of the last
+            return [
+                key in found or (key > reached and self.exists(path))
+                for key, path in zip(keys, paths, strict=True)
+            ]
+        return [key in found for key in keys]
+
     def modified(self, paths: Sequence[str]) -> list[float | None]:
         return [None if (head := self._head(path)) is None else mtime_of(head) for path in paths]
 

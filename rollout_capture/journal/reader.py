@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Collection
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 from rollout_capture.backends.base import Backend, Fetched
 from rollout_capture.claims import Claim, read_claim
 from rollout_capture.journal import commits
+from rollout_capture.journal.clock import REAL_CLOCK, Clock
 from rollout_capture.journal.commits import (
     LOOK_AHEAD,
     STREAMS,
@@ -71,11 +71,13 @@ class JournalReader:
     Thread-safe: batches of one job share it.
     """
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, *, clock: Clock = REAL_CLOCK) -> None:
         self._backend = backend
+        self._clock = clock
         self._looked: dict[Stream, float] = {}  # when each stream was last looked past its end
         self._holes: dict[tuple[Stream, int], float] = {}  # missing below later ones: since when
         self._refused: set[tuple[Stream, int]] = set()  # holes this reader could not fill (logged)
+        self._stuck: dict[Stream, tuple[int, str]] = {}  # where each stream stops at a hole it cannot fill
         self._next: dict[Stream, int] = {"claims": 0, "rows": 0}
         self._window: dict[Stream, int] = {"claims": 1, "rows": 1}
         self._held: dict[str, _Held] = {}
@@ -130,13 +132,15 @@ class JournalReader:
                     return False
                 self._apply(stream, seq, body)
                 self._next[stream] = seq + 1
+                if stream in self._stuck and self._stuck[stream][0] <= seq:
+                    del self._stuck[stream]  # filled by someone allowed to
             if not filled:
                 self._window[stream] = min(_READ_WINDOW, window * 2)
 
     def _look_ahead(self, stream: Stream, seq: int, read: list[int]) -> list[int]:
         """The numbers just past a missing ``seq`` that exist (a writer that died with commits in
         flight leaves a hole): looked at on a reader's first stop, then at most once a second."""
-        now = time.monotonic()
+        now = self._clock.monotonic()
         last = self._looked.get(stream)
         if last is not None and now - last < _LOOK_EVERY_S:
             return []
@@ -155,19 +159,26 @@ class JournalReader:
         if len(self._holes) > 1024:
             self._holes.clear()
         first = key not in self._holes
-        since = self._holes.setdefault(key, time.monotonic())
-        old = time.monotonic() - since >= grace
+        since = self._holes.setdefault(key, self._clock.monotonic())
+        old = self._clock.monotonic() - since >= grace
         path = self._backend.path(commit_name(seq, stream))
         if not old and first and self._backend.trust_mtime:
             written = self._backend.modified([self._backend.path(commit_name(later, stream))])[0]
-            old = written is not None and time.time() - written >= grace
-        if not old:
+            old = written is not None and self._clock.time() - written >= grace
+        if not old:  # a writer in flight, most likely: what is above is pending, not missing
+            self._stuck.setdefault(
+                stream, (seq, f"{path} missing below later commits, younger than the grace")
+            )
             return False
         try:
             self._backend.create(path, tombstone_body("reader", seq))
         except FileExistsError:
             pass  # the late commit, or another's tombstone: read as it is
         except Exception as exc:
+            self._stuck[stream] = (
+                seq,
+                f"{path} missing below later commits, not filled ({type(exc).__name__})",
+            )
             if key not in self._refused:
                 self._refused.add(key)
                 logger.warning(
@@ -193,6 +204,7 @@ class JournalReader:
         self._window = {"claims": 1, "rows": 1}
         self._looked.clear()
         self._holes.clear()
+        self._stuck.clear()
         self._held.clear()
         self._released.clear()
         self._bodies.clear()
@@ -215,8 +227,16 @@ class JournalReader:
                     if stream == "rows":
                         del held.rows[:]
                         self._released = {r for r in self._released if r[0] != rollout_id}
-                    else:
-                        held.claims.clear()
+                    else:  # a claim alone is put without a look above it, so a live one may
+                        # stand below a clear a dead writer left above a hole: the clear drops only
+                        # the claims below its floor (all that existed), and those before it in its
+                        # own commit (spec 2)
+                        floor = seq if commit.floor is None else min(commit.floor, seq)
+                        held.claims = {
+                            claim: (at, line)
+                            for claim, (at, line) in held.claims.items()
+                            if at >= floor and not (at == seq and line < index)
+                        }
             elif op == "row" and stream == "rows":
                 if held is None:
                     held = self._held[rollout_id] = _Held()
@@ -253,6 +273,13 @@ class JournalReader:
         with self._lock:
             return set(self._held)
 
+    @property
+    def holes(self) -> list[str]:
+        """The holes below later commits this reader stopped at and did not fill (too young, or its
+        writes refused): any rollout may have entries above one, so each is a pending gap of every
+        rollout read."""
+        return [detail for _, detail in self._stuck.values()]
+
     def view(self, rollout_ids: Collection[str]) -> JournalView:
         """What the journal holds for these rollouts, with the bodies it needs read (one pass)."""
         with self._lock:
@@ -272,7 +299,7 @@ class JournalReader:
                     with contextlib.suppress(BadCommit):
                         commits[loc] = decode_commit(loc[1], body)
         claimed = sorted({seq for h in held.values() for seq, _ in h.claims.values()})
-        return JournalView(self._backend, held, commits, self._claim_times(claimed))
+        return JournalView(self._backend, held, commits, self._claim_times(claimed), self.holes)
 
     def _claim_times(self, seqs: list[int]) -> dict[int, float | None]:
         """Modification times of the claims commits holding open claims, by the store's clock where
@@ -296,11 +323,13 @@ class JournalView:
         held: dict[str, _Held],
         commits: dict[Loc, Commit],
         mtimes: dict[int, float | None],
+        holes: list[str] | None = None,
     ) -> None:
         self._backend = backend
         self._held = held
         self._commits = commits
         self._mtimes = mtimes
+        self.holes = holes or []
 
     def found(self, rollout_id: str) -> bool:
         return rollout_id in self._held
@@ -354,6 +383,7 @@ class JournalFetched(Fetched):
 
     def snapshot(self, rollout_id: str) -> RolloutSnapshot:
         snap = self._base.snapshot(rollout_id)
+        snap.holes.extend(self._view.holes)
         if self._view.found(rollout_id):
             snap.found = True
             self._view.add_rows(rollout_id, snap.parsed)

@@ -7,13 +7,12 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rollout_capture.backends.base import Backend
 from rollout_capture.journal import commits
+from rollout_capture.journal.clock import REAL_CLOCK, Clock
 from rollout_capture.journal.commits import (
     MAX_COMMIT_BYTES,
     MAX_COMMIT_ENTRIES,
@@ -38,7 +37,8 @@ a quick fsync). Rows: 2, since a row finishing just after a commit started then 
 instead of waiting for it, and more only add PUTs that slow the store (measured, see
 docs/benchmarks.md); claims: 1, since a claim's latency hides behind the upstream's first byte.
 ``ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT`` overrides it: ``N`` for both streams, or ``ROWS/CLAIMS``
-(each 1-64)."""
+(each 1 to :data:`~.commits.LOOK_AHEAD`: a dead writer's commits stand at most that far above the
+hole it left, and writers and readers look that far)."""
 IN_FLIGHT_ENV = "ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT"
 SETTLE_TIMEOUT_S = 120.0
 """How long a landed commit waits for the numbers below it before its calls are failed."""
@@ -51,9 +51,10 @@ def in_flight_setting() -> dict[Stream, int] | None:
     if not raw:
         return None
     parts = raw.split("/")
-    if len(parts) not in (1, 2) or not all(p.strip().isdigit() and 1 <= int(p) <= 64 for p in parts):
+    top = commits.LOOK_AHEAD
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() and 1 <= int(p) <= top for p in parts):
         raise ValueError(
-            f"{IN_FLIGHT_ENV} must be N or ROWS/CLAIMS, each an integer from 1 to 64; got {raw!r}"
+            f"{IN_FLIGHT_ENV} must be N or ROWS/CLAIMS, each an integer from 1 to {top}; got {raw!r}"
         )
     return {"rows": int(parts[0]), "claims": int(parts[-1])}
 
@@ -94,19 +95,22 @@ class JournalWriter:
         *,
         tail_hint: Callable[[], int] | None = None,
         in_flight: int | None = None,
+        clock: Clock = REAL_CLOCK,
     ) -> None:
         self._backend = backend
+        self._clock = clock
         self.stream: Stream = stream
         self._tail_hint = tail_hint
         self.in_flight = in_flight if in_flight is not None else in_flight_bound(backend, stream)
-        if self.in_flight < 1:
-            raise ValueError(f"in_flight must be at least 1; got {self.in_flight}")
+        if not 1 <= self.in_flight <= commits.LOOK_AHEAD:
+            raise ValueError(f"in_flight must be from 1 to {commits.LOOK_AHEAD}; got {self.in_flight}")
         self.writer_id = os.urandom(8).hex()
-        self._cond = threading.Condition()
+        self._cond = clock.condition()
         self._reset()
         self.commits = 0
         self.tries = 0
         self.tombstones = 0
+        self.skips = 0  # numbers given up because commits existed above them
         self.peak_in_flight = 0  # the most commits this writer had in flight at once
 
     def _reset(self) -> None:
@@ -125,6 +129,11 @@ class JournalWriter:
         self._debts: set[int] = set()  # our numbers whose put failed with later ones handed out
         self._filling: set[int] = set()  # numbers a thread of ours is resolving now
         self._missing: dict[int, float] = {}  # others' numbers seen missing: since when (monotonic)
+        self._own: dict[
+            int, int
+        ] = {}  # numbers at or above the floor this writer handed out: when (a ticket)
+        self._tickets = 0
+        self._landed: set[int] = set()  # numbers at or above the floor this writer's puts landed at
 
     def submit(self, entries: Sequence[Entry]) -> concurrent.futures.Future[int]:
         """Queue entries to land together in one commit; the future has the commit's number."""
@@ -138,8 +147,7 @@ class JournalWriter:
             self._cond.notify_all()
             if self._idle == 0 and self._workers < self.in_flight:
                 self._workers += 1
-                thread = threading.Thread(target=self._run, name="rollout-capture-journal", daemon=True)
-                thread.start()
+                self._clock.start_thread(self._run, "rollout-capture-journal")
         return future
 
     def write(self, entries: Sequence[Entry]) -> int:
@@ -248,8 +256,11 @@ class JournalWriter:
         """Land one commit and wait until every number below it exists; its number."""
         nonce = os.urandom(16).hex()
         seq = self._numbered(headers)
+        ordered = any(h[0] != "claim" for h in headers)
         taken = 0
         while True:
+            if ordered:
+                seq = self._above_all(seq, headers)
             self.tries += 1
             body = encode_commit(self.writer_id, nonce, headers, lines, floor=self._floor)
             where = self._backend.path(commit_name(seq, self.stream))
@@ -274,6 +285,7 @@ class JournalWriter:
         with self._cond:
             self._mine.discard(seq)
             self._known.add(seq)
+            self._landed.add(seq)
             self._normalize()
             self._busy -= {h[1] for h in headers}
             self._landed_any = True
@@ -301,6 +313,7 @@ class JournalWriter:
                 seq = self._next
                 self._next += 1
                 self._mine.add(seq)
+                self._ticket(seq)
                 return seq
             self._starting = True
             start = self._next
@@ -331,7 +344,46 @@ class JournalWriter:
             seq = self._next
             self._next += 1
             self._mine.add(seq)
+            self._ticket(seq)
             return seq
+
+    def _above_all(self, seq: int, headers: list[list[str]]) -> int:
+        """A number above every commit that exists near ``seq``, for a commit whose place orders
+        something (rows, releases, clears): a commit found up to :data:`~.commits.LOOK_AHEAD` above
+        ``seq`` (a dead writer's, above the hole it left) may hold a row durable before these were
+        submitted, so they go above it and ``seq`` is filled with a tombstone (spec 2). Claims
+        alone skip this look (a claim's number orders nothing), so a claim's wait is one put."""
+        while True:
+            ahead = list(range(seq + 1, seq + commits.LOOK_AHEAD))
+            try:
+                found = self._backend.existing(
+                    [self._backend.path(commit_name(n, self.stream)) for n in ahead]
+                )
+            except BaseException:
+                self._failed(seq, headers)
+                raise
+            there = [n for n, exists in zip(ahead, found, strict=True) if exists]
+            for n in there:
+                self._learn(n, None)
+            with self._cond:  # ours, landed and handed out after ``seq``: other rollouts, later
+                after = self._own.get(seq, 0)
+                others = [n for n in there if not (n in self._landed and self._own.get(n, 0) > after)]
+            if not others:
+                return seq
+            with self._cond:  # skip: ``seq`` is ours to fill, nothing real may go below these
+                self._mine.discard(seq)
+                self._debts.add(seq)
+                self._next = max(self._next or 0, max(others) + 1)
+                seq = self._next
+                self._next += 1
+                self._mine.add(seq)
+                self._ticket(seq)
+                self.skips += 1
+
+    def _ticket(self, seq: int) -> None:
+        """Note that ``seq`` was handed out now (locked): its place in this writer's order."""
+        self._tickets += 1
+        self._own[seq] = self._tickets
 
     def _failed(self, seq: int, headers: list[list[str]]) -> None:
         """A put that failed (not taken): its number is tried again by the next commit when
@@ -365,11 +417,14 @@ class JournalWriter:
             self._known = {n for n in self._known if n >= self._floor}
         for n in [n for n in self._missing if n < self._floor]:
             del self._missing[n]
+        if self._own and min(self._own) < self._floor:
+            self._own = {n: t for n, t in self._own.items() if n >= self._floor}
+            self._landed = {n for n in self._landed if n >= self._floor}
 
     def _settle(self, seq: int) -> None:
         """Wait until every number below ``seq`` exists: ours land; others' are read, and any
         missing for :data:`~.commits.HOLE_GRACE_S` (a writer that died mid-commit) filled with a tombstone."""
-        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        deadline = self._clock.monotonic() + SETTLE_TIMEOUT_S
         delay = 0.005
         while True:
             with self._cond:
@@ -387,7 +442,7 @@ class JournalWriter:
                 ]
                 self._filling |= {*debts, *others}
                 if not debts and not others:
-                    remaining = deadline - time.monotonic()
+                    remaining = deadline - self._clock.monotonic()
                     if remaining <= 0:
                         raise TimeoutError(self._stuck(seq))
                     self._cond.wait(timeout=min(remaining, 0.5))  # ours in flight, or another thread's
@@ -403,9 +458,9 @@ class JournalWriter:
                     self._filling -= {*debts, *others}
                     self._cond.notify_all()
             if not progressed:
-                if time.monotonic() > deadline:
+                if self._clock.monotonic() > deadline:
                     raise TimeoutError(self._stuck(seq))
-                time.sleep(delay)
+                self._clock.sleep(delay)
                 delay = min(delay * 2, 0.25)
 
     def _highest_unknown(self, seq: int) -> int:
@@ -426,7 +481,7 @@ class JournalWriter:
         path = self._backend.path
         bodies = self._backend.read_many([path(commit_name(n, self.stream)) for n in seqs])
         progressed = False
-        now = time.monotonic()
+        now = self._clock.monotonic()
         for n, body in zip(seqs, bodies, strict=True):
             if body is not None:
                 self._learn(n, body)
