@@ -19,7 +19,7 @@ import pytest
 
 from rollout_capture import CaptureStore
 from rollout_capture.batch import enrich_lines
-from rollout_capture.journal import JOURNAL_DIR, commit_name, decode_commit, row_entry
+from rollout_capture.journal import JOURNAL_DIR, clear_entry, commit_name, decode_commit, row_entry
 from rollout_capture.producer.middleware import CaptureMiddleware
 
 from .conftest import S3
@@ -616,6 +616,7 @@ def test_the_merge_reads_a_pipelined_journal_as_the_objects_layout(tmp_path: Pat
             objects.record(rollout_id, row)
     writer = journal(s3.url("caps"), s3.storage_options).journal_writer
     writer.in_flight = 4
+    writer.write([clear_entry("12-0")])  # its first commit goes alone: landed before the burst
     futures = []
     for n in range(4):  # every rollout's n-th row, one after another, never waiting
         for rollout_id, written in rows.items():

@@ -24,6 +24,7 @@ from rollout_capture.journal.commits import (
     nonce_of,
     tombstone_body,
 )
+from rollout_capture.journal.numbering import Numbering
 from rollout_capture.sequence import first_absent
 
 logger = logging.getLogger(__name__)
@@ -121,19 +122,8 @@ class JournalWriter:
         self._busy: set[str] = set()  # rollouts of the commits in flight (not landed yet)
         self._active = 0  # commits taken, not landed or failed yet
         self._landed_any = False
-        self._next: int | None = None  # the number handed out next
         self._starting = False  # a thread is looking the tail up
-        self._floor = 0  # every number below it exists
-        self._known: set[int] = set()  # numbers at or above the floor known to exist
-        self._mine: set[int] = set()  # numbers this writer's puts are trying now
-        self._debts: set[int] = set()  # our numbers whose put failed with later ones handed out
-        self._filling: set[int] = set()  # numbers a thread of ours is resolving now
-        self._missing: dict[int, float] = {}  # others' numbers seen missing: since when (monotonic)
-        self._own: dict[
-            int, int
-        ] = {}  # numbers at or above the floor this writer handed out: when (a ticket)
-        self._tickets = 0
-        self._landed: set[int] = set()  # numbers at or above the floor this writer's puts landed at
+        self._numbers = Numbering()  # what is known of the stream's numbers (under the lock)
 
     def submit(self, entries: Sequence[Entry]) -> concurrent.futures.Future[int]:
         """Queue entries to land together in one commit; the future has the commit's number."""
@@ -262,7 +252,7 @@ class JournalWriter:
             if ordered:
                 seq = self._above_all(seq, headers)
             self.tries += 1
-            body = encode_commit(self.writer_id, nonce, headers, lines, floor=self._floor)
+            body = encode_commit(self.writer_id, nonce, headers, lines, floor=self._numbers.floor)
             where = self._backend.path(commit_name(seq, self.stream))
             try:
                 try:
@@ -276,17 +266,14 @@ class JournalWriter:
                 self._failed(seq, headers)
                 raise
             with self._cond:  # another writer's: it exists, and its header tells what is below
-                self._mine.discard(seq)
+                self._numbers.lost(seq)
             self._learn(seq, existing)
             taken += 1
             seq = self._numbered(headers, jump=taken >= _LINEAR_TRIES)
         # Its number is final: its rollouts may go in the next commit now, before the numbers
         # below it settle (that one is handed out above this one).
         with self._cond:
-            self._mine.discard(seq)
-            self._known.add(seq)
-            self._landed.add(seq)
-            self._normalize()
+            self._numbers.took(seq)
             self._busy -= {h[1] for h in headers}
             self._landed_any = True
             self._cond.notify_all()
@@ -309,20 +296,17 @@ class JournalWriter:
         with self._cond:
             while self._starting:
                 self._cond.wait()
-            if self._next is not None and not jump:
-                seq = self._next
-                self._next += 1
-                self._mine.add(seq)
-                self._ticket(seq)
+            seq = None if jump else self._numbers.take()
+            if seq is not None:
                 return seq
             self._starting = True
-            start = self._next
+            start = self._numbers.next
         try:
             seen: set[int] = set()
             if start is None:
                 hint = self._tail_hint() if self._tail_hint is not None else 0
                 with self._cond:
-                    self._floor = max(self._floor, hint)  # what a reader read exists
+                    self._numbers.raise_floor(hint)  # what a reader read exists
                 start = hint
             found = first_free(self._backend, start, self.stream, seen=seen)
             below = None
@@ -336,16 +320,9 @@ class JournalWriter:
         if below is not None:
             self._learn(found - 1, below)
         with self._cond:
-            self._known |= seen
-            self._normalize()
-            self._next = max(found, self._next or 0)
             self._starting = False
             self._cond.notify_all()
-            seq = self._next
-            self._next += 1
-            self._mine.add(seq)
-            self._ticket(seq)
-            return seq
+            return self._numbers.start_at(found, seen)
 
     def _above_all(self, seq: int, headers: list[list[str]]) -> int:
         """A number above every commit that exists near ``seq``, for a commit whose place orders
@@ -365,61 +342,27 @@ class JournalWriter:
             there = [n for n, exists in zip(ahead, found, strict=True) if exists]
             for n in there:
                 self._learn(n, None)
-            with self._cond:  # ours, landed and handed out after ``seq``: other rollouts, later
-                after = self._own.get(seq, 0)
-                others = [n for n in there if not (n in self._landed and self._own.get(n, 0) > after)]
-            if not others:
-                return seq
-            with self._cond:  # skip: ``seq`` is ours to fill, nothing real may go below these
-                self._mine.discard(seq)
-                self._debts.add(seq)
-                self._next = max(self._next or 0, max(others) + 1)
-                seq = self._next
-                self._next += 1
-                self._mine.add(seq)
-                self._ticket(seq)
+            with self._cond:
+                others = self._numbers.others_above(seq, there)
+                if not others:
+                    return seq
+                seq = self._numbers.skip(seq, others)  # ``seq`` ours to fill, nothing goes below these
                 self.skips += 1
-
-    def _ticket(self, seq: int) -> None:
-        """Note that ``seq`` was handed out now (locked): its place in this writer's order."""
-        self._tickets += 1
-        self._own[seq] = self._tickets
 
     def _failed(self, seq: int, headers: list[list[str]]) -> None:
         """A put that failed (not taken): its number is tried again by the next commit when
         nothing was handed out above it, else filled with a tombstone (no hole is left)."""
         with self._cond:
             self._busy -= {h[1] for h in headers}
-            self._mine.discard(seq)
-            if self._next == seq + 1:
-                self._next = seq
-                while self._next - 1 in self._debts:
-                    self._debts.discard(self._next - 1)
-                    self._next -= 1
-            else:
-                self._debts.add(seq)
+            self._numbers.failed(seq)
             self._cond.notify_all()
 
     def _learn(self, seq: int, body: bytes | None) -> None:
         """``seq`` exists; its header says below which number everything existed when written."""
         floor = floor_of(seq, body)
         with self._cond:
-            self._known.add(seq)
-            self._missing.pop(seq, None)
-            self._floor = max(self._floor, floor)
-            self._normalize()
+            self._numbers.learn(seq, floor)
             self._cond.notify_all()
-
-    def _normalize(self) -> None:
-        while self._floor in self._known:
-            self._floor += 1
-        if self._known and min(self._known) < self._floor:
-            self._known = {n for n in self._known if n >= self._floor}
-        for n in [n for n in self._missing if n < self._floor]:
-            del self._missing[n]
-        if self._own and min(self._own) < self._floor:
-            self._own = {n: t for n, t in self._own.items() if n >= self._floor}
-            self._landed = {n for n in self._landed if n >= self._floor}
 
     def _settle(self, seq: int) -> None:
         """Wait until every number below ``seq`` exists: ours land; others' are read, and any
@@ -428,19 +371,9 @@ class JournalWriter:
         delay = 0.005
         while True:
             with self._cond:
-                if self._floor > seq:
+                if self._numbers.settled(seq):
                     return
-                if seq - self._floor > _READ_WINDOW:  # joining a long journal: the highest first,
-                    unknown = [self._highest_unknown(seq)]  # its header's floor says much of the rest
-                else:
-                    unknown = [n for n in range(self._floor, seq) if n not in self._known]
-                debts = [n for n in unknown if n in self._debts and n not in self._filling]
-                others = [
-                    n
-                    for n in unknown
-                    if n not in self._mine and n not in self._debts and n not in self._filling
-                ]
-                self._filling |= {*debts, *others}
+                debts, others = self._numbers.to_resolve(seq, _READ_WINDOW)
                 if not debts and not others:
                     remaining = deadline - self._clock.monotonic()
                     if remaining <= 0:
@@ -455,7 +388,7 @@ class JournalWriter:
                     progressed |= self._look(others)
             finally:
                 with self._cond:
-                    self._filling -= {*debts, *others}
+                    self._numbers.resolved([*debts, *others])
                     self._cond.notify_all()
             if not progressed:
                 if self._clock.monotonic() > deadline:
@@ -463,17 +396,10 @@ class JournalWriter:
                 self._clock.sleep(delay)
                 delay = min(delay * 2, 0.25)
 
-    def _highest_unknown(self, seq: int) -> int:
-        """The highest number below ``seq`` not known to exist (locked; one exists: the floor)."""
-        n = seq - 1
-        while n > self._floor and n in self._known:
-            n -= 1
-        return n
-
     def _stuck(self, seq: int) -> str:
         return (
             f"journal commit {self._backend.path(commit_name(seq, self.stream))} landed, but number "
-            f"{self._floor} below it is still missing after {SETTLE_TIMEOUT_S:.0f} s"
+            f"{self._numbers.floor} below it is still missing after {SETTLE_TIMEOUT_S:.0f} s"
         )
 
     def _look(self, seqs: list[int]) -> bool:
@@ -488,7 +414,7 @@ class JournalWriter:
                 progressed = True
                 continue
             with self._cond:
-                since = self._missing.setdefault(n, now)
+                since = self._numbers.missing_since(n, now)
             if now - since >= commits.HOLE_GRACE_S:
                 progressed |= self._tombstone(n)
         return progressed
@@ -496,7 +422,7 @@ class JournalWriter:
     def _tombstone(self, seq: int) -> bool:
         """Fill ``seq`` with an empty commit, put-if-absent (what is there already counts)."""
         path = self._backend.path(commit_name(seq, self.stream))
-        body = tombstone_body(self.writer_id, self._floor)
+        body = tombstone_body(self.writer_id, self._numbers.floor)
         try:
             self._backend.create(path, body)
         except FileExistsError:
@@ -510,7 +436,7 @@ class JournalWriter:
             logger.warning("journal commit %s was missing below later ones: filled with a tombstone", path)
             self._learn(seq, body)
         with self._cond:
-            self._debts.discard(seq)
+            self._numbers.paid(seq)
         return True
 
 
