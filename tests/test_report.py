@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from rollout_capture import CaptureStore, merge_model_call_capture_into_record
 from rollout_capture.report import default_report_path, render_report, write_report
 from rollout_capture.summary import (
     EXACT_LIMIT,
+    AttachmentFold,
     EvidenceShapeError,
     EvidenceSummary,
     Sketch,
@@ -477,3 +479,99 @@ def test_export_without_pyarrow_names_the_extra(tmp_path: Path) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
     )
     assert "pip install 'rollout-capture[export]'" in out.stdout
+
+
+# ---------------------------------------------------------------------- figures people read
+
+
+def _attachment(rollout_id: str, *calls: dict[str, Any], gaps: Sequence[str] = ()) -> dict[str, Any]:
+    attachment: dict[str, Any] = {"rollout_id": rollout_id, "metrics": {}, "calls": list(calls)}
+    if gaps:
+        attachment["gaps"] = [{"code": code} for code in gaps]
+    return attachment
+
+
+def _call(**fields: Any) -> dict[str, Any]:
+    return {"status_code": 200, "dialect": "chat", "model": "m", **fields}
+
+
+def test_unknown_tokens_are_shown_unknown_and_mixed_sums_say_how_many_calls(tmp_path: Path) -> None:
+    summary = EvidenceSummary()
+    silent = [_call(model="m-silent", status_code=None, error_category="connection") for _ in range(15)]
+    summary.add_attachment(_attachment("r-1", *silent))
+    page = render_report(summary)
+    assert "tokens unknown" in page  # the calls card
+    row = re.search(r"<tr><td class=\"model\"><code>m-silent</code></td>(.*?)</tr>", page)
+    assert row is not None
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", row.group(1))
+    assert cells[:5] == ["15", "15", "unknown", "unknown", "unknown"]
+    summary.add_attachment(_attachment("r-2", _call(model="m-silent", tokens_total=1234)))
+    page = render_report(summary)
+    assert "1,234 tokens (15 calls unknown)" in page and "1,234 (15 calls unknown)" in page
+
+
+def test_the_card_and_the_chart_show_one_percentile_alike() -> None:
+    """p99 on the card and in the chart's legend are one value, formatted once (2.52 s, not 2.51)."""
+    summary = EvidenceSummary()
+    summary.add_attachment(_attachment("r-1", *[_call(latency_total_ms=2515.4) for _ in range(3)]))
+    page = render_report(summary)
+    card = re.search(
+        r'Latency p50</div><div class="value">[^<]*</div><div class="note">p99 ([^<]*)</div>', page
+    )
+    legend = re.search(r'class="mark">p99 ([^<]*)</text>', page)
+    assert card is not None and legend is not None
+    assert card.group(1) == legend.group(1) == "2.52 s"
+
+
+def test_the_report_names_the_rollouts_that_failed(corpus: tuple[Path, Path], tmp_path: Path) -> None:
+    _, enriched = corpus
+    page = render_report(summarize_file(enriched)[0])
+    # calls 7, 17, 27, 37, 47, 57 failed upstream (rollouts r-1, r-3, r-5, r-7, r-9, r-11: the first 5)
+    row = re.search(r"<code>upstream_error</code></td>(.*?)</tr>", page)
+    assert row is not None
+    assert re.findall(r"<code>(r-\d+)</code>", row.group(1)) == ["r-1", "r-3", "r-5", "r-7", "r-9"]
+    connection = re.search(r"<code>connection</code></td>(.*?)</tr>", page)
+    assert connection is not None and "<code>r-17</code>" in connection.group(1)
+
+
+HOSTILE = '<img src=x onerror="alert(1)">'
+
+
+def test_a_hostile_input_of_10k_rollouts_makes_a_small_inert_page() -> None:
+    """Names a record carries are escaped, shortened (full in a capped tooltip) and at most
+    30 a table: 10k rollouts, each with its own 10 kB model, category and gap code, a 2 MB
+    model name among them, stay under 2 MB."""
+    summary = EvidenceSummary()
+    fold = AttachmentFold(summary)
+    huge = "M" * 2_000_000
+    for k in range(10_000):
+        pad = f"{k:05d}" + "x" * 10_000
+        call = _call(
+            model=huge if k < 100 else f"{HOSTILE}{pad}",
+            status_code=k,
+            error_category=f"{HOSTILE}{pad}",
+            dialect=f"{HOSTILE}{pad}",
+            latency_total_ms=-5000.0 if k % 2 else float(k),
+        )
+        fold.add(_attachment(f"{HOSTILE}{pad}", call, gaps=[f"{HOSTILE}{pad}"]))
+    fold.flush()
+    page = render_report(summary, title=HOSTILE * 1000)
+    assert len(page.encode()) < 2_000_000
+    assert "<img" not in page and "&lt;img" in page
+    assert 'title="MMMM' in page  # the long name is in its tooltip, capped
+    assert "(9,970 more)" in page  # gap codes past the 30 shown, summed in one row
+    assert "-5000" not in page and "-5.00 s" not in page  # impossible latencies are in no figure
+
+
+def test_a_gap_code_is_text_in_the_gap_table() -> None:
+    summary = EvidenceSummary()
+    summary.add_attachment(_attachment("r-1", _call(), gaps=[HOSTILE]))
+    summary.add(
+        {
+            "ng_model_call_capture": _attachment("r-2"),
+            "ng_agent_observations": {"gaps": [{"code": HOSTILE + "o"}]},
+        }
+    )
+    page = render_report(summary)
+    assert "<img" not in page
+    assert page.count("<code>&lt;img src=x onerror=&quot;alert(1)&quot;&gt;") == 2  # both codes, as text
