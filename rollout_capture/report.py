@@ -26,6 +26,7 @@ from rollout_capture.summary import (
     Histogram,
     ModelStats,
     Sketch,
+    no_attachment_error,
     summarize_file,
     summarize_records,
     tokens_text,
@@ -718,13 +719,17 @@ def write_report(
     """Write the HTML report of an enriched JSONL (a path), parsed records, or a summary.
 
     The file is written whole (a temporary file renamed over it), so a reader never sees
-    half a report. Returns the summary it drew.
+    half a report. Returns the summary it drew. A file in which no line carries an attachment
+    raises :class:`~rollout_capture.summary.EvidenceShapeError` naming it (and nothing is
+    written): an empty "0 rollouts" page would say nothing was wrong.
     """
     unreadable = 0
     if isinstance(source, EvidenceSummary):
         summary = source
     elif isinstance(source, str | Path):
         summary, unreadable = summarize_file(source)
+        if not summary.rollouts:
+            raise no_attachment_error(source)
         title = title or Path(source).name
     else:
         summary = summarize_records(source)

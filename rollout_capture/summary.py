@@ -165,6 +165,13 @@ class Sketch(BaseModel):
                 return min(max(value, self.min or 0.0), self.max or value)
         return self.max
 
+    def p50_p99(self, unit: str = "") -> str:
+        """``p50/p99`` for a log line or a terminal (``120/990 ms``); ``unknown`` when empty."""
+        p = self.percentiles()
+        if p["p50"] is None or p["p99"] is None:
+            return "unknown"
+        return f"{p['p50']:,}/{p['p99']:,}" + (f" {unit}" if unit else "")
+
     def percentiles(self) -> dict[str, int | None]:
         """p50, p90, p99 rounded to whole units (ms, tokens), as the summary shows them."""
         out: dict[str, int | None] = {}
@@ -340,9 +347,18 @@ def _number(call: Mapping[str, Any], name: str, where: str) -> float | None:
     return float(value)
 
 
-def _count(call: Mapping[str, Any], name: str, where: str) -> int | None:
+def _count(call: Mapping[str, Any], name: str, where: str, bits: int = 64) -> int | None:
+    """A whole number that fits a signed ``bits``-bit integer (a Parquet column), or null;
+    3.7 tokens or 10^30 tokens are refused naming the field, never cut to 3 or overflowed."""
     value = _number(call, name, where)
-    return None if value is None else int(value)
+    if value is None:
+        return None
+    if not value.is_integer():
+        raise EvidenceShapeError(f"{where}.{name}: expected a whole number or null, got {call.get(name)!r}")
+    whole = int(value) if type(call.get(name)) is not int else call[name]
+    if not -(2 ** (bits - 1)) <= whole < 2 ** (bits - 1):
+        raise EvidenceShapeError(f"{where}.{name}: {call.get(name)!r} does not fit a {bits}-bit integer")
+    return whole
 
 
 def _text(call: Mapping[str, Any], name: str, where: str) -> str | None:
@@ -1109,17 +1125,49 @@ def capture_ids_from_names(names: Iterable[str]) -> set[str]:
 
 def iter_enriched(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
     """``(line number, record)`` for each non-blank line of an enriched JSONL; ``None`` for a
-    line that is not a JSON object (enrichment passes such lines through unchanged)."""
+    line that is not a JSON object (enrichment passes such lines through unchanged).
+
+    A line that is not JSON but names ``ng_model_call_capture`` (a NaN reward, a lone surrogate,
+    a torn write) held calls that would vanish: it raises :class:`EvidenceShapeError` naming the
+    file, line and the field where parsing stopped, rather than being skipped as a passed-through line.
+    """
+    key = ATTACHMENT_KEY.encode()
     with open(path, "rb") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
             try:
                 record = orjson.loads(line)
-            except orjson.JSONDecodeError:
+            except orjson.JSONDecodeError as exc:
+                if key in line:
+                    raise EvidenceShapeError(
+                        f"{path}:{number}: {_field_at(line, exc.pos)}: not JSON ({exc.msg}), "
+                        f"though the line carries {ATTACHMENT_KEY}: its calls would be lost"
+                    ) from None
                 yield number, None
                 continue
             yield number, record if isinstance(record, dict) else None
+
+
+_KEY_BEFORE = re.compile(rb'"((?:[^"\\]|\\.)*)"\s*:')
+
+
+def _field_at(line: bytes, position: int) -> str:
+    """The name of the last key before ``position`` in a JSON line (where parsing stopped)."""
+    keys: list[bytes] = _KEY_BEFORE.findall(line[: max(position, 0)])
+    if not keys:
+        return "line"
+    name = keys[-1].decode("utf-8", "replace")
+    return name if len(name) <= 80 else name[:79] + "\u2026"
+
+
+def no_attachment_error(path: str | Path) -> EvidenceShapeError:
+    """The error of an enriched file in which no line carries an attachment (``report`` and
+    ``export`` of the rollouts file itself, or of any other JSONL): an empty page is no evidence."""
+    return EvidenceShapeError(
+        f"{path}: no line carries an {ATTACHMENT_KEY} attachment; is it an enriched file "
+        "(rollout-capture enrich writes <input>.enriched.jsonl)?"
+    )
 
 
 def summarize_records(records: Iterable[Mapping[str, Any]]) -> EvidenceSummary:
@@ -1133,7 +1181,8 @@ def summarize_records(records: Iterable[Mapping[str, Any]]) -> EvidenceSummary:
 def summarize_file(path: str | Path) -> tuple[EvidenceSummary, int]:
     """The summary of an enriched JSONL and its count of lines that are not JSON objects.
 
-    A malformed attachment raises :class:`EvidenceShapeError` naming the file, line and field.
+    A malformed attachment, or a line carrying one that is not JSON, raises
+    :class:`EvidenceShapeError` naming the file, line and field.
     """
     summary = EvidenceSummary()
     unreadable = 0
