@@ -7,6 +7,7 @@ store and enriched by the real merge, so every figure below can be checked by ha
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -14,7 +15,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -389,98 +389,6 @@ def test_the_report_renders_in_headless_chromium_without_a_request(
         shutil.copyfile(shot, NOTES / "report.png")
 
 
-# ---------------------------------------------------------------------- export
-
-
-def test_export_tables_read_back_with_pyarrow(corpus: tuple[Path, Path], tmp_path: Path) -> None:
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
-    from rollout_capture.export import calls_schema, export_tables, rollouts_schema
-
-    _, enriched = corpus
-    calls_path, rollouts_path = tmp_path / "calls.parquet", tmp_path / "rollouts.parquet"
-    counts = export_tables(enriched, calls_path, rollouts_path)
-    assert (counts.calls, counts.rollouts, counts.lines_skipped) == (100, 22, 2)
-
-    calls = pq.read_table(calls_path)
-    rollouts = pq.read_table(rollouts_path)
-    assert calls.schema.equals(calls_schema()) and rollouts.schema.equals(rollouts_schema())
-    assert calls.num_rows == 100 and rollouts.num_rows == 22
-
-    summary = summarize_file(enriched)[0]
-    per_model = calls.group_by("model").aggregate(
-        [
-            ("model", "count"),
-            ("failed", "sum"),
-            ("tokens_in", "sum"),
-            ("tokens_out", "sum"),
-            ("tokens_total", "sum"),
-        ]
-    )
-    got = {
-        row["model"]: (
-            row["model_count"],
-            row["failed_sum"],
-            row["tokens_in_sum"],
-            row["tokens_out_sum"],
-            row["tokens_total_sum"],
-        )
-        for row in per_model.to_pylist()
-    }
-    assert got == {
-        name: (m.calls, m.failed_calls, m.tokens_in, m.tokens_out, m.tokens_total)
-        for name, m in summary.models.items()
-    }
-    by_category = calls.group_by("error_category").aggregate([("error_category", "count")]).to_pylist()
-    assert {r["error_category"]: r["error_category_count"] for r in by_category if r["error_category"]} == (
-        summary.calls_by_error_category
-    )
-    owned = calls.filter(pa.compute.is_valid(calls["owner_invocation_id"])).to_pylist()
-    assert [(r["rollout_id"], r["owner_invocation_id"], r["call_index"]) for r in owned] == [
-        ("r-5", "inv-1", 0)
-    ]
-
-    by_id = {r["rollout_id"]: r for r in rollouts.to_pylist()}
-    assert by_id["r-3"]["gap_codes"] == ["model_call_capture_incomplete"]
-    assert by_id["r-5"]["observation_gap_codes"] == ["model_call_ownership_unavailable"]
-    assert by_id["24-1-a1"]["num_calls"] == 0 and by_id["24-1-a1"]["tokens_total"] is None
-    assert by_id["r-1"]["failed_calls"] == 1 and by_id["r-1"]["reward"] == 1.0
-    assert pa.compute.sum(rollouts["num_calls"]).as_py() == summary.calls
-
-
-def test_a_malformed_line_stops_the_export_and_leaves_no_table(
-    corpus: tuple[Path, Path], tmp_path: Path
-) -> None:
-    pytest.importorskip("pyarrow")
-    from rollout_capture.export import export_tables
-
-    _, enriched = corpus
-    bad = tmp_path / "bad.jsonl"
-    lines = enriched.read_bytes().splitlines(keepends=True)
-    record = orjson.loads(lines[2])
-    record["ng_model_call_capture"]["calls"][1]["status_code"] = "500"
-    bad.write_bytes(b"".join([*lines[:2], orjson.dumps(record) + b"\n", *lines[3:]]))
-    out = tmp_path / "out"
-    with pytest.raises(
-        EvidenceShapeError, match=r"bad\.jsonl:3: ng_model_call_capture\.calls\[1\]\.status_code"
-    ):
-        export_tables(bad, out / "calls.parquet", out / "rollouts.parquet")
-    assert list(out.iterdir()) == []  # neither table, nor a temporary file
-
-
-def test_export_without_pyarrow_names_the_extra(tmp_path: Path) -> None:
-    code = (
-        "import sys; sys.modules['pyarrow'] = None\n"
-        "from rollout_capture.export import export_tables, ExportUnavailable\n"
-        "try:\n    export_tables('x.jsonl', 'c.parquet')\n"
-        "except ExportUnavailable as exc:\n    print(exc)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
-    )
-    assert "pip install 'rollout-capture[export]'" in out.stdout
-
-
 # ---------------------------------------------------------------------- figures people read
 
 
@@ -575,3 +483,79 @@ def test_a_gap_code_is_text_in_the_gap_table() -> None:
     page = render_report(summary)
     assert "<img" not in page
     assert page.count("<code>&lt;img src=x onerror=&quot;alert(1)&quot;&gt;") == 2  # both codes, as text
+
+
+# ---------------------------------------------------------------------- what the flows print
+
+
+def test_a_share_equal_to_its_threshold_is_not_poor() -> None:
+    """Strictly above: ``max_gap_share=0`` never flags a clean run, 1 of 4 is not above 25 %."""
+    from rollout_capture.batch import BatchStats
+    from rollout_capture.flows.report import EnrichSummary, final_state, poor_evidence
+
+    for stats, threshold in (
+        (BatchStats(rollouts=4), 0.0),
+        (BatchStats(rollouts=4, rollouts_with_gaps=1), 0.25),
+    ):
+        summary = EnrichSummary(source="in.jsonl", output="out.jsonl", batches=1, seconds=0.0, stats=stats)
+        assert poor_evidence(stats, threshold, threshold) == []
+        assert final_state(summary, threshold, threshold) is summary
+    above = BatchStats(rollouts=4, rollouts_with_gaps=2)
+    summary = EnrichSummary(source="in.jsonl", output="out.jsonl", batches=1, seconds=0.0, stats=above)
+    assert getattr(final_state(summary, 0.25, None), "name", None) == "Completed with gaps"
+
+
+def _silent_row(i: int) -> dict[str, Any]:
+    """A call answered 200 that reported no usage and no timing: every figure of it is unknown."""
+    row = _row(i, failures=False)
+    del row["response"]["usage"]
+    row["latency_ms"] = row["latency_ttft_ms"] = None
+    return row
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_run_of_unknown_figures_says_unknown_everywhere(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Tokens no call reported and latencies none recorded are "unknown" in the log line, the
+    artifacts, the digest and the terminal's rows, never 0 or ``None``; and a clean run with
+    ``max_gap_share=0`` is plainly Completed."""
+    from rollout_capture.cli import _evidence_rows
+    from rollout_capture.flows import enrich_rollouts
+    from rollout_capture.flows.report import artifact_key
+
+    from .prefect_api import artifacts
+
+    captures = tmp_path / "captures"
+    store = CaptureStore(captures)
+    for i in range(3):
+        store.record(f"r-{i}", _silent_row(i))
+    source = tmp_path / "rollouts.jsonl"
+    source.write_bytes(b"".join(orjson.dumps({"_ng_rollout_id": f"r-{i}"}) + b"\n" for i in range(3)))
+    caplog.set_level(logging.INFO, logger="prefect.flow_runs")
+
+    state = enrich_rollouts(
+        str(source), str(captures), max_gap_share=0.0, max_failed_share=0.0, return_state=True
+    )
+
+    assert state.name == "Completed"
+    summary = state.result()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("enriched 3 rollout(s)")]
+    assert "latency p50/p99 unknown" in line and "TTFT p50/p99 unknown" in line
+    assert "tokens in / out / total unknown / unknown / unknown" in line and "None" not in line
+    evidence = summary.stats.evidence
+    assert (
+        summary.stats.tokens_total is None and evidence.digest()["models"]["model-a"]["tokens_total"] is None
+    )
+    rows = dict(_evidence_rows(evidence))
+    assert rows["model model-a"] == "3 call(s) (0 failed), tokens unknown"
+    assert rows["latency p50 / p90 / p99"] == "unknown" and rows["capture hold p50 / p99"] == "unknown"
+    published = {a.key: a for a in artifacts(state.state_details.flow_run_id) if a.key}
+    output = str(tmp_path / "rollouts.enriched.jsonl")
+    markdown = published[artifact_key("enrichment-summary", output)].data
+    assert "- tokens in / out / total: unknown / unknown / unknown" in markdown
+    assert "| model-a | 3 | 0 | unknown | unknown | unknown | 3 |" in markdown and "None" not in markdown
+    table = {
+        r["measure"]: r["value"] for r in orjson.loads(published[artifact_key("enrichment", output)].data)
+    }
+    assert table["tokens total"] == "unknown" and table["calls without tokens total"] == 3
