@@ -559,3 +559,36 @@ def test_a_run_of_unknown_figures_says_unknown_everywhere(
         r["measure"]: r["value"] for r in orjson.loads(published[artifact_key("enrichment", output)].data)
     }
     assert table["tokens total"] == "unknown" and table["calls without tokens total"] == 3
+
+
+def test_impossible_timings_are_a_gap_naming_the_call_read_either_way() -> None:
+    """A negative duration or a call completed before it started is a gap naming the call, on
+    the typed path and the full one alike; the page never shows it as a duration."""
+    from tests.test_typed_rows import BASE, both_ways
+
+    lines = [
+        orjson.dumps(BASE | {"model_call_id": "c1", "latency_ms": -5000, "latency_ttft_ms": -1.5}),
+        orjson.dumps(BASE | {"model_call_id": "c2", "started_at": 10.0, "completed_at": 9.0}),
+        orjson.dumps(BASE | {"model_call_id": "c3"}),
+    ]
+    full, typed, built = both_ways(lines)
+    assert typed == full and built == 3
+    attachment = orjson.loads(full)
+    assert attachment["gaps"] == [
+        {
+            "code": "model_call_timing_impossible",
+            "detail": "capture:c1:call_index=0: latency_total_ms=-5000.0, latency_ttft_ms=-1.5",
+        },
+        {
+            "code": "model_call_timing_impossible",
+            "detail": "capture:c2:call_index=1: completed_at=9.0 < started_at=10.0",
+        },
+    ]
+    assert [c["latency_total_ms"] for c in attachment["calls"]] == [-5000, 500, 500]  # as recorded
+    summary = EvidenceSummary()
+    summary.add({"ng_model_call_capture": attachment})
+    assert (summary.latency_ms.count, summary.latency_ms.min, summary.ttft_ms.count) == (2, 500.0, 0)
+    assert summary.gap_examples == {"model_call_timing_impossible": ["r"]}
+    page = render_report(summary)
+    assert "<code>model_call_timing_impossible</code>" in page and ">0 ms<" not in page
+    assert not re.search(r"-\d[\d.,]* (ms|s)\b", page)  # no negative duration anywhere
