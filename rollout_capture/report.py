@@ -57,7 +57,7 @@ body { margin:0; background:var(--bg); color:var(--fg);
 main { max-width: 1180px; margin: 0 auto; padding: 28px 24px 48px; }
 header h1 { font-size: 22px; margin: 0 0 4px; font-weight: 650; }
 header .sub { color: var(--muted); margin: 0 0 20px; word-break: break-all; }
-.kpis { display:grid; grid-template-columns: repeat(auto-fill, minmax(128px, 1fr)); gap:12px;
+.kpis { display:grid; grid-template-columns: repeat(auto-fill, minmax(112px, 1fr)); gap:12px;
   margin-bottom: 22px; }
 .kpi { background:var(--card); border:1px solid var(--line); border-radius:10px; padding:12px 14px; }
 .kpi .label { color:var(--muted); font-size:12px; text-transform:uppercase; letter-spacing:.04em; }
