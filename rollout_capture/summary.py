@@ -232,29 +232,39 @@ class Histogram:
     log: bool = False
 
 
-class ModelStats(BaseModel):
-    """Calls and tokens of one model (the response's model, else the request's, else the server name).
+class TokenSums(BaseModel):
+    """Token sums over the calls that report a value, null when none does (unknown is never
+    counted as 0); ``*_unknown_calls`` says how many calls each leaves out."""
 
-    A token sum is over the calls that report a value, null when none does (unknown is never
-    counted as 0); ``*_unknown_calls`` says how many calls it leaves out.
-    """
-
-    calls: int = 0
-    failed_calls: int = 0
     tokens_in: int | None = None
     tokens_out: int | None = None
     tokens_total: int | None = None
     tokens_in_unknown_calls: int = 0
     tokens_out_unknown_calls: int = 0
     tokens_total_unknown_calls: int = 0
+
+    def merge_sums(self, other: TokenSums) -> None:
+        """Add another's sums and unknown calls into these."""
+        for name in TOKEN_SUMS:
+            _add_sum(self.__dict__, name, getattr(other, name), getattr(other, f"{name}_unknown_calls"))
+
+    def token_sums(self) -> dict[str, int | None]:
+        """The sums and their unknown-call counts, as JSON (``--json``, events, ``_ENRICHED``)."""
+        return {name: getattr(self, name) for name in TokenSums.model_fields}
+
+
+class ModelStats(TokenSums):
+    """Calls and tokens of one model (the response's model, else the request's, else the server name)."""
+
+    calls: int = 0
+    failed_calls: int = 0
     latency_ms_total: float = 0.0
     latency_calls: int = 0
 
     def merge(self, other: ModelStats) -> ModelStats:
         self.calls += other.calls
         self.failed_calls += other.failed_calls
-        for name in TOKEN_SUMS:
-            _add_sum(self.__dict__, name, getattr(other, name), getattr(other, f"{name}_unknown_calls"))
+        self.merge_sums(other)
         self.latency_ms_total += other.latency_ms_total
         self.latency_calls += other.latency_calls
         return self
@@ -407,7 +417,7 @@ def observation_gap_codes(record: Mapping[str, Any]) -> list[str]:
     return _gap_codes(observations.get("gaps"), f"{OBSERVATIONS_KEY}.gaps")
 
 
-class EvidenceSummary(BaseModel):
+class EvidenceSummary(TokenSums):
     """The counted evidence of enriched rollouts: built record by record, summed across batches."""
 
     rollouts: int = 0
@@ -428,13 +438,6 @@ class EvidenceSummary(BaseModel):
     calls_per_rollout: Sketch = Field(default_factory=Sketch)
     capture_hold_ms: Sketch = Field(default_factory=Sketch)
     """``capture_hold_ms`` of each call that carries one: what capture cost the answer's first byte."""
-    tokens_in: int | None = None
-    tokens_out: int | None = None
-    tokens_total: int | None = None
-    """Sums over the calls that report a value; null when none does (see :class:`ModelStats`)."""
-    tokens_in_unknown_calls: int = 0
-    tokens_out_unknown_calls: int = 0
-    tokens_total_unknown_calls: int = 0
     models: dict[str, ModelStats] = Field(default_factory=dict)
     rollouts_with_gaps: int = 0
     gaps: dict[str, int] = Field(default_factory=dict)
@@ -541,8 +544,7 @@ class EvidenceSummary(BaseModel):
             "orphan_captures",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in TOKEN_SUMS:
-            _add_sum(self.__dict__, name, getattr(other, name), getattr(other, f"{name}_unknown_calls"))
+        self.merge_sums(other)
         for name in ("calls_by_status_class", "calls_by_error_category", "calls_by_dialect", "gaps"):
             mine: dict[str, int] = getattr(self, name)
             for key, n in getattr(other, name).items():
@@ -614,9 +616,9 @@ class EvidenceSummary(BaseModel):
             "ttft_ms": self.ttft_ms.percentiles(),
             "capture_hold_ms": {"p50": hold["p50"], "p99": hold["p99"], "calls": self.capture_hold_ms.count},
             "tokens_per_rollout": {"p50": tokens["p50"], "p99": tokens["p99"]},
-            **_token_sums(self),
+            **self.token_sums(),
             "models": {
-                name: {"calls": m.calls, "failed_calls": m.failed_calls, **_token_sums(m)}
+                name: {"calls": m.calls, "failed_calls": m.failed_calls, **m.token_sums()}
                 for name, m in self.models_by_calls()
             },
             "gap_examples": {code: list(ids) for code, ids in sorted(self.gap_examples.items())},
@@ -1068,15 +1070,6 @@ def _md(value: int | None) -> str:
 def unknown_calls_note(calls: int) -> str:
     """`` (3 calls unknown)`` beside a sum that leaves calls out; empty when none."""
     return f" ({calls:,} call{'' if calls == 1 else 's'} unknown)" if calls else ""
-
-
-def _token_sums(owner: ModelStats | EvidenceSummary) -> dict[str, int | None]:
-    """The token sums and their unknown-call counts, as JSON (``--json``, events, ``_ENRICHED``)."""
-    out: dict[str, int | None] = {}
-    for name in TOKEN_SUMS:
-        out[name] = getattr(owner, name)
-        out[f"{name}_unknown_calls"] = getattr(owner, f"{name}_unknown_calls")
-    return out
 
 
 def _escape(text: str) -> str:
