@@ -654,7 +654,9 @@ class EvidenceSummary(TokenSums):
         for key, n in _sorted_counts(self.calls_by_status_class).items():
             row("calls by status class", key, n)
         for key, n in _sorted_counts(self.calls_by_error_category).items():
-            row("calls by error category", key, f"{n}: {', '.join(self.failure_examples.get(key, []))}")
+            row("calls by error category", key, n)
+        for key in _sorted_counts(self.calls_by_error_category):
+            row("failed rollouts (first)", key, ", ".join(self.failure_examples.get(key, [])))
         for label, sketch, unit in (
             ("latency", self.latency_ms, "ms"),
             ("TTFT", self.ttft_ms, "ms"),

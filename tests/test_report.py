@@ -181,7 +181,8 @@ def test_summary_counts_a_hand_built_corpus(corpus: tuple[Path, Path]) -> None:
     assert "10 failed (10.0%)" in text and "| latency (ms) | 500 | 900 | 990 |" in text
     assert "24-1 (input has 24-1-a1)" in text
     rows = {(r["section"], r["name"]): r["value"] for r in summary.to_rows()}
-    assert rows[("calls by error category", "rate_limit")] == "2: r-13, r-15"
+    assert rows[("calls by error category", "rate_limit")] == 2
+    assert rows[("failed rollouts (first)", "rate_limit")] == "r-13, r-15"  # which rollouts failed
     assert rows[("TTFT (ms)", "p99")] == 99
 
 
