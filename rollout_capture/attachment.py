@@ -46,13 +46,13 @@ def impossible_timing_gaps(calls: list[dict[str, Any]]) -> list[dict[str, str]]:
     negative duration, completed before started: a clock step), naming it. Its values stay as
     recorded; the summary leaves negative durations out of percentiles. Valid input gets none."""
     gaps = []
-    for call, (latency, ttft, started, completed) in zip(calls, map(_TIMING, calls), strict=True):
+    for index, (latency, ttft, started, completed) in enumerate(map(_TIMING, calls)):  # runs per call
         if (
             (latency is not None and latency < 0)
             or (ttft is not None and ttft < 0)
             or (started is not None and completed is not None and completed < started)
         ):
-            gaps.append(_gap(GAP_TIMING_IMPOSSIBLE, _timing_detail(call)))
+            gaps.append(_gap(GAP_TIMING_IMPOSSIBLE, _timing_detail(calls[index])))
     return gaps
 
 
