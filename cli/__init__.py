@@ -848,6 +848,7 @@ def report(
     """
     with _exits(as_json):
         from rollout_capture.report import default_report_path, write_report
+        from rollout_capture.summary import tokens_text
 
         path = _local_input(enriched, "enriched file")
         target = output or default_report_path(path)
@@ -857,7 +858,8 @@ def report(
         else:
             typer.echo(
                 f"wrote {target}: {summary.rollouts} rollout(s), {summary.calls} call(s), "
-                f"{summary.failed_calls} failed, {summary.rollouts_with_gaps} with gaps"
+                f"{summary.failed_calls} failed, {summary.rollouts_with_gaps} with gaps, "
+                f"{tokens_text(summary.tokens_total, summary.tokens_total_unknown_calls)}"
             )
 
 
@@ -902,7 +904,11 @@ def export(
             if where is not None:
                 typer.echo(f"wrote {where}: {n} {name} row(s)")
         if counts.lines_skipped:
-            typer.echo(f"{counts.lines_skipped} line(s) without a capture attachment skipped", err=True)
+            typer.echo(
+                f"{counts.lines_skipped} line(s) without a capture attachment skipped "
+                "(not JSON and naming none, passed through by enrichment; or records without an id)",
+                err=True,
+            )
 
 
 class LogLevel(StrEnum):

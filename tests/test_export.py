@@ -204,3 +204,13 @@ def test_a_file_without_any_attachment_is_refused_by_report_and_export(tmp_path:
         assert done.exit_code == 2, done.output
         assert f"{plain}: no line carries an ng_model_call_capture attachment" in done.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rollouts.jsonl"]  # nothing written
+
+
+def test_the_report_command_says_the_tokens_and_what_it_skipped(
+    corpus: tuple[Path, Path], tmp_path: Path
+) -> None:
+    pytest.importorskip("pyarrow")
+    done = CliRunner().invoke(app, ["report", str(corpus[1]), "-o", str(tmp_path / "r.html")])
+    assert done.exit_code == 0 and "100 call(s), 10 failed, 3 with gaps, 15,400 tokens" in done.output
+    done = CliRunner().invoke(app, ["export", str(corpus[1]), "--calls", str(tmp_path / "c.parquet")])
+    assert done.exit_code == 0 and "2 line(s) without a capture attachment skipped" in done.output
