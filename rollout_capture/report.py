@@ -20,6 +20,7 @@ from typing import Any
 
 from rollout_capture.summary import (
     FAIL_SHARE_WARN,
+    MAX_ROWS,
     NO_STATUS,
     PERCENTILES,
     EvidenceSummary,
@@ -27,9 +28,11 @@ from rollout_capture.summary import (
     ModelStats,
     Sketch,
     no_attachment_error,
+    shorten,
     summarize_file,
     summarize_records,
     tokens_text,
+    top_counts,
     unknown_calls_note,
 )
 
@@ -41,8 +44,6 @@ NAME_CHARS = 60
 """A name (model, gap code, category, rollout id) is shown cut to this many characters..."""
 TIP_CHARS = 300
 """... and in full up to this many in its tooltip: a 2 MB model name never makes a 12 MB page."""
-MAX_ROWS = 30
-"""Rows of a table or bars of a chart; the rest are summed in one "N more" row."""
 
 GOOD, WARN, BAD, NEUTRAL = "#2f9e62", "#e0a030", "#d64545", "#8a94a6"
 BLUE, TEAL, ORANGE = "#3b6fd4", "#27a3a3", "#e07b39"
@@ -139,22 +140,14 @@ def _nice_step(top: float, ticks: int = 4) -> float:
     return float(10 * power)
 
 
-def _short(text: str, limit: int) -> str:
-    """The text cut in the middle: model names differ at the end as often as at the start."""
-    if len(text) <= limit:
-        return text
-    head = (limit - 1) // 2
-    return text[:head] + "\u2026" + text[len(text) - (limit - 1 - head) :]
-
-
 def _tip(text: str) -> str:
     """A name for a tooltip: whole up to :data:`TIP_CHARS`, escaped."""
-    return escape(_short(text, TIP_CHARS))
+    return escape(shorten(text, TIP_CHARS))
 
 
 def _name_html(text: str, limit: int = NAME_CHARS, tag: str = "code") -> str:
     """A name as the page shows it: cut to ``limit``, the (capped) full text in ``title=``."""
-    shown = escape(_short(text, limit))
+    shown = escape(shorten(text, limit))
     if len(text) <= limit:
         return f"<{tag}>{shown}</{tag}>"
     return f'<{tag} title="{_tip(text)}">{shown}</{tag}>'
@@ -163,17 +156,6 @@ def _name_html(text: str, limit: int = NAME_CHARS, tag: str = "code") -> str:
 def _names_cell(names: Iterable[str]) -> tuple[str, str]:
     """A table cell of rollout ids (each shortened)."""
     return ", ".join(_name_html(name) for name in names), "ids"
-
-
-def _top(counts: Mapping[str, int], limit: int = MAX_ROWS) -> tuple[list[tuple[str, int]], int, int]:
-    """The ``limit`` largest counts, and how many keys and how much the rest hold."""
-    ranked = _sorted(counts)
-    rest = ranked[limit:]
-    return ranked[:limit], len(rest), sum(n for _, n in rest)
-
-
-def _more_label(keys: int) -> str:
-    return f"({keys:,} more)"
 
 
 def _percentile_marks(sketch: Sketch) -> dict[int, float | None]:
@@ -322,7 +304,7 @@ def bars_svg(
         share = f" ({value / total:.1%})" if total else ""
         parts.append(
             f'<text x="{label_w - 8}" y="{y + row_h / 2 + 4:.1f}" text-anchor="end">'
-            f"<title>{_tip(label)}</title>{escape(_short(label, label_chars))}</text>"
+            f"<title>{_tip(label)}</title>{escape(shorten(label, label_chars))}</text>"
         )
         parts.append(
             f'<rect x="{label_w}" y="{y + 4}" width="{w:.1f}" height="{row_h - 8}" fill="{color}" rx="3">'
@@ -359,7 +341,7 @@ def stacked_bars_svg(
         y = top + i * row_h
         parts.append(
             f'<text x="{label_w - 8}" y="{y + row_h / 2 + 4:.1f}" text-anchor="end">'
-            f"<title>{_tip(label)}</title>{escape(_short(label, label_chars))}</text>"
+            f"<title>{_tip(label)}</title>{escape(shorten(label, label_chars))}</text>"
         )
         x0 = float(label_w)
         for (name, color), value in zip(series, values, strict=True):
@@ -428,10 +410,6 @@ def _share_cell(part: int, whole: int) -> Any:
     return (text, "bad") if share > FAIL_SHARE_WARN else text
 
 
-def _sorted(counts: Mapping[str, int]) -> list[tuple[str, int]]:
-    return sorted(counts.items(), key=lambda item: (-item[1], item[0]))
-
-
 def _version() -> str:
     try:
         from importlib.metadata import version
@@ -455,7 +433,7 @@ def render_report(
     stays small and inert whatever the input holds.
     """
     s = summary
-    title = _short(title, 200)
+    title = shorten(title, 200)
     failed_bad = s.failed_share > FAIL_SHARE_WARN
     gaps_bad = s.gap_share > FAIL_SHARE_WARN
     lat, ttft, hold = (_percentile_marks(x) for x in (s.latency_ms, s.ttft_ms, s.capture_hold_ms))
@@ -504,9 +482,7 @@ def render_report(
     ]
 
     def items(counts: Mapping[str, int], color: Any) -> list[tuple[str, float, str]]:
-        shown, more, rest = _top(counts)
-        out = [(key, float(n), color(key)) for key, n in shown]
-        return [*out, (_more_label(more), float(rest), NEUTRAL)] if more else out
+        return [(key, float(n), color(key)) for key, n in top_counts(counts)]
 
     all_gaps = {**s.gaps, **s.observation_gaps}
     models = s.models_by_calls()[:MAX_ROWS]  # at most MAX_MODELS + 1 are counted anyway
@@ -591,9 +567,7 @@ def render_report(
 
     def rows_of(counts: Mapping[str, int], row: Any) -> list[Sequence[Any]]:
         """The table rows of the largest counts, the rest in one row of the same shape."""
-        shown, more, rest = _top(counts)
-        out = [row(key, n) for key, n in shown]
-        return [*out, row(_more_label(more), rest)] if more else out
+        return [row(key, n) for key, n in top_counts(counts)]
 
     status_rows = rows_of(
         s.calls_by_status_class,
@@ -624,7 +598,7 @@ def render_report(
         ),
     )
     orphan_rows = [
-        ((_name_html(o), "id"), _short(s.orphan_near.get(o, ""), NAME_CHARS)) for o in s.orphan_examples
+        ((_name_html(o), "id"), shorten(s.orphan_near.get(o, ""), NAME_CHARS)) for o in s.orphan_examples
     ]
     dialect_rows = rows_of(s.calls_by_dialect, lambda k, n: ((_name_html(k, tag="span"), ""), fmt_int(n)))
 

@@ -47,6 +47,8 @@ NO_STATUS = "no status"
 FAIL_SHARE_WARN = 0.05
 """Above this share of failed calls or gapped rollouts a report shows the figure in red."""
 PERCENTILES = (50, 90, 99)
+MAX_ROWS = 30
+"""Rows of a table (markdown, the report's tables and charts): the rest summed in one."""
 
 
 class EvidenceShapeError(ValueError):
@@ -710,12 +712,12 @@ class EvidenceSummary(TokenSums):
             p = sketch.percentiles()
             lines.append(f"| {label} | {_md(p['p50'])} | {_md(p['p90'])} | {_md(p['p99'])} |")
         lines += ["", "| status class | calls |", "| --- | ---: |"]
-        lines += [f"| {k} | {n} |" for k, n in _sorted_counts(self.calls_by_status_class).items()]
+        lines += [f"| {_escape(k)} | {n} |" for k, n in top_counts(self.calls_by_status_class)]
         if self.calls_by_error_category:
             lines += ["", "| error category | calls | first rollout ids |", "| --- | ---: | --- |"]
             lines += [
-                f"| {_escape(k)} | {n} | {_escape(', '.join(self.failure_examples.get(k, [])))} |"
-                for k, n in _sorted_counts(self.calls_by_error_category).items()
+                f"| {_escape(k)} | {n} | {', '.join(map(_escape, self.failure_examples.get(k, [])))} |"
+                for k, n in top_counts(self.calls_by_error_category)
             ]
         if self.models:
             lines += [
@@ -726,14 +728,14 @@ class EvidenceSummary(TokenSums):
             lines += [
                 f"| {_escape(name)} | {m.calls} | {m.failed_calls} | {_md(m.tokens_in)} "
                 f"| {_md(m.tokens_out)} | {_md(m.tokens_total)} | {m.tokens_total_unknown_calls} |"
-                for name, m in self.models_by_calls()
+                for name, m in self.models_by_calls()[:MAX_ROWS]
             ]
-        all_gaps = _sorted_counts({**self.gaps, **self.observation_gaps})
+        all_gaps = {**self.gaps, **self.observation_gaps}
         if all_gaps:
             lines += ["", "| gap | rollouts | first rollout ids |", "| --- | ---: | --- |"]
             lines += [
-                f"| {code} | {n} | {', '.join(self.gap_examples.get(code, []))} |"
-                for code, n in all_gaps.items()
+                f"| {_escape(code)} | {n} | {', '.join(map(_escape, self.gap_examples.get(code, [])))} |"
+                for code, n in top_counts(all_gaps)
             ]
         if self.orphan_captures:
             lines += [
@@ -1074,8 +1076,26 @@ def unknown_calls_note(calls: int) -> str:
     return f" ({calls:,} call{'' if calls == 1 else 's'} unknown)" if calls else ""
 
 
+def shorten(text: str, limit: int) -> str:
+    """The text cut in the middle: names differ at the end as often as at the start."""
+    if len(text) <= limit:
+        return text
+    head = (limit - 1) // 2
+    return text[:head] + "\u2026" + text[len(text) - (limit - 1 - head) :]
+
+
 def _escape(text: str) -> str:
-    return text.replace("|", "\\|")
+    """A name in a markdown table cell: shortened, its ``|`` and markup inert."""
+    return shorten(text, 120).replace("&", "&amp;").replace("<", "&lt;").replace("|", "\\|")
+
+
+def top_counts(counts: Mapping[str, int]) -> list[tuple[str, int]]:
+    """The :data:`MAX_ROWS` largest counts, the rest summed as ``(N more)``: a table's rows."""
+    ranked = list(_sorted_counts(counts).items())
+    rest = ranked[MAX_ROWS:]
+    if not rest:
+        return ranked
+    return [*ranked[:MAX_ROWS], (f"({len(rest):,} more)", sum(n for _, n in rest))]
 
 
 # ---------------------------------------------------------------------- orphans

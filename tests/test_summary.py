@@ -384,3 +384,15 @@ def test_impossible_durations_are_left_out_of_percentiles_and_means() -> None:
     assert dumped(one) == dumped(bulk)
     assert (one.latency_ms.count, one.latency_ms.min, one.ttft_ms.count) == (1, 100.0, 1)
     assert one.capture_hold_ms.count == 0 and one.models["m"].mean_latency_ms == 100.0
+
+
+def test_the_markdown_digest_stays_small_and_inert_whatever_the_names() -> None:
+    """A 2 MB model name, markup and ``|`` in codes, 100 gap codes: each name cut and escaped,
+    30 rows a table, the rest summed in one."""
+    summary = EvidenceSummary()
+    for k in range(100):
+        call = _call(model="M" * 2_000_000 if k == 0 else f"m|{k}", error_category=f"<b>{k}</b>")
+        summary.add_attachment({"rollout_id": f"r-{k}", "calls": [call], "gaps": [{"code": f"<i>g{k}|"}]})
+    text = summary.to_markdown()
+    assert len(text) < 30_000 and "<b>" not in text and "<i>" not in text
+    assert "| &lt;i>g0\\| | 1 | r-0 |" in text and "| (70 more) | 70 |" in text
