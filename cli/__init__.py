@@ -408,11 +408,15 @@ def _counts(counts: dict[str, int]) -> str:
 
 
 def _percentiles(values: dict[str, int | None], unit: str = "") -> str:
+    if all(value is None for value in values.values()):
+        return "unknown"
     return " / ".join(_num(values[key]) for key in values) + (f" {unit}" if unit else "")
 
 
 def _evidence_rows(evidence: Any) -> list[tuple[str, str]]:
     """What the summary table says of failed calls, latency, tokens, models, gaps and orphans."""
+    from rollout_capture.summary import tokens_text
+
     digest = evidence.digest()
     rows = [
         ("failed calls", f"{evidence.failed_calls} ({100 * evidence.failed_share:.1f}%)"),
@@ -420,11 +424,20 @@ def _evidence_rows(evidence: Any) -> list[tuple[str, str]]:
         ("calls by error", _counts(digest["calls_by_error_category"])),
         ("latency p50 / p90 / p99", _percentiles(digest["latency_ms"], "ms")),
         ("TTFT p50 / p90 / p99", _percentiles(digest["ttft_ms"], "ms")),
+        ("capture hold p50 / p99", evidence.capture_hold_ms.p50_p99("ms")),
         ("tokens per rollout p50 / p99", _percentiles(digest["tokens_per_rollout"])),
     ]
     rows += [
-        (f"model {name}", f"{m['calls']} call(s) ({m['failed_calls']} failed), {m['tokens_total']} tokens")
-        for name, m in digest["models"].items()
+        (
+            f"model {name}",
+            f"{m.calls} call(s) ({m.failed_calls} failed), "
+            + tokens_text(m.tokens_total, m.tokens_total_unknown_calls),
+        )
+        for name, m in evidence.models_by_calls()
+    ]
+    rows += [
+        (f"failed {why}", f"{n} (first: {', '.join(digest['failure_examples'].get(why, []))})")
+        for why, n in digest["calls_by_error_category"].items()
     ]
     gaps = {**evidence.gaps, **evidence.observation_gaps}
     rows += [
@@ -508,7 +521,7 @@ def _enrich(
         ("lines", str(stats.lines)),
         ("rollouts enriched", str(stats.rollouts)),
         ("model calls", str(stats.calls)),
-        ("tokens in / out / total", f"{stats.tokens_in} / {stats.tokens_out} / {stats.tokens_total}"),
+        ("tokens in / out / total", stats.evidence.tokens_line()),
         ("rollouts with any gap", f"{stats.rollouts_with_gaps} ({100 * stats.gap_share:.1f}%)"),
         ("lines passed through", str(len(stats.problems))),
     ]
@@ -835,6 +848,7 @@ def report(
     """
     with _exits(as_json):
         from rollout_capture.report import default_report_path, write_report
+        from rollout_capture.summary import tokens_text
 
         path = _local_input(enriched, "enriched file")
         target = output or default_report_path(path)
@@ -844,7 +858,8 @@ def report(
         else:
             typer.echo(
                 f"wrote {target}: {summary.rollouts} rollout(s), {summary.calls} call(s), "
-                f"{summary.failed_calls} failed, {summary.rollouts_with_gaps} with gaps"
+                f"{summary.failed_calls} failed, {summary.rollouts_with_gaps} with gaps, "
+                f"{tokens_text(summary.tokens_total, summary.tokens_total_unknown_calls)}"
             )
 
 
@@ -889,7 +904,11 @@ def export(
             if where is not None:
                 typer.echo(f"wrote {where}: {n} {name} row(s)")
         if counts.lines_skipped:
-            typer.echo(f"{counts.lines_skipped} line(s) without a capture attachment skipped", err=True)
+            typer.echo(
+                f"{counts.lines_skipped} line(s) without a capture attachment skipped "
+                "(not JSON and naming none, passed through by enrichment; or records without an id)",
+                err=True,
+            )
 
 
 class LogLevel(StrEnum):

@@ -272,21 +272,24 @@ def report_enrichment(
         )
     evidence = stats.evidence
     poor = poor_evidence(stats, max_gap_share, max_failed_share)
-    latency, ttft = evidence.latency_ms.percentiles(), evidence.ttft_ms.percentiles()
     logger.log(
         logging.WARNING if poor else logging.INFO,
-        "%senriched %d rollout(s) with %d call(s) (%d failed: %s) in %d batch(es); latency p50/p99 %s/%s ms, "
-        "TTFT p50/p99 %s/%s ms; gaps: %s; orphan captures: %d",
+        "%senriched %d rollout(s) with %d call(s) (%d failed: %s) in %d batch(es); latency p50/p99 %s, "
+        "TTFT p50/p99 %s, capture hold p50/p99 %s; tokens in / out / total %s; gaps: %s; orphan captures: %d",
         f"poor evidence ({'; '.join(poor)}): " if poor else "",
         stats.rollouts,
         stats.calls,
         evidence.failed_calls,
-        ", ".join(f"{k} {n}" for k, n in evidence.calls_by_error_category.items()) or "none",
+        "; ".join(
+            f"{k} {n} (first: {', '.join(evidence.failure_examples.get(k, []))})"
+            for k, n in evidence.calls_by_error_category.items()
+        )
+        or "none",
         summary.batches,
-        latency["p50"],
-        latency["p99"],
-        ttft["p50"],
-        ttft["p99"],
+        evidence.latency_ms.p50_p99("ms"),
+        evidence.ttft_ms.p50_p99("ms"),
+        evidence.capture_hold_ms.p50_p99("ms"),
+        evidence.tokens_line(),
         "; ".join(
             f"{code} {n} (first: {', '.join(evidence.gap_examples.get(code, []))})"
             for code, n in stats.gaps.items()

@@ -15,6 +15,7 @@ from typing import Any
 from prefect.events import emit_event
 
 from rollout_capture.batch import BatchStats
+from rollout_capture.flows.report import shares_exceeded
 from rollout_capture.worker_pool import absolute_location
 
 COMPLETED = "rollout-capture.enrichment.completed"
@@ -71,13 +72,14 @@ def emit_completed(
     the gap share / failed-call share passes its threshold."""
     payload = counts(stats, batches, seconds)
     emit_event(COMPLETED, resource=resource(source, output), payload=payload)
-    if max_gap_share is not None and stats.gap_share > max_gap_share:
+    gaps, failed = shares_exceeded(stats, max_gap_share, max_failed_share)
+    if gaps:
         emit_event(
             GAPS_EXCEEDED,
             resource=resource(source, output),
             payload={**payload, "max_gap_share": max_gap_share},
         )
-    if max_failed_share is not None and stats.evidence.failed_share > max_failed_share:
+    if failed:
         emit_event(
             FAILED_CALLS_EXCEEDED,
             resource=resource(source, output),

@@ -121,9 +121,10 @@ def publish_summary(summary: EnrichSummary) -> None:
         {"measure": "rollouts enriched", "value": stats.rollouts},
         {"measure": "model calls", "value": stats.calls},
         {"measure": "failed calls", "value": evidence.failed_calls},
-        {"measure": "tokens in", "value": stats.tokens_in},
-        {"measure": "tokens out", "value": stats.tokens_out},
-        {"measure": "tokens total", "value": stats.tokens_total},
+        {"measure": "tokens in", "value": _cell(evidence.tokens_in)},
+        {"measure": "tokens out", "value": _cell(evidence.tokens_out)},
+        {"measure": "tokens total", "value": _cell(evidence.tokens_total)},
+        {"measure": "calls without tokens total", "value": evidence.tokens_total_unknown_calls},
         {"measure": "rollouts waited for", "value": stats.waited_for},
         {"measure": "rollouts with any gap", "value": stats.rollouts_with_gaps},
         {"measure": "unparseable lines", "value": len(stats.problems)},
@@ -161,7 +162,8 @@ def publish_summary(summary: EnrichSummary) -> None:
         f"- {stats.rollouts} rollout(s) enriched with {stats.calls} model call(s) "
         f"in {summary.batches} batch(es), {summary.seconds:.1f}s",
         f"- failed calls: {evidence.failed_calls} ({100 * evidence.failed_share:.1f}%)",
-        f"- tokens: {stats.tokens_in} in, {stats.tokens_out} out, {stats.tokens_total} total",
+        f"- tokens in / out / total: {evidence.tokens_line()}",
+        f"- capture hold p50 / p99: {evidence.capture_hold_ms.p50_p99('ms')}",
         f"- rollouts with any gap: {stats.rollouts_with_gaps} ({100 * stats.gap_share:.1f}%)",
     ]
     if summary.report is not None:
@@ -176,7 +178,7 @@ def publish_summary(summary: EnrichSummary) -> None:
 
 
 def _cell(value: object) -> str | int | float:
-    return value if isinstance(value, str | int | float) else "-" if value is None else str(value)
+    return value if isinstance(value, str | int | float) else "unknown" if value is None else str(value)
 
 
 def write_evidence_report(summary: EnrichSummary, output: Location) -> str:
@@ -201,18 +203,30 @@ def write_evidence_report(summary: EnrichSummary, output: Location) -> str:
     return where.url
 
 
+def shares_exceeded(
+    stats: BatchStats, max_gap_share: float | None, max_failed_share: float | None
+) -> tuple[bool, bool]:
+    """Whether the gap share and the failed-call share are past their thresholds: strictly
+    above, so a share equal to its threshold (``max_gap_share=0`` and a clean run) is not poor.
+    The one decision behind the state's name, the reasons, the WARNING and the events."""
+    gaps = max_gap_share is not None and stats.gap_share > max_gap_share
+    failed = max_failed_share is not None and stats.evidence.failed_share > max_failed_share
+    return gaps, failed
+
+
 def poor_evidence(
     stats: BatchStats, max_gap_share: float | None, max_failed_share: float | None
 ) -> list[str]:
     """Why an enrichment's evidence is poor (shares past their thresholds); empty when it is not."""
+    gaps, failed = shares_exceeded(stats, max_gap_share, max_failed_share)
     reasons = []
-    if max_gap_share is not None and stats.gap_share > max_gap_share:
+    if gaps:
         reasons.append(
             f"{stats.rollouts_with_gaps} of {stats.rollouts} rollouts have gaps "
             f"({stats.gap_share:.1%} > {max_gap_share:.1%})"
         )
     evidence = stats.evidence
-    if max_failed_share is not None and evidence.failed_share > max_failed_share:
+    if failed:
         reasons.append(
             f"{evidence.failed_calls} of {evidence.calls} calls failed "
             f"({evidence.failed_share:.1%} > {max_failed_share:.1%})"
@@ -236,8 +250,7 @@ def final_state(
     gaps" (or "... failed calls") at a glance, with the reasons as the state's message.
     """
     stats = summary.stats
-    gaps = max_gap_share is not None and stats.gap_share > max_gap_share
-    failed = max_failed_share is not None and stats.evidence.failed_share > max_failed_share
+    gaps, failed = shares_exceeded(stats, max_gap_share, max_failed_share)
     if not (gaps or failed):
         return summary
     message = "; ".join(poor_evidence(stats, max_gap_share, max_failed_share))

@@ -7,6 +7,7 @@ the ownership join runs last so its failure is a gap too.
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any
 
 from pydantic import ValidationError
@@ -30,10 +31,42 @@ GAP_UNREADABLE = "model_call_capture_unreadable"
 GAP_PENDING = "model_call_capture_pending"
 GAP_CLAIM_ABANDONED = "model_call_capture_claim_abandoned"
 GAP_JOIN_FAILED = "agent_observation_join_failed"
+GAP_TIMING_IMPOSSIBLE = "model_call_timing_impossible"
 
 
 def _gap(code: str, detail: str | None = None) -> dict[str, str]:
     return {"code": code} if detail is None else {"code": code, "detail": detail}
+
+
+_TIMING = operator.itemgetter("latency_total_ms", "latency_ttft_ms", "started_at", "completed_at")
+
+
+def impossible_timing_gaps(calls: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """A ``model_call_timing_impossible`` gap for each call whose timing cannot be the model's (a
+    negative duration, completed before started: a clock step), naming it. Its values stay as
+    recorded; the summary leaves negative durations out of percentiles. Valid input gets none."""
+    gaps = []
+    for index, (latency, ttft, started, completed) in enumerate(map(_TIMING, calls)):  # runs per call
+        if (
+            (latency is not None and latency < 0)
+            or (ttft is not None and ttft < 0)
+            or (started is not None and completed is not None and completed < started)
+        ):
+            gaps.append(_gap(GAP_TIMING_IMPOSSIBLE, _timing_detail(calls[index])))
+    return gaps
+
+
+def _timing_detail(call: dict[str, Any]) -> str:
+    """Which call, and which of its values cannot be right."""
+    wrong = [
+        f"{name}={call[name]!r}"
+        for name in ("latency_total_ms", "latency_ttft_ms")
+        if call[name] is not None and call[name] < 0
+    ]
+    started, completed = call["started_at"], call["completed_at"]
+    if started is not None and completed is not None and completed < started:
+        wrong.append(f"completed_at={completed!r} < started_at={started!r}")
+    return f"capture:{call['model_call_id']}:call_index={call['call_index']}: {', '.join(wrong)}"
 
 
 def build_attachment(
@@ -87,6 +120,8 @@ def build_attachment(
                 gaps.append(_gap(GAP_CLAIM_ABANDONED, f"count={len(expired)}"))
         for hole in snap.holes:  # rows above a hole this reader may not fill are unread: pending
             gaps.append(_gap(GAP_PENDING, f"journal hole: {hole}"))
+        if calls:
+            gaps.extend(impossible_timing_gaps(calls))
     judged = [call for call in calls if call["verifier_invocation_id"]] if calls else []
     if verifiers:
         by_invocation: dict[str, list[dict[str, Any]]] = {key: [] for key in verifiers}

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, computed_field
 
 from rollout_capture.attachment import ATTACHMENT_KEY, OBSERVATIONS_KEY, attach, build_attachment
 from rollout_capture.backends import ListingScope
@@ -67,9 +67,6 @@ class BatchStats(BaseModel):
     lines: int = 0
     rollouts: int = 0
     calls: int = 0
-    tokens_in: int = 0
-    tokens_out: int = 0
-    tokens_total: int = 0
     waited_for: int = 0
     rollouts_with_gaps: int = 0
     gaps: dict[str, int] = Field(default_factory=dict)
@@ -81,6 +78,22 @@ class BatchStats(BaseModel):
     id_lines: dict[str, list[int]] = Field(default_factory=dict, exclude=True, repr=False)
     evidence: EvidenceSummary = Field(default_factory=EvidenceSummary, exclude=True, repr=False)
     """Failed calls, latency, tokens, models, gap examples, summed; not dumped (callers add digest())."""
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def tokens_in(self) -> int | None:
+        """The evidence's sum (null when no call reported it: unknown, never 0)."""
+        return self.evidence.tokens_in
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def tokens_out(self) -> int | None:
+        return self.evidence.tokens_out
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def tokens_total(self) -> int | None:
+        return self.evidence.tokens_total
 
     @property
     def gap_share(self) -> float:
@@ -94,9 +107,6 @@ class BatchStats(BaseModel):
             lines=self.lines + other.lines,
             rollouts=self.rollouts + other.rollouts,
             calls=self.calls + other.calls,
-            tokens_in=self.tokens_in + other.tokens_in,
-            tokens_out=self.tokens_out + other.tokens_out,
-            tokens_total=self.tokens_total + other.tokens_total,
             waited_for=self.waited_for + other.waited_for,
             rollouts_with_gaps=self.rollouts_with_gaps + other.rollouts_with_gaps,
             gaps=dict(sorted(gaps.items())),
@@ -312,7 +322,7 @@ def _enrich(
     out: list[bytes] = []
     id_lines: dict[str, list[int]] = {}
     gaps: Counter[str] = Counter()
-    rollouts = calls = tokens_in = tokens_out = tokens_total = gapped = 0
+    rollouts = calls = gapped = 0
     fold = AttachmentFold(stats.evidence)  # counted in bulk: see AttachmentFold
     for number, (line, item) in enumerate(zip(lines, identified, strict=True), first_line):
         if item is None:
@@ -332,21 +342,11 @@ def _enrich(
             fold.add(attachment, observation_gap_codes(record))
         rollouts += 1
         calls += metrics["num_calls"]
-        value = metrics["tokens_in"]
-        if value is not None:
-            tokens_in += value
-        value = metrics["tokens_out"]
-        if value is not None:
-            tokens_out += value
-        value = metrics["tokens_total"]
-        if value is not None:
-            tokens_total += value
         if "gaps" in attachment:
             gapped += 1
             gaps.update(gap["code"] for gap in attachment["gaps"])
     fold.flush()
     stats.rollouts, stats.calls = rollouts, calls
-    stats.tokens_in, stats.tokens_out, stats.tokens_total = tokens_in, tokens_out, tokens_total
     stats.rollouts_with_gaps = gapped
     stats.gaps = dict(sorted(gaps.items()))
     stats.id_lines = id_lines

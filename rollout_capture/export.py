@@ -80,6 +80,7 @@ from rollout_capture.summary import (
     is_failed,
     iter_enriched,
     model_of,
+    no_attachment_error,
     observation_gap_codes,
     status_class,
 )
@@ -173,8 +174,20 @@ def rollouts_schema() -> Any:
     )
 
 
-def _micros(seconds: float | None) -> int | None:
-    return None if seconds is None else round(seconds * 1_000_000)
+_MAX_MICROS = 2**63 - 1
+"""The largest ``timestamp[us]`` (year 294247)."""
+
+
+def _micros(call: Mapping[str, Any], name: str, where: str) -> int | None:
+    """A time in Unix seconds as the table's microseconds; one past the column's range is
+    refused naming the field (never a bare ``OverflowError`` from pyarrow)."""
+    seconds = _number(call, name, where)
+    if seconds is None:
+        return None
+    micros = round(seconds * 1_000_000)
+    if not -_MAX_MICROS <= micros <= _MAX_MICROS:
+        raise EvidenceShapeError(f"{where}.{name}: {call.get(name)!r} is not a time (Unix seconds)")
+    return micros
 
 
 def _owners(record: Mapping[str, Any]) -> dict[str, str]:
@@ -241,7 +254,7 @@ class _Table:
 def _call_row(
     rollout_id: str, line: int, call: Mapping[str, Any], owners: Mapping[str, str], where: str
 ) -> dict[str, Any]:
-    status = _count(call, "status_code", where)
+    status = _count(call, "status_code", where, bits=32)
     category = _text(call, "error_category", where)
     ref = call.get("model_ref")
     model_call_id = _text(call, "model_call_id", where)
@@ -250,7 +263,7 @@ def _call_row(
     return {
         "rollout_id": rollout_id,
         "line": line,
-        "call_index": _count(call, "call_index", where),
+        "call_index": _count(call, "call_index", where, bits=32),
         "model_call_id": model_call_id,
         "response_id": _text(call, "response_id", where),
         "model": model_of(call),
@@ -263,8 +276,8 @@ def _call_row(
         "error_category": category,
         "failed": is_failed(status, category),
         "finish_reason": _text(call, "finish_reason", where),
-        "started_at": _micros(_number(call, "started_at", where)),
-        "completed_at": _micros(_number(call, "completed_at", where)),
+        "started_at": _micros(call, "started_at", where),
+        "completed_at": _micros(call, "completed_at", where),
         "latency_ms": _number(call, "latency_total_ms", where),
         "ttft_ms": _number(call, "latency_ttft_ms", where),
         "tokens_in": _count(call, "tokens_in", where),
@@ -311,8 +324,10 @@ def export_tables(
     """Write the calls and/or rollouts Parquet tables of an enriched JSONL (schema: module doc).
 
     Each file is written whole (a temporary file renamed over it) or not at all. Lines that
-    are not JSON objects and records without an attachment are skipped and counted. A
-    malformed attachment raises :class:`EvidenceShapeError` naming the file, line and field.
+    are not JSON objects (passed through by enrichment) and records without an attachment are
+    skipped and counted. A malformed attachment, a line carrying one that is not JSON, a count
+    that is not whole or does not fit its column, and a file in which no line carries an
+    attachment raise :class:`EvidenceShapeError` naming the file (and line and field).
     """
     if calls_out is None and rollouts_out is None:
         raise ValueError("export_tables: name calls_out, rollouts_out or both")
@@ -326,13 +341,14 @@ def export_tables(
         if rollouts_out is not None:
             rollouts = _Table(Path(rollouts_out), rollouts_schema(), pa, pq)
             tables.append(rollouts)
-        skipped = 0
+        skipped = enriched = 0
         for line, record in iter_enriched(path):
             try:
                 attachment = attachment_of(record) if record is not None else None
                 if record is None or attachment is None:
                     skipped += 1
                     continue
+                enriched += 1
                 rollout_id = attachment["rollout_id"]
                 owners = _owners(record)
                 failed = 0
@@ -345,6 +361,8 @@ def export_tables(
                     rollouts.append(_rollout_row(record, attachment, line, failed))
             except EvidenceShapeError as exc:
                 raise EvidenceShapeError(f"{path}:{line}: {exc}") from None
+        if not enriched:
+            raise no_attachment_error(path)
         for table in tables:
             table.close()
     except BaseException:

@@ -20,18 +20,30 @@ from typing import Any
 
 from rollout_capture.summary import (
     FAIL_SHARE_WARN,
+    MAX_ROWS,
     NO_STATUS,
+    PERCENTILES,
     EvidenceSummary,
     Histogram,
+    ModelStats,
     Sketch,
+    no_attachment_error,
+    shorten,
     summarize_file,
     summarize_records,
+    tokens_text,
+    top_counts,
+    unknown_calls_note,
 )
 
 DASH = "\u2013"
 """Shown for an unknown value, and between a bin's edges."""
 WIDTH = 540
 """Chart width in SVG units (the page lays two charts a row)."""
+NAME_CHARS = 60
+"""A name (model, gap code, category, rollout id) is shown cut to this many characters..."""
+TIP_CHARS = 300
+"""... and in full up to this many in its tooltip: a 2 MB model name never makes a 12 MB page."""
 
 GOOD, WARN, BAD, NEUTRAL = "#2f9e62", "#e0a030", "#d64545", "#8a94a6"
 BLUE, TEAL, ORANGE = "#3b6fd4", "#27a3a3", "#e07b39"
@@ -46,7 +58,7 @@ body { margin:0; background:var(--bg); color:var(--fg);
 main { max-width: 1180px; margin: 0 auto; padding: 28px 24px 48px; }
 header h1 { font-size: 22px; margin: 0 0 4px; font-weight: 650; }
 header .sub { color: var(--muted); margin: 0 0 20px; word-break: break-all; }
-.kpis { display:grid; grid-template-columns: repeat(auto-fill, minmax(128px, 1fr)); gap:12px;
+.kpis { display:grid; grid-template-columns: repeat(auto-fill, minmax(112px, 1fr)); gap:12px;
   margin-bottom: 22px; }
 .kpi { background:var(--card); border:1px solid var(--line); border-radius:10px; padding:12px 14px; }
 .kpi .label { color:var(--muted); font-size:12px; text-transform:uppercase; letter-spacing:.04em; }
@@ -128,12 +140,34 @@ def _nice_step(top: float, ticks: int = 4) -> float:
     return float(10 * power)
 
 
-def _short(text: str, limit: int) -> str:
-    """The text cut in the middle: model names differ at the end as often as at the start."""
+def _tip(text: str) -> str:
+    """A name for a tooltip: whole up to :data:`TIP_CHARS`, escaped."""
+    return escape(shorten(text, TIP_CHARS))
+
+
+def _name_html(text: str, limit: int = NAME_CHARS, tag: str = "code") -> str:
+    """A name as the page shows it: cut to ``limit``, the (capped) full text in ``title=``."""
+    shown = escape(shorten(text, limit))
     if len(text) <= limit:
-        return text
-    head = (limit - 1) // 2
-    return text[:head] + "\u2026" + text[len(text) - (limit - 1 - head) :]
+        return f"<{tag}>{shown}</{tag}>"
+    return f'<{tag} title="{_tip(text)}">{shown}</{tag}>'
+
+
+def _names_cell(names: Iterable[str]) -> tuple[str, str]:
+    """A table cell of rollout ids (each shortened)."""
+    return ", ".join(_name_html(name) for name in names), "ids"
+
+
+def _percentile_marks(sketch: Sketch) -> dict[int, float | None]:
+    """p50/p90/p99 as every part of the page shows them (cards, tables, chart legends): one
+    value each, formatted by one formatter, so the card and the chart never disagree."""
+    return {q: sketch.percentile(q) for q in PERCENTILES}
+
+
+def _tokens_cell(total: int | None, unknown_calls: int) -> str:
+    """A token sum in a table: ``unknown`` when no call reported it, else the sum and the
+    calls it leaves out."""
+    return "unknown" if total is None else f"{total:,}{unknown_calls_note(unknown_calls)}"
 
 
 # ---------------------------------------------------------------------- charts
@@ -151,6 +185,7 @@ def histogram_svg(
     sketch: Sketch, *, label: str, fmt: Any, color: str = BLUE, bins: int = 24, height: int = 230
 ) -> str:
     """A histogram of a sketch, with p50/p90/p99 marked; log x axis when values span 10x."""
+    marks = _percentile_marks(sketch)
     hist: Histogram = sketch.histogram(bins)
     if not sketch.count:
         return _empty_svg(f"no {label} recorded")
@@ -226,7 +261,7 @@ def histogram_svg(
     # p50/p90/p99: dashed lines, labelled in a row above the plot (never over the bars)
     label_x = float(left)
     for q, dash in ((50, "none"), (90, "5 3"), (99, "2 2")):
-        mark = sketch.percentile(q)
+        mark = marks[q]
         mark_x = None if mark is None else x_of(mark)
         if mark_x is None or mark is None:
             continue
@@ -269,11 +304,11 @@ def bars_svg(
         share = f" ({value / total:.1%})" if total else ""
         parts.append(
             f'<text x="{label_w - 8}" y="{y + row_h / 2 + 4:.1f}" text-anchor="end">'
-            f"<title>{escape(label)}</title>{escape(_short(label, label_chars))}</text>"
+            f"<title>{_tip(label)}</title>{escape(shorten(label, label_chars))}</text>"
         )
         parts.append(
             f'<rect x="{label_w}" y="{y + 4}" width="{w:.1f}" height="{row_h - 8}" fill="{color}" rx="3">'
-            f"<title>{escape(label)}: {escape(fmt(value))}{share}</title></rect>"
+            f"<title>{_tip(label)}: {escape(fmt(value))}{share}</title></rect>"
         )
         parts.append(
             f'<text x="{label_w + w + 6:.1f}" y="{y + row_h / 2 + 4:.1f}">{escape(fmt(value))}{share}</text>'
@@ -283,7 +318,7 @@ def bars_svg(
 
 
 def stacked_bars_svg(
-    items: Sequence[tuple[str, Sequence[float]]],
+    items: Sequence[tuple[str, Sequence[float | None]]],
     series: Sequence[tuple[str, str]],
     *,
     empty: str,
@@ -295,7 +330,7 @@ def stacked_bars_svg(
     row_h, top, label_w, value_w = 26, 26, 200, 80
     height = top + 8 + row_h * len(items)
     plot_w = WIDTH - label_w - value_w
-    peak = max(sum(values) for _, values in items) or 1
+    peak = max(sum(value or 0 for value in values) for _, values in items) or 1
     parts = [f'<svg viewBox="0 0 {WIDTH} {height}" role="img" aria-label="{escape(empty)}">']
     x = label_w
     for name, color in series:
@@ -306,18 +341,20 @@ def stacked_bars_svg(
         y = top + i * row_h
         parts.append(
             f'<text x="{label_w - 8}" y="{y + row_h / 2 + 4:.1f}" text-anchor="end">'
-            f"<title>{escape(label)}</title>{escape(_short(label, label_chars))}</text>"
+            f"<title>{_tip(label)}</title>{escape(shorten(label, label_chars))}</text>"
         )
         x0 = float(label_w)
         for (name, color), value in zip(series, values, strict=True):
-            w = plot_w * value / peak
+            w = plot_w * (value or 0) / peak
             if w > 0:
                 parts.append(
                     f'<rect x="{x0:.1f}" y="{y + 4}" width="{w:.1f}" height="{row_h - 8}" fill="{color}">'
-                    f"<title>{escape(label)} {escape(name)}: {fmt_int(value)}</title></rect>"
+                    f"<title>{_tip(label)} {escape(name)}: {fmt_int(value)}</title></rect>"
                 )
             x0 += w
-        parts.append(f'<text x="{x0 + 6:.1f}" y="{y + row_h / 2 + 4:.1f}">{fmt_count(sum(values))}</text>')
+        known = [value for value in values if value is not None]
+        total = fmt_count(sum(known)) if known else "unknown"
+        parts.append(f'<text x="{x0 + 6:.1f}" y="{y + row_h / 2 + 4:.1f}">{total}</text>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -373,10 +410,6 @@ def _share_cell(part: int, whole: int) -> Any:
     return (text, "bad") if share > FAIL_SHARE_WARN else text
 
 
-def _sorted(counts: Mapping[str, int]) -> list[tuple[str, int]]:
-    return sorted(counts.items(), key=lambda item: (-item[1], item[0]))
-
-
 def _version() -> str:
     try:
         from importlib.metadata import version
@@ -393,12 +426,18 @@ def render_report(
     unreadable_lines: int = 0,
     generated_at: float | None = None,
 ) -> str:
-    """The report as one HTML document (a string); ``title`` names the input shown in the header."""
+    """The report as one HTML document (a string); ``title`` names the input shown in the header.
+
+    Every name a record carries (model, gap code, error category, rollout id) is escaped and
+    shortened, and every table and chart shows at most :data:`MAX_ROWS` of them, so the page
+    stays small and inert whatever the input holds.
+    """
     s = summary
+    title = shorten(title, 200)
     failed_bad = s.failed_share > FAIL_SHARE_WARN
     gaps_bad = s.gap_share > FAIL_SHARE_WARN
-    lat, ttft = s.latency_ms.percentiles(), s.ttft_ms.percentiles()
-    tokens = s.tokens_per_rollout.percentiles()
+    lat, ttft, hold = (_percentile_marks(x) for x in (s.latency_ms, s.ttft_ms, s.capture_hold_ms))
+    tokens = _percentile_marks(s.tokens_per_rollout)
     stamp = time.strftime(
         "%Y-%m-%d %H:%M UTC", time.gmtime(generated_at if generated_at is not None else time.time())
     )
@@ -411,7 +450,7 @@ def render_report(
             if s.records_without_capture
             else "",
         ),
-        _kpi("Model calls", fmt_int(s.calls), f"{fmt_count(s.tokens_total)} tokens"),
+        _kpi("Model calls", fmt_int(s.calls), tokens_text(s.tokens_total, s.tokens_total_unknown_calls)),
         _kpi(
             "Failed calls",
             fmt_int(s.failed_calls),
@@ -424,9 +463,16 @@ def render_report(
             f"{fmt_share(s.rollouts_with_gaps, s.rollouts)} of rollouts",
             "bad" if gaps_bad else ("good" if s.rollouts and not s.rollouts_with_gaps else ""),
         ),
-        _kpi("Latency p50", f"{fmt_ms(lat['p50'])}", f"p99 {fmt_ms(lat['p99'])}"),
-        _kpi("TTFT p50", f"{fmt_ms(ttft['p50'])}", f"p99 {fmt_ms(ttft['p99'])}"),
-        _kpi("Tokens / rollout", fmt_count(tokens["p50"]), f"p50 · p99 {fmt_count(tokens['p99'])}"),
+        _kpi("Latency p50", fmt_ms(lat[50]), f"p99 {fmt_ms(lat[99])}"),
+        _kpi("TTFT p50", fmt_ms(ttft[50]), f"p99 {fmt_ms(ttft[99])}"),
+        _kpi(
+            "Capture hold p50",
+            fmt_ms(hold[50]),
+            f"p99 {fmt_ms(hold[99])}, what capture cost the first byte"
+            if s.capture_hold_ms.count
+            else "no call held for its capture",
+        ),
+        _kpi("Tokens / rollout", fmt_count(tokens[50]), f"p50 · p99 {fmt_count(tokens[99])}"),
         _kpi(
             "Orphan captures",
             fmt_int(s.orphan_captures),
@@ -435,15 +481,13 @@ def render_report(
         ),
     ]
 
-    status_items = [
-        (key, float(n), STATUS_COLORS.get(key, NEUTRAL)) for key, n in _sorted(s.calls_by_status_class)
-    ]
-    category_items = [(key, float(n), BAD) for key, n in _sorted(s.calls_by_error_category)]
+    def items(counts: Mapping[str, int], color: Any) -> list[tuple[str, float, str]]:
+        return [(key, float(n), color(key)) for key, n in top_counts(counts)]
+
     all_gaps = {**s.gaps, **s.observation_gaps}
-    gap_items = [(key, float(n), ORANGE if key in s.gaps else WARN) for key, n in _sorted(all_gaps)]
-    models = s.models_by_calls()
+    models = s.models_by_calls()[:MAX_ROWS]  # at most MAX_MODELS + 1 are counted anyway
     model_call_items = [(name, float(m.calls), BLUE) for name, m in models]
-    model_token_items = [(name, [float(m.tokens_in), float(m.tokens_out)]) for name, m in models]
+    model_token_items = [(name, [m.tokens_in, m.tokens_out]) for name, m in models]
 
     charts = [
         _card(
@@ -463,16 +507,29 @@ def render_report(
         ),
         _card(
             "Calls by status class",
-            bars_svg(status_items, empty="no calls", total=s.calls),
+            bars_svg(
+                items(s.calls_by_status_class, lambda key: STATUS_COLORS.get(key, NEUTRAL)),
+                empty="no calls",
+                total=s.calls,
+            ),
             "no status: the call got no HTTP answer (connection, cancelled)",
         ),
         _card(
             "Calls by error category",
-            bars_svg(category_items, empty="no call has an error category", total=s.calls),
+            bars_svg(
+                items(s.calls_by_error_category, lambda _: BAD),
+                empty="no call has an error category",
+                total=s.calls,
+            ),
         ),
         _card(
             "Rollouts by gap code",
-            bars_svg(gap_items, empty="no gaps", total=s.rollouts, label_chars=34),
+            bars_svg(
+                items(all_gaps, lambda key: ORANGE if key in s.gaps else WARN),
+                empty="no gaps",
+                total=s.rollouts,
+                label_chars=34,
+            ),
             "a rollout is counted once per code it has",
         ),
         _card("Calls per model", bars_svg(model_call_items, empty="no calls", total=s.calls)),
@@ -481,6 +538,7 @@ def render_report(
             stacked_bars_svg(
                 model_token_items, [("tokens in", BLUE), ("tokens out", TEAL)], empty="no tokens"
             ),
+            "unknown: no call of the model reported usage",
         ),
     ]
 
@@ -490,9 +548,9 @@ def render_report(
     distribution_rows = [
         (
             label,
-            fmt(p["p50"]),
-            fmt(p["p90"]),
-            fmt(p["p99"]),
+            fmt(p[50]),
+            fmt(p[90]),
+            fmt(p[99]),
             fmt(sketch.mean),
             fmt(sketch.max),
             fmt_int(sketch.count),
@@ -501,41 +559,48 @@ def render_report(
         for label, sketch, p, fmt in (
             ("latency", s.latency_ms, lat, fmt_ms),
             ("TTFT", s.ttft_ms, ttft, fmt_ms),
+            ("capture hold", s.capture_hold_ms, hold, fmt_ms),
             ("tokens per rollout", s.tokens_per_rollout, tokens, fmt_int),
-            ("calls per rollout", s.calls_per_rollout, s.calls_per_rollout.percentiles(), fmt_int),
+            ("calls per rollout", s.calls_per_rollout, _percentile_marks(s.calls_per_rollout), fmt_int),
         )
     ]
-    status_rows = [
-        (k, fmt_int(n), _share_cell(n, s.calls) if k != "2xx" else fmt_share(n, s.calls))
-        for k, n in _sorted(s.calls_by_status_class)
-    ]
-    category_rows = [(k, fmt_int(n), _share_cell(n, s.calls)) for k, n in _sorted(s.calls_by_error_category)]
-    model_rows = [
-        (
-            name,
-            fmt_int(m.calls),
-            fmt_int(m.failed_calls),
-            fmt_int(m.tokens_in),
-            fmt_int(m.tokens_out),
-            fmt_int(m.tokens_total),
-            fmt_ms(m.mean_latency_ms),
-        )
-        for name, m in models
-    ]
-    gap_rows = [
-        (
-            ("<code>" + escape(code) + "</code>", "code"),
-            "capture" if code in s.gaps else "ownership",
+
+    def rows_of(counts: Mapping[str, int], row: Any) -> list[Sequence[Any]]:
+        """The table rows of the largest counts, the rest in one row of the same shape."""
+        return [row(key, n) for key, n in top_counts(counts)]
+
+    status_rows = rows_of(
+        s.calls_by_status_class,
+        lambda k, n: (
+            (_name_html(k, tag="span"), ""),
+            fmt_int(n),
+            _share_cell(n, s.calls) if k != "2xx" else fmt_share(n, s.calls),
+        ),
+    )
+    category_rows = rows_of(
+        s.calls_by_error_category,
+        lambda k, n: (
+            (_name_html(k), "code"),
+            fmt_int(n),
+            _share_cell(n, s.calls),
+            _names_cell(s.failure_examples.get(k, [])),
+        ),
+    )
+    model_rows = [_model_row(name, m) for name, m in models]
+    gap_rows = rows_of(
+        all_gaps,
+        lambda code, n: (
+            (_name_html(code), "code"),
+            "capture" if code in s.gaps else "ownership" if code in s.observation_gaps else "",
             fmt_int(n),
             _share_cell(n, s.rollouts),
-            (", ".join(f"<code>{escape(r)}</code>" for r in s.gap_examples.get(code, [])), "ids"),
-        )
-        for code, n in _sorted(all_gaps)
-    ]
+            _names_cell(s.gap_examples.get(code, [])),
+        ),
+    )
     orphan_rows = [
-        (("<code>" + escape(o) + "</code>", "id"), s.orphan_near.get(o, "")) for o in s.orphan_examples
+        ((_name_html(o), "id"), shorten(s.orphan_near.get(o, ""), NAME_CHARS)) for o in s.orphan_examples
     ]
-    dialect_rows = [(k, fmt_int(n)) for k, n in _sorted(s.calls_by_dialect)]
+    dialect_rows = rows_of(s.calls_by_dialect, lambda k, n: ((_name_html(k, tag="span"), ""), fmt_int(n)))
 
     subtitle = (
         f"{fmt_int(s.rollouts)} rollouts · {fmt_int(s.calls)} calls · "
@@ -550,15 +615,24 @@ def render_report(
             _table(
                 ["", "p50", "p90", "p99", "mean", "max", "n", "percentiles"], distribution_rows, range(1, 7)
             ),
-            "nearest-rank percentiles",
+            "nearest-rank percentiles; capture hold: how long an answer's first byte waited for its "
+            "capture claim (what capture cost)",
             wide=True,
         ),
         _card("Calls by status class", _table(["status class", "calls", "share"], status_rows, (1, 2))),
-        _card("Calls by error category", _table(["error category", "calls", "share"], category_rows, (1, 2))),
+        _card(
+            "Calls by error category",
+            _table(["error category", "calls", "share", "first rollout ids"], category_rows, (1, 2)),
+            "the rollouts that failed: the first few of each category",
+        ),
         _card("Calls by dialect", _table(["dialect", "calls"], dialect_rows, (1,))),
     ]
     model_headers = ["model", "calls", "failed", "tokens in", "tokens out", "tokens total", "mean latency"]
-    model_table = _card("Calls and tokens per model", _table(model_headers, model_rows, range(1, 7)))
+    model_table = _card(
+        "Calls and tokens per model",
+        _table(model_headers, model_rows, range(1, 7)),
+        "token sums are over the calls that reported usage: unknown when none did",
+    )
     gap_headers = ["code", "kind", "rollouts", "share", "first rollout ids"]
     gap_table = _card("Rollouts by gap code", _table(gap_headers, gap_rows, (2, 3)))
     orphan_table = _card(
@@ -584,6 +658,19 @@ def render_report(
     )
 
 
+def _model_row(name: str, m: ModelStats) -> tuple[Any, ...]:
+    """One model's row of the per-model table: its name shortened, unknown sums said so."""
+    return (
+        (_name_html(name), "model"),
+        fmt_int(m.calls),
+        fmt_int(m.failed_calls),
+        _tokens_cell(m.tokens_in, m.tokens_in_unknown_calls),
+        _tokens_cell(m.tokens_out, m.tokens_out_unknown_calls),
+        _tokens_cell(m.tokens_total, m.tokens_total_unknown_calls),
+        fmt_ms(m.mean_latency_ms),
+    )
+
+
 def default_report_path(output: str) -> str:
     """Where the report of an enriched output goes: beside it, ``x.jsonl`` -> ``x.report.html``.
 
@@ -606,13 +693,17 @@ def write_report(
     """Write the HTML report of an enriched JSONL (a path), parsed records, or a summary.
 
     The file is written whole (a temporary file renamed over it), so a reader never sees
-    half a report. Returns the summary it drew.
+    half a report. Returns the summary it drew. A file in which no line carries an attachment
+    raises :class:`~rollout_capture.summary.EvidenceShapeError` naming it (and nothing is
+    written): an empty "0 rollouts" page would say nothing was wrong.
     """
     unreadable = 0
     if isinstance(source, EvidenceSummary):
         summary = source
     elif isinstance(source, str | Path):
         summary, unreadable = summarize_file(source)
+        if not summary.rollouts:
+            raise no_attachment_error(source)
         title = title or Path(source).name
     else:
         summary = summarize_records(source)

@@ -47,6 +47,8 @@ NO_STATUS = "no status"
 FAIL_SHARE_WARN = 0.05
 """Above this share of failed calls or gapped rollouts a report shows the figure in red."""
 PERCENTILES = (50, 90, 99)
+MAX_ROWS = 30
+"""Rows of a table (markdown, the report's tables and charts): the rest summed in one."""
 
 
 class EvidenceShapeError(ValueError):
@@ -165,6 +167,13 @@ class Sketch(BaseModel):
                 return min(max(value, self.min or 0.0), self.max or value)
         return self.max
 
+    def p50_p99(self, unit: str = "") -> str:
+        """``p50/p99`` for a log line or a terminal (``120/990 ms``); ``unknown`` when empty."""
+        p = self.percentiles()
+        if p["p50"] is None or p["p99"] is None:
+            return "unknown"
+        return f"{p['p50']:,}/{p['p99']:,}" + (f" {unit}" if unit else "")
+
     def percentiles(self) -> dict[str, int | None]:
         """p50, p90, p99 rounded to whole units (ms, tokens), as the summary shows them."""
         out: dict[str, int | None] = {}
@@ -225,23 +234,39 @@ class Histogram:
     log: bool = False
 
 
-class ModelStats(BaseModel):
+class TokenSums(BaseModel):
+    """Token sums over the calls that report a value, null when none does (unknown is never
+    counted as 0); ``*_unknown_calls`` says how many calls each leaves out."""
+
+    tokens_in: int | None = None
+    tokens_out: int | None = None
+    tokens_total: int | None = None
+    tokens_in_unknown_calls: int = 0
+    tokens_out_unknown_calls: int = 0
+    tokens_total_unknown_calls: int = 0
+
+    def merge_sums(self, other: TokenSums) -> None:
+        """Add another's sums and unknown calls into these."""
+        for name in TOKEN_SUMS:
+            _add_sum(self.__dict__, name, getattr(other, name), getattr(other, f"{name}_unknown_calls"))
+
+    def token_sums(self) -> dict[str, int | None]:
+        """The sums and their unknown-call counts, as JSON (``--json``, events, ``_ENRICHED``)."""
+        return {name: getattr(self, name) for name in TokenSums.model_fields}
+
+
+class ModelStats(TokenSums):
     """Calls and tokens of one model (the response's model, else the request's, else the server name)."""
 
     calls: int = 0
     failed_calls: int = 0
-    tokens_in: int = 0
-    tokens_out: int = 0
-    tokens_total: int = 0
     latency_ms_total: float = 0.0
     latency_calls: int = 0
 
     def merge(self, other: ModelStats) -> ModelStats:
         self.calls += other.calls
         self.failed_calls += other.failed_calls
-        self.tokens_in += other.tokens_in
-        self.tokens_out += other.tokens_out
-        self.tokens_total += other.tokens_total
+        self.merge_sums(other)
         self.latency_ms_total += other.latency_ms_total
         self.latency_calls += other.latency_calls
         return self
@@ -249,6 +274,34 @@ class ModelStats(BaseModel):
     @property
     def mean_latency_ms(self) -> float | None:
         return self.latency_ms_total / self.latency_calls if self.latency_calls else None
+
+
+TOKEN_SUMS = ("tokens_in", "tokens_out", "tokens_total")
+"""The token sums kept per model and in all, each beside its count of calls that did not report it."""
+
+
+def _add_sum(fields: dict[str, Any], name: str, known: int | None, unknown_calls: int) -> None:
+    """Add a partial sum (``None``: no call reported it) and its unknown calls to ``fields``."""
+    if known is not None:
+        mine = fields[name]
+        fields[name] = known if mine is None else mine + known
+    fields[f"{name}_unknown_calls"] += unknown_calls
+
+
+def tokens_text(total: int | None, unknown_calls: int = 0) -> str:
+    """A token sum as a person reads it: ``1,234 tokens``, ``1,234 tokens (3 calls unknown)``,
+    ``tokens unknown``: the one wording of every terminal line, artifact and page."""
+    if total is None:
+        return "tokens unknown"
+    return f"{total:,} tokens{unknown_calls_note(unknown_calls)}"
+
+
+def figure(value: float | None, unit: str = "") -> str:
+    """A figure in a log line or table: ``unknown`` for null (never Python's ``None``)."""
+    if value is None:
+        return "unknown"
+    shown = f"{value:,.1f}" if isinstance(value, float) else f"{value:,}"
+    return f"{shown} {unit}" if unit else shown
 
 
 def _where(index: int) -> str:
@@ -306,9 +359,18 @@ def _number(call: Mapping[str, Any], name: str, where: str) -> float | None:
     return float(value)
 
 
-def _count(call: Mapping[str, Any], name: str, where: str) -> int | None:
+def _count(call: Mapping[str, Any], name: str, where: str, bits: int = 64) -> int | None:
+    """A whole number that fits a signed ``bits``-bit integer (a Parquet column), or null;
+    3.7 tokens or 10^30 tokens are refused naming the field, never cut to 3 or overflowed."""
     value = _number(call, name, where)
-    return None if value is None else int(value)
+    if value is None:
+        return None
+    if not value.is_integer():
+        raise EvidenceShapeError(f"{where}.{name}: expected a whole number or null, got {call.get(name)!r}")
+    whole = int(value) if type(call.get(name)) is not int else call[name]
+    if not -(2 ** (bits - 1)) <= whole < 2 ** (bits - 1):
+        raise EvidenceShapeError(f"{where}.{name}: {call.get(name)!r} does not fit a {bits}-bit integer")
+    return whole
 
 
 def _text(call: Mapping[str, Any], name: str, where: str) -> str | None:
@@ -357,7 +419,7 @@ def observation_gap_codes(record: Mapping[str, Any]) -> list[str]:
     return _gap_codes(observations.get("gaps"), f"{OBSERVATIONS_KEY}.gaps")
 
 
-class EvidenceSummary(BaseModel):
+class EvidenceSummary(TokenSums):
     """The counted evidence of enriched rollouts: built record by record, summed across batches."""
 
     rollouts: int = 0
@@ -376,9 +438,8 @@ class EvidenceSummary(BaseModel):
     tokens_per_rollout: Sketch = Field(default_factory=Sketch)
     """``metrics.tokens_total`` of each rollout that reports one."""
     calls_per_rollout: Sketch = Field(default_factory=Sketch)
-    tokens_in: int = 0
-    tokens_out: int = 0
-    tokens_total: int = 0
+    capture_hold_ms: Sketch = Field(default_factory=Sketch)
+    """``capture_hold_ms`` of each call that carries one: what capture cost the answer's first byte."""
     models: dict[str, ModelStats] = Field(default_factory=dict)
     rollouts_with_gaps: int = 0
     gaps: dict[str, int] = Field(default_factory=dict)
@@ -387,6 +448,8 @@ class EvidenceSummary(BaseModel):
     """Rollouts having each ownership gap code (``ng_agent_observations.gaps``)."""
     gap_examples: dict[str, list[str]] = Field(default_factory=dict)
     """The first few rollout ids having each gap code (capture and ownership codes)."""
+    failure_examples: dict[str, list[str]] = Field(default_factory=dict)
+    """The first few rollout ids having a call of each error category: which rollouts failed."""
     orphan_captures: int = 0
     """Rollout ids under the capture root that no input line names (set by :meth:`set_orphans`)."""
     orphan_examples: list[str] = Field(default_factory=list)
@@ -409,112 +472,46 @@ class EvidenceSummary(BaseModel):
     def add_attachment(self, attachment: Mapping[str, Any], observation_gaps: Iterable[str] = ()) -> None:
         """Count one rollout from its attachment (the flows hold it before it is spliced in).
 
-        Counts go to locals and are written once a rollout: attribute writes on a pydantic
-        model cost more than the counting itself, and this runs for every call of a corpus.
+        Each call's fields are checked and coerced first (an error names the call and field,
+        and nothing of the rollout is counted), then counted by the same fold as in bulk.
         """
-        rollout_id = str(attachment.get("rollout_id"))
         calls = attachment.get("calls") or []
-        by_status, by_category, by_dialect = (
-            self.calls_by_status_class,
-            self.calls_by_error_category,
-            self.calls_by_dialect,
-        )
-        failed_calls = verifier_calls = tokens_in_sum = tokens_out_sum = tokens_total_sum = 0
-        latencies: list[float] = []
-        ttfts: list[float] = []
-        per_model: dict[str, list[Any]] = {}
-        classes = _STATUS_CLASSES
+        rows: list[tuple[Any, ...]] = []
+        holds: list[Any] = []
         for index, call in enumerate(calls):
+            where = _where(index)
             status = call.get("status_code")
             if status is not None and type(status) is not int:
-                status = _count(call, "status_code", _where(index))
+                status = _count(call, "status_code", where)
             category = call.get("error_category")
             if category is not None and type(category) is not str:
-                category = _text(call, "error_category", _where(index))
-            failed = category is not None or status is None or not 200 <= status < 300
-            key = classes.get(status) or status_class(status)
-            by_status[key] = by_status.get(key, 0) + 1
-            if category is not None:
-                by_category[category] = by_category.get(category, 0) + 1
+                category = _text(call, "error_category", where)
             dialect = call.get("dialect")
             if dialect is not None and type(dialect) is not str:
-                dialect = _text(call, "dialect", _where(index))
-            dialect = dialect or "(unknown)"
-            by_dialect[dialect] = by_dialect.get(dialect, 0) + 1
-            if call.get("verifier_invocation_id"):
-                verifier_calls += 1
+                dialect = _text(call, "dialect", where)
             latency = call.get("latency_total_ms")
-            if latency is not None:
-                if type(latency) is not float and type(latency) is not int:
-                    latency = _number(call, "latency_total_ms", _where(index))
-                latencies.append(latency)
+            if latency is not None and type(latency) is not float and type(latency) is not int:
+                latency = _number(call, "latency_total_ms", where)
             ttft = call.get("latency_ttft_ms")
-            if ttft is not None:
-                if type(ttft) is not float and type(ttft) is not int:
-                    ttft = _number(call, "latency_ttft_ms", _where(index))
-                ttfts.append(ttft)
-            tokens_in = call.get("tokens_in")
-            if tokens_in is not None and type(tokens_in) is not int:
-                tokens_in = _count(call, "tokens_in", _where(index))
-            tokens_out = call.get("tokens_out")
-            if tokens_out is not None and type(tokens_out) is not int:
-                tokens_out = _count(call, "tokens_out", _where(index))
-            tokens_total = call.get("tokens_total")
-            if tokens_total is not None and type(tokens_total) is not int:
-                tokens_total = _count(call, "tokens_total", _where(index))
-            tokens_in, tokens_out, tokens_total = tokens_in or 0, tokens_out or 0, tokens_total or 0
-            failed_calls += failed
-            tokens_in_sum += tokens_in
-            tokens_out_sum += tokens_out
-            tokens_total_sum += tokens_total
-            name = model_of(call)
-            acc = per_model.get(name)
-            if acc is None:
-                acc = per_model[name] = [0, 0, 0, 0, 0, 0.0, 0]
-            acc[0] += 1
-            acc[1] += failed
-            acc[2] += tokens_in
-            acc[3] += tokens_out
-            acc[4] += tokens_total
-            if latency is not None:
-                acc[5] += latency
-                acc[6] += 1
-        for name, acc in per_model.items():
-            model = self._model_stats(name).__dict__  # see Sketch.add_many: plain field writes
-            model["calls"] += acc[0]
-            model["failed_calls"] += acc[1]
-            model["tokens_in"] += acc[2]
-            model["tokens_out"] += acc[3]
-            model["tokens_total"] += acc[4]
-            model["latency_ms_total"] += acc[5]
-            model["latency_calls"] += acc[6]
-        fields = self.__dict__
-        fields["rollouts"] += 1
-        fields["calls"] += len(calls)
-        fields["failed_calls"] += failed_calls
-        fields["verifier_calls"] += verifier_calls
-        fields["tokens_in"] += tokens_in_sum
-        fields["tokens_out"] += tokens_out_sum
-        fields["tokens_total"] += tokens_total_sum
-        self.latency_ms.add_many(latencies)
-        self.ttft_ms.add_many(ttfts)
-        self.calls_per_rollout.add(len(calls))
-        metrics = attachment.get("metrics") or {}
-        tokens = _count(metrics, "tokens_total", f"{ATTACHMENT_KEY}.metrics")
-        if tokens is not None:
-            self.tokens_per_rollout.add(tokens)
-        verifiers = attachment.get("verifier_invocations")
-        if verifiers:
-            fields["verifier_invocations"] += len(verifiers)
-        codes = _gap_codes(attachment.get("gaps"), f"{ATTACHMENT_KEY}.gaps") if "gaps" in attachment else []
-        if codes:
-            fields["rollouts_with_gaps"] += 1
-        for code in codes:
-            _bump(self.gaps, code)
-            self._example(code, rollout_id)
-        for code in dict.fromkeys(observation_gaps):
-            _bump(self.observation_gaps, code)
-            self._example(code, rollout_id)
+            if ttft is not None and type(ttft) is not float and type(ttft) is not int:
+                ttft = _number(call, "latency_ttft_ms", where)
+            tokens = [call.get(name) for name in TOKEN_SUMS]
+            for position, name in enumerate(TOKEN_SUMS):
+                if tokens[position] is not None and type(tokens[position]) is not int:
+                    tokens[position] = _count(call, name, where)
+            hold = call.get("capture_hold_ms")
+            if hold is not None and type(hold) is not float and type(hold) is not int:
+                hold = _number(call, "capture_hold_ms", where)
+            verifier, model, ref = (
+                call.get("verifier_invocation_id"),
+                call.get("model"),
+                call.get("model_ref"),
+            )
+            rows.append((status, category, dialect, verifier, latency, ttft, *tokens, model, ref))
+            holds.append(hold)
+        rollout = _rollout_parts(attachment, list(observation_gaps))
+        columns = list(zip(*rows, strict=True)) if rows else [()] * len(CALL_FIELDS)
+        _fold(self, columns, holds, [rollout])
 
     def _model_stats(self, name: str) -> ModelStats:
         stats = self.models.get(name)
@@ -527,9 +524,14 @@ class EvidenceSummary(BaseModel):
         return stats
 
     def _example(self, code: str, rollout_id: str) -> None:
-        examples = self.gap_examples.setdefault(code, [])
-        if len(examples) < MAX_EXAMPLES and rollout_id not in examples:
-            examples.append(rollout_id)
+        self._named(self.gap_examples, code, rollout_id)
+
+    @staticmethod
+    def _named(examples: dict[str, list[str]], key: str, rollout_id: str) -> None:
+        """Name ``rollout_id`` under ``key`` if it is among the first :data:`MAX_EXAMPLES`."""
+        named = examples.setdefault(key, [])
+        if len(named) < MAX_EXAMPLES and rollout_id not in named:
+            named.append(rollout_id)
 
     def merge(self, other: EvidenceSummary) -> EvidenceSummary:
         """Add another summary (another batch) into this one; returns self."""
@@ -540,13 +542,11 @@ class EvidenceSummary(BaseModel):
             "failed_calls",
             "verifier_calls",
             "verifier_invocations",
-            "tokens_in",
-            "tokens_out",
-            "tokens_total",
             "rollouts_with_gaps",
             "orphan_captures",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.merge_sums(other)
         for name in ("calls_by_status_class", "calls_by_error_category", "calls_by_dialect", "gaps"):
             mine: dict[str, int] = getattr(self, name)
             for key, n in getattr(other, name).items():
@@ -557,13 +557,18 @@ class EvidenceSummary(BaseModel):
         self.ttft_ms.merge(other.ttft_ms)
         self.tokens_per_rollout.merge(other.tokens_per_rollout)
         self.calls_per_rollout.merge(other.calls_per_rollout)
+        self.capture_hold_ms.merge(other.capture_hold_ms)
         for name, stats in other.models.items():
             if name not in self.models and len(self.models) >= MAX_MODELS:
                 name = OTHER_MODELS
             self.models.setdefault(name, ModelStats()).merge(stats)
-        for code, ids in other.gap_examples.items():
-            for rollout_id in ids:
-                self._example(code, rollout_id)
+        for named, theirs in (
+            (self.gap_examples, other.gap_examples),
+            (self.failure_examples, other.failure_examples),
+        ):
+            for code, ids in theirs.items():
+                for rollout_id in ids:
+                    self._named(named, code, rollout_id)
         for rollout_id in other.orphan_examples:
             if len(self.orphan_examples) < MAX_EXAMPLES and rollout_id not in self.orphan_examples:
                 self.orphan_examples.append(rollout_id)
@@ -602,22 +607,20 @@ class EvidenceSummary(BaseModel):
         Percentiles are rounded to whole ms / tokens; no sketch internals, no payloads.
         """
         tokens = self.tokens_per_rollout.percentiles()
+        hold = self.capture_hold_ms.percentiles()
         return {
             "failed_calls": self.failed_calls,
             "failed_share": round(self.failed_share, 6),
             "calls_by_status_class": _sorted_counts(self.calls_by_status_class),
             "calls_by_error_category": _sorted_counts(self.calls_by_error_category),
+            "failure_examples": {why: list(ids) for why, ids in sorted(self.failure_examples.items())},
             "latency_ms": self.latency_ms.percentiles(),
             "ttft_ms": self.ttft_ms.percentiles(),
+            "capture_hold_ms": {"p50": hold["p50"], "p99": hold["p99"], "calls": self.capture_hold_ms.count},
             "tokens_per_rollout": {"p50": tokens["p50"], "p99": tokens["p99"]},
+            **self.token_sums(),
             "models": {
-                name: {
-                    "calls": m.calls,
-                    "failed_calls": m.failed_calls,
-                    "tokens_in": m.tokens_in,
-                    "tokens_out": m.tokens_out,
-                    "tokens_total": m.tokens_total,
-                }
+                name: {"calls": m.calls, "failed_calls": m.failed_calls, **m.token_sums()}
                 for name, m in self.models_by_calls()
             },
             "gap_examples": {code: list(ids) for code, ids in sorted(self.gap_examples.items())},
@@ -641,9 +644,7 @@ class EvidenceSummary(BaseModel):
         row("totals", "failed share", round(self.failed_share, 4))
         row("totals", "rollouts with gaps", self.rollouts_with_gaps)
         row("totals", "gap share", round(self.gap_share, 4))
-        row(
-            "totals", "tokens in / out / total", f"{self.tokens_in} / {self.tokens_out} / {self.tokens_total}"
-        )
+        row("totals", "tokens in / out / total", self.tokens_line())
         if self.records_without_capture:
             row("totals", "records without capture", self.records_without_capture)
         if self.verifier_invocations or self.verifier_calls:
@@ -656,9 +657,12 @@ class EvidenceSummary(BaseModel):
             row("calls by status class", key, n)
         for key, n in _sorted_counts(self.calls_by_error_category).items():
             row("calls by error category", key, n)
+        for key in _sorted_counts(self.calls_by_error_category):
+            row("failed rollouts (first)", key, ", ".join(self.failure_examples.get(key, [])))
         for label, sketch, unit in (
             ("latency", self.latency_ms, "ms"),
             ("TTFT", self.ttft_ms, "ms"),
+            ("capture hold", self.capture_hold_ms, "ms"),
             ("tokens per rollout", self.tokens_per_rollout, "tokens"),
         ):
             for key, value in sketch.percentiles().items():
@@ -667,7 +671,8 @@ class EvidenceSummary(BaseModel):
             row(
                 "per model",
                 name,
-                f"{stats.calls} calls, {stats.failed_calls} failed, {stats.tokens_total} tokens",
+                f"{stats.calls} calls, {stats.failed_calls} failed, "
+                f"{tokens_text(stats.tokens_total, stats.tokens_total_unknown_calls)}",
             )
         for code, n in _sorted_counts({**self.gaps, **self.observation_gaps}).items():
             row("gaps (rollouts)", code, f"{n}: {', '.join(self.gap_examples.get(code, []))}")
@@ -675,6 +680,12 @@ class EvidenceSummary(BaseModel):
         if self.orphan_examples:
             row("orphan captures", "first", ", ".join(self._orphan_labels()))
         return rows
+
+    def tokens_line(self) -> str:
+        """``in / out / total`` as a person reads them, unknown sums and calls said so."""
+        return " / ".join(figure(getattr(self, name)) for name in TOKEN_SUMS) + unknown_calls_note(
+            self.tokens_total_unknown_calls if self.tokens_total is not None else 0
+        )
 
     def _orphan_labels(self) -> list[str]:
         return [
@@ -695,29 +706,36 @@ class EvidenceSummary(BaseModel):
         for label, sketch in (
             ("latency (ms)", self.latency_ms),
             ("TTFT (ms)", self.ttft_ms),
+            ("capture hold (ms)", self.capture_hold_ms),
             ("tokens per rollout", self.tokens_per_rollout),
         ):
             p = sketch.percentiles()
             lines.append(f"| {label} | {_md(p['p50'])} | {_md(p['p90'])} | {_md(p['p99'])} |")
         lines += ["", "| status class | calls |", "| --- | ---: |"]
-        lines += [f"| {k} | {n} |" for k, n in _sorted_counts(self.calls_by_status_class).items()]
+        lines += [f"| {_escape(k)} | {n} |" for k, n in top_counts(self.calls_by_status_class)]
         if self.calls_by_error_category:
-            lines += ["", "| error category | calls |", "| --- | ---: |"]
-            lines += [f"| {k} | {n} |" for k, n in _sorted_counts(self.calls_by_error_category).items()]
-        if self.models:
-            lines += ["", "| model | calls | failed | tokens in | tokens out | tokens total |"]
-            lines += ["| --- | ---: | ---: | ---: | ---: | ---: |"]
+            lines += ["", "| error category | calls | first rollout ids |", "| --- | ---: | --- |"]
             lines += [
-                f"| {_escape(name)} | {m.calls} | {m.failed_calls} | {m.tokens_in} | {m.tokens_out} "
-                f"| {m.tokens_total} |"
-                for name, m in self.models_by_calls()
+                f"| {_escape(k)} | {n} | {', '.join(map(_escape, self.failure_examples.get(k, [])))} |"
+                for k, n in top_counts(self.calls_by_error_category)
             ]
-        all_gaps = _sorted_counts({**self.gaps, **self.observation_gaps})
+        if self.models:
+            lines += [
+                "",
+                "| model | calls | failed | tokens in | tokens out | tokens total | tokens unknown (calls) |",
+            ]
+            lines += ["| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            lines += [
+                f"| {_escape(name)} | {m.calls} | {m.failed_calls} | {_md(m.tokens_in)} "
+                f"| {_md(m.tokens_out)} | {_md(m.tokens_total)} | {m.tokens_total_unknown_calls} |"
+                for name, m in self.models_by_calls()[:MAX_ROWS]
+            ]
+        all_gaps = {**self.gaps, **self.observation_gaps}
         if all_gaps:
             lines += ["", "| gap | rollouts | first rollout ids |", "| --- | ---: | --- |"]
             lines += [
-                f"| {code} | {n} | {', '.join(self.gap_examples.get(code, []))} |"
-                for code, n in all_gaps.items()
+                f"| {_escape(code)} | {n} | {', '.join(map(_escape, self.gap_examples.get(code, [])))} |"
+                for code, n in top_counts(all_gaps)
             ]
         if self.orphan_captures:
             lines += [
@@ -751,6 +769,7 @@ _STR_OR_NONE = frozenset((str, _NONE))
 _NUMBER_OR_NONE = frozenset((int, float, _NONE))
 _STR = frozenset((str,))
 _not_none = partial(operator.is_not, None)
+_HOLD = operator.methodcaller("get", "capture_hold_ms")  # the key is there only when the row was held
 _Rollout = tuple[str, int, int | None, int, Sequence[str], Sequence[str]]
 """(rollout id, calls, metrics.tokens_total, verifier invocations, gap codes, observation gap codes)"""
 _FLUSH_ROWS = 256
@@ -771,11 +790,12 @@ class AttachmentFold:
     one-by-one way, in its turn (same coercions, same errors).
     """
 
-    __slots__ = ("_looked", "_rollouts", "_rows", "_summary")
+    __slots__ = ("_holds", "_looked", "_rollouts", "_rows", "_summary")
 
     def __init__(self, summary: EvidenceSummary) -> None:
         self._summary = summary
         self._rows: list[tuple[Any, ...]] = []
+        self._holds: list[Any] = []  # each held row's capture_hold_ms (None: not held)
         self._rollouts: list[_Rollout] = []
         self._looked = False  # whether rows other than add_built's are held: their types are checked
 
@@ -794,20 +814,14 @@ class AttachmentFold:
             and "gaps" not in attachment
             and not observation_gaps
             and all(map(operator.is_, map(type, calls), repeat(dict)))
+            and self._take(calls)  # else a call without some field: .get's None, one by one
         ):
-            rows = self._rows
-            start = len(rows)
-            try:
-                rows.extend(map(_CALL_FIELDS, calls))
-            except KeyError:  # a call without some field: .get's None, one by one
-                del rows[start:]
-            else:
-                self._looked = True
-                invocations = len(verifiers) if verifiers else 0
-                self._rollouts.append((rollout_id, len(calls), tokens, invocations, (), ()))
-                if len(rows) >= _FLUSH_ROWS:  # what the rows hold stays alive until counted
-                    self.flush()
-                return
+            self._looked = True
+            invocations = len(verifiers) if verifiers else 0
+            self._rollouts.append((rollout_id, len(calls), tokens, invocations, (), ()))
+            if len(self._rows) >= _FLUSH_ROWS:  # what the rows hold stays alive until counted
+                self.flush()
+            return
         self._add_checked(attachment, list(observation_gaps))
 
     def add_made(self, attachment: dict[str, Any]) -> None:
@@ -831,12 +845,7 @@ class AttachmentFold:
         without gaps: its rollout id, calls, ``metrics.tokens_total`` and how many verifier
         invocations it holds. What :meth:`add` and :meth:`flush` check is so by construction:
         each call is a dumped ModelCallRecord, every value of its field's type."""
-        rows = self._rows
-        start = len(rows)
-        try:
-            rows.extend(map(_CALL_FIELDS, calls))
-        except KeyError:  # not a call record after all: one by one
-            del rows[start:]
+        if not self._take(calls):  # not a call record after all: one by one
             attachment: dict[str, Any] = {"rollout_id": rollout_id, "calls": calls}
             attachment["metrics"] = {"tokens_total": tokens_total}
             if invocations:
@@ -844,8 +853,21 @@ class AttachmentFold:
             self._add_checked(attachment, [])
             return
         self._rollouts.append((rollout_id, len(calls), tokens_total, invocations, (), ()))
-        if len(rows) >= _FLUSH_ROWS:
+        if len(self._rows) >= _FLUSH_ROWS:
             self.flush()
+
+    def _take(self, calls: Sequence[dict[str, Any]]) -> bool:
+        """Copy the fields a summary reads of each call into the columns; False (nothing
+        copied) when some call lacks one of :data:`CALL_FIELDS`."""
+        rows = self._rows
+        start = len(rows)
+        try:
+            rows.extend(map(_CALL_FIELDS, calls))
+        except KeyError:
+            del rows[start:]
+            return False
+        self._holds.extend(map(_HOLD, calls))
+        return True
 
     def _add_checked(self, attachment: Mapping[str, Any], observed: list[str]) -> None:
         """:meth:`add` of any other attachment: read as add_attachment reads it, or counted by it."""
@@ -854,37 +876,38 @@ class AttachmentFold:
         except Exception:  # the one-by-one way says what is wrong, in its turn
             rollout = None
         calls = attachment.get("calls") if rollout is not None else None
-        if rollout is not None and (
-            not calls or (type(calls) is list and all(map(operator.is_, map(type, calls), repeat(dict))))
+        if (
+            rollout is not None
+            and (
+                not calls or (type(calls) is list and all(map(operator.is_, map(type, calls), repeat(dict))))
+            )
+            and self._take(calls or ())
         ):
-            rows = self._rows
-            start = len(rows)
-            try:
-                rows.extend(map(_CALL_FIELDS, calls or ()))
-            except KeyError:
-                del rows[start:]
-            else:
-                self._looked = True
-                self._rollouts.append(rollout)
-                return
+            self._looked = True
+            self._rollouts.append(rollout)
+            return
         self.flush()
         self._summary.add_attachment(attachment, observed)
 
     def flush(self) -> None:
         """Count what was added into the summary."""
-        rollouts, rows = self._rollouts, self._rows
+        rollouts, rows, holds = self._rollouts, self._rows, self._holds
         if not rollouts:
             return
-        looked, self._rollouts, self._rows, self._looked = self._looked, [], [], False
+        looked, self._rollouts, self._rows, self._holds, self._looked = self._looked, [], [], [], False
         columns = list(zip(*rows, strict=True)) if rows else [()] * len(CALL_FIELDS)
-        if not looked or _canonical(columns):  # a built record's values have their types
-            _fold(self._summary, columns, rollouts)
+        if not looked or (_canonical(columns) and set(map(type, holds)) <= _NUMBER_OR_NONE):
+            _fold(self._summary, columns, holds, rollouts)  # a built record's values have their types
             return
         start = 0  # a value of another type: each rollout one by one, as it was
         for rollout_id, count, tokens, verifiers, codes, observed in rollouts:
+            calls = [dict(zip(CALL_FIELDS, row, strict=True)) for row in rows[start : start + count]]
+            for call, hold in zip(calls, holds[start : start + count], strict=True):
+                if hold is not None:
+                    call["capture_hold_ms"] = hold
             attachment: dict[str, Any] = {
                 "rollout_id": rollout_id,
-                "calls": [dict(zip(CALL_FIELDS, row, strict=True)) for row in rows[start : start + count]],
+                "calls": calls,
                 "metrics": {"tokens_total": tokens},
             }
             if verifiers:
@@ -929,9 +952,15 @@ def _canonical(columns: Sequence[Sequence[Any]]) -> bool:
 def _fold(
     summary: EvidenceSummary,
     columns: Sequence[Sequence[Any]],
+    holds: Sequence[Any],
     rollouts: Sequence[_Rollout],
 ) -> None:
-    """Count canonical columns into the summary, as add_attachment would one rollout at a time."""
+    """Count canonical columns (and each call's ``capture_hold_ms``) into the summary: the one
+    count of both ways, one rollout at a time (:meth:`EvidenceSummary.add_attachment`) or in bulk.
+
+    A negative duration (a clock step, not the model's time) is left out of the percentiles
+    and the means: the attachment names the call in its ``model_call_timing_impossible`` gap.
+    """
     status, category, dialect, verifier, latency, ttft, tokens_in, tokens_out, tokens_total, model, ref = (
         columns
     )
@@ -946,7 +975,7 @@ def _fold(
         summary.calls_by_dialect,
     )
     classes = _STATUS_CLASSES
-    # name -> [calls, failed, in, out, total, calls with a latency]
+    # name -> [calls, failed, in, out, total, calls with a latency, calls knowing in, out, total]
     per_model: dict[str, list[int]] = {}
     failed_calls = 0
     combos = Counter(zip(status, category, dialect, names, strict=True))
@@ -959,7 +988,7 @@ def _fold(
         by_dialect[key] = by_dialect.get(key, 0) + n
         acc = per_model.get(name)
         if acc is None:
-            acc = per_model[name] = [0, 0, 0, 0, 0, 0]
+            acc = per_model[name] = [0, 0, 0, 0, 0, 0, 0, 0, 0]
         acc[0] += n
         if why is not None or code is None or not 200 <= code < 300:
             acc[1] += n
@@ -975,42 +1004,48 @@ def _fold(
         acc = per_model[pair[1]]
         if count_in is not None:
             acc[2] += count_in
+            acc[6] += 1
         if count_out is not None:
             acc[3] += count_out
+            acc[7] += 1
         if count_total is not None:
             acc[4] += count_total
-        if value is not None:
+            acc[8] += 1
+        if value is not None and value >= 0:
             partials[pair] = get(pair, 0.0) + value
             acc[5] += 1
         elif pair not in partials:
             partials[pair] = 0.0
     models = {name: summary._model_stats(name).__dict__ for name in per_model}  # plain field writes
-    sum_in = sum_out = sum_total = 0
+    fields = summary.__dict__
     for name, acc in per_model.items():
         stats = models[name]
         stats["calls"] += acc[0]
         stats["failed_calls"] += acc[1]
-        stats["tokens_in"] += acc[2]
-        stats["tokens_out"] += acc[3]
-        stats["tokens_total"] += acc[4]
         stats["latency_calls"] += acc[5]
-        sum_in += acc[2]
-        sum_out += acc[3]
-        sum_total += acc[4]
+        for position, sum_name in enumerate(TOKEN_SUMS):
+            known = acc[6 + position]
+            total = acc[2 + position] if known else None
+            _add_sum(stats, sum_name, total, acc[0] - known)
+            _add_sum(fields, sum_name, total, acc[0] - known)
     for (_, name), value in partials.items():
         models[name]["latency_ms_total"] += value
-    fields = summary.__dict__
     fields["rollouts"] += len(rollouts)
     fields["calls"] += len(status)
     fields["failed_calls"] += failed_calls
     fields["verifier_calls"] += sum(map(operator.truth, verifier))
-    fields["tokens_in"] += sum_in
-    fields["tokens_out"] += sum_out
-    fields["tokens_total"] += sum_total
-    summary.latency_ms.add_many(list(filter(_not_none, latency)))
-    summary.ttft_ms.add_many(list(filter(_not_none, ttft)))
+    summary.latency_ms.add_many(_durations(latency))
+    summary.ttft_ms.add_many(_durations(ttft))
+    summary.capture_hold_ms.add_many(_durations(holds))
     summary.calls_per_rollout.add_many([r[1] for r in rollouts])
     summary.tokens_per_rollout.add_many([r[2] for r in rollouts if r[2] is not None])
+    if by_category:  # which rollouts failed: the first few of each error category
+        start = 0
+        for rollout_id, count, *_ in rollouts:
+            for why in category[start : start + count]:
+                if why is not None:
+                    summary._named(summary.failure_examples, why, rollout_id)
+            start += count
     for rollout_id, _, _, verifiers, codes, observed in rollouts:
         if verifiers:
             fields["verifier_invocations"] += verifiers
@@ -1024,12 +1059,43 @@ def _fold(
             summary._example(code, rollout_id)
 
 
+def _durations(values: Sequence[Any]) -> list[float]:
+    """The known, possible durations among ``values``: null and negative ones left out."""
+    known = list(filter(_not_none, values))
+    if known and min(known) < 0:  # rare: an impossible value, named by the attachment's gap
+        known = [value for value in known if value >= 0]
+    return known
+
+
 def _md(value: int | None) -> str:
-    return "-" if value is None else str(value)
+    return "unknown" if value is None else str(value)
+
+
+def unknown_calls_note(calls: int) -> str:
+    """`` (3 calls unknown)`` beside a sum that leaves calls out; empty when none."""
+    return f" ({calls:,} call{'' if calls == 1 else 's'} unknown)" if calls else ""
+
+
+def shorten(text: str, limit: int) -> str:
+    """The text cut in the middle: names differ at the end as often as at the start."""
+    if len(text) <= limit:
+        return text
+    head = (limit - 1) // 2
+    return text[:head] + "\u2026" + text[len(text) - (limit - 1 - head) :]
 
 
 def _escape(text: str) -> str:
-    return text.replace("|", "\\|")
+    """A name in a markdown table cell: shortened, its ``|`` and markup inert."""
+    return shorten(text, 120).replace("&", "&amp;").replace("<", "&lt;").replace("|", "\\|")
+
+
+def top_counts(counts: Mapping[str, int]) -> list[tuple[str, int]]:
+    """The :data:`MAX_ROWS` largest counts, the rest summed as ``(N more)``: a table's rows."""
+    ranked = list(_sorted_counts(counts).items())
+    rest = ranked[MAX_ROWS:]
+    if not rest:
+        return ranked
+    return [*ranked[:MAX_ROWS], (f"({len(rest):,} more)", sum(n for _, n in rest))]
 
 
 # ---------------------------------------------------------------------- orphans
@@ -1074,17 +1140,49 @@ def capture_ids_from_names(names: Iterable[str]) -> set[str]:
 
 def iter_enriched(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
     """``(line number, record)`` for each non-blank line of an enriched JSONL; ``None`` for a
-    line that is not a JSON object (enrichment passes such lines through unchanged)."""
+    line that is not a JSON object (enrichment passes such lines through unchanged).
+
+    A line that is not JSON but names ``ng_model_call_capture`` (a NaN reward, a lone surrogate,
+    a torn write) held calls that would vanish: it raises :class:`EvidenceShapeError` naming the
+    file, line and the field where parsing stopped, rather than being skipped as a passed-through line.
+    """
+    key = ATTACHMENT_KEY.encode()
     with open(path, "rb") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
             try:
                 record = orjson.loads(line)
-            except orjson.JSONDecodeError:
+            except orjson.JSONDecodeError as exc:
+                if key in line:
+                    raise EvidenceShapeError(
+                        f"{path}:{number}: {_field_at(line, exc.pos)}: not JSON ({exc.msg}), "
+                        f"though the line carries {ATTACHMENT_KEY}: its calls would be lost"
+                    ) from None
                 yield number, None
                 continue
             yield number, record if isinstance(record, dict) else None
+
+
+_KEY_BEFORE = re.compile(rb'"((?:[^"\\]|\\.)*)"\s*:')
+
+
+def _field_at(line: bytes, position: int) -> str:
+    """The name of the last key before ``position`` in a JSON line (where parsing stopped)."""
+    keys: list[bytes] = _KEY_BEFORE.findall(line[: max(position, 0)])
+    if not keys:
+        return "line"
+    name = keys[-1].decode("utf-8", "replace")
+    return name if len(name) <= 80 else name[:79] + "\u2026"
+
+
+def no_attachment_error(path: str | Path) -> EvidenceShapeError:
+    """The error of an enriched file in which no line carries an attachment (``report`` and
+    ``export`` of the rollouts file itself, or of any other JSONL): an empty page is no evidence."""
+    return EvidenceShapeError(
+        f"{path}: no line carries an {ATTACHMENT_KEY} attachment; is it an enriched file "
+        "(rollout-capture enrich writes <input>.enriched.jsonl)?"
+    )
 
 
 def summarize_records(records: Iterable[Mapping[str, Any]]) -> EvidenceSummary:
@@ -1098,7 +1196,8 @@ def summarize_records(records: Iterable[Mapping[str, Any]]) -> EvidenceSummary:
 def summarize_file(path: str | Path) -> tuple[EvidenceSummary, int]:
     """The summary of an enriched JSONL and its count of lines that are not JSON objects.
 
-    A malformed attachment raises :class:`EvidenceShapeError` naming the file, line and field.
+    A malformed attachment, or a line carrying one that is not JSON, raises
+    :class:`EvidenceShapeError` naming the file, line and field.
     """
     summary = EvidenceSummary()
     unreadable = 0

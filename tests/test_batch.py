@@ -149,9 +149,9 @@ def test_stats_add_up() -> None:
         "lines": 5,
         "rollouts": 3,
         "calls": 0,
-        "tokens_in": 0,
-        "tokens_out": 0,
-        "tokens_total": 0,
+        "tokens_in": None,  # no call reported any: unknown, never 0
+        "tokens_out": None,
+        "tokens_total": None,
         "waited_for": 1,
         "rollouts_with_gaps": 2,
         "gaps": {"x": 3, "y": 1},

@@ -51,7 +51,7 @@ def test_enrich_the_sample(prefect_api: str, tmp_path: Path) -> None:
     assert rows["failed calls"] == "0 (0.0%)" and rows["calls by status"] == "2xx 14"
     assert rows["latency p50 / p90 / p99"] == "2130 / 3294 / 3775 ms"  # whole ms
     assert rows["TTFT p50 / p90 / p99"] == "336 / 980 / 1016 ms"
-    assert rows["model gpt-4.1-2025-04-14"] == "3 call(s) (0 failed), 2635 tokens"
+    assert rows["model gpt-4.1-2025-04-14"] == "3 call(s) (0 failed), 2,635 tokens"
     assert rows["orphan captures"] == "0"
     assert rows["report"] == str(tmp_path / "sample.enriched.report.html")
     assert (tmp_path / "sample.enriched.report.html").is_file()

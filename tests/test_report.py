@@ -7,6 +7,7 @@ store and enriched by the real merge, so every figure below can be checked by ha
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -14,8 +15,8 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from rollout_capture import CaptureStore, merge_model_call_capture_into_record
 from rollout_capture.report import default_report_path, render_report, write_report
 from rollout_capture.summary import (
     EXACT_LIMIT,
+    AttachmentFold,
     EvidenceShapeError,
     EvidenceSummary,
     Sketch,
@@ -180,6 +182,7 @@ def test_summary_counts_a_hand_built_corpus(corpus: tuple[Path, Path]) -> None:
     assert "24-1 (input has 24-1-a1)" in text
     rows = {(r["section"], r["name"]): r["value"] for r in summary.to_rows()}
     assert rows[("calls by error category", "rate_limit")] == 2
+    assert rows[("failed rollouts (first)", "rate_limit")] == "r-13, r-15"  # which rollouts failed
     assert rows[("TTFT (ms)", "p99")] == 99
 
 
@@ -387,93 +390,206 @@ def test_the_report_renders_in_headless_chromium_without_a_request(
         shutil.copyfile(shot, NOTES / "report.png")
 
 
-# ---------------------------------------------------------------------- export
+# ---------------------------------------------------------------------- figures people read
 
 
-def test_export_tables_read_back_with_pyarrow(corpus: tuple[Path, Path], tmp_path: Path) -> None:
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
-    from rollout_capture.export import calls_schema, export_tables, rollouts_schema
+def _attachment(rollout_id: str, *calls: dict[str, Any], gaps: Sequence[str] = ()) -> dict[str, Any]:
+    attachment: dict[str, Any] = {"rollout_id": rollout_id, "metrics": {}, "calls": list(calls)}
+    if gaps:
+        attachment["gaps"] = [{"code": code} for code in gaps]
+    return attachment
 
-    _, enriched = corpus
-    calls_path, rollouts_path = tmp_path / "calls.parquet", tmp_path / "rollouts.parquet"
-    counts = export_tables(enriched, calls_path, rollouts_path)
-    assert (counts.calls, counts.rollouts, counts.lines_skipped) == (100, 22, 2)
 
-    calls = pq.read_table(calls_path)
-    rollouts = pq.read_table(rollouts_path)
-    assert calls.schema.equals(calls_schema()) and rollouts.schema.equals(rollouts_schema())
-    assert calls.num_rows == 100 and rollouts.num_rows == 22
+def _call(**fields: Any) -> dict[str, Any]:
+    return {"status_code": 200, "dialect": "chat", "model": "m", **fields}
 
-    summary = summarize_file(enriched)[0]
-    per_model = calls.group_by("model").aggregate(
-        [
-            ("model", "count"),
-            ("failed", "sum"),
-            ("tokens_in", "sum"),
-            ("tokens_out", "sum"),
-            ("tokens_total", "sum"),
-        ]
+
+def test_unknown_tokens_are_shown_unknown_and_mixed_sums_say_how_many_calls(tmp_path: Path) -> None:
+    summary = EvidenceSummary()
+    silent = [_call(model="m-silent", status_code=None, error_category="connection") for _ in range(15)]
+    summary.add_attachment(_attachment("r-1", *silent))
+    page = render_report(summary)
+    assert "tokens unknown" in page  # the calls card
+    row = re.search(r"<tr><td class=\"model\"><code>m-silent</code></td>(.*?)</tr>", page)
+    assert row is not None
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", row.group(1))
+    assert cells[:5] == ["15", "15", "unknown", "unknown", "unknown"]
+    summary.add_attachment(_attachment("r-2", _call(model="m-silent", tokens_total=1234)))
+    page = render_report(summary)
+    assert "1,234 tokens (15 calls unknown)" in page and "1,234 (15 calls unknown)" in page
+
+
+def test_the_card_and_the_chart_show_one_percentile_alike() -> None:
+    """p99 on the card and in the chart's legend are one value, formatted once (2.52 s, not 2.51)."""
+    summary = EvidenceSummary()
+    summary.add_attachment(_attachment("r-1", *[_call(latency_total_ms=2515.4) for _ in range(3)]))
+    page = render_report(summary)
+    card = re.search(
+        r'Latency p50</div><div class="value">[^<]*</div><div class="note">p99 ([^<]*)</div>', page
     )
-    got = {
-        row["model"]: (
-            row["model_count"],
-            row["failed_sum"],
-            row["tokens_in_sum"],
-            row["tokens_out_sum"],
-            row["tokens_total_sum"],
+    legend = re.search(r'class="mark">p99 ([^<]*)</text>', page)
+    assert card is not None and legend is not None
+    assert card.group(1) == legend.group(1) == "2.52 s"
+
+
+def test_the_report_names_the_rollouts_that_failed(corpus: tuple[Path, Path], tmp_path: Path) -> None:
+    _, enriched = corpus
+    page = render_report(summarize_file(enriched)[0])
+    # calls 7, 17, 27, 37, 47, 57 failed upstream (rollouts r-1, r-3, r-5, r-7, r-9, r-11: the first 5)
+    row = re.search(r"<code>upstream_error</code></td>(.*?)</tr>", page)
+    assert row is not None
+    assert re.findall(r"<code>(r-\d+)</code>", row.group(1)) == ["r-1", "r-3", "r-5", "r-7", "r-9"]
+    connection = re.search(r"<code>connection</code></td>(.*?)</tr>", page)
+    assert connection is not None and "<code>r-17</code>" in connection.group(1)
+
+
+HOSTILE = '<img src=x onerror="alert(1)">'
+
+
+def test_a_hostile_input_of_10k_rollouts_makes_a_small_inert_page() -> None:
+    """Names a record carries are escaped, shortened (full in a capped tooltip) and at most
+    30 a table: 10k rollouts, each with its own 10 kB model, category and gap code, a 2 MB
+    model name among them, stay under 2 MB."""
+    summary = EvidenceSummary()
+    fold = AttachmentFold(summary)
+    huge = "M" * 2_000_000
+    for k in range(10_000):
+        pad = f"{k:05d}" + "x" * 10_000
+        call = _call(
+            model=huge if k < 100 else f"{HOSTILE}{pad}",
+            status_code=k,
+            error_category=f"{HOSTILE}{pad}",
+            dialect=f"{HOSTILE}{pad}",
+            latency_total_ms=-5000.0 if k % 2 else float(k),
         )
-        for row in per_model.to_pylist()
-    }
-    assert got == {
-        name: (m.calls, m.failed_calls, m.tokens_in, m.tokens_out, m.tokens_total)
-        for name, m in summary.models.items()
-    }
-    by_category = calls.group_by("error_category").aggregate([("error_category", "count")]).to_pylist()
-    assert {r["error_category"]: r["error_category_count"] for r in by_category if r["error_category"]} == (
-        summary.calls_by_error_category
+        fold.add(_attachment(f"{HOSTILE}{pad}", call, gaps=[f"{HOSTILE}{pad}"]))
+    fold.flush()
+    page = render_report(summary, title=HOSTILE * 1000)
+    assert len(page.encode()) < 2_000_000
+    assert "<img" not in page and "&lt;img" in page
+    assert 'title="MMMM' in page  # the long name is in its tooltip, capped
+    assert "(9,970 more)" in page  # gap codes past the 30 shown, summed in one row
+    assert "-5000" not in page and "-5.00 s" not in page  # impossible latencies are in no figure
+
+
+def test_a_gap_code_is_text_in_the_gap_table() -> None:
+    summary = EvidenceSummary()
+    summary.add_attachment(_attachment("r-1", _call(), gaps=[HOSTILE]))
+    summary.add(
+        {
+            "ng_model_call_capture": _attachment("r-2"),
+            "ng_agent_observations": {"gaps": [{"code": HOSTILE + "o"}]},
+        }
     )
-    owned = calls.filter(pa.compute.is_valid(calls["owner_invocation_id"])).to_pylist()
-    assert [(r["rollout_id"], r["owner_invocation_id"], r["call_index"]) for r in owned] == [
-        ("r-5", "inv-1", 0)
-    ]
-
-    by_id = {r["rollout_id"]: r for r in rollouts.to_pylist()}
-    assert by_id["r-3"]["gap_codes"] == ["model_call_capture_incomplete"]
-    assert by_id["r-5"]["observation_gap_codes"] == ["model_call_ownership_unavailable"]
-    assert by_id["24-1-a1"]["num_calls"] == 0 and by_id["24-1-a1"]["tokens_total"] is None
-    assert by_id["r-1"]["failed_calls"] == 1 and by_id["r-1"]["reward"] == 1.0
-    assert pa.compute.sum(rollouts["num_calls"]).as_py() == summary.calls
+    page = render_report(summary)
+    assert "<img" not in page
+    assert page.count("<code>&lt;img src=x onerror=&quot;alert(1)&quot;&gt;") == 2  # both codes, as text
 
 
-def test_a_malformed_line_stops_the_export_and_leaves_no_table(
-    corpus: tuple[Path, Path], tmp_path: Path
-) -> None:
-    pytest.importorskip("pyarrow")
-    from rollout_capture.export import export_tables
+# ---------------------------------------------------------------------- what the flows print
 
-    _, enriched = corpus
-    bad = tmp_path / "bad.jsonl"
-    lines = enriched.read_bytes().splitlines(keepends=True)
-    record = orjson.loads(lines[2])
-    record["ng_model_call_capture"]["calls"][1]["status_code"] = "500"
-    bad.write_bytes(b"".join([*lines[:2], orjson.dumps(record) + b"\n", *lines[3:]]))
-    out = tmp_path / "out"
-    with pytest.raises(
-        EvidenceShapeError, match=r"bad\.jsonl:3: ng_model_call_capture\.calls\[1\]\.status_code"
+
+def test_a_share_equal_to_its_threshold_is_not_poor() -> None:
+    """Strictly above: ``max_gap_share=0`` never flags a clean run, 1 of 4 is not above 25 %."""
+    from rollout_capture.batch import BatchStats
+    from rollout_capture.flows.report import EnrichSummary, final_state, poor_evidence
+
+    for stats, threshold in (
+        (BatchStats(rollouts=4), 0.0),
+        (BatchStats(rollouts=4, rollouts_with_gaps=1), 0.25),
     ):
-        export_tables(bad, out / "calls.parquet", out / "rollouts.parquet")
-    assert list(out.iterdir()) == []  # neither table, nor a temporary file
+        summary = EnrichSummary(source="in.jsonl", output="out.jsonl", batches=1, seconds=0.0, stats=stats)
+        assert poor_evidence(stats, threshold, threshold) == []
+        assert final_state(summary, threshold, threshold) is summary
+    above = BatchStats(rollouts=4, rollouts_with_gaps=2)
+    summary = EnrichSummary(source="in.jsonl", output="out.jsonl", batches=1, seconds=0.0, stats=above)
+    assert getattr(final_state(summary, 0.25, None), "name", None) == "Completed with gaps"
 
 
-def test_export_without_pyarrow_names_the_extra(tmp_path: Path) -> None:
-    code = (
-        "import sys; sys.modules['pyarrow'] = None\n"
-        "from rollout_capture.export import export_tables, ExportUnavailable\n"
-        "try:\n    export_tables('x.jsonl', 'c.parquet')\n"
-        "except ExportUnavailable as exc:\n    print(exc)\n"
+def _silent_row(i: int) -> dict[str, Any]:
+    """A call answered 200 that reported no usage and no timing: every figure of it is unknown."""
+    row = _row(i, failures=False)
+    del row["response"]["usage"]
+    row["latency_ms"] = row["latency_ttft_ms"] = None
+    return row
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_run_of_unknown_figures_says_unknown_everywhere(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Tokens no call reported and latencies none recorded are "unknown" in the log line, the
+    artifacts, the digest and the terminal's rows, never 0 or ``None``; and a clean run with
+    ``max_gap_share=0`` is plainly Completed."""
+    from rollout_capture.cli import _evidence_rows
+    from rollout_capture.flows import enrich_rollouts
+    from rollout_capture.flows.report import artifact_key
+
+    from .prefect_api import artifacts
+
+    captures = tmp_path / "captures"
+    store = CaptureStore(captures)
+    for i in range(3):
+        store.record(f"r-{i}", _silent_row(i))
+    source = tmp_path / "rollouts.jsonl"
+    source.write_bytes(b"".join(orjson.dumps({"_ng_rollout_id": f"r-{i}"}) + b"\n" for i in range(3)))
+    caplog.set_level(logging.INFO, logger="prefect.flow_runs")
+
+    state = enrich_rollouts(
+        str(source), str(captures), max_gap_share=0.0, max_failed_share=0.0, return_state=True
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
+
+    assert state.name == "Completed"
+    summary = state.result()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("enriched 3 rollout(s)")]
+    assert "latency p50/p99 unknown" in line and "TTFT p50/p99 unknown" in line
+    assert "tokens in / out / total unknown / unknown / unknown" in line and "None" not in line
+    evidence = summary.stats.evidence
+    assert (
+        summary.stats.tokens_total is None and evidence.digest()["models"]["model-a"]["tokens_total"] is None
     )
-    assert "pip install 'rollout-capture[export]'" in out.stdout
+    rows = dict(_evidence_rows(evidence))
+    assert rows["model model-a"] == "3 call(s) (0 failed), tokens unknown"
+    assert rows["latency p50 / p90 / p99"] == "unknown" and rows["capture hold p50 / p99"] == "unknown"
+    published = {a.key: a for a in artifacts(state.state_details.flow_run_id) if a.key}
+    output = str(tmp_path / "rollouts.enriched.jsonl")
+    markdown = published[artifact_key("enrichment-summary", output)].data
+    assert "- tokens in / out / total: unknown / unknown / unknown" in markdown
+    assert "| model-a | 3 | 0 | unknown | unknown | unknown | 3 |" in markdown and "None" not in markdown
+    table = {
+        r["measure"]: r["value"] for r in orjson.loads(published[artifact_key("enrichment", output)].data)
+    }
+    assert table["tokens total"] == "unknown" and table["calls without tokens total"] == 3
+
+
+def test_impossible_timings_are_a_gap_naming_the_call_read_either_way() -> None:
+    """A negative duration or a call completed before it started is a gap naming the call, on
+    the typed path and the full one alike; the page never shows it as a duration."""
+    from tests.test_typed_rows import BASE, both_ways
+
+    lines = [
+        orjson.dumps(BASE | {"model_call_id": "c1", "latency_ms": -5000, "latency_ttft_ms": -1.5}),
+        orjson.dumps(BASE | {"model_call_id": "c2", "started_at": 10.0, "completed_at": 9.0}),
+        orjson.dumps(BASE | {"model_call_id": "c3"}),
+    ]
+    full, typed, built = both_ways(lines)
+    assert typed == full and built == 3
+    attachment = orjson.loads(full)
+    assert attachment["gaps"] == [
+        {
+            "code": "model_call_timing_impossible",
+            "detail": "capture:c1:call_index=0: latency_total_ms=-5000.0, latency_ttft_ms=-1.5",
+        },
+        {
+            "code": "model_call_timing_impossible",
+            "detail": "capture:c2:call_index=1: completed_at=9.0 < started_at=10.0",
+        },
+    ]
+    assert [c["latency_total_ms"] for c in attachment["calls"]] == [-5000, 500, 500]  # as recorded
+    summary = EvidenceSummary()
+    summary.add({"ng_model_call_capture": attachment})
+    assert (summary.latency_ms.count, summary.latency_ms.min, summary.ttft_ms.count) == (2, 500.0, 0)
+    assert summary.gap_examples == {"model_call_timing_impossible": ["r"]}
+    page = render_report(summary)
+    assert "<code>model_call_timing_impossible</code>" in page and ">0 ms<" not in page
+    assert not re.search(r"-\d[\d.,]* (ms|s)\b", page)  # no negative duration anywhere

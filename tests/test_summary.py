@@ -29,6 +29,7 @@ from rollout_capture.summary import (
     EvidenceSummary,
     Sketch,
     summarize_records,
+    tokens_text,
 )
 from tests.conftest import CORPUS
 
@@ -122,6 +123,8 @@ def calls(draw: st.DrawFn) -> Any:
         "model": draw(models),
         "model_ref": draw(refs),
     }
+    if draw(st.booleans()):  # held by its producer: what capture cost the first byte
+        call["capture_hold_ms"] = draw(latencies)
     shape = draw(st.integers(0, 60))
     if shape == 0:  # a value of another type: coerced, or an error
         call[draw(st.sampled_from(sorted(call)))] = draw(odd)
@@ -284,3 +287,112 @@ def test_a_batch_counts_its_evidence_as_summarizing_its_output(
         expected.merge(summarize_records(orjson.loads(line) for line in out))
     assert batched.calls > 100 and batched.gaps and batched.observation_gaps
     assert dumped(batched) == dumped(expected)
+
+
+# ---------------------------------------------------------------- figures people read
+
+
+def _call(**fields: Any) -> dict[str, Any]:
+    return dict.fromkeys(FIELDS) | {"status_code": 200, "dialect": "chat"} | fields
+
+
+def _summed(*attachments: dict[str, Any]) -> tuple[EvidenceSummary, EvidenceSummary]:
+    """The summary of ``attachments`` counted one by one, and in bulk."""
+    one, bulk = EvidenceSummary(), EvidenceSummary()
+    fold = AttachmentFold(bulk)
+    for attachment in attachments:
+        one.add_attachment(attachment)
+        fold.add(attachment)
+    fold.flush()
+    return one, bulk
+
+
+def test_tokens_no_call_reported_are_unknown_never_zero() -> None:
+    """A model whose calls all reported no usage has null sums; a mixed sum says how many
+    calls it leaves out; batches merge the same way."""
+    silent = [_call(model="m-silent", status_code=None, error_category="connection") for _ in range(15)]
+    mixed = [_call(model="m-mixed", tokens_in=3, tokens_out=4, tokens_total=7), _call(model="m-mixed")]
+    for summary in _summed({"rollout_id": "r-1", "calls": silent}, {"rollout_id": "r-2", "calls": mixed}):
+        models = summary.digest()["models"]
+        assert models["m-silent"] == {
+            "calls": 15,
+            "failed_calls": 15,
+            "tokens_in": None,
+            "tokens_out": None,
+            "tokens_total": None,
+            "tokens_in_unknown_calls": 15,
+            "tokens_out_unknown_calls": 15,
+            "tokens_total_unknown_calls": 15,
+        }
+        assert (models["m-mixed"]["tokens_total"], models["m-mixed"]["tokens_total_unknown_calls"]) == (7, 1)
+        assert (summary.tokens_total, summary.tokens_total_unknown_calls) == (7, 16)
+        rows = {row["name"]: row["value"] for row in summary.to_rows()}
+        assert rows["m-silent"] == "15 calls, 15 failed, tokens unknown"
+        assert rows["m-mixed"] == "2 calls, 0 failed, 7 tokens (1 call unknown)"
+        assert "| m-silent | 15 | 15 | unknown | unknown | unknown | 15 |" in summary.to_markdown()
+    only_silent = EvidenceSummary()
+    only_silent.add_attachment({"rollout_id": "r-1", "calls": silent})
+    merged = EvidenceSummary().merge(only_silent).merge(EvidenceSummary())
+    assert merged.tokens_total is None and merged.models["m-silent"].tokens_in is None
+    assert merged.digest()["tokens_total_unknown_calls"] == 15
+    assert tokens_text(1234, 3) == "1,234 tokens (3 calls unknown)" and tokens_text(None) == "tokens unknown"
+
+
+def test_the_nearest_rank_percentile_rounds_its_rank_up() -> None:
+    """p50 of n values is the ceil(0.5 n)-th smallest, exact and bucketed alike."""
+    sketch = Sketch()
+    sketch.add_many([1.0, 2.0, 3.0])
+    assert (sketch.percentile(50), sketch.percentile(34), sketch.percentile(33)) == (2.0, 2.0, 1.0)
+    assert sketch.percentile(100) == 3.0
+    big = Sketch()  # past the exact limit: 1000 x 10 ms then 1000 x 1000 ms, bucketed
+    big.add_many([10.0] * 1000 + [1000.0] * 1000)
+    assert not big.exact
+    assert big.percentile(50) == pytest.approx(10.0, rel=0.01)
+    assert big.percentile(50.05) == pytest.approx(1000.0, rel=0.01)  # rank 1001: the first 1000 ms
+
+
+def test_capture_hold_is_counted_over_the_calls_that_carry_it() -> None:
+    calls = [_call(capture_hold_ms=float(ms)) for ms in range(1, 101)] + [_call()]
+    one, bulk = _summed({"rollout_id": "r-1", "calls": calls})
+    assert dumped(one) == dumped(bulk)
+    assert one.digest()["capture_hold_ms"] == {"p50": 50, "p99": 99, "calls": 100}
+    assert EvidenceSummary().digest()["capture_hold_ms"] == {"p50": None, "p99": None, "calls": 0}
+    assert "| capture hold (ms) | 50 | 90 | 99 |" in one.to_markdown()
+
+
+def test_the_rollouts_that_failed_are_named_per_error_category() -> None:
+    attachments = [
+        {"rollout_id": f"r-{k}", "calls": [_call(), _call(status_code=429, error_category="rate_limit")]}
+        for k in range(8)
+    ] + [{"rollout_id": "r-x", "calls": [_call(status_code=None, error_category="connection")]}]
+    one, bulk = _summed(*attachments)
+    assert dumped(one) == dumped(bulk)
+    assert one.failure_examples == {"rate_limit": ["r-0", "r-1", "r-2", "r-3", "r-4"], "connection": ["r-x"]}
+    halves = EvidenceSummary()
+    halves.add_attachment(attachments[-1])
+    halves.merge(one)
+    assert halves.failure_examples["connection"] == ["r-x"]
+    assert one.digest()["failure_examples"]["rate_limit"][0] == "r-0"
+
+
+def test_impossible_durations_are_left_out_of_percentiles_and_means() -> None:
+    calls = [
+        _call(model="m", latency_total_ms=-5000.0, latency_ttft_ms=-1.0, capture_hold_ms=-3.0),
+        _call(model="m", latency_total_ms=100.0, latency_ttft_ms=10.0),
+    ]
+    one, bulk = _summed({"rollout_id": "r-1", "calls": calls})
+    assert dumped(one) == dumped(bulk)
+    assert (one.latency_ms.count, one.latency_ms.min, one.ttft_ms.count) == (1, 100.0, 1)
+    assert one.capture_hold_ms.count == 0 and one.models["m"].mean_latency_ms == 100.0
+
+
+def test_the_markdown_digest_stays_small_and_inert_whatever_the_names() -> None:
+    """A 2 MB model name, markup and ``|`` in codes, 100 gap codes: each name cut and escaped,
+    30 rows a table, the rest summed in one."""
+    summary = EvidenceSummary()
+    for k in range(100):
+        call = _call(model="M" * 2_000_000 if k == 0 else f"m|{k}", error_category=f"<b>{k}</b>")
+        summary.add_attachment({"rollout_id": f"r-{k}", "calls": [call], "gaps": [{"code": f"<i>g{k}|"}]})
+    text = summary.to_markdown()
+    assert len(text) < 30_000 and "<b>" not in text and "<i>" not in text
+    assert "| &lt;i>g0\\| | 1 | r-0 |" in text and "| (70 more) | 70 |" in text
