@@ -13,16 +13,42 @@ PACKAGES = ("rollout_capture", "tasks", "flows", "deployments", "cli")
 MAPPED = {"tasks", "flows", "deployments", "cli"}  # repository folders installed as rollout_capture.<name>
 
 
-def test_the_core_imports_no_prefect_and_no_cli_toolkit() -> None:
-    probe = (
-        "import sys, rollout_capture, rollout_capture.batch, rollout_capture.worker_pool, "
-        "rollout_capture.run_folders, rollout_capture.read_calls\n"
-        "loaded = {m.split('.')[0] for m in sys.modules} | set(sys.modules)\n"
-        "print(sorted(loaded & {'prefect', 'typer', 'rich', 'rollout_capture.flows', 'rollout_capture.tasks',"
-        " 'rollout_capture.cli'}))"
-    )
+_WALK = (
+    "import importlib, pkgutil, sys, rollout_capture\n"
+    "skip = {skip!r}\n"
+    "names = [m.name for m in pkgutil.walk_packages(rollout_capture.__path__, 'rollout_capture.')\n"
+    "         if m.name.startswith({within!r}) and '.sample' not in m.name\n"
+    "         and not any(m.name == s or m.name.startswith(s + '.') for s in skip)]\n"
+    "for name in names:\n"
+    "    importlib.import_module(name)\n"
+    "loaded = {{m.split('.')[0] for m in sys.modules}} | set(sys.modules)\n"
+    "print(len(names), sorted(loaded & {banned!r}))"
+)
+_APART = sorted(f"rollout_capture.{name}" for name in MAPPED)  # installed under it, not the core
+_FLOWS = {"prefect", "typer", *_APART}
+
+
+def _walk(within: str, skip: list[str], banned: set[str]) -> tuple[int, str]:
+    probe = _WALK.format(within=within, skip=skip, banned=banned)
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "[]"
+    count, leaked = done.stdout.strip().split(" ", 1)
+    return int(count), leaked
+
+
+def test_the_core_imports_no_prefect_and_no_cli_toolkit() -> None:
+    """Every module of the core, found by walking the package (so a module added later is
+    checked too), imported in a fresh interpreter: none loads Prefect, typer, rich or the flows."""
+    count, leaked = _walk("rollout_capture.", [*_APART, "rollout_capture.producer"], {*_FLOWS, "rich"})
+    assert count >= 40, f"only {count} core modules found: the walk missed the package"
+    assert leaked == "[]", f"the core loaded {leaked}"
+
+
+def test_the_producer_imports_no_prefect() -> None:
+    """The producer's modules likewise; its HTTP stack may bring what it brings (httpx loads rich
+    for its own command line), but never Prefect, typer or the flows."""
+    count, leaked = _walk("rollout_capture.producer", [], _FLOWS)
+    assert count >= 15, f"only {count} producer modules found"
+    assert leaked == "[]", f"the producer loaded {leaked}"
 
 
 def _module_name(path: Path) -> str:
