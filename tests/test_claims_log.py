@@ -23,7 +23,7 @@ from rollout_capture.claims import Claim, new_claim
 from rollout_capture.claims_log import ClaimsLogReader, ClaimsLogWriter
 from rollout_capture.layout import CLAIMS_LOG_DIR
 
-from .conftest import wait_for
+from .conftest import Clock, wait_for
 from .scripted_upstream import ScriptedUpstream
 
 ROW = {"model_call_id": "m", "status_code": 200}
@@ -213,6 +213,50 @@ def test_clearing_voids_a_live_writers_claims_and_later_ones_count(tmp_path: Pat
     finally:
         os.kill(process.pid, signal.SIGKILL)
         process.join(30)
+
+
+def _claim_behind_then_hang(url: str, ttl_s: float, ready: Any) -> None:
+    """A producer whose clock is two TTLs behind: its claim says it lapsed long ago."""
+    import time
+
+    from rollout_capture.claims import clock_set
+
+    store = CaptureStore(url, claims="log")
+    with clock_set(lambda: time.time() - 2 * ttl_s):
+        store.claim("s-0", "skewed", ttl_s=ttl_s).__enter__()  # a call in flight, never released
+    ready.set()
+    threading.Event().wait(120)
+
+
+@pytest.mark.parametrize("reader_ahead_s", [0.0, 3600.0])
+async def test_a_live_writers_claims_are_live_whatever_the_clocks_say(
+    tmp_path: Path, clock: Clock, reader_ahead_s: float
+) -> None:
+    """Its log's lock says the writer lives: its open claim is pending, though its claimed_at is
+    two TTLs back by the reader's clock (and an hour more with the reader's clock ahead); once
+    the writer is killed the claim is abandoned at once, even by a reader whose clock is behind."""
+    url, ttl_s = str(tmp_path / "caps"), 30.0
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    process = context.Process(target=_claim_behind_then_hang, args=(url, ttl_s, ready))
+    process.start()
+    store = CaptureStore(url)
+    try:
+        assert ready.wait(60)
+        clock.advance(reader_ahead_s)
+        (claim,) = store.live_claims("s-0")
+        assert claim.model_call_id == "skewed"
+        assert claim.claimed_at + claim.ttl_s < clock.now  # lapsed, by the clocks
+        assert store.expired_claims("s-0") == []
+        assert {"code": "model_call_capture_pending", "detail": "count=1"} in gaps(store, "s-0")
+        assert not await await_model_call_capture_quiescence("s-0", [store], timeout_s=0.1, poll_s=0.02)
+    finally:
+        os.kill(process.pid or 0, signal.SIGKILL)
+        process.join(30)
+    clock.advance(-2 * 3600.0)  # a reader whose clock is now behind the writer's claim
+    assert await await_model_call_capture_quiescence("s-0", [store], timeout_s=5, poll_s=0.02)
+    assert [c.model_call_id for c in store.expired_claims("s-0")] == ["skewed"]
+    assert {"code": "model_call_capture_claim_abandoned", "detail": "count=1"} in gaps(store, "s-0")
 
 
 def _race_writer(url: str, claims: str, writer: int, calls: int, published: Any, max_bytes: int) -> None:
