@@ -149,6 +149,33 @@ def test_a_torn_or_foreign_line_is_skipped_and_a_clear_after_it_still_counts(tmp
     assert logs(tmp_path) == []  # dead, nothing open: removed
 
 
+def test_a_line_after_a_short_write_starts_on_a_fresh_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim's ``write`` cut short (a full disk) leaves a torn line; the next claim and its
+    release start on a fresh line, so they are read, not lost inside the torn one."""
+    writer = ClaimsLogWriter(str(tmp_path))
+    reader = ClaimsLogReader(str(tmp_path))
+    first, second = new_claim("cut", 60), new_claim("next", 60)
+    real_write = os.write
+
+    def short_once(fd: int, data: bytes) -> int:
+        monkeypatch.setattr(os, "write", real_write)
+        return real_write(fd, data[: len(data) // 2])
+
+    monkeypatch.setattr(os, "write", short_once)
+    with pytest.raises(OSError, match="cut short"):
+        writer.claim("c-0", first)
+    monkeypatch.setattr(os, "write", real_write)
+    writer.claim("c-1", second)
+    reader.refresh()
+    assert reader.rollout_ids() == {"c-1"}  # the torn claim is no claim; the next one is whole
+    writer.release("c-1", second.claim_id)
+    reader.refresh()
+    assert reader.rollout_ids() == set()
+    writer.close()
+
+
 # ---------------------------------------------------------------- writer processes, killed
 
 
