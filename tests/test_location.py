@@ -187,3 +187,38 @@ def test_a_flow_given_a_url_with_credentials_fails_and_records_it_nowhere(tmp_pa
         recorded = orjson.dumps(run.parameters).decode() + run.name
         assert URL_SECRET not in recorded and "AKIAEXAMPLE" not in recorded, recorded
         assert "<refused: credentials in the URL> (s3://bucket)" in recorded
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_task_given_a_url_with_credentials_is_named_without_them() -> None:
+    """A task called with a raw URL (not a ``Location`` a flow validated) is refused in its body;
+    its run's name, recorded before, shows the URL's scheme and host alone."""
+    from prefect import flow
+
+    from rollout_capture.tasks.capture import check_capture_dir
+    from rollout_capture.tasks.rollout_files import read_rollouts
+    from rollout_capture.tasks.run_folders import find_runs
+
+    from .prefect_api import task_runs
+
+    url = f"s3://AKIAEXAMPLE:{URL_SECRET}@bucket/x"
+    refusals: list[str] = []
+
+    @flow
+    def calls() -> None:
+        for call in (lambda: read_rollouts(url), lambda: check_capture_dir(url), lambda: find_runs(url)):
+            try:
+                call()
+            except LocationError as exc:
+                refusals.append(str(exc))
+
+    state = calls(return_state=True)
+    assert len(refusals) == 3 and all("(s3://bucket)" in r and URL_SECRET not in r for r in refusals)
+    names = [
+        run.name
+        for prefix in ("read_rollouts", "check_capture_dir", "find_runs")
+        for run in task_runs(state.state_details.flow_run_id, prefix)
+    ]
+    assert len(names) == 3 and all(
+        name.endswith(" <refused: credentials in the URL> (s3://bucket)") for name in names
+    )
