@@ -32,7 +32,7 @@ SECRET_KEY_WORDS = (
 _SECRET_KEY_RE = re.compile("|".join(SECRET_KEY_WORDS), re.IGNORECASE)
 # adlfs names a container and its account as userinfo and host (abfs://container@account.dfs...):
 # no secret in it, so that form alone is let through.
-_ACCOUNT_AT_HOST = ({"az", "abfs", "abfss", "adl"}, ".core.windows.net")
+_AZURE_SCHEMES, _AZURE_HOSTS = frozenset({"az", "abfs", "abfss", "adl"}), ".core.windows.net"
 URL_CREDENTIALS = "credentials in the URL are not allowed; use storage options / a credentials block"
 
 
@@ -57,8 +57,7 @@ def url_credentials(url: str | os.PathLike[str]) -> str | None:
         authority = rest.split("/", 1)[0]
         if "@" in authority:
             user, _, host = authority.rpartition("@")
-            schemes, suffix = _ACCOUNT_AT_HOST
-            if scheme in schemes and ":" not in user and host.endswith(suffix):
+            if scheme in _AZURE_SCHEMES and ":" not in user and host.endswith(_AZURE_HOSTS):
                 continue
             return f"{scheme}://{host}"
         _, colon, port = authority.rpartition(":")
