@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import orjson
 from prefect import get_run_logger
 from prefect.futures import wait
+from prefect.runtime import flow_run
 from pydantic import Field
 
 from rollout_capture.clear import rollout_ids_of
@@ -16,6 +17,7 @@ from rollout_capture.flows.guard import StorageOptions, guarded_flow
 from rollout_capture.flows.report import show_core_logs
 from rollout_capture.location import Location
 from rollout_capture.rollout_files import iter_line_batches, remove_staged, split_lines
+from rollout_capture.secret_options import shown_url
 from rollout_capture.tasks.capture import clear_captures
 from rollout_capture.tasks.rollout_files import read_rollouts
 
@@ -40,7 +42,12 @@ def _ids_from_file(path: str, source: str) -> list[str]:
     return list(dict.fromkeys(ids))
 
 
-@guarded_flow(name="prepare_dispatch", flow_run_name="prepare-dispatch {capture_dir}")
+def dispatch_run_name() -> str:
+    """``prepare-dispatch <capture dir>``, a URL with credentials never shown."""
+    return f"prepare-dispatch {shown_url(str(flow_run.parameters.get('capture_dir', '?')))}"
+
+
+@guarded_flow(name="prepare_dispatch", flow_run_name=dispatch_run_name)
 def prepare_dispatch(
     rollouts: str | Sequence[dict[str, Any]],
     capture_dir: str,

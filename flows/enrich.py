@@ -50,6 +50,7 @@ from rollout_capture.rollout_files import (
     refuse_unsafe_output,
     remove_staged,
 )
+from rollout_capture.secret_options import shown_url
 from rollout_capture.store import end_scope
 from rollout_capture.tasks.capture import (
     BatchInput,
@@ -105,7 +106,7 @@ def count_orphans(
 
 def enrich_run_name() -> str:
     """``enrich <input>``, the input's absolute path or URL: a run names what it read wherever it started."""
-    return f"enrich {absolute_location(str(flow_run.parameters.get('rollouts', '?')))}"
+    return f"enrich {shown_url(absolute_location(str(flow_run.parameters.get('rollouts', '?'))))}"
 
 
 @dataclass

@@ -34,6 +34,7 @@ from rollout_capture.run_folders import (
     RunFolder,
     new_owner,
 )
+from rollout_capture.secret_options import shown_url
 from rollout_capture.tasks.run_folders import (
     fence_run,
     find_runs,
@@ -272,7 +273,7 @@ def runs_rows(summary: RunsSummary) -> list[dict[str, str | int | float]]:
 
 def enrich_runs_name() -> str:
     """``enrich-runs <root>``, the root's absolute path or URL."""
-    return f"enrich-runs {absolute_location(str(this_flow_run.parameters.get('runs_root', '?')))}"
+    return f"enrich-runs {shown_url(absolute_location(str(this_flow_run.parameters.get('runs_root', '?'))))}"
 
 
 @guarded_flow(name="enrich_completed_runs", flow_run_name=enrich_runs_name)

@@ -16,6 +16,7 @@ from prefect.events import emit_event
 
 from rollout_capture.batch import BatchStats
 from rollout_capture.flows.report import shares_exceeded
+from rollout_capture.secret_options import shown_url
 from rollout_capture.worker_pool import absolute_location
 
 COMPLETED = "rollout-capture.enrichment.completed"
@@ -30,7 +31,7 @@ def resource(source: str, output: str) -> dict[str, str]:
 
     Local paths are made absolute: a relative one would name different files from different folders.
     """
-    source, output = absolute_location(source), absolute_location(output)
+    source, output = shown_url(absolute_location(source)), shown_url(absolute_location(output))
     return {
         "prefect.resource.id": RESOURCE_PREFIX + output,
         "prefect.resource.name": output,

@@ -2,7 +2,9 @@
 
 A claim is live until its expiry; past it, the producer is presumed dead and the claim
 is abandoned. On object stores expiry counts from the object's own modification time,
-because the writer's clock may be on another host.
+because the writer's clock may be on another host. A claim in a claims log has no TTL
+while the log's lock is held (the lock says the writer lives) and expires when the lock
+is found free (``rollout_capture.claims_log``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,10 @@ rollout, in the same log.
 
 Readers list ``_claims/``, read each log from where they stopped, and try its lock: a log whose
 lock they can take belongs to a dead writer, so its open claims are abandoned at once (nobody
-can release them any more), and a dead log with nothing open is removed. A writer starts a
+can release them any more), and a dead log with nothing open is removed. A log whose lock is held
+belongs to a writer that lives: its open claims are live whatever their ``claimed_at``, their TTL
+or the reader's clock say (the TTL is for claim files and object stores, where nothing else can
+tell). A writer starts a
 fresh log (a new name: a log is never truncated nor renamed once readers can see it) when its
 log has grown past :data:`MAX_LOG_BYTES`; the old one is removed once nothing in it is open.
 A log is only ever removed with nothing open in it, so a log that vanished held no claim.
@@ -27,6 +30,7 @@ import ctypes
 import errno
 import fcntl
 import logging
+import math
 import os
 import socket
 import sys
@@ -347,6 +351,9 @@ class _LogState:
 
 
 def _claim(body: dict[str, Any], dead_at: float | None) -> Claim:
+    """An open claim as the log's lock tells it: live while its writer holds the lock, whatever
+    its ``claimed_at`` or the reader's clock say (the TTL is for stores with no lock to try);
+    abandoned from the moment the lock was found free, by the reader's clock alone."""
     try:
         claim = Claim.model_validate(body)
     except ValidationError:
@@ -355,8 +362,7 @@ def _claim(body: dict[str, Any], dead_at: float | None) -> Claim:
             claim_id=claim_id if isinstance(claim_id, str) else "unreadable",
             claimed_at=dead_at if dead_at is not None else current_time(),
         )
-    deadline = claim.claimed_at + claim.ttl_s
-    claim.expires_at = deadline if dead_at is None else min(deadline, dead_at)
+    claim.expires_at = math.inf if dead_at is None else dead_at
     return claim
 
 

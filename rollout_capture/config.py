@@ -13,12 +13,13 @@ import fsspec
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from rollout_capture.filesystem import url_scheme
-from rollout_capture.secret_options import refuse_secret_options
+from rollout_capture.secret_options import refuse_secret_options, refuse_url_credentials
 from rollout_capture.store import CaptureStore
 
 
 def check_capture_url(url: str) -> str:
-    """Accept an absolute local path or a URL whose scheme fsspec knows."""
+    """Accept an absolute local path or a URL whose scheme fsspec knows, without credentials in it."""
+    refuse_url_credentials(url)
     scheme = url_scheme(url)
     if scheme is not None:
         if scheme not in fsspec.available_protocols():
@@ -32,7 +33,7 @@ def check_capture_url(url: str) -> str:
 class ModelCallCaptureConfig(BaseModel):
     """The capture settings read from a run's global config; other keys are ignored."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", hide_input_in_errors=True)  # a URL may hold a secret
 
     observability_enabled: bool = False
     model_call_capture_dir: str | None = None

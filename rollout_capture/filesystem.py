@@ -13,7 +13,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from rollout_capture.secret_options import refuse_secret_options
+from rollout_capture.secret_options import refuse_secret_options, refuse_url_credentials
 
 DEFAULT_READ_CONCURRENCY = 32
 _S3_PROTOCOLS = {"s3", "s3a"}
@@ -79,10 +79,11 @@ def open_filesystem(
 ) -> tuple[fsspec.AbstractFileSystem, str]:
     """Resolve a path or URL to ``(filesystem, root path as that filesystem names it)``.
 
-    ``storage_options`` may not carry secrets; ``credentials`` (resolved at run time from
-    a Prefect block, say) are passed to the filesystem and kept nowhere else.
+    ``storage_options`` may not carry secrets, nor ``url`` credentials; ``credentials`` (resolved
+    at run time from a Prefect block, say) are passed to the filesystem and kept nowhere else.
     """
     refuse_secret_options(storage_options)
+    refuse_url_credentials(url)
     text = os.fspath(url)
     local = local_path(text)
     if local is not None:

@@ -1,8 +1,9 @@
 """Where the bytes are: a path or URL with its fsspec options and the name of its credentials block.
 
 The three travel together from the command line through the flows and tasks to the core,
-so they are one value, validated once where it is made: the URL's shape, and storage options
-refused when a key looks like a secret (named, its value never echoed). Only the block's
+so they are one value, validated once where it is made: the URL's shape (credentials in it
+refused, never echoed), and storage options refused when a key looks like a secret (named, its
+value never echoed). Only the block's
 *name* is held; the tasks resolve it to credentials where they run (``tasks/credentials.py``).
 """
 

@@ -1,67 +1,137 @@
-"""Storage options that look like credentials: refused where given, redacted where recorded.
+"""Credentials where they do not belong: refused where given, redacted where recorded.
 
-Storage options travel through config files and flow parameters, which end up in logs
-and the Prefect UI, so a credential must never be one of them.
+Storage options and URLs travel through config files and flow parameters, which end up in
+logs and the Prefect UI, so a credential must never be an option (at any depth, in any case)
+nor the userinfo of a URL (``s3://KEY:SECRET@bucket``).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
 SECRET_KEY_WORDS = (
     "secret",
-    "passw",
+    "pass",
+    "pwd",
     "token",
     "credential",
     "private",
     "signature",
-    "api_?key",
-    "access_?key",
-    "account_?key",
+    "authoriz",
+    "cookie",
+    "api[-_]?key",
+    "access[-_]?key",
+    "account[-_]?key",
     "sas",
     "^key$",
 )
-"""Patterns of option names that hold credentials (matched in any case)."""
+"""Patterns of option names that hold credentials (matched in any case, at any depth)."""
 _SECRET_KEY_RE = re.compile("|".join(SECRET_KEY_WORDS), re.IGNORECASE)
+# adlfs names a container and its account as userinfo and host (abfs://container@account.dfs...):
+# no secret in it, so that form alone is let through.
+_AZURE_SCHEMES, _AZURE_HOSTS = frozenset({"az", "abfs", "abfss", "adl"}), ".core.windows.net"
+URL_CREDENTIALS = "credentials in the URL are not allowed; use storage options / a credentials block"
+
+
+def _looks_secret(name: object, value: Any) -> bool:
+    return _SECRET_KEY_RE.search(str(name)) is not None and value not in (None, "", False)
+
+
+def url_credentials(url: str | os.PathLike[str]) -> str | None:
+    """``scheme://host`` of a URL that carries credentials (``user:password@`` or ``user@``), else None.
+
+    Every segment of a chained URL (``simplecache::s3://...``) is looked at. A ``user:secret``
+    whose secret holds a ``/`` cuts the host short (``s3://KEY:ab/cd@bucket``): a colon there that
+    is no port counts too, and then only the scheme is named.
+    """
+    text = os.fspath(url)
+    if "://" not in text:
+        return None
+    for segment in text.split("::"):
+        scheme, sep, rest = segment.partition("://")
+        if not sep:
+            continue
+        authority = rest.split("/", 1)[0]
+        if "@" in authority:
+            user, _, host = authority.rpartition("@")
+            if scheme in _AZURE_SCHEMES and ":" not in user and host.endswith(_AZURE_HOSTS):
+                continue
+            return f"{scheme}://{host}"
+        _, colon, port = authority.rpartition(":")
+        if colon and port and not port.isdigit() and "]" not in port:
+            return f"{scheme}://"
+    return None
+
+
+def refuse_url_credentials(url: str | os.PathLike[str], *, where: str | None = None) -> None:
+    """Raise ``ValueError`` for a URL carrying credentials, naming its scheme and host only.
+
+    The one check every URL goes through (the CLI, flows, tasks, ``Location``, the producers'
+    settings, ``open_filesystem``): the secret is never echoed, not even in the error.
+    """
+    shown = url_credentials(url)
+    if shown is not None:
+        prefix = f"{where}: " if where else ""
+        raise ValueError(f"{prefix}{URL_CREDENTIALS} ({shown})")
+
+
+def shown_url(url: str) -> str:
+    """``url`` as a run's name, an event or a recorded parameter may show it: one carrying
+    credentials is replaced by a note naming its scheme and host (what the refusal names)."""
+    shown = url_credentials(url)
+    return url if shown is None else f"{REFUSED_URL} ({shown})"
 
 
 def refuse_secret_options(options: Mapping[str, Any] | None, *, where: str = "storage_options") -> None:
     """Raise ``ValueError`` naming the first option that looks like a credential.
 
-    Credentials belong to the standard provider chain (environment, profile, role) or a
-    named Prefect block, never to parameters that are logged and shown in the UI.
+    Names are matched in any case, inside nested mappings and lists (``headers.Authorization``),
+    and a string value that is a URL with credentials is refused too. Credentials belong to the
+    standard provider chain (environment, profile, role) or a named Prefect block, never to
+    parameters that are logged and shown in the UI.
     """
-    if not options:
-        return
-    for name, value in options.items():
-        path = f"{where}.{name}"
-        if _SECRET_KEY_RE.search(str(name)) and value not in (None, "", False):
-            raise ValueError(
-                f"{path} looks like a secret; pass credentials through the environment "
-                "(AWS_* variables, a profile or a role) or a Prefect block instead"
-            )
-        if isinstance(value, Mapping):
-            refuse_secret_options(value, where=path)
+    if options:
+        _refuse_in(options, where)
+
+
+def _refuse_in(value: Any, path: str) -> None:
+    if isinstance(value, Mapping):
+        for name, item in value.items():
+            inner = f"{path}.{name}"
+            if _looks_secret(name, item):
+                raise ValueError(
+                    f"{inner} looks like a secret; pass credentials through the environment "
+                    "(AWS_* variables, a profile or a role) or a Prefect block instead"
+                )
+            _refuse_in(item, inner)
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _refuse_in(item, f"{path}[{index}]")
+    elif isinstance(value, str):
+        refuse_url_credentials(value, where=path)
 
 
 REDACTED = "<refused: looks like a secret>"
+REFUSED_URL = "<refused: credentials in the URL>"
 
 
 def redact_secret_options(value: Any) -> Any:
-    """A copy of ``value`` with every secret-looking entry of every mapping replaced.
+    """A copy of ``value`` with every secret-looking entry of every mapping, and every URL with
+    credentials, replaced.
 
     For what is about to be recorded (flow parameters in the Prefect API), so a secret
     handed in by mistake is refused without being stored first.
     """
     if isinstance(value, Mapping):
         return {
-            key: REDACTED
-            if _SECRET_KEY_RE.search(str(key)) and item not in (None, "", False)
-            else redact_secret_options(item)
+            key: REDACTED if _looks_secret(key, item) else redact_secret_options(item)
             for key, item in value.items()
         }
     if isinstance(value, list):
         return [redact_secret_options(item) for item in value]
+    if isinstance(value, str):
+        return shown_url(value)
     return value

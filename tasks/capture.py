@@ -23,6 +23,7 @@ from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, 
 from rollout_capture.rollout_files import LineRange
 from rollout_capture.store import CaptureStore
 from rollout_capture.tasks.credentials import credentials_for, credentials_from_block
+from rollout_capture.tasks.naming import run_name
 from rollout_capture.tasks.retry import storage_retries
 from rollout_capture.worker_pool import ClaimsPending, enrich_in_worker, require_capture_root, worker_pool
 
@@ -48,7 +49,7 @@ def capture_store(capture_dir: LocationLike) -> CaptureStore:
 
 @task(
     name="check_capture_dir",
-    task_run_name="check_capture_dir {capture_dir}",
+    task_run_name=run_name("check_capture_dir {capture_dir}"),
     cache_policy=NO_CACHE,
     **storage_retries(),
 )
@@ -95,7 +96,7 @@ def check_capture_dir(capture_dir: LocationLike, allow_empty: bool = False) -> N
 
 @task(
     name="clear_captures",
-    task_run_name="clear_captures {capture_dir}",
+    task_run_name=run_name("clear_captures {capture_dir}"),
     cache_policy=NO_CACHE,
     **storage_retries(),
 )
@@ -132,7 +133,7 @@ def clear_captures(rollout_ids: list[str], capture_dir: LocationLike) -> int:
 
 @task(
     name="await_quiescence",
-    task_run_name="await_quiescence {capture_dir}",
+    task_run_name=run_name("await_quiescence {capture_dir}"),
     cache_policy=NO_CACHE,
     **storage_retries(),
 )

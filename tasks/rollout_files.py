@@ -12,11 +12,15 @@ from prefect.cache_policies import NO_CACHE
 from rollout_capture.location import Location, LocationLike
 from rollout_capture.rollout_files import StagedRollouts, publish, stage_rollouts
 from rollout_capture.tasks.credentials import credentials_for
+from rollout_capture.tasks.naming import run_name
 from rollout_capture.tasks.retry import storage_retries
 
 
 @task(
-    name="read_rollouts", task_run_name="read_rollouts {source}", cache_policy=NO_CACHE, **storage_retries()
+    name="read_rollouts",
+    task_run_name=run_name("read_rollouts {source}"),
+    cache_policy=NO_CACHE,
+    **storage_retries(),
 )
 def read_rollouts(source: LocationLike) -> StagedRollouts:
     """Make the rollouts file a local, uncompressed file to stream batches from.
@@ -48,7 +52,10 @@ def read_rollouts(source: LocationLike) -> StagedRollouts:
 
 
 @task(
-    name="write_enriched", task_run_name="write_enriched {output}", cache_policy=NO_CACHE, **storage_retries()
+    name="write_enriched",
+    task_run_name=run_name("write_enriched {output}"),
+    cache_policy=NO_CACHE,
+    **storage_retries(),
 )
 def write_enriched(
     spool_path: str,

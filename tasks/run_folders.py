@@ -14,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from rollout_capture.location import Location, LocationLike
 from rollout_capture.run_folders import DEFAULT_LEASE_S, Lease, LeaseKeeper, RunFolder, RunsRoot, Taken
 from rollout_capture.tasks.credentials import credentials_from_block
+from rollout_capture.tasks.naming import run_name
 from rollout_capture.tasks.retry import storage_retries
 
 
@@ -29,7 +30,12 @@ def runs_root_at(runs_root: LocationLike, *, renewing: bool = False) -> RunsRoot
     return RunsRoot(where.url, where.storage_options, credentials=credentials)
 
 
-@task(name="find_runs", task_run_name="find_runs {runs_root}", cache_policy=NO_CACHE, **storage_retries())
+@task(
+    name="find_runs",
+    task_run_name=run_name("find_runs {runs_root}"),
+    cache_policy=NO_CACHE,
+    **storage_retries(),
+)
 def find_runs(
     runs_root: LocationLike,
     full_scan: bool = False,
@@ -248,7 +254,7 @@ def release_run(keeper: LeaseKeeper) -> None:
 
 @task(
     name="remember_enriched",
-    task_run_name="remember_enriched {runs_root}",
+    task_run_name=run_name("remember_enriched {runs_root}"),
     cache_policy=NO_CACHE,
     **storage_retries(),
 )

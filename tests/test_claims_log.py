@@ -23,7 +23,7 @@ from rollout_capture.claims import Claim, new_claim
 from rollout_capture.claims_log import ClaimsLogReader, ClaimsLogWriter
 from rollout_capture.layout import CLAIMS_LOG_DIR
 
-from .conftest import wait_for
+from .conftest import Clock, wait_for
 from .scripted_upstream import ScriptedUpstream
 
 ROW = {"model_call_id": "m", "status_code": 200}
@@ -149,6 +149,33 @@ def test_a_torn_or_foreign_line_is_skipped_and_a_clear_after_it_still_counts(tmp
     assert logs(tmp_path) == []  # dead, nothing open: removed
 
 
+def test_a_line_after_a_short_write_starts_on_a_fresh_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim's ``write`` cut short (a full disk) leaves a torn line; the next claim and its
+    release start on a fresh line, so they are read, not lost inside the torn one."""
+    writer = ClaimsLogWriter(str(tmp_path))
+    reader = ClaimsLogReader(str(tmp_path))
+    first, second = new_claim("cut", 60), new_claim("next", 60)
+    real_write = os.write
+
+    def short_once(fd: int, data: bytes) -> int:
+        monkeypatch.setattr(os, "write", real_write)
+        return real_write(fd, data[: len(data) // 2])
+
+    monkeypatch.setattr(os, "write", short_once)
+    with pytest.raises(OSError, match="cut short"):
+        writer.claim("c-0", first)
+    monkeypatch.setattr(os, "write", real_write)
+    writer.claim("c-1", second)
+    reader.refresh()
+    assert reader.rollout_ids() == {"c-1"}  # the torn claim is no claim; the next one is whole
+    writer.release("c-1", second.claim_id)
+    reader.refresh()
+    assert reader.rollout_ids() == set()
+    writer.close()
+
+
 # ---------------------------------------------------------------- writer processes, killed
 
 
@@ -213,6 +240,50 @@ def test_clearing_voids_a_live_writers_claims_and_later_ones_count(tmp_path: Pat
     finally:
         os.kill(process.pid, signal.SIGKILL)
         process.join(30)
+
+
+def _claim_behind_then_hang(url: str, ttl_s: float, ready: Any) -> None:
+    """A producer whose clock is two TTLs behind: its claim says it lapsed long ago."""
+    import time
+
+    from rollout_capture.claims import clock_set
+
+    store = CaptureStore(url, claims="log")
+    with clock_set(lambda: time.time() - 2 * ttl_s):
+        store.claim("s-0", "skewed", ttl_s=ttl_s).__enter__()  # a call in flight, never released
+    ready.set()
+    threading.Event().wait(120)
+
+
+@pytest.mark.parametrize("reader_ahead_s", [0.0, 3600.0])
+async def test_a_live_writers_claims_are_live_whatever_the_clocks_say(
+    tmp_path: Path, clock: Clock, reader_ahead_s: float
+) -> None:
+    """Its log's lock says the writer lives: its open claim is pending, though its claimed_at is
+    two TTLs back by the reader's clock (and an hour more with the reader's clock ahead); once
+    the writer is killed the claim is abandoned at once, even by a reader whose clock is behind."""
+    url, ttl_s = str(tmp_path / "caps"), 30.0
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    process = context.Process(target=_claim_behind_then_hang, args=(url, ttl_s, ready))
+    process.start()
+    store = CaptureStore(url)
+    try:
+        assert ready.wait(60)
+        clock.advance(reader_ahead_s)
+        (claim,) = store.live_claims("s-0")
+        assert claim.model_call_id == "skewed"
+        assert claim.claimed_at + claim.ttl_s < clock.now  # lapsed, by the clocks
+        assert store.expired_claims("s-0") == []
+        assert {"code": "model_call_capture_pending", "detail": "count=1"} in gaps(store, "s-0")
+        assert not await await_model_call_capture_quiescence("s-0", [store], timeout_s=0.1, poll_s=0.02)
+    finally:
+        os.kill(process.pid or 0, signal.SIGKILL)
+        process.join(30)
+    clock.advance(-2 * 3600.0)  # a reader whose clock is now behind the writer's claim
+    assert await await_model_call_capture_quiescence("s-0", [store], timeout_s=5, poll_s=0.02)
+    assert [c.model_call_id for c in store.expired_claims("s-0")] == ["skewed"]
+    assert {"code": "model_call_capture_claim_abandoned", "detail": "count=1"} in gaps(store, "s-0")
 
 
 def _race_writer(url: str, claims: str, writer: int, calls: int, published: Any, max_bytes: int) -> None:

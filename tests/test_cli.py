@@ -516,3 +516,82 @@ def test_the_proxy_options_come_from_the_settings_model() -> None:
     assert "default: 300.0" in texts["--claim-ttl"] and "default: 16777216" in texts["--max-body-bytes"]
     zero = runner.invoke(app, ["proxy", "--upstream", "http://x", "--no-enabled", "--claim-ttl", "0"])
     assert zero.exit_code == 2 and "--claim-ttl" in zero.output, zero.output
+
+
+URL_SECRET = "hunter2SECRET"
+CREDENTIALED = f"s3://AKIAEXAMPLE:{URL_SECRET}@bucket/x"
+
+
+def _refused_unechoed(code: int, output: str) -> None:
+    assert code == 2, output
+    assert URL_SECRET not in output and "AKIAEXAMPLE" not in output, output
+    assert "starting a temporary Prefect server" not in output  # refused before any server
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["enrich", "{rollouts}", "--capture-dir", CREDENTIALED],
+        ["enrich", CREDENTIALED.replace("/x", "/r.jsonl"), "--capture-dir", "{tmp}"],
+        ["enrich", "{rollouts}", "--capture-dir", "{tmp}", "--output", CREDENTIALED + ".jsonl"],
+        ["enrich-runs", CREDENTIALED],
+        ["clear", "{rollouts}", "--capture-dir", CREDENTIALED],
+        ["wait", "1-0", "--capture-dir", CREDENTIALED],
+        ["inspect", "1-0", "--capture-dir", CREDENTIALED],
+    ],
+)
+def test_credentials_in_a_url_exit_2_and_are_never_echoed(args: list[str], tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from rollout_capture.cli import app
+
+    rollouts = tmp_path / "r.jsonl"
+    rollouts.write_text('{"_ng_rollout_id": "1-0"}\n')
+    given = [a.replace("{rollouts}", str(rollouts)).replace("{tmp}", str(tmp_path)) for a in args]
+    done = CliRunner().invoke(app, given)
+    _refused_unechoed(done.exit_code, done.output)
+    assert "credentials in the URL are not allowed; use storage options / a credentials block" in done.output
+    assert "(s3://bucket)" in done.output
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"AWS_SECRET_ACCESS_KEY": URL_SECRET},
+        {"client_kwargs": {"headers": {"Authorization": f"Bearer {URL_SECRET}"}}},
+        {"client_kwargs": {"headers": [{"API-KEY": URL_SECRET}]}},
+    ],
+)
+def test_secret_storage_options_in_any_case_and_depth_exit_2_unechoed(
+    options: dict[str, Any], tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from rollout_capture.cli import app
+
+    rollouts = tmp_path / "r.jsonl"
+    rollouts.write_text('{"_ng_rollout_id": "1-0"}\n')
+    args = ["--capture-dir", str(tmp_path), "--storage-options", json.dumps(options)]
+    done = CliRunner().invoke(app, ["enrich", str(rollouts), *args])
+    _refused_unechoed(done.exit_code, done.output)
+    assert "looks like a secret" in done.output
+
+
+@pytest.mark.parametrize("through", ["option", "environment"])
+def test_the_proxy_refuses_to_start_on_a_capture_dir_with_credentials(through: str) -> None:
+    """A real process: exit 2 before it listens, the secret on neither stream."""
+    args = ["proxy", "--upstream", "http://127.0.0.1:9", "--port", "0"]
+    env = {**os.environ}
+    if through == "option":
+        args += ["--capture-dir", CREDENTIALED]
+    else:
+        env["ROLLOUT_CAPTURE_DIR"] = CREDENTIALED
+    done = subprocess.run(
+        [sys.executable, "-m", "rollout_capture.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    _refused_unechoed(done.returncode, done.stdout + done.stderr)
+    assert "credentials in the URL are not allowed" in done.stderr and "(s3://bucket)" in done.stderr

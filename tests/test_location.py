@@ -130,3 +130,95 @@ def test_the_capture_store_it_opens_reads_with_its_options(tmp_path: Path, s3: S
     remote = Location.of(s3.url("caps"), s3.storage_options)  # the endpoint travels with the URL
     remote.capture_store(shared=False).record("2-0", ROW)
     assert CaptureStore(s3.url("caps"), storage_options=s3.storage_options).has_any("2-0")
+
+
+URL_SECRET = "hunter2SECRET"
+
+
+@pytest.mark.parametrize(
+    "url", [f"s3://AKIAEXAMPLE:{URL_SECRET}@bucket/caps", f"s3://{URL_SECRET}@bucket/caps"]
+)
+def test_credentials_in_a_url_are_refused_wherever_a_url_enters_never_echoed(
+    url: str, tmp_path: Path
+) -> None:
+    """A ``Location`` (made, coerced, validated as a parameter, or a sibling ``at``), a store
+    opened directly and ``open_filesystem``: one check, naming the scheme and host alone."""
+    from rollout_capture.filesystem import open_filesystem
+    from rollout_capture.rollout_files import stage_rollouts
+
+    refusals: list[str] = []
+    for attempt in (
+        lambda: Location.of(url),
+        lambda: Location.coerce({"url": url}),
+        lambda: Location.coerce(tmp_path).at(url),
+        lambda: Location.model_validate({"url": url}),
+        lambda: CaptureStore(url),
+        lambda: open_filesystem(url),
+        lambda: stage_rollouts(url, None),
+    ):
+        with pytest.raises(ValueError) as raised:
+            attempt()
+        refusals.append(str(raised.value))
+    for message in refusals:
+        assert "credentials in the URL are not allowed" in message and "(s3://bucket)" in message, message
+        assert URL_SECRET not in message and "AKIAEXAMPLE" not in message
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_flow_given_a_url_with_credentials_fails_and_records_it_nowhere(tmp_path: Path) -> None:
+    """Prefect records a run's parameters and name before the flow can refuse them: the URL is
+    replaced in both by a note naming its scheme and host, and the run fails with the refusal."""
+    import orjson
+
+    from rollout_capture.flows import enrich_rollouts, prepare_dispatch
+
+    from .prefect_api import flow_run
+
+    url = f"s3://AKIAEXAMPLE:{URL_SECRET}@bucket/caps"
+    states = [
+        enrich_rollouts(f"{url}/r.jsonl", str(tmp_path), return_state=True),
+        enrich_rollouts(str(tmp_path / "r.jsonl"), url, return_state=True),
+        prepare_dispatch([{"_ng_rollout_id": "1-0"}], url, return_state=True),
+    ]
+    for state in states:
+        with pytest.raises(LocationError, match=r"credentials in the URL are not allowed.*\(s3://bucket\)"):
+            state.result()
+        run = flow_run(state.state_details.flow_run_id)
+        recorded = orjson.dumps(run.parameters).decode() + run.name
+        assert URL_SECRET not in recorded and "AKIAEXAMPLE" not in recorded, recorded
+        assert "<refused: credentials in the URL> (s3://bucket)" in recorded
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_task_given_a_url_with_credentials_is_named_without_them() -> None:
+    """A task called with a raw URL (not a ``Location`` a flow validated) is refused in its body;
+    its run's name, recorded before, shows the URL's scheme and host alone."""
+    from prefect import flow
+
+    from rollout_capture.tasks.capture import check_capture_dir
+    from rollout_capture.tasks.rollout_files import read_rollouts
+    from rollout_capture.tasks.run_folders import find_runs
+
+    from .prefect_api import task_runs
+
+    url = f"s3://AKIAEXAMPLE:{URL_SECRET}@bucket/x"
+    refusals: list[str] = []
+
+    @flow
+    def calls() -> None:
+        for call in (lambda: read_rollouts(url), lambda: check_capture_dir(url), lambda: find_runs(url)):
+            try:
+                call()
+            except LocationError as exc:
+                refusals.append(str(exc))
+
+    state = calls(return_state=True)
+    assert len(refusals) == 3 and all("(s3://bucket)" in r and URL_SECRET not in r for r in refusals)
+    names = [
+        run.name
+        for prefix in ("read_rollouts", "check_capture_dir", "find_runs")
+        for run in task_runs(state.state_details.flow_run_id, prefix)
+    ]
+    assert len(names) == 3 and all(
+        name.endswith(" <refused: credentials in the URL> (s3://bucket)") for name in names
+    )

@@ -145,3 +145,23 @@ async def test_an_unreadable_claim_counts_from_its_file_time(tmp_path: Path, age
     assert await await_model_call_capture_quiescence("1-0", [tmp_path], timeout_s=0.1) is not expected_live
     code = "model_call_capture_pending" if expected_live else "model_call_capture_claim_abandoned"
     assert {"code": code, "detail": "count=1"} in gaps(tmp_path)
+
+
+async def test_a_live_claim_in_any_of_several_dirs_keeps_the_rollout_pending(tmp_path: Path) -> None:
+    """Watched in every dir, not the last one alone: a claim in the first of two dirs (the
+    second empty, or holding the rollout's rows) is not quiet, by the wait and by a batch."""
+    from rollout_capture.batch import enrich_lines
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    CaptureStore(second).record("2-0", {"model_call_id": "other", "dialect": "chat"})
+    with CaptureStore(first).claim("1-0"):
+        for dirs in ([first, second], [second, first]):
+            assert not await await_model_call_capture_quiescence("1-0", dirs, timeout_s=0.05, poll_s=0.01)
+            assert await await_quiescence_many(["1-0", "2-0"], dirs, timeout_s=0.05, poll_s=0.01) == {"1-0"}
+        line = orjson.dumps({"_ng_task_index": 1, "_ng_rollout_index": 0})
+        batch = await asyncio.to_thread(enrich_lines, [line], [first, second], quiescence_timeout_s=0.05)
+        assert batch.stats.waited_for == 1
+        (out,) = batch.lines
+        assert {"code": "model_call_capture_pending", "detail": "count=1"} in orjson.loads(out)[
+            "ng_model_call_capture"
+        ]["gaps"]

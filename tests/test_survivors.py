@@ -1,7 +1,8 @@
 """Promises that small mutations of the code once broke with the whole suite green.
 
 Each test here was checked against its mutation (applied by hand, seen to fail, reverted):
-the local append's fsync removed; a claim live one TTL too long; ``_ENRICHED`` written
+the local append's fsync removed; a failed fsync no longer marking the rollout incomplete; a
+claim live one TTL too long; ``_ENRICHED`` written
 before the run's output is published; a ref whose ``model_call_id`` matches but whose
 ``model_ref`` disagrees, accepted.
 """
@@ -10,8 +11,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -40,48 +39,106 @@ store.record("2-0", {"model_call_id": "other", "dialect": "chat"})
 """
 
 
-STRACE = ["strace", "-f", "-qq", "-e", "trace=openat,write,fsync,fdatasync,close"]
+# Run before _RECORDS in the writing process: every open of a capture file, write, fsync and
+# close on a descriptor is noted in order (the calls as the code makes them, no strace needed).
+_TRACED = """
+import atexit, os, sys, threading
+_trace, _guard = [], threading.Lock()
+_real = {n: getattr(os, n) for n in ("open", "write", "fsync", "fdatasync", "close")}
+def _note(*event):
+    with _guard:
+        _trace.append(" ".join(map(str, event)))
+def _open(path, *args, **kwargs):
+    fd = _real["open"](path, *args, **kwargs)
+    if os.fspath(path).endswith(".capture.jsonl"):
+        _note("open", fd, os.path.join(sys.argv[1], os.path.basename(os.fspath(path))))
+    return fd
+def _write(fd, data):
+    written = _real["write"](fd, data)
+    _note("write", fd, written)
+    return written
+def _sync(name):
+    def sync(fd):
+        _real[name](fd)
+        _note("fsync", fd if isinstance(fd, int) else fd.fileno())
+    return sync
+def _close(fd):
+    _note("close", fd)
+    _real["close"](fd)
+os.open, os.write, os.close = _open, _write, _close
+os.fsync, os.fdatasync = _sync("fsync"), _sync("fdatasync")
+atexit.register(lambda: open(sys.argv[2], "w").write("\\n".join(_trace)))
+"""
 
 
 def test_every_local_append_is_fsynced_after_its_write_before_record_returns(tmp_path: Path) -> None:
-    """Observed with strace: each row's write to its capture file is followed by an fsync of
-    that file's descriptor (no close in between), so a row is durable once recorded."""
-    if shutil.which("strace") is None:
-        pytest.skip("strace is not installed")
+    """Each row's write to its capture file is followed by an fsync of that file's descriptor
+    (no close in between), so a row is durable once recorded: the writing process notes its
+    own ``os`` calls in order (a removed or misplaced fsync fails this; no strace needed)."""
     trace = tmp_path / "trace"
     done = subprocess.run(
-        [*STRACE, "-o", str(trace), sys.executable, "-c", _RECORDS, str(tmp_path / "caps")],
+        [sys.executable, "-c", _TRACED + _RECORDS, str(tmp_path / "caps"), str(trace)],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
-    if done.returncode != 0 and "ptrace" in done.stderr:
-        pytest.skip(f"strace cannot trace here: {done.stderr.strip()[:200]}")
     assert done.returncode == 0, done.stderr[-2000:]
 
-    files: dict[str, str] = {}  # "pid fd" -> capture file it holds
+    files: dict[str, str] = {}  # fd -> capture file it holds
     pending: dict[str, int] = {}  # capture file -> rows written, not yet fsynced
     durable: dict[str, int] = {}
     for line in trace.read_text().splitlines():
-        pid, _, call = line.partition(" ")
-        call = call.strip()
-        if opened := re.match(r'openat\(AT_FDCWD, "([^"]+\.capture\.jsonl)", .*\) = (\d+)$', call):
-            files[f"{pid} {opened.group(2)}"] = opened.group(1)
-        elif written := re.match(r"write\((\d+), .*\) = \d+$", call):
-            if (path := files.get(f"{pid} {written.group(1)}")) is not None:
-                pending[path] = pending.get(path, 0) + 1
-        elif synced := re.match(r"f(?:data)?sync\((\d+)\) += 0$", call):
-            if (path := files.get(f"{pid} {synced.group(1)}")) is not None and pending.get(path):
-                durable[path] = durable.get(path, 0) + pending.pop(path)
-        elif (closed := re.match(r"close\((\d+)\)", call)) and (
-            path := files.pop(f"{pid} {closed.group(1)}", None)
-        ) is not None:
+        call, fd, *rest = line.split(" ", 2)
+        if call == "open":
+            files[fd] = rest[0]
+        elif call == "write" and (path := files.get(fd)) is not None:
+            pending[path] = pending.get(path, 0) + 1
+        elif call == "fsync" and (path := files.get(fd)) is not None and pending.get(path):
+            durable[path] = durable.get(path, 0) + pending.pop(path)
+        elif call == "close" and (path := files.pop(fd, None)) is not None:
             assert not pending.get(path), f"{path} closed with a row written but never fsynced"
     first, second = str(tmp_path / "caps" / "1-0.capture.jsonl"), str(tmp_path / "caps" / "2-0.capture.jsonl")
     assert not any(pending.values()), f"rows never fsynced: {pending}"
     assert durable == {first: 2, second: 1}
     assert [r["model_call_id"] for r in CaptureStore(tmp_path / "caps").read("1-0")] == ["sync", "async"]
+
+
+@pytest.mark.parametrize("how", ["record", "record_async", "record_staged"])
+async def test_a_failed_fsync_of_a_local_row_marks_the_rollout_incomplete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """The disk refuses the row's fsync (EIO, once): the write raises, the row is cut back (it is
+    not known durable) and the rollout carries ``model_call_capture_incomplete``; rows after it
+    land as usual."""
+    import errno
+
+    store = CaptureStore(tmp_path)
+    store.record("1-0", {**ROW, "model_call_id": "before"})
+    real_fsync = os.fsync
+
+    def failing_once(fd: int) -> None:
+        monkeypatch.setattr(os, "fsync", real_fsync)
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing_once)
+    row = {**ROW, "model_call_id": "lost"}
+    with pytest.raises(OSError, match="Input/output error"):
+        if how == "record":
+            store.record("1-0", row)
+        elif how == "record_async":
+            await store.record_async("1-0", row)
+        else:
+            blocking, finish = store.record_staged("1-0", row)
+            try:
+                blocking()
+            finally:
+                finish()
+    assert os.fsync is real_fsync  # the fsync was reached, and failed
+    store.record("1-0", {**ROW, "model_call_id": "after"})
+    assert [r["model_call_id"] for r in store.read("1-0")] == ["before", "after"]
+    record = merge_model_call_capture_into_record({"_ng_rollout_id": "1-0"}, [tmp_path])
+    assert {"code": "model_call_capture_incomplete"} in record["ng_model_call_capture"]["gaps"]
 
 
 # ----------------------------------------------------------------------------- the claim boundary

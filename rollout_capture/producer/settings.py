@@ -43,7 +43,7 @@ ENV_NAMES: dict[str, str] = {
 class ProducerSettings(BaseModel):
     """What a producer needs to write rows and claims for the calls it sees."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)  # no URL secret echoed
 
     enabled: bool = Field(
         True,
