@@ -246,6 +246,7 @@ async def test_exceptions_are_classified_as_nemo_gym_does(
     assert (row["status_code"], row["error_category"]) == (status, category)
     if status is not None and not isinstance(exc, aiohttp.ClientResponseError | httpx.HTTPStatusError):
         assert row["response"] == {"error": {"message": f"judge said {status}"}}  # the answer it carried
+        assert row["response_raw"] == _answer(status).text  # and its body as it came, as NeMo Gym keeps it
     if isinstance(exc, _Lazy) or exc.args == ("unread",):
         assert row["response"] is None and "response_raw" not in row
 

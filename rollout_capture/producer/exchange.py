@@ -88,6 +88,7 @@ class Exchange:
         self._gated = False  # the answer's first byte waits for a claim written meanwhile (spec 11)
         self._answer_ready: float | None = None  # when the answer's first message was ready to go
         self._claim_settled: float | None = None  # when the claim written meanwhile was durable
+        self._raw_too = False  # an answer an exception carried: its body kept as text besides
         self._answer: HeldAnswer | None = None  # the client's side, when it waits for the claim
 
     # ------------------------------------------------------------------ request
@@ -206,6 +207,7 @@ class Exchange:
                 if body:
                     self._body_size = len(body)
                     self._body[:] = body[: self.max_body_bytes]
+                    self._raw_too = True  # the answer as it came, JSON or not (NeMo Gym's row)
         else:
             self.broken = True  # a body cut short is no JSON to read
         self.failed(category_for_status(self.status_code) or category_for_exception(exc))
@@ -323,13 +325,15 @@ class Exchange:
         if not self._body_size:
             return None, None, False, None
         if self._body_size > len(self._body):
-            return None, _decode(bytes(self._body)), True, ErrorCategory.INCOMPLETE
+            # Past the cap: the call's own outcome stands (its status decides); the row says
+            # it keeps only the first bytes (``response_truncated``), never that the call failed.
+            return None, _decode(bytes(self._body)), True, None
         try:
             parsed = orjson.loads(self._body)
         except orjson.JSONDecodeError:
             parsed = None
         if isinstance(parsed, dict):
-            return parsed, None, False, None
+            return parsed, _decode(bytes(self._body)) if self._raw_too else None, False, None
         return None, _decode(bytes(self._body)), False, ErrorCategory.CAPTURE_PARSE_ERROR
 
     def _category(self, reading: ErrorCategory | None) -> ErrorCategory | None:
