@@ -310,6 +310,20 @@ async def test_responses_terminal_states(tmp_path: Path, terminal: str, status: 
         assert call_record_dict(row, 0, include_payloads=False)["finish_reason"] == "max_output_tokens"
 
 
+async def test_a_named_event_without_data_is_that_event(tmp_path: Path) -> None:
+    """``event: response.incomplete`` and no data line: the openai SDK dispatches it as that event
+    (not a keep-alive), so the stream ended incomplete, and its last byte waited for the row."""
+    events = [*responses_events()[:-1], b"event: response.incomplete\n\n"]
+    sent, _ = await drive(
+        CaptureMiddleware(streaming(events), capture_dir=str(tmp_path)), PATHS["responses"].format("named")
+    )
+    (row,) = CaptureStore(tmp_path).read("named")
+    assert (row["status_code"], row["error_category"]) == (200, "incomplete")
+    assert row["response"]["status"] == "incomplete" and row["response"]["output"]  # what came, kept
+    bodies = [m.get("body", b"") for m in sent if m["type"] == "http.response.body"]
+    assert bodies[-1].endswith(b"event: response.incomplete\n\n")  # forwarded after the row, as it came
+
+
 # ---------------------------------------------------------------- 5. a chat stream of no chat chunk
 
 
