@@ -425,4 +425,5 @@ def writer_for(settings: ProducerSettings) -> CaptureWriter:
         settings.root, storage_options=settings.storage_options, layout=layout, claims=claims
     )
     store.refuse_unsafe_writes()  # at startup, not as a logged failure at every call
+    store.prove_writable()  # a root that cannot be written is refused before any call is served
     return CaptureWriter(store, claim_ttl_s=settings.claim_ttl_s, io_threads=settings.io_threads)
