@@ -71,6 +71,7 @@ def derived(row: dict[str, Any]) -> dict[str, Any]:
     record = call_record_dict(row, 0, include_payloads=False)
     for key in ("started_at", "completed_at", "latency_total_ms", "latency_ttft_ms", "model_call_id"):
         record.pop(key)
+    record.pop("capture_hold_ms", None)  # timing too, and only where the producer held the answer
     return record
 
 
