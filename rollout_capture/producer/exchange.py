@@ -217,8 +217,8 @@ class Exchange:
     async def claim(self, writer: CaptureWriter) -> None:
         """Claim the rollout before the call is forwarded (a failed claim is logged, not raised).
 
-        Where a claim takes a store round trip it is written while the call is forwarded:
-        :meth:`claimed` then holds the answer's first byte until it is durable (spec 11).
+        Where a claim takes a store round trip it is written while the call is forwarded: the
+        answer's first byte then waits until it is durable (:meth:`to_client`, spec 11).
         """
         if writer.claims_in_background:
             self._gated = True
@@ -445,9 +445,13 @@ class HeldAnswer:
         """After the call: what still waits goes to the client (an answer cut short still gets what
         came), its errors left out (the call's own outcome is already decided)."""
         flush = self._flush
-        if flush is not None and not flush.done() and not self._dropped:
+        if flush is None or self._dropped:
+            return
+        if not flush.done():
             with contextlib.suppress(Exception):  # the client is gone: nothing more to give it
                 await flush
+        elif not flush.cancelled():
+            flush.exception()  # taken: what sending met is no news once the call is over
 
     def cancel(self) -> None:
         """The call was cancelled (its client is gone): what waits is dropped."""
