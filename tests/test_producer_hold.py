@@ -244,3 +244,21 @@ async def test_a_middleware_call_cancelled_while_its_claim_is_on_the_wire_still_
     finally:
         wire.release_held()
         await asyncio.to_thread(middleware.close)
+
+
+def test_a_claim_is_put_while_another_calls_claim_is_on_the_wire(
+    producer: tuple[Producer, FaultProxy],
+) -> None:
+    """The hold is one claim commit, not a queue of them: a call's claim goes on the wire while
+    another call's claim commit is still there (producers keep 4 in flight), not after it lands."""
+    served, wire = producer
+    _hold_claims(wire, served)
+    first = Client(served.url, "queue-a", uuid.uuid4().hex, stream=False)
+    wait_for(lambda: wire.held == 1, 10, "the first call's claim commit held on the wire")
+    before = wire.requests.get("PUT", 0)
+    second = Client(served.url, "queue-b", uuid.uuid4().hex, stream=False)
+    wait_for(lambda: wire.requests.get("PUT", 0) > before, 10, "the second call's claim put meanwhile")
+    wire.release_held()
+    for client in (first, second):
+        client.thread.join(30)
+        assert client.error is None and client.status == 200
