@@ -28,7 +28,7 @@ from rollout_capture.producer.settings import ProxySettings
 from rollout_capture.store import UnwritableRootError
 
 from .conftest import S3
-from .producer_calls import DIALECTS, check_row, openai_client, post_scope, sdk_call
+from .producer_calls import DIALECTS, body_then_silence, check_row, openai_client, post_scope, sdk_call
 from .scripted_upstream import CHAT, CUT_ANSWERS, RAISING, ScriptedUpstream
 from .servers import ThreadedServer
 
@@ -307,14 +307,7 @@ async def test_a_call_cancelled_while_claiming_leaves_no_claim(producer: str, mo
 
     monkeypatch.setattr(store._backend, "put_live", slow_put_live)
 
-    sent_body = False
-
-    async def receive() -> dict[str, Any]:  # the body, then (as a server's does) nothing until the end
-        nonlocal sent_body
-        if sent_body:
-            await asyncio.Event().wait()
-        sent_body = True
-        return {"type": "http.request", "body": b'{"model": "scripted"}', "more_body": False}
+    receive = body_then_silence()
 
     async def send(message: dict[str, Any]) -> None:
         raise AssertionError(f"nothing is answered: {message}")

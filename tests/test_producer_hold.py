@@ -29,7 +29,7 @@ from rollout_capture.producer.settings import ProxySettings
 
 from .conftest import S3, wait_for
 from .fault_proxy import FaultProxy
-from .producer_calls import post_scope
+from .producer_calls import body_then_silence, post_scope
 from .scripted_upstream import ScriptedUpstream
 from .servers import ThreadedServer
 
@@ -214,22 +214,13 @@ async def test_a_middleware_call_cancelled_while_its_claim_is_on_the_wire_still_
     )
     wire.hold_on(f"PUT /{capture_dir.removeprefix('s3://')}/_journal/claims/".encode())
     sent: list[dict[str, Any]] = []
-    requested = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal requested
-        if requested:
-            await asyncio.Event().wait()
-        requested = True
-        return {"type": "http.request", "body": b'{"model": "scripted"}', "more_body": False}
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
     try:
-        call = asyncio.ensure_future(
-            middleware(post_scope("/ng-rollout/mw-c/v1/chat/completions"), receive, send)
-        )
+        scope = post_scope("/ng-rollout/mw-c/v1/chat/completions")
+        call = asyncio.ensure_future(middleware(scope, body_then_silence(), send))
         await asyncio.to_thread(wait_for, lambda: wire.held == 1, 10, "the claim commit held")
         for _ in range(20):  # the app answers whole meanwhile; its row waits for the claim
             await asyncio.sleep(0.01)
