@@ -67,6 +67,9 @@ class ModelCallRecord(BaseModel):
     latency_total_ms: float | None = None
     latency_ttft_ms: float | None = None
     verifier_invocation_id: str | None = None
+    capture_hold_ms: float | None = None
+    """(extension) How long the producer held the answer's first byte for the call's claim; in a
+    dumped record only when the row carries it (so NeMo Gym's rows give NeMo Gym's records)."""
 
 
 class VerifierInvocation(BaseModel):
@@ -305,7 +308,10 @@ _ROW_KEYS = operator.itemgetter(
     "model_ref",
 )
 _PAYLOADS = set(PAYLOAD_FIELDS)
-_FIELDS_WITH_PAYLOADS: dict[str, Any] = dict.fromkeys(ModelCallRecord.model_fields)
+_WHEN_GIVEN = "capture_hold_ms"  # in a record only when its row carries it
+_FIELDS_WITH_PAYLOADS: dict[str, Any] = dict.fromkeys(
+    k for k in ModelCallRecord.model_fields if k != _WHEN_GIVEN
+)
 _FIELDS: dict[str, Any] = {k: None for k in _FIELDS_WITH_PAYLOADS if k not in _PAYLOADS}
 
 
@@ -446,6 +452,10 @@ def _raw_fields(
     fields["latency_total_ms"] = latency
     fields["latency_ttft_ms"] = ttft
     fields["verifier_invocation_id"] = verifier
+    hold = get(_WHEN_GIVEN)
+    if hold is not None:
+        fields[_WHEN_GIVEN], typed = _as_float(hold)
+        canonical = canonical and typed
     if include_payloads:
         request_raw, response_raw = get("request_raw"), get("response_raw")
         fields["request"] = raw_request if isinstance(raw_request, dict) else None
@@ -477,7 +487,10 @@ def call_record_dict(
     if canonical:
         return fields
     record = ModelCallRecord.model_validate(fields)
-    return record.model_dump(exclude=None if include_payloads else _PAYLOADS)
+    excluded = set() if include_payloads else set(_PAYLOADS)
+    if record.capture_hold_ms is None:
+        excluded.add(_WHEN_GIVEN)
+    return record.model_dump(exclude=excluded)
 
 
 def _str_keys(value: dict[str, Any] | None) -> bool:

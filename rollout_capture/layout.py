@@ -8,6 +8,8 @@ markers), so a batch of rollouts costs one flat listing plus one GET per file.
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -24,6 +26,14 @@ JOURNAL_DIR = "_journal"
 """The folder of the journal layout's commits (``rollout_capture.journal``): shared by all rollouts."""
 CLAIMS_LOG_DIR = "_claims"
 """The folder of the producers' claims logs on a local disk (``rollout_capture.claims_log``)."""
+PROBE_PREFIX = "_probe-"
+"""A producer's startup probe (created and removed at once): never a rollout's name, since a
+rollout id starts with a letter or digit, so no reader takes it for a capture."""
+
+
+def probe_name() -> str:
+    """A fresh probe name under the root, unique to this host, process and moment."""
+    return f"{PROBE_PREFIX}{socket.gethostname()}-{os.getpid()}-{os.urandom(8).hex()}"
 
 
 def jsonl_name(rollout_id: str) -> str:

@@ -38,7 +38,7 @@ from rollout_capture.journal import (
     release_entry,
     row_entry,
 )
-from rollout_capture.layout import RolloutListing
+from rollout_capture.layout import RolloutListing, probe_name
 from rollout_capture.rows import NONCE_KEY, CaptureRowError, Row
 from rollout_capture.sequence import create_numbered, first_absent
 from rollout_capture.snapshot import RolloutSnapshot
@@ -80,6 +80,10 @@ async def finish_shielded(future: asyncio.Future[T]) -> T:
 async def finish_in_thread(fn: Callable[..., T], *args: Any) -> T:
     """Run ``fn`` in a thread and wait for it even if the caller is cancelled meanwhile."""
     return await finish_shielded(asyncio.ensure_future(asyncio.to_thread(fn, *args)))
+
+
+class UnwritableRootError(ValueError):
+    """A producer's capture root refused the startup probe: it would serve calls and record none."""
 
 
 class ClaimContext:
@@ -417,6 +421,22 @@ class CaptureStore:
     def refuse_unsafe_writes(self) -> None:
         """Raise naming what is missing unless several writers may share this store (producers' startup)."""
         self._backend.refuse_unsafe_writes()
+
+    def prove_writable(self) -> None:
+        """Create and remove a probe object under the root (producers' startup), so a root that
+        cannot be written (no such bucket, read-only) is refused before a call is served unrecorded.
+
+        Raises :class:`UnwritableRootError` (a ``ValueError``) naming the root and what the store said.
+        """
+        path = self._backend.path(probe_name())
+        try:
+            self._backend.create(path, b"")
+            self._backend.remove([path])
+        except Exception as exc:
+            raise UnwritableRootError(
+                f"capture root {self.url} cannot be written ({type(exc).__name__}: {exc}); "
+                "nothing would be recorded"
+            ) from None
 
     def root_found(self) -> bool:
         """Whether the capture root is there: a folder on a local disk, any key on an object store."""

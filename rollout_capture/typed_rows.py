@@ -147,6 +147,7 @@ class _Row(msgspec.Struct, gc=False):
     completed_at: float | None = None
     latency_ms: float | None = None
     latency_ttft_ms: float | None = None
+    capture_hold_ms: float | None = None
     model_ref: _ModelRef | None = None
     request: _Request | None = None
     response: _Response | None = None
@@ -453,4 +454,6 @@ def typed_record(row: _Row, call_index: int) -> dict[str, Any]:
     fields["latency_total_ms"] = row.latency_ms
     fields["latency_ttft_ms"] = row.latency_ttft_ms
     fields["verifier_invocation_id"] = row.verifier_invocation_id
+    if row.capture_hold_ms is not None:  # only when the row carries it, as the full path
+        fields["capture_hold_ms"] = row.capture_hold_ms
     return fields

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anthropic
@@ -71,6 +73,7 @@ def derived(row: dict[str, Any]) -> dict[str, Any]:
     record = call_record_dict(row, 0, include_payloads=False)
     for key in ("started_at", "completed_at", "latency_total_ms", "latency_ttft_ms", "model_call_id"):
         record.pop(key)
+    record.pop("capture_hold_ms", None)  # timing too, and only where the producer held the answer
     return record
 
 
@@ -107,3 +110,17 @@ def post_scope(path: str) -> dict[str, Any]:
         "headers": [],
         "query_string": b"",
     }
+
+
+def body_then_silence(body: bytes = b'{"model": "scripted"}') -> Callable[[], Awaitable[dict[str, Any]]]:
+    """An ASGI ``receive``: the request body, then (as a server's does) nothing until the end."""
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            await asyncio.Event().wait()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive

@@ -12,8 +12,11 @@ rest, ``scripted-hang`` answers after 3 s, ``scripted-text`` answers 200 with pl
 asked, ``scripted-status-<n>`` answers status ``n`` with a JSON body (999: one no server knows),
 ``scripted-garbled`` streams a chat answer with a non-JSON event in its middle. Each ``seen``
 request also says whether its body arrived whole (``complete``) and its ``raw_path``; the
-first body bytes of each request are in ``receiving`` as soon as they arrive. Streamed and
-plain answers carry the same content, so their reassembly can be compared.
+first body bytes of each request are in ``receiving`` as soon as they arrive; its ``sent``
+says when the answer's headers, first and last body bytes left, by the upstream's own clock
+(``time.time()``, taken as each is handed to the server): the truth a producer's timing is
+checked against. Streamed and plain answers carry the same content, so their reassembly can be
+compared.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import copy
 import gzip
 import logging
 import threading
+import time
 from typing import Any
 
 import orjson
@@ -395,6 +399,23 @@ class _QuietAborts(logging.Filter):
 DIALECTS = {"/v1/chat/completions": "chat", "/v1/responses": "responses", "/v1/messages": "messages"}
 
 
+def _timed(send: Any, sent: dict[str, float]) -> Any:
+    """``send`` noting in ``sent`` when the headers, the first and the last body bytes left."""
+
+    async def timed(message: dict[str, Any]) -> None:
+        now = time.time()
+        if message["type"] == "http.response.start":
+            sent["headers"] = now
+        elif message["type"] == "http.response.body":
+            if message.get("body"):
+                sent.setdefault("first", now)
+            if not message.get("more_body", False):
+                sent["last"] = now
+        await send(message)
+
+    return timed
+
+
 class ScriptedUpstream:
     """The ASGI app. ``seen`` holds every request it got: method, path, query, headers, JSON body."""
 
@@ -435,6 +456,7 @@ class ScriptedUpstream:
             request = orjson.loads(body) if body else None
         except orjson.JSONDecodeError:
             request = None
+        sent: dict[str, float] = {}
         self.seen.append(
             {
                 "method": scope["method"],
@@ -445,8 +467,10 @@ class ScriptedUpstream:
                 "headers": {k.decode(): v.decode() for k, v in scope["headers"]},
                 "body": request,
                 "raw": body,
+                "sent": sent,
             }
         )
+        send = _timed(send, sent)
         dialect = DIALECTS.get(scope["path"])
         if dialect is None or scope["method"] != "POST":
             await self._json(

@@ -106,6 +106,18 @@ def test_responses_row_golden() -> None:
     assert type(record["started_at"]) is float  # an int timestamp becomes a float, as pydantic makes it
 
 
+def test_the_capture_hold_is_carried_only_where_the_row_has_it() -> None:
+    """A producer's hold (spec 11) reaches the record as ``capture_hold_ms``; NeMo Gym's rows, which
+    never carry it, give NeMo Gym's records exactly (no extra key)."""
+    row = responses_row()
+    assert "capture_hold_ms" not in call_record_dict(row, 0)
+    held = call_record_dict({**row, "capture_hold_ms": 118}, 0)
+    assert held["capture_hold_ms"] == 118.0 and type(held["capture_hold_ms"]) is float
+    assert list(held) == [*SPEC_FIELDS, "capture_hold_ms"]
+    slow = call_record_dict({**row, "capture_hold_ms": 118, "started_at": "100"}, 0)  # pydantic's way
+    assert slow["capture_hold_ms"] == 118.0 and list(slow) == list(held)
+
+
 def test_chat_row_golden() -> None:
     row = {
         "model_call_id": "c1",
@@ -365,6 +377,7 @@ rows = st.fixed_dictionaries(
         "error_category": json_values,
         "client_session_id": json_values,
         "verifier_invocation_id": json_values,
+        "capture_hold_ms": json_values,
         "request_raw": json_values,
         "response_raw": json_values,
         "request": st.one_of(json_values, st.fixed_dictionaries({}, optional={"model": json_values})),
@@ -412,6 +425,8 @@ def test_fast_path_equals_the_pydantic_model(row: dict[str, Any], include_payloa
     if not include_payloads:
         for name in ("request", "response", "request_raw", "response_raw"):
             del expected[name]
+    if expected["capture_hold_ms"] is None:  # an extension: only where the row carries it
+        del expected["capture_hold_ms"]
     got = call_record_dict(row, 4, include_payloads=include_payloads)
     assert got == expected
     assert list(got) == list(expected)

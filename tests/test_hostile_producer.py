@@ -313,6 +313,7 @@ ESCAPES = [
     b"/ng-rollout/r9/v1/./chat/completions",
     b"/ng-rollout/r9/v1/chat%2fcompletions",
     b"/ng-rollout/r9/v1%5Cchat/completions",
+    b"/ng-rollout/r9/v1\\chat/completions",  # a raw backslash: Windows-minded servers take it as "/"
     b"/ng-rollout/r9/v1/..",
 ]
 
@@ -326,7 +327,15 @@ def tenant_proxy(
     served.server.stop()
 
 
-@pytest.mark.parametrize("path", [*ESCAPES, b"/v1/../../tenant-b/v1/models", b"/v1/models%2F..%2F..%2Fx"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        *ESCAPES,
+        b"/v1/../../tenant-b/v1/models",
+        b"/v1/models%2F..%2F..%2Fx",
+        b"/v1\\..\\..\\tenant-b/v1/models",
+    ],
+)
 def test_a_path_that_would_leave_the_base_path_is_refused_by_the_proxy(
     tenant_proxy: Proxy, scripted_upstream: tuple[str, Any], path: bytes
 ) -> None:

@@ -25,9 +25,10 @@ from rollout_capture import CaptureStore, merge_model_call_capture_into_record
 from rollout_capture.producer import CaptureMiddleware, ProducerSettings
 from rollout_capture.producer.proxy import CaptureProxy
 from rollout_capture.producer.settings import ProxySettings
+from rollout_capture.store import UnwritableRootError
 
 from .conftest import S3
-from .producer_calls import DIALECTS, check_row, openai_client, post_scope, sdk_call
+from .producer_calls import DIALECTS, body_then_silence, check_row, openai_client, post_scope, sdk_call
 from .scripted_upstream import CHAT, CUT_ANSWERS, RAISING, ScriptedUpstream
 from .servers import ThreadedServer
 
@@ -150,6 +151,32 @@ async def test_add_middleware_with_arguments_and_from_the_environment(
     (row,) = CaptureStore(tmp_path / "env").read("s-2")
     assert row["model_ref"] == {"type": "responses_api_models", "name": "from-env"}
     assert row["response"]["usage"] == CHAT["usage"]
+
+
+async def test_a_middleware_that_cannot_write_its_capture_root_fails_the_apps_startup(
+    flaky_s3: tuple[S3, Any], tmp_path: Path
+) -> None:
+    """Issue 26: a read-only bucket (every PUT refused) or a root under a file: the app's lifespan
+    startup fails naming the root, instead of serving calls it never records."""
+    via, wire = flaky_s3
+    wire.deny_on(b"PUT /")
+    read_only = via.url("caps")
+    app = starlette_app()
+    app.add_middleware(CaptureMiddleware, capture_dir=read_only, storage_options=via.storage_options)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "lifespan.startup"}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    with pytest.raises(UnwritableRootError, match=f"capture root {read_only} cannot be written"):
+        await app({"type": "lifespan", "asgi": {"version": "3.0"}}, receive, send)
+    assert wire.denied >= 1 and via.fs().find(via.bucket) == []  # refused, nothing left behind
+    (tmp_path / "file").write_text("not a folder")
+    under_a_file = str(tmp_path / "file" / "caps")
+    with pytest.raises(UnwritableRootError, match=f"capture root {under_a_file} cannot be written"):
+        CaptureMiddleware(starlette_app(), capture_dir=under_a_file)
 
 
 async def test_a_failed_capture_write_never_fails_the_call(tmp_path: Path) -> None:
@@ -280,14 +307,7 @@ async def test_a_call_cancelled_while_claiming_leaves_no_claim(producer: str, mo
 
     monkeypatch.setattr(store._backend, "put_live", slow_put_live)
 
-    sent_body = False
-
-    async def receive() -> dict[str, Any]:  # the body, then (as a server's does) nothing until the end
-        nonlocal sent_body
-        if sent_body:
-            await asyncio.Event().wait()
-        sent_body = True
-        return {"type": "http.request", "body": b'{"model": "scripted"}', "more_body": False}
+    receive = body_then_silence()
 
     async def send(message: dict[str, Any]) -> None:
         raise AssertionError(f"nothing is answered: {message}")

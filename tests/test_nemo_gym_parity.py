@@ -246,6 +246,7 @@ async def test_exceptions_are_classified_as_nemo_gym_does(
     assert (row["status_code"], row["error_category"]) == (status, category)
     if status is not None and not isinstance(exc, aiohttp.ClientResponseError | httpx.HTTPStatusError):
         assert row["response"] == {"error": {"message": f"judge said {status}"}}  # the answer it carried
+        assert row["response_raw"] == _answer(status).text  # and its body as it came, as NeMo Gym keeps it
     if isinstance(exc, _Lazy) or exc.args == ("unread",):
         assert row["response"] is None and "response_raw" not in row
 
@@ -307,6 +308,20 @@ async def test_responses_terminal_states(tmp_path: Path, terminal: str, status: 
     assert (row["error_category"], row["response"]["status"]) == (category, status)
     if status == "incomplete":
         assert call_record_dict(row, 0, include_payloads=False)["finish_reason"] == "max_output_tokens"
+
+
+async def test_a_named_event_without_data_is_that_event(tmp_path: Path) -> None:
+    """``event: response.incomplete`` and no data line: the openai SDK dispatches it as that event
+    (not a keep-alive), so the stream ended incomplete, and its last byte waited for the row."""
+    events = [*responses_events()[:-1], b"event: response.incomplete\n\n"]
+    sent, _ = await drive(
+        CaptureMiddleware(streaming(events), capture_dir=str(tmp_path)), PATHS["responses"].format("named")
+    )
+    (row,) = CaptureStore(tmp_path).read("named")
+    assert (row["status_code"], row["error_category"]) == (200, "incomplete")
+    assert row["response"]["status"] == "incomplete" and row["response"]["output"]  # what came, kept
+    bodies = [m.get("body", b"") for m in sent if m["type"] == "http.response.body"]
+    assert bodies[-1].endswith(b"event: response.incomplete\n\n")  # forwarded after the row, as it came
 
 
 # ---------------------------------------------------------------- 5. a chat stream of no chat chunk

@@ -134,6 +134,28 @@ def test_past_the_cap_content_stops_but_usage_is_kept() -> None:
     assert response is not None and response["usage"] == MESSAGE["usage"]
 
 
+@pytest.mark.parametrize(
+    ("status", "stream", "category"),
+    [(200, True, None), (500, False, "upstream_error"), (429, True, "rate_limit")],
+    ids=["stream", "error-body", "error-stream"],
+)
+def test_an_answer_over_the_cap_keeps_its_own_outcome(
+    status: int, stream: bool, category: str | None
+) -> None:
+    """docs/faults.md: past the cap the row keeps the first bytes and says ``response_truncated``;
+    the category is the answer's own (its status, how its stream ended), never ``incomplete``."""
+    exchange = Exchange("1-0", "messages", server_name=None, max_body_bytes=200)
+    exchange.prepare_request(b'{"model": "m"}', whole=True)
+    exchange.forwarding()
+    kind = b"text/event-stream" if stream else b"application/json"
+    exchange.response_started(status, [(b"content-type", kind)])
+    for chunk in messages_events() if stream else [orjson.dumps({"error": {"message": "x" * 500}})]:
+        exchange.body(chunk)
+    exchange.end()
+    row = exchange.row()
+    assert (row["status_code"], row["error_category"], row["response_truncated"]) == (status, category, True)
+
+
 # ---------------------------------------------------------------- routing, classes, settings
 
 
@@ -228,11 +250,9 @@ def test_a_row_keeps_what_is_not_json_and_says_what_was_cut() -> None:
     exchange.end()
     row = exchange.row()
     assert row["request"] is None and row["request_raw"] == "0123456789" and row["request_truncated"] is True
-    assert (
-        row["response"] is None
-        and row["response_truncated"] is True
-        and row["error_category"] == "incomplete"
-    )
+    # A good answer over the cap keeps its own outcome: it is cut in the row, not a failed call.
+    assert row["response"] is None and row["response_truncated"] is True
+    assert (row["status_code"], row["error_category"]) == (200, None)
     assert row["model_ref"] == {"type": "responses_api_models", "name": "policy"}
 
     text = Exchange("1-0", "messages", server_name=None, max_body_bytes=1000)

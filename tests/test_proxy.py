@@ -237,7 +237,9 @@ def test_oversized_bodies_are_forwarded_whole_and_cut_in_the_row(
         (row,) = small.rows("big-1")
         assert row["request_truncated"] is True and row["request_raw"] == body[:4096].decode()
         assert row["response_truncated"] is True and row["response"] is None
-        assert row["error_category"] == "incomplete" and len(row["response_raw"]) == 4096
+        # A good answer over the cap is no failed call: its own outcome stands, the row says it is cut.
+        assert (row["status_code"], row["error_category"]) == (200, None)
+        assert len(row["response_raw"]) == 4096
     finally:
         small.server.stop()
 
@@ -627,6 +629,41 @@ def test_the_cli_refuses_bad_settings_with_exit_code_2(tmp_path: Path) -> None:
     assert runner.invoke(app, secret).exit_code == 2
     none = ["proxy", "--upstream", "http://x", "-c", str(tmp_path), "--workers", "0"]
     assert runner.invoke(app, none).exit_code == 2
+
+
+@pytest.mark.parametrize("where", ["no such bucket", "under a file"])
+def test_a_proxy_that_cannot_write_its_capture_root_exits_2_before_serving(
+    s3: S3, tmp_path: Path, where: str
+) -> None:
+    """Issue 26: exit 2 naming the root, no traceback, and no port ever served (no call accepted)."""
+    (tmp_path / "file").write_text("not a folder")
+    root = (
+        f"s3://no-such-bucket-{os.getpid()}/caps"
+        if where == "no such bucket"
+        else str(tmp_path / "file" / "x")
+    )
+    command = [sys.executable, "-m", "rollout_capture.cli", "proxy", "--upstream", "http://127.0.0.1:9"]
+    command += [
+        "--capture-dir",
+        root,
+        "--storage-options",
+        orjson.dumps(s3.storage_options).decode(),
+        "--port",
+        "0",
+    ]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
+    assert proc.stderr is not None
+    said = ""
+    try:
+        while line := proc.stderr.readline():  # until it exits, or announces the port it serves
+            said += line
+            assert " on http" not in line, f"the proxy started serving: {said}"
+        assert proc.wait(60) == 2, said
+    finally:
+        proc.kill()
+        proc.wait(30)
+        proc.stderr.close()
+    assert f"capture root {root} cannot be written" in said and "Traceback" not in said
 
 
 async def test_the_proxys_connections_have_nagle_off() -> None:

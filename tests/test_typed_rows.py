@@ -241,6 +241,7 @@ model_call_rows = st.fixed_dictionaries(
         "error_category": strings,
         "client_session_id": strings,
         "verifier_invocation_id": strings,
+        "capture_hold_ms": numbers,
         "request": maybe(st.fixed_dictionaries({}, optional={"model": strings, "input": values})),
         "response": response,
         "request_raw": values,
@@ -462,6 +463,7 @@ GOLDEN = [
             "usage": {"input_tokens": 3, "output_tokens_details": {"reasoning_tokens": 2}},
         },
     },
+    {**BASE, "model_call_id": "c-held", "capture_hold_ms": 118.5},
     {
         "model_call_id": "c5",
         "status_code": 429,

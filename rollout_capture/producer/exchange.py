@@ -8,6 +8,8 @@ row keeps the first bytes and says it was cut.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from rollout_capture.producer.asgi import Receive, Scope, read_body
+from rollout_capture.producer.asgi import Message, Receive, Scope, Send, read_body
 from rollout_capture.producer.classify import (
     ErrorCategory,
     category_for_exception,
@@ -83,6 +85,11 @@ class Exchange:
         self.row_written = False
         self._claim: ClaimContext | None = None  # released together with the row
         self._claiming: asyncio.Future[ClaimContext | None] | None = None  # a claim written meanwhile
+        self._gated = False  # the answer's first byte waits for a claim written meanwhile (spec 11)
+        self._answer_ready: float | None = None  # when the answer's first message was ready to go
+        self._claim_settled: float | None = None  # when the claim written meanwhile was durable
+        self._raw_too = False  # an answer an exception carried: its body kept as text besides
+        self._answer: HeldAnswer | None = None  # the client's side, when it waits for the claim
 
     # ------------------------------------------------------------------ request
 
@@ -200,6 +207,7 @@ class Exchange:
                 if body:
                     self._body_size = len(body)
                     self._body[:] = body[: self.max_body_bytes]
+                    self._raw_too = True  # the answer as it came, JSON or not (NeMo Gym's row)
         else:
             self.broken = True  # a body cut short is no JSON to read
         self.failed(category_for_status(self.status_code) or category_for_exception(exc))
@@ -209,21 +217,54 @@ class Exchange:
     async def claim(self, writer: CaptureWriter) -> None:
         """Claim the rollout before the call is forwarded (a failed claim is logged, not raised).
 
-        Where a claim takes a store round trip it is written while the call is forwarded:
-        :meth:`claimed` then holds the answer's first byte until it is durable (spec 11).
+        Where a claim takes a store round trip it is written while the call is forwarded: the
+        answer's first byte then waits until it is durable (:meth:`to_client`, spec 11).
         """
         if writer.claims_in_background:
+            self._gated = True
             self._claiming = asyncio.ensure_future(writer.claim(self.rollout_id, self.model_call_id))
+            self._claiming.add_done_callback(self._settled)
         else:
             self._claim = await writer.claim(self.rollout_id, self.model_call_id)
 
+    def _settled(self, _: asyncio.Future[ClaimContext | None]) -> None:
+        self._claim_settled = time.perf_counter()
+
     @property
     def claim_pending(self) -> bool:
-        """Whether a claim written in the background has not been waited for yet."""
-        return self._claiming is not None
+        """Whether a claim written in the background is not durable (nor failed) yet."""
+        return self._claiming is not None and not self._claiming.done()
+
+    def answer_ready(self) -> None:
+        """The answer's first message is ready for the client (what waits from here is the hold)."""
+        if self._answer_ready is None:
+            self._answer_ready = time.perf_counter()
+
+    def to_client(self, send: Send) -> Send:
+        """``send`` as this call's answer must go: held until the claim is durable (spec 11)."""
+        if not self._gated:
+            return send
+        self._answer = HeldAnswer(self, send)
+        return self._answer
+
+    async def answer_settled(self) -> None:
+        """After the call: what of the answer still waits for the claim goes to the client."""
+        if self._answer is not None:
+            await self._answer.settle()
+
+    def answer_dropped(self) -> None:
+        """The call was cancelled: what of the answer still waits is dropped."""
+        if self._answer is not None:
+            self._answer.cancel()
+
+    async def claim_settled(self) -> None:
+        """Wait until the claim written meanwhile is durable (or failed, logged), taking nothing:
+        the row alone takes the claim to release (:meth:`claimed`), cancelled or not."""
+        if self._claiming is not None:
+            await asyncio.wait([self._claiming])  # a cancel of the waiter leaves the claim alone
 
     async def claimed(self) -> None:
-        """Wait until the claim is durable (or failed, logged); before any byte reaches the client."""
+        """Wait until the claim is durable (or failed, logged) and take it, to be released with the row."""
         claiming = self._claiming
         if claiming is None:
             return
@@ -284,13 +325,15 @@ class Exchange:
         if not self._body_size:
             return None, None, False, None
         if self._body_size > len(self._body):
-            return None, _decode(bytes(self._body)), True, ErrorCategory.INCOMPLETE
+            # Past the cap: the call's own outcome stands (its status decides); the row says
+            # it keeps only the first bytes (``response_truncated``), never that the call failed.
+            return None, _decode(bytes(self._body)), True, None
         try:
             parsed = orjson.loads(self._body)
         except orjson.JSONDecodeError:
             parsed = None
         if isinstance(parsed, dict):
-            return parsed, None, False, None
+            return parsed, _decode(bytes(self._body)) if self._raw_too else None, False, None
         return None, _decode(bytes(self._body)), False, ErrorCategory.CAPTURE_PARSE_ERROR
 
     def _category(self, reading: ErrorCategory | None) -> ErrorCategory | None:
@@ -338,7 +381,83 @@ class Exchange:
             row["response_truncated"] = True
         if self.relay is not None and self.relay.unparsed_events:
             row["stream_events_unparsed"] = self.relay.unparsed_events
+        hold = self.capture_hold_ms()
+        if hold is not None:
+            row["capture_hold_ms"] = hold
         return row
+
+    def capture_hold_ms(self) -> float | None:
+        """How long the answer's first byte waited for the claim (spec 11); None where the producer
+        never holds an answer (the claim was written before forwarding) or none was sent."""
+        if not self._gated or self._answer_ready is None or self._claim_settled is None:
+            return None
+        return round(max(0.0, self._claim_settled - self._answer_ready) * 1000.0, 3)
+
+
+class HeldAnswer:
+    """The client's ``send`` of a call whose claim is written while it is forwarded (spec 11).
+
+    Until the claim is durable the answer's messages wait, in order, and ``send`` returns at once:
+    the producer reads on from the upstream (or the app runs on), so its answer is timed as it
+    arrives, not as the hold lets it go. Up to the body cap waits; past it, and for the last
+    message, the sender waits for the hold too. Once the claim is durable they go as they come.
+    """
+
+    __slots__ = ("_dropped", "_exchange", "_flush", "_queue", "_queued", "_send")
+
+    def __init__(self, exchange: Exchange, send: Send) -> None:
+        self._exchange = exchange
+        self._send = send
+        self._queue: collections.deque[Message] = collections.deque()
+        self._queued = 0
+        self._flush: asyncio.Task[None] | None = None
+        self._dropped = False
+
+    async def __call__(self, message: Message) -> None:
+        exchange = self._exchange
+        flush = self._flush
+        if flush is None:
+            exchange.answer_ready()
+            if not exchange.claim_pending:  # durable (or failed) already: nothing is held
+                await self._send(message)
+                return
+            self._hold(message)
+            self._flush = asyncio.ensure_future(self._flushing())
+            return
+        if not flush.done() and message.get("more_body", False) and self._queued < exchange.max_body_bytes:
+            self._hold(message)
+            return
+        await flush  # what waited goes first (and what went wrong sending it is raised here)
+        await self._send(message)
+
+    def _hold(self, message: Message) -> None:
+        self._queue.append(message)
+        self._queued += len(message.get("body", b""))
+
+    async def _flushing(self) -> None:
+        await self._exchange.claim_settled()
+        while self._queue:
+            message = self._queue.popleft()
+            self._queued -= len(message.get("body", b""))
+            await self._send(message)
+
+    async def settle(self) -> None:
+        """After the call: what still waits goes to the client (an answer cut short still gets what
+        came), its errors left out (the call's own outcome is already decided)."""
+        flush = self._flush
+        if flush is None or self._dropped:
+            return
+        if not flush.done():
+            with contextlib.suppress(Exception):  # the client is gone: nothing more to give it
+                await flush
+        elif not flush.cancelled():
+            flush.exception()  # taken: what sending met is no news once the call is over
+
+    def cancel(self) -> None:
+        """The call was cancelled (its client is gone): what waits is dropped."""
+        self._dropped = True
+        if self._flush is not None and not self._flush.done():
+            self._flush.cancel()
 
 
 async def start_exchange(

@@ -198,15 +198,16 @@ class CaptureMiddleware:
                 body_whole = True
             return message
 
-        async def forward_send(message: Message) -> None:
+        async def to_client(message: Message) -> None:
             nonlocal client_gone
-            if exchange.claim_pending:  # the first byte waits for the claim (spec 3, 11)
-                await exchange.claimed()
             try:
                 await send(message)
             except OSError:
                 client_gone = True
                 raise
+
+        # The first byte waits for the claim (spec 3, 11); the app runs on meanwhile.
+        forward_send = exchange.to_client(to_client)
 
         async def refuse() -> None:  # after the row, as for any answer
             nonlocal answered
@@ -256,6 +257,7 @@ class CaptureMiddleware:
             await self.app(scope, inner_receive, inner_send)
         except asyncio.CancelledError:
             exchange.failed(ErrorCategory.CANCELLED)
+            exchange.answer_dropped()
             raise
         except Exception as exc:
             if client_gone:
@@ -267,6 +269,7 @@ class CaptureMiddleware:
             if client_gone and not exchange.finished:
                 exchange.failed(ErrorCategory.CANCELLED)
             await exchange.close(writer)  # an app that returned early: its answer broke off
+            await exchange.answer_settled()  # what it sent before goes to the client
             if refused is not None and not answered and not client_gone:
                 await refuse()
 

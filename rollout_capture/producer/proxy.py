@@ -258,6 +258,7 @@ class CaptureProxy:
                 on_end=body_whole.set,
             )
         await exchange.claim(self.writer)
+        answer = exchange.to_client(send)  # held until the claim is durable; the upstream read on
         try:
             # The call runs in this task; a watcher cancels it if the client goes away
             # (no second task per call). _forward then stops the upstream call, keeps what it
@@ -268,8 +269,9 @@ class CaptureProxy:
             assert task is not None
             watch = asyncio.get_running_loop().create_task(_watch_client(receive, exchange, task, body_whole))
             try:
-                await self._forward(scope, found, exchange, content, _after_claim(exchange, send))
+                await self._forward(scope, found, exchange, content, answer)
             except asyncio.CancelledError:
+                exchange.answer_dropped()
                 if watch.done() and not watch.cancelled() and watch.result() and task.uncancel() == 0:
                     return  # only the watcher cancelled: the client left, nothing to answer
                 raise
@@ -277,6 +279,7 @@ class CaptureProxy:
                 watch.cancel()
         finally:
             await exchange.close(self.writer)  # the row of a call that did not end normally
+            await exchange.answer_settled()  # an answer broken off: the client gets what came
 
     async def _forward(
         self,
@@ -371,19 +374,6 @@ class CaptureProxy:
         else:
             await exchange.complete(self.writer)
         await send_json_error(send, 502, invalid_status_message(response.status), INVALID_STATUS_KIND)
-
-
-def _after_claim(exchange: Exchange, send: Send) -> Send:
-    """``send`` holding the answer's first byte until the call's claim is durable (spec 3, 11)."""
-    if not exchange.claim_pending:
-        return send
-
-    async def gated(message: Message) -> None:
-        if exchange.claim_pending:
-            await exchange.claimed()
-        await send(message)
-
-    return gated
 
 
 async def _send_upstream_error(send: Send, exc: UpstreamError) -> None:

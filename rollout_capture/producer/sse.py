@@ -20,6 +20,12 @@ class SseEvent:
     event: str | None
     data: str | None
 
+    @property
+    def named_only(self) -> bool:
+        """A name and no data line (``event: response.incomplete``): the openai SDK dispatches it as
+        that event (a browser's EventSource would drop it), so it is no keep-alive."""
+        return self.data is None and self.event is not None
+
 
 def parse_event(raw: bytes) -> SseEvent:
     """Read the fields of one event block (comments and unknown fields ignored)."""

@@ -143,7 +143,13 @@ class VerifierExchange(Exchange):
             "request": call["request"],
             "response": response,
         }
-        for key in ("request_raw", "response_raw", "request_truncated", "response_truncated"):
+        for key in (
+            "request_raw",
+            "response_raw",
+            "request_truncated",
+            "response_truncated",
+            "capture_hold_ms",
+        ):
             if key in call:
                 row[key] = call[key]
         return row

@@ -96,7 +96,12 @@ class StreamRelay:
                 continue
             text = event.data
             if text is None:
-                out.append(event.raw)  # comments, keep-alives
+                # A named event without data is that event (as the openai SDK reads it) in the
+                # dialects whose events are named; chat chunks are not.
+                if event.named_only and self.dialect != "chat" and self._assemble(event.event, {}):
+                    self._held.append(event.raw)  # a terminal event: it waits for the row
+                else:
+                    out.append(event.raw)  # comments, keep-alives, a named event forwarded
                 continue
             if self.dialect == "chat" and text.strip() == "[DONE]":
                 self.assembler.complete = True

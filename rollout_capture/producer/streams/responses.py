@@ -5,11 +5,16 @@ from __future__ import annotations
 from rollout_capture.producer.classify import ErrorCategory, category_for_stream_error
 from rollout_capture.producer.streams.assembly import JsonObject, append
 
+# The terminal events, and the state each says the response ended in.
+_TERMINAL = {
+    "response.completed": "completed",
+    "response.failed": "failed",
+    "response.incomplete": "incomplete",
+}
+
 
 class ResponsesAssembler:
     """Responses API events into one ``response`` object (the terminal event carries it whole)."""
-
-    _TERMINAL = frozenset({"response.completed", "response.failed", "response.incomplete"})
 
     def __init__(self) -> None:
         self.complete = False
@@ -23,8 +28,13 @@ class ResponsesAssembler:
         response = data.get("response")
         if isinstance(response, dict):
             self._response = response
-        if kind in self._TERMINAL:
+        if kind in _TERMINAL:
             self.complete = True
+            if not isinstance(response, dict) and self._response is not None:
+                # Named with no response of its own (``event: response.incomplete`` and no data):
+                # the last snapshot, with the items seen, ends in the state the event names.
+                output = [self._items[i] for i in sorted(self._items)] or self._response.get("output")
+                self._response = {**self._response, "status": _TERMINAL[kind], "output": output}
             if kind == "response.failed":
                 failed = response.get("error") if isinstance(response, dict) else None
                 self.error = category_for_stream_error(failed)
