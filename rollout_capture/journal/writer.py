@@ -32,11 +32,13 @@ logger = logging.getLogger(__name__)
 _LINEAR_TRIES = 8  # commits found taken before the tail is looked up instead of tried one by one
 _READ_WINDOW = 64  # numbers below a commit read at once, at most, while settling it
 
-DEFAULT_IN_FLIGHT: dict[Stream, int] = {"rows": 2, "claims": 1}
+DEFAULT_IN_FLIGHT: dict[Stream, int] = {"rows": 2, "claims": 4}
 """Commits a writer keeps in flight per stream on object stores (local disks: 1, a commit there is
 a quick fsync). Rows: 2, since a row finishing just after a commit started then goes at once
 instead of waiting for it, and more only add PUTs that slow the store (measured, see
-docs/benchmarks.md); claims: 1, since a claim's latency hides behind the upstream's first byte.
+docs/benchmarks.md); claims: 4, since the answer's first byte waits for its claim, and a claim
+submitted while another's commit is in flight then goes at once: one commit, not a queue of them
+(4 measured best of 1, 2, 4, 8; a commit of claims alone is one put, with no look above it).
 ``ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT`` overrides it: ``N`` for both streams, or ``ROWS/CLAIMS``
 (each 1 to :data:`~.commits.LOOK_AHEAD`: a dead writer's commits stand at most that far above the
 hole it left, and writers and readers look that far)."""

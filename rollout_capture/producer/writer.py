@@ -40,10 +40,6 @@ INLINE_LIMIT_S = 0.05
 RETRY_INLINE_S = 30.0
 RETRY_INLINE_MAX_S = 3600.0
 RETRY_RESET_S = 600.0
-# Claim commits a producer keeps in flight on object stores (the journal's default is 1): a claim
-# submitted while one is in flight then goes at once, so the answer's first byte waits for one
-# commit, not a queue of them (docs/benchmarks.md: 4 measured best of 1, 2, 4, 8).
-CLAIMS_IN_FLIGHT = 4
 _RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)  # Linux
 _Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
 
@@ -422,14 +418,12 @@ def writer_for(settings: ProducerSettings) -> CaptureWriter:
     local = is_local(settings.root)
     if layout == "auto" and not local:
         layout = "journal"
-    # A malformed ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT is refused at startup, not per call.
-    in_flight = in_flight_setting() if layout == "journal" else None
+    if layout == "journal":
+        in_flight_setting()  # a malformed ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT: refused at startup, not per call
     claims: ClaimsMode = "log" if local and settings.claims != "files" else "files"
     store = CaptureStore(
         settings.root, storage_options=settings.storage_options, layout=layout, claims=claims
     )
     store.refuse_unsafe_writes()  # at startup, not as a logged failure at every call
     store.prove_writable()  # a root that cannot be written is refused before any call is served
-    if layout == "journal" and in_flight is None and not store.writes_in_place:
-        store.journal_writer_of("claims").in_flight = CLAIMS_IN_FLIGHT
     return CaptureWriter(store, claim_ttl_s=settings.claim_ttl_s, io_threads=settings.io_threads)
