@@ -60,6 +60,11 @@ _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _NEW = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _APPEND = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _FALLOC_FL_KEEP_SIZE = 1
+TORN_END = b"\x00\n"
+"""Written before a line that may follow a cut one (a writer's short write, another process's
+clear): a NUL ends whatever was cut as a line that is not JSON, so a line cut just before its
+newline (whole but for it, never acknowledged) is never completed into an entry; alone, it is a
+blank line, skipped silently."""
 
 
 def _reserver() -> Any:
@@ -129,8 +134,8 @@ class _Log:
     torn: bool = False
 
     def append(self, line: bytes) -> None:
-        if self.torn:  # an earlier line may have been cut: this one starts on its own line
-            line = b"\n" + line
+        if self.torn:  # an earlier line may have been cut: ended unreadable, this one on its own
+            line = TORN_END + line
         try:
             _write_line(self.fd, line)
         except BaseException:
@@ -318,7 +323,7 @@ class _LogState:
         try:
             entry = orjson.loads(line)
         except orjson.JSONDecodeError:
-            if line.strip():
+            if line.strip(b"\x00 \t\r"):
                 logger.warning("claims log %s: a line that is not JSON is skipped", name)
             return
         if not isinstance(entry, list) or len(entry) < 2 or not isinstance(entry[1], str):
@@ -509,7 +514,7 @@ class ClaimsLogReader:
                 except FileNotFoundError:  # removed meanwhile: nothing was open in it
                     continue
                 try:
-                    view = memoryview(b"\n" + lines)  # a fresh line: a torn last line stays the only damage
+                    view = memoryview(TORN_END + lines)  # a torn last line stays unread, the only damage
                     while view:
                         view = view[os.write(fd, view) :]
                 finally:
