@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time as _time
 from collections.abc import Callable
+from types import TracebackType
 from typing import Protocol
 
 
@@ -14,7 +15,9 @@ class Waitable(Protocol):
     """What the writer needs of a condition variable (``threading.Condition``'s shape)."""
 
     def __enter__(self) -> bool: ...
-    def __exit__(self, *exc: object) -> None: ...
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None, /
+    ) -> None: ...
     def wait(self, timeout: float | None = None) -> bool: ...
     def notify_all(self) -> None: ...
 

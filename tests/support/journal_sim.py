@@ -298,7 +298,7 @@ class SimCondition:
         return self._lock.__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        self._lock.__exit__(None, None, None)
+        self._lock.release()
 
     def wait(self, timeout: float | None = None) -> bool:
         world = self._clock.world
