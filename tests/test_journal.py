@@ -23,7 +23,7 @@ from rollout_capture.journal import JOURNAL_DIR, clear_entry, commit_name, decod
 from rollout_capture.producer.middleware import CaptureMiddleware
 
 from .conftest import S3
-from .producer_calls import post_scope
+from .producer_calls import body_then_silence, post_scope
 from .scripted_upstream import ScriptedUpstream
 from .test_concurrency import run_writers
 
@@ -211,15 +211,12 @@ async def test_the_answer_waits_for_its_claim_but_the_call_does_not() -> None:
     writer._commit = slow_commit  # type: ignore[method-assign]
     sent: list[dict[str, Any]] = []
     forwarded = asyncio.Event()
-    body_sent = False
+    body = body_then_silence()
 
     async def receive() -> dict[str, Any]:
-        nonlocal body_sent
-        if body_sent:
-            await asyncio.Event().wait()
-        body_sent = True
+        message = await body()
         forwarded.set()
-        return {"type": "http.request", "body": b'{"model": "scripted"}', "more_body": False}
+        return message
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
@@ -457,17 +454,26 @@ def test_a_writer_killed_with_commits_in_flight_leaves_a_hole_readers_fill(
     assert _ids(young.read("h-3")) == ["in-flight-3"]  # the waiting reader reads on too
 
 
+def _hole_behind_a_read_only_credential(
+    flaky_s3: tuple[S3, Any], s3: S3, monkeypatch: pytest.MonkeyPatch, prefix: str, rollout_id: str
+) -> tuple[S3, Any]:
+    """Commits 0 and 2 of ``rollout_id`` (rows "a" and "c"), 1 never landed, the hole old; the
+    flaky endpoint refuses every PUT under the root (a read-only credential)."""
+    import rollout_capture.journal as journal_module
+
+    backend = CaptureStore(s3.url(prefix), storage_options=s3.storage_options)._backend
+    backend.create(backend.path(commit_name(0)), _one_row(rollout_id, "a"))
+    backend.create(backend.path(commit_name(2)), _one_row(rollout_id, "c"))  # 1 never landed
+    monkeypatch.setattr(journal_module.commits, "HOLE_GRACE_S", 0.0)
+    via, proxy = flaky_s3
+    proxy.deny_on(f"PUT /{via.bucket}/{prefix}/".encode())
+    return via, proxy
+
+
 def test_a_reader_that_may_not_write_reports_the_hole_and_does_not_hang(
     flaky_s3: tuple[S3, Any], s3: S3, monkeypatch: pytest.MonkeyPatch, caplog: Any
 ) -> None:
-    import rollout_capture.journal as journal_module
-
-    backend = CaptureStore(s3.url("caps"), storage_options=s3.storage_options)._backend
-    backend.create(backend.path(commit_name(0)), _one_row("x-0", "a"))
-    backend.create(backend.path(commit_name(2)), _one_row("x-0", "c"))  # 1 never landed
-    monkeypatch.setattr(journal_module.commits, "HOLE_GRACE_S", 0.0)
-    via, proxy = flaky_s3
-    proxy.deny_on(f"PUT /{via.bucket}/caps/{JOURNAL_DIR}/".encode())  # a read-only credential
+    via, proxy = _hole_behind_a_read_only_credential(flaky_s3, s3, monkeypatch, "caps", "x-0")
     with caplog.at_level("WARNING"):
         assert _ids(reader(via.url("caps"), via.storage_options).read("x-0")) == ["a"]
     assert commit_name(1) in caplog.text and "cannot fill it" in caplog.text
@@ -480,15 +486,9 @@ def test_a_reader_that_may_not_write_gives_the_record_a_pending_gap_naming_the_h
 ) -> None:
     """Every PUT refused (403) and commit 1 missing below commit 2: the record has the one call it
     could read and says, as a pending gap naming the hole, that more may stand above it."""
-    import rollout_capture.journal as journal_module
     from rollout_capture import merge_model_call_capture_into_record
 
-    backend = CaptureStore(s3.url("gapcaps"), storage_options=s3.storage_options)._backend
-    backend.create(backend.path(commit_name(0)), _one_row("4-0", "a"))
-    backend.create(backend.path(commit_name(2)), _one_row("4-0", "c"))  # 1 never landed
-    monkeypatch.setattr(journal_module.commits, "HOLE_GRACE_S", 0.0)
-    via, proxy = flaky_s3
-    proxy.deny_on(f"PUT /{via.bucket}/gapcaps/".encode())  # a read-only credential
+    via, proxy = _hole_behind_a_read_only_credential(flaky_s3, s3, monkeypatch, "gapcaps", "4-0")
     try:
         store = reader(via.url("gapcaps"), via.storage_options)
         record = {"_ng_task_index": 4, "_ng_rollout_index": 0}
