@@ -209,10 +209,12 @@ def test_clear(prefect_api: str, tmp_path: Path) -> None:
     assert not store.has_any("0-0")
 
 
-def cold_cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """The CLI as on a fresh machine: no PREFECT_API_URL, a Prefect home of its own."""
+def cold_cli(home: Path, *args: str, without: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """The CLI as on a fresh machine: no PREFECT_API_URL, a Prefect home of its own, none of the
+    variables whose names start with one of ``without``."""
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(home)}
-    env.pop("PREFECT_API_URL", None)
+    env = {key: value for key, value in env.items() if not key.startswith(("PREFECT_API_URL", *without))}
+    env["AWS_EC2_METADATA_DISABLED"] = "true"  # no instance-metadata wait for credentials (not on EC2)
     return subprocess.run(
         [sys.executable, "-m", "rollout_capture.cli", *args],
         env=env,
@@ -238,11 +240,17 @@ def no_server_started(home: Path, done: subprocess.CompletedProcess[str]) -> boo
         "wait",
         "inspect",
         "runner",
+        "fake-gz",
+        "s3-runs-root-without-credentials",
+        "serve-without-an-api",
+        "serve-without-a-runs-root",
     ],
 )
 def test_bad_input_is_refused_before_any_prefect_server_starts(tmp_path: Path, case: str) -> None:
     rollouts = tmp_path / "r.jsonl"
     rollouts.write_bytes(b'{"_ng_task_index": 0, "_ng_rollout_index": 0}\n')
+    fake_gz = tmp_path / "r.jsonl.gz"
+    fake_gz.write_bytes(rollouts.read_bytes())  # plain JSONL behind a .gz name
     missing = tmp_path / "does" / "not" / "exist"
     fifo = tmp_path / "fifo.jsonl"
     os.mkfifo(fifo)
@@ -261,9 +269,16 @@ def test_bad_input_is_refused_before_any_prefect_server_starts(tmp_path: Path, c
         "wait": (["wait", "1-0", "-c", str(missing)], f"capture dir {missing} does not"),
         "inspect": (["inspect", "1-0", "-c", str(missing)], f"capture dir {missing} does not"),
         "runner": (["enrich", str(rollouts), "-c", str(missing), "--runner", "fibers"], "fibers"),
+        "fake-gz": (["enrich", str(fake_gz), "-c", str(tmp_path)], f"{fake_gz} is not valid gzip data"),
+        "s3-runs-root-without-credentials": (
+            ["enrich-runs", "s3://no-such-bucket/runs"],
+            "Unable to locate credentials",
+        ),
+        "serve-without-an-api": (["serve", "--runs-root", str(tmp_path)], "set PREFECT_API_URL"),
+        "serve-without-a-runs-root": (["serve"], "ROLLOUT_CAPTURE_RUNS_ROOT"),
     }[case]
     home = tmp_path / "home"
-    done = cold_cli(home, *args)
+    done = cold_cli(home, *args, without=("AWS_", "ROLLOUT_CAPTURE_RUNS_ROOT"))
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
     assert no_server_started(home, done)

@@ -238,3 +238,99 @@ def test_the_shipped_automation_fires_when_gaps_exceed_the_threshold(
     finally:
         automation.delete()
         shutil.rmtree(tmp_path / "caps")
+
+
+def save_dummy_block(name: str, endpoint: str = "http://127.0.0.1:9") -> None:
+    """An ``AwsCredentials`` block of dummy values: registering only needs its name to exist."""
+    from prefect_aws import AwsClientParameters, AwsCredentials
+
+    AwsCredentials(
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+        aws_client_parameters=AwsClientParameters(endpoint_url=endpoint),
+    ).save(name, overwrite=True)
+
+
+def test_serve_never_changes_what_deploy_registered(prefect_api: str, tmp_path: Path) -> None:
+    """deploy A, serve B (a real process, stopped by SIGINT as Ctrl-C does), deploy an S3 root C under
+    a name of its own: A and C keep their parameters and active schedules; serve's own are B's."""
+    import signal
+
+    root_a, root_b = tmp_path / "A", tmp_path / "B"
+    root_a.mkdir()
+    root_b.mkdir()
+    from rollout_capture.deployments.register import register
+
+    a = {"runner": "processes", "max_workers": 3}
+    register(str(root_a), pool="rollout-capture", cron="*/15 * * * *", parameters=a, automation=False)
+    registered_a = deployments()["enrich-completed-runs"].parameters
+    assert registered_a["runs_root"] == str(root_a) and registered_a["max_workers"] == 3
+
+    served = subprocess.Popen(
+        [*CLI, "serve"],
+        cwd=tmp_path,
+        env=environment(prefect_api, ROLLOUT_CAPTURE_RUNS_ROOT=str(root_b)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for(  # READY: the server has seen serve poll for it (Ctrl-C before that stops nothing)
+            lambda: (
+                served.poll() is not None  # exited: said below
+                or any(
+                    d.parameters.get("runs_root") == str(root_b) and d.status == "READY"
+                    for d in deployments().values()
+                )
+            ),
+            60,
+            "serve to register its deployments and poll",
+            poll_s=0.2,
+        )
+        exited_early = served.poll()
+    finally:
+        served.send_signal(signal.SIGINT)
+        output = served.communicate(timeout=60)[0]
+    assert exited_early is None and served.returncode == 0, output
+    assert "deployments of work pools were not touched" in output
+
+    found = deployments()
+    scheduled = found["enrich-completed-runs"]
+    assert scheduled.parameters == registered_a, output  # never rewritten by serve...
+    assert not scheduled.paused and all(s.active for s in scheduled.schedules)  # ...nor paused
+    assert scheduled.work_pool_name == "rollout-capture"
+    own = found["enrich-completed-runs-served"]
+    assert own.parameters["runs_root"] == str(root_b) and own.work_pool_name is None
+    assert own.paused  # what serve served stops with it
+
+    save_dummy_block("rollout-capture-c")
+    root_c = "s3://bucket-c/runs"
+    args = ("--runs-root", root_c, "--name", "enrich-s3-runs", "--credentials-block", "rollout-capture-c")
+    done = deploy(prefect_api, *args, "--capture-dir", "s3://bucket-c/captures")
+    assert done.returncode == 0, done.stderr
+    assert "enrich-completed-runs:" not in done.stderr  # A's deployment is not replaced...
+    assert "enrich_rollouts/enrich-rollouts: registered again, unchanged" in done.stderr  # ...these are
+    given_c = {**deployments()["enrich-s3-runs"].parameters, "max_workers": 2}
+    given_c.pop("runs_root")
+    again = register(
+        root_c, pool="rollout-capture", cron="*/15 * * * *", parameters=given_c, name="enrich-s3-runs"
+    )
+    assert again["replaced"]["enrich_completed_runs/enrich-s3-runs"] == "max_workers 8 -> 2"
+
+    found = deployments()
+    for name, root in (("enrich-completed-runs", str(root_a)), ("enrich-s3-runs", root_c)):
+        assert found[name].parameters["runs_root"] == root
+        assert not found[name].paused and all(s.active for s in found[name].schedules)
+    assert found["enrich-completed-runs"].parameters == registered_a
+    assert found["enrich-s3-runs"].parameters["credentials_block"] == "rollout-capture-c"
+    assert found["enrich-s3-runs"].parameters["capture_dir"] == "s3://bucket-c/captures"  # was dropped
+    assert "testing" not in orjson.dumps(found["enrich-s3-runs"].parameters).decode()
+
+
+def test_deploy_refuses_a_credentials_block_the_server_does_not_hold(prefect_api: str) -> None:
+    """It used to register deployments whose every tick failed on the missing block."""
+    done = deploy(prefect_api, "--runs-root", "s3://bucket/never", "--credentials-block", "absent")
+    assert done.returncode == 2, done.stderr
+    assert "credentials block 'absent'" in done.stderr and "Traceback" not in done.stderr
+    assert all(d.parameters.get("runs_root") != "s3://bucket/never" for d in deployments().values())
