@@ -1226,7 +1226,7 @@ def deploy(
         "rollout-capture"
     ),
     automation: Annotated[
-        bool, typer.Option(help="Also create the gaps-exceeded automation (once per server).")
+        bool, typer.Option(help="Also create the shipped automations (once per server).")
     ] = True,
     as_json: JsonOpt = False,
 ) -> None:

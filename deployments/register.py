@@ -48,21 +48,32 @@ def register(
     deployments = shipped_deployments(runs_root, cron=cron, scheduled_parameters=parameters, name=name)
     replaced = {d.full_name: change for d in deployments if (change := replacement(d, pool)) is not None}
     ids = [d.apply(work_pool_name=pool) for d in deployments]  # no code to build or push: module paths
-    created: list[str] = []
-    if automation:
-        automations: Any = Automation  # async_dispatch methods: typed as coroutines, run sync here
-        for spec in yaml.safe_load(AUTOMATIONS.read_text())["automations"]:
-            try:
-                automations.read(name=spec["name"], _sync=True)
-            except ValueError:  # not there yet: prefect automation create does not deduplicate
-                automations.model_validate(spec).create(_sync=True)
-                created.append(spec["name"])
+    created = ensure_automations() if automation else []
     return {
         "work_pool": pool,
         "deployments": {d.full_name: str(i) for d, i in zip(deployments, ids, strict=True)},
         "automations_created": created,
         "replaced": replaced,
     }
+
+
+def ensure_automations() -> list[str]:
+    """Create each shipped automation the server lacks (by name); returns the names created.
+
+    Example:
+        ```python
+        ensure_automations()  # ["rollout-capture-tick-already-running"] on a server that lacked it
+        ```
+    """
+    created: list[str] = []
+    automations: Any = Automation  # async_dispatch methods: typed as coroutines, run sync here
+    for spec in yaml.safe_load(AUTOMATIONS.read_text())["automations"]:
+        try:
+            automations.read(name=spec["name"], _sync=True)
+        except ValueError:  # not there yet: prefect automation create does not deduplicate
+            automations.model_validate(spec).create(_sync=True)
+            created.append(spec["name"])
+    return created
 
 
 def replacement(deployment: RunnerDeployment, pool: str) -> str | None:

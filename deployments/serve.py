@@ -14,6 +14,7 @@ from prefect import serve
 from prefect.client.orchestration import get_client
 from prefect.exceptions import ObjectNotFound
 
+from rollout_capture.deployments.register import ensure_automations
 from rollout_capture.deployments.shipped import DEFAULT_CRON, JOB_VARIABLES, shipped_deployments
 
 
@@ -45,4 +46,5 @@ def serve_shipped(
                     f"deployment {deployment.full_name} is on work pool {existing.work_pool_name} "
                     "(registered by deploy): serve leaves it alone; delete or rename it first"
                 )
+    ensure_automations()  # the served ones have the same concurrency limit to explain
     serve(*deployments)

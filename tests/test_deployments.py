@@ -334,3 +334,49 @@ def test_deploy_refuses_a_credentials_block_the_server_does_not_hold(prefect_api
     assert done.returncode == 2, done.stderr
     assert "credentials block 'absent'" in done.stderr and "Traceback" not in done.stderr
     assert all(d.parameters.get("runs_root") != "s3://bucket/never" for d in deployments().values())
+
+
+def test_a_run_cancelled_by_the_concurrency_limit_says_a_tick_was_already_running(prefect_api: str) -> None:
+    """The server cancels it saying only "Deployment concurrency limit reached."; the shipped
+    automation rewrites the message to say why. No worker: the states are proposed as one would."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Completed, Pending, Running
+
+    from rollout_capture.deployments.register import register
+
+    register("/data/tick-limit", pool="rollout-capture", cron="0 0 1 1 *", parameters={}, name="tick-limit")
+    deployment = deployments()["tick-limit"]
+    with get_client(sync_client=True) as client:
+        tick = client.create_flow_run_from_deployment(deployment.id)
+        assert client.set_flow_run_state(tick.id, Pending()).status.value == "ACCEPT"
+        client.set_flow_run_state(tick.id, Running())
+        tried: list[Any] = []
+
+        def cancelled_with_the_reason() -> str:
+            """The triggers service loads a new automation when it does: until then a cancelled run
+            keeps the server's message, so try another run until one is explained (a deadline)."""
+            run = client.create_flow_run_from_deployment(deployment.id)
+            tried.append(run.id)
+            client.set_flow_run_state(run.id, Pending())  # what a worker proposes first
+            try:
+                return wait_for(
+                    lambda: (
+                        "already running" in (client.read_flow_run(run.id).state.message or "")
+                        and client.read_flow_run(run.id).state.message
+                    ),
+                    10,
+                    "the cancelled run's message",
+                    poll_s=0.3,
+                )
+            except AssertionError:
+                assert client.read_flow_run(run.id).state.is_cancelled()
+                return ""
+
+        try:
+            message = wait_for(cancelled_with_the_reason, 90, "the explained cancellation", poll_s=0)
+            assert message.startswith("Not run: a tick of this deployment was already running")
+        finally:
+            client.set_flow_run_state(tick.id, Completed())
+            for run_id in (tick.id, *tried):
+                client.delete_flow_run(run_id)
+            client.delete_deployment(deployment.id)
