@@ -624,17 +624,19 @@ def clear(
 
 
 def _rollout_store(rollout_id: str, storage: Storage) -> Any:
-    """``wait`` and ``inspect``: a valid rollout id, and a store whose root is there (no Prefect)."""
+    """``wait`` and ``inspect``: a valid rollout id, and a store whose root is there, read with the
+    credentials block's credentials when one is named (Prefect only then: its API holds the block)."""
     from rollout_capture.identity import validate_rollout_id
 
     validate_rollout_id(rollout_id)
     captures = storage.captures()
+    credentials = _credentials(captures.credentials_block, prefect=True)  # resolved once a process
     _preflight(capture_dirs=storage.must_exist(captures), prefect=False)
-    return captures.capture_store(shared=False)
+    return captures.capture_store(credentials, shared=False)
 
 
 @app.command()
-@_storage_options(block=False)
+@_storage_options()
 def wait(
     storage: Storage,
     rollout_id: Annotated[str, typer.Argument(help="Rollout id, e.g. 12-3 or 12-3-a1.")],
@@ -773,7 +775,7 @@ def _poor_state(name: str | None) -> bool:
 
 
 @app.command()
-@_storage_options(block=False)
+@_storage_options()
 def inspect(
     storage: Storage,
     rollout_id: Annotated[str, typer.Argument(help="Rollout id, e.g. 12-3.")],
@@ -828,25 +830,43 @@ def inspect(
             typer.echo(f"gap: {gap['code']}" + (f" ({gap['detail']})" if "detail" in gap else ""))
 
 
-def _local_input(path: str, what: str) -> str:
-    """A local, regular file (report and export read the enriched output where it was written)."""
+@contextmanager
+def _local_input(path: str, what: str, storage: Storage) -> Iterator[str]:
+    """A local, regular file: a path as it is, a URL (an S3 run's output) copied to a temporary one."""
     local = local_path(path)
-    if local is None:
-        raise InputError(f"{what} must be a local file (copy it here first): {path}")
-    path = local
-    if not os.path.exists(path):
-        raise InputError(f"{what} not found: {path}")
-    if not os.path.isfile(path):
-        raise InputError(f"{what} is not a regular file: {path}")
-    return path
+    if local is not None:
+        if not os.path.exists(local):
+            raise InputError(f"{what} not found: {local}")
+        if not os.path.isfile(local):
+            raise InputError(f"{what} is not a regular file: {local}")
+        yield local
+        return
+    import tempfile
+
+    from rollout_capture.filesystem import open_filesystem
+
+    where = storage.at(path)
+    credentials = _credentials(where.credentials_block, prefect=True)
+    _check_file(where, credentials, what)
+    fs, remote = open_filesystem(where.url, where.storage_options, credentials=credentials)
+    with tempfile.TemporaryDirectory(prefix="rollout-capture-") as folder:
+        copy = os.path.join(folder, remote.rstrip("/").rsplit("/", 1)[-1])
+        fs.get_file(remote, copy)
+        yield copy
 
 
 @app.command()
+@_storage_options(captures=False)
 def report(
-    enriched: Annotated[str, typer.Argument(help="Enriched rollouts JSONL (a local file).")],
+    storage: Storage,
+    enriched: Annotated[str, typer.Argument(help="Enriched rollouts JSONL: a path or fsspec URL.")],
     output: Annotated[
         str | None,
-        typer.Option("--output", "-o", help="Where the HTML goes; default <stem>.report.html beside it."),
+        typer.Option(
+            "--output",
+            "-o",
+            help="Where the HTML goes; default <stem>.report.html beside it (here, for a URL).",
+        ),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -858,9 +878,10 @@ def report(
         from rollout_capture.report import default_report_path, write_report
         from rollout_capture.summary import tokens_text
 
-        path = _local_input(enriched, "enriched file")
-        target = output or default_report_path(path)
-        summary = write_report(path, target)
+        with _local_input(enriched, "enriched file", storage) as path:
+            beside = default_report_path(path)
+            target = output or (beside if path == local_path(enriched) else os.path.basename(beside))
+            summary = write_report(path, target)
         if as_json:
             _print_json({"ok": True, "report": target, "rollouts": summary.rollouts, **summary.digest()})
         else:
@@ -872,8 +893,10 @@ def report(
 
 
 @app.command()
+@_storage_options(captures=False)
 def export(
-    enriched: Annotated[str, typer.Argument(help="Enriched rollouts JSONL (a local file).")],
+    storage: Storage,
+    enriched: Annotated[str, typer.Argument(help="Enriched rollouts JSONL: a path or fsspec URL.")],
     calls: Annotated[
         str | None, typer.Option(help="Parquet file of the calls (one row per captured call).")
     ] = None,
@@ -889,13 +912,13 @@ def export(
     with _exits(as_json):
         from rollout_capture.export import ExportUnavailable, export_tables
 
-        path = _local_input(enriched, "enriched file")
         if calls is None and rollouts is None:
             raise InputError("name --calls, --rollouts or both")
-        try:
-            counts = export_tables(path, calls, rollouts)
-        except ExportUnavailable as exc:
-            raise InputError(str(exc)) from None
+        with _local_input(enriched, "enriched file", storage) as path:
+            try:
+                counts = export_tables(path, calls, rollouts)
+            except ExportUnavailable as exc:
+                raise InputError(str(exc)) from None
         if as_json:
             _print_json(
                 {
