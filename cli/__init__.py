@@ -1317,6 +1317,36 @@ def serve(
         )
 
 
+@app.command()
+@_storage_options(captures=False)
+def finish(
+    storage: Storage,
+    run: Annotated[str, typer.Argument(help="Run folder (<runs_root>/<run>, with its rollouts.jsonl).")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Mark a run finished: write its _SUCCESS and tell the Prefect server, whose deployments of its
+    runs root then enrich it at once (without PREFECT_API_URL: the next schedule tick does)."""
+    with _exits(as_json):
+        where = storage.at(run)
+        _prefect_env()
+        if not _api_url():  # an event on a server started for this command would reach nobody
+            from rollout_capture.run_folders import mark_finished
+
+            finished = mark_finished(where.url, where.storage_options, credentials=None)
+            typer.echo(f"no PREFECT_API_URL: no event sent; the next tick enriches {finished}", err=True)
+            sent = False
+        else:
+            from rollout_capture.flows.events import mark_run_finished
+
+            _credentials(where.credentials_block, prefect=False)  # a missing block named, exit 2
+            finished = mark_run_finished(where.url, **where.flow_parameters())
+            sent = True
+        if as_json:
+            _print_json({"ok": True, "run": finished, "event_sent": sent})
+        else:
+            typer.echo(f"finished {finished}" + (": the server was told" if sent else ""))
+
+
 def main() -> None:
     """Console entry point."""
     run: Callable[[], Any] = app

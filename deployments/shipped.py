@@ -11,11 +11,13 @@ from typing import Any
 
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.deployments.runner import RunnerDeployment
+from prefect.events import DeploymentEventTrigger
 from prefect.types.entrypoint import EntrypointType
 
 from rollout_capture.flows.dispatch import prepare_dispatch
 from rollout_capture.flows.enrich import enrich_rollouts
 from rollout_capture.flows.enrich_runs import enrich_completed_runs
+from rollout_capture.flows.events import RUN_FINISHED, runs_under
 
 SCHEDULED = "enrich-completed-runs"
 ON_DEMAND = ("enrich-rollouts", "prepare-dispatch")
@@ -65,6 +67,15 @@ def shipped_deployments(
         concurrency_limit=ConcurrencyLimitConfig(
             limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW
         ),
+        # A run finished under this root (``rollout-capture finish``): enriched now; the tick stays
+        # the backstop, and the leases decide who enriches a run both reach.
+        triggers=[
+            DeploymentEventTrigger(
+                name=f"{name + suffix}: a run finished",
+                expect={RUN_FINISHED},
+                match={"prefect.resource.id": runs_under(runs_root)},
+            )
+        ],
         **common,
     )
     rollouts_name, dispatch_name = ON_DEMAND

@@ -380,3 +380,55 @@ def test_a_run_cancelled_by_the_concurrency_limit_says_a_tick_was_already_runnin
             for run_id in (tick.id, *tried):
                 client.delete_flow_run(run_id)
             client.delete_deployment(deployment.id)
+
+
+def test_a_finished_run_is_enriched_at_once_by_its_deployments_trigger(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """``rollout-capture finish`` writes _SUCCESS and emits the event; the scheduled deployment's
+    trigger runs it on a real worker (its tick, yearly here, never comes): the run gets _ENRICHED."""
+    import signal
+
+    from rollout_capture.deployments.register import register
+
+    run = tmp_path / "runs" / "run-1"
+    (run / "captures").mkdir(parents=True)
+    CaptureStore(run / "captures").record("0-0", ROW)
+    (run / "rollouts.jsonl").write_bytes(orjson.dumps({"_ng_task_index": 0, "_ng_rollout_index": 0}) + b"\n")
+    pool = "rollout-capture-trigger"
+    register(str(tmp_path / "runs"), pool=pool, cron="0 0 1 1 *", parameters={}, name="on-finish")
+    worker_env = environment(prefect_api, PREFECT_HOME=str(tmp_path / "worker-home"))
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
+        cwd=tmp_path,
+        env=worker_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+    def finished_then_enriched() -> bool:
+        """The triggers service loads a new deployment's trigger when it does: an event before
+        that goes unseen (the tick would take the run), so finish again until it is enriched."""
+        done = subprocess.run(
+            [*CLI, "finish", str(run)], env=environment(prefect_api), capture_output=True, text=True
+        )
+        assert done.returncode == 0 and "the server was told" in done.stdout, done.stderr
+        try:
+            return wait_for(lambda: (run / "_ENRICHED").exists(), 30, "_ENRICHED", poll_s=0.2)
+        except AssertionError:
+            return False
+
+    try:
+        wait_for(finished_then_enriched, 120, "the finished run to be enriched", poll_s=0)
+    finally:
+        worker.send_signal(signal.SIGINT)
+        output = worker.communicate(timeout=60)[0]
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            client.delete_deployment(deployments()["on-finish"].id)
+    out = (run / "rollouts.enriched.jsonl").read_bytes().splitlines()
+    assert [orjson.loads(line)["ng_model_call_capture"]["metrics"]["num_calls"] for line in out] == [1], (
+        output
+    )
