@@ -42,9 +42,10 @@ bench: setup
 deploy: setup
 	$(BIN)/rollout-capture deploy --runs-root "$(RUNS_ROOT)" --pool rollout-capture $(DEPLOY_ARGS)
 
-# Serve the flows from this machine (no work pool or worker needed).
+# Serve the flows from this machine (no work pool or worker needed; PREFECT_API_URL set):
+#   make serve RUNS_ROOT=/data/runs   (or ROLLOUT_CAPTURE_RUNS_ROOT in the environment)
 serve: setup
-	$(BIN)/rollout-capture serve
+	$(BIN)/rollout-capture serve $(if $(RUNS_ROOT),--runs-root "$(RUNS_ROOT)")
 
 # Build the documentation into site/ (mkdocs; the API reference from the docstrings).
 docs: setup

@@ -6,7 +6,9 @@ Times ``rollout-capture clear`` and ``rollout-capture enrich`` (real processes, 
 script of this interpreter's environment) (a) against a running ``prefect server start``
 (its own PREFECT_HOME, a free port, started and healthy before anything is timed) and (b) on
 Prefect's temporary server (no PREFECT_API_URL, a PREFECT_HOME of its own), and (c) the same
-two commands with a capture dir that is not there, which must exit 2 and name it. Each case
+two commands with a capture dir that is not there, which must exit 2 and name it, and
+``python -c "import prefect"`` in the same rounds (the floor of a flow command: the ratio of
+``enrich`` to it is printed; ``--running-only`` skips the temporary server). Each case
 runs ``--rounds`` times, the cases interleaved; min and median are printed. Case (b) also
 reports its first run, in a fresh PREFECT_HOME (the database is created then), apart.
 """
@@ -148,12 +150,22 @@ class Cases:
 
 
 CASES = ("clear", "enrich", "clear_missing", "enrich_missing")
+BASELINE = "import_prefect"
+"""``python -c "import prefect"``: the floor a flow command cannot go under, timed in the same rounds."""
+
+
+def timed_import(env: dict[str, str], cwd: Path) -> float:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import prefect"], env=env, cwd=cwd, check=True, timeout=TIMEOUT_S)
+    return time.perf_counter() - started
 
 
 def measure(cases: Cases, env: dict[str, str], rounds: int) -> dict[str, dict[str, Any]]:
-    """Each round runs every case once (interleaved, so a drift in the machine's load hits all)."""
-    times: dict[str, list[float]] = {name: [] for name in CASES}
+    """Each round runs every case once, and ``import prefect`` (interleaved, so a drift in the
+    machine's load hits all)."""
+    times: dict[str, list[float]] = {name: [] for name in (*CASES, BASELINE)}
     for _ in range(rounds):
+        times[BASELINE].append(timed_import(env, cases.work))
         for name in CASES:
             args, expect = getattr(cases, name)()
             times[name].append(timed(args, env, cases.work, expect))
@@ -173,6 +185,7 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="Print one JSON document instead.")
+    parser.add_argument("--running-only", action="store_true", help="Skip the temporary-server cases.")
     args = parser.parse_args()
 
     report: dict[str, Any] = {"rounds": args.rounds, "cpus": os.cpu_count(), "cli": " ".join(cli())}
@@ -182,26 +195,40 @@ def main() -> None:
         started = time.perf_counter()
         with prefect_server(work / "server-home", work / "server.log") as api:
             report["server_start_s"] = round(time.perf_counter() - started, 3)
-            report["running_server"] = measure(cases, base_env(work / "client-home", api), args.rounds)
-        temporary = base_env(work / "temporary-home", None)
-        first, expect = cases.enrich()
-        report["temporary_server_first_enrich_s"] = round(timed(first, temporary, work, expect), 3)
-        report["temporary_server"] = measure(cases, temporary, args.rounds)
+            report["running_server"] = running = measure(
+                cases, base_env(work / "client-home", api), args.rounds
+            )
+        floor = running[BASELINE]["median_s"]
+        report["enrich_over_import_prefect"] = {
+            "ratio": round(running["enrich"]["median_s"] / floor, 2),
+            "extra_s": round(running["enrich"]["median_s"] - floor, 3),
+        }
+        if not args.running_only:
+            temporary = base_env(work / "temporary-home", None)
+            first, expect = cases.enrich()
+            report["temporary_server_first_enrich_s"] = round(timed(first, temporary, work, expect), 3)
+            report["temporary_server"] = measure(cases, temporary, args.rounds)
 
     if args.json:
         print(json.dumps(report, indent=2))
         return
     print(f"{report['cli']}; {args.rounds} rounds; {report['cpus']} cpus")
     print(f"prefect server start until healthy: {report['server_start_s']:.2f} s")
-    first = report["temporary_server_first_enrich_s"]
-    print(f"temporary server, first enrich (fresh PREFECT_HOME): {first:.2f} s")
+    if "temporary_server_first_enrich_s" in report:
+        first = report["temporary_server_first_enrich_s"]
+        print(f"temporary server, first enrich (fresh PREFECT_HOME): {first:.2f} s")
     print(f"{'case':<16}{'server: min':>14}{'median':>9}{'temporary: min':>17}{'median':>9}")
-    for name in CASES:
-        running, temp = report["running_server"][name], report["temporary_server"][name]
+    for name in (*CASES, BASELINE):
+        running = report["running_server"][name]
+        temp = report.get("temporary_server", {}).get(name, {"min_s": float("nan"), "median_s": float("nan")})
         print(
             f"{name:<16}{running['min_s']:>14.2f}{running['median_s']:>9.2f}"
             f"{temp['min_s']:>17.2f}{temp['median_s']:>9.2f}"
         )
+    over = report["enrich_over_import_prefect"]
+    print(
+        f"enrich / import prefect (medians, running server): {over['ratio']:.2f}x, +{over['extra_s']:.2f} s"
+    )
 
 
 if __name__ == "__main__":

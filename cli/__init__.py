@@ -184,27 +184,32 @@ def _storage_options(*, block: bool = True, captures: bool = True) -> Callable[[
             added.append(option("credentials_block", annotation=BlockOpt))
         if captures:
             added.insert(0, option("allow_empty", annotation=AllowEmptyOpt, default=False))
-        at = next((i for i, p in enumerate(kept) if p.name == "as_json"), len(kept))
-        kept[at:at] = added
+        _before_json(kept, added)
         if captures:
             first = next((i for i, p in enumerate(kept) if p.default is not Parameter.empty), len(kept))
             kept.insert(first, option("capture_dir", annotation=CaptureDirOpt, default=Parameter.empty))
 
         @functools.wraps(command)
         def run(
-            storage_options: str | None = None,
-            credentials_block: str | None = None,
-            capture_dir: str = "",
-            allow_empty: bool = False,
-            **given: Any,
+            storage_options: str | None = None, credentials_block: str | None = None, **given: Any
         ) -> None:
-            storage = Storage(storage_options, credentials_block, capture_dir, allow_empty)
+            # Without ``captures``, a command's own --capture-dir / --allow-empty stay its own.
+            root = (
+                (given.pop("capture_dir", ""), given.pop("allow_empty", False)) if captures else ("", False)
+            )
+            storage = Storage(storage_options, credentials_block, *root)
             command(storage=storage, **given)
 
         run.__signature__ = declared.replace(parameters=kept)  # type: ignore[attr-defined]
         return run
 
     return decorate
+
+
+def _before_json(kept: list[Parameter], added: Sequence[Parameter]) -> None:
+    """Options a decorator adds go before ``--json`` in a command's help."""
+    at = next((i for i, p in enumerate(kept) if p.name == "as_json"), len(kept))
+    kept[at:at] = added
 
 
 # A loaded node (a training job beside it) takes far longer than Prefect's 20 s default.
@@ -266,6 +271,7 @@ def _terminal_logging() -> None:
 def _check_file(where: Location, credentials: Any, what: str) -> None:
     """The input is there and is a regular file (a FIFO or a folder would hang or mislead the read)."""
     from rollout_capture.filesystem import open_filesystem
+    from rollout_capture.rollout_files import refuse_wrong_compression
 
     fs, path = open_filesystem(where.url, where.storage_options, credentials=credentials)
     try:
@@ -274,6 +280,7 @@ def _check_file(where: Location, credentials: Any, what: str) -> None:
         raise InputError(f"{what} not found: {where}") from None
     if info.get("type") != "file":
         raise InputError(f"{what} is not a regular file: {where} ({info.get('type')})")
+    refuse_wrong_compression(fs, path, where.url)
 
 
 def _credentials(block: str | None, prefect: bool) -> Any:
@@ -320,7 +327,8 @@ def _preflight(
             raise InputError(missing_capture_dir(where.url))
     for where, what in folders:
         backend = open_backend(where.url, where.storage_options, credentials=credentials)
-        if backend.folders_exist and not backend.root_found():
+        found = backend.root_found()  # one LIST: on an object store, the credentials proved here
+        if backend.folders_exist and not found:
             raise InputError(f"{what} not found: {where}")
     if prefect and not block:
         _start_prefect()
@@ -616,17 +624,19 @@ def clear(
 
 
 def _rollout_store(rollout_id: str, storage: Storage) -> Any:
-    """``wait`` and ``inspect``: a valid rollout id, and a store whose root is there (no Prefect)."""
+    """``wait`` and ``inspect``: a valid rollout id, and a store whose root is there, read with the
+    credentials block's credentials when one is named (Prefect only then: its API holds the block)."""
     from rollout_capture.identity import validate_rollout_id
 
     validate_rollout_id(rollout_id)
     captures = storage.captures()
+    credentials = _credentials(captures.credentials_block, prefect=True)  # resolved once a process
     _preflight(capture_dirs=storage.must_exist(captures), prefect=False)
-    return captures.capture_store(shared=False)
+    return captures.capture_store(credentials, shared=False)
 
 
 @app.command()
-@_storage_options(block=False)
+@_storage_options()
 def wait(
     storage: Storage,
     rollout_id: Annotated[str, typer.Argument(help="Rollout id, e.g. 12-3 or 12-3-a1.")],
@@ -765,7 +775,7 @@ def _poor_state(name: str | None) -> bool:
 
 
 @app.command()
-@_storage_options(block=False)
+@_storage_options()
 def inspect(
     storage: Storage,
     rollout_id: Annotated[str, typer.Argument(help="Rollout id, e.g. 12-3.")],
@@ -820,25 +830,43 @@ def inspect(
             typer.echo(f"gap: {gap['code']}" + (f" ({gap['detail']})" if "detail" in gap else ""))
 
 
-def _local_input(path: str, what: str) -> str:
-    """A local, regular file (report and export read the enriched output where it was written)."""
+@contextmanager
+def _local_input(path: str, what: str, storage: Storage) -> Iterator[str]:
+    """A local, regular file: a path as it is, a URL (an S3 run's output) copied to a temporary one."""
     local = local_path(path)
-    if local is None:
-        raise InputError(f"{what} must be a local file (copy it here first): {path}")
-    path = local
-    if not os.path.exists(path):
-        raise InputError(f"{what} not found: {path}")
-    if not os.path.isfile(path):
-        raise InputError(f"{what} is not a regular file: {path}")
-    return path
+    if local is not None:
+        if not os.path.exists(local):
+            raise InputError(f"{what} not found: {local}")
+        if not os.path.isfile(local):
+            raise InputError(f"{what} is not a regular file: {local}")
+        yield local
+        return
+    import tempfile
+
+    from rollout_capture.filesystem import open_filesystem
+
+    where = storage.at(path)
+    credentials = _credentials(where.credentials_block, prefect=True)
+    _check_file(where, credentials, what)
+    fs, remote = open_filesystem(where.url, where.storage_options, credentials=credentials)
+    with tempfile.TemporaryDirectory(prefix="rollout-capture-") as folder:
+        copy = os.path.join(folder, remote.rstrip("/").rsplit("/", 1)[-1])
+        fs.get_file(remote, copy)
+        yield copy
 
 
 @app.command()
+@_storage_options(captures=False)
 def report(
-    enriched: Annotated[str, typer.Argument(help="Enriched rollouts JSONL (a local file).")],
+    storage: Storage,
+    enriched: Annotated[str, typer.Argument(help="Enriched rollouts JSONL: a path or fsspec URL.")],
     output: Annotated[
         str | None,
-        typer.Option("--output", "-o", help="Where the HTML goes; default <stem>.report.html beside it."),
+        typer.Option(
+            "--output",
+            "-o",
+            help="Where the HTML goes; default <stem>.report.html beside it (here, for a URL).",
+        ),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -850,9 +878,10 @@ def report(
         from rollout_capture.report import default_report_path, write_report
         from rollout_capture.summary import tokens_text
 
-        path = _local_input(enriched, "enriched file")
-        target = output or default_report_path(path)
-        summary = write_report(path, target)
+        with _local_input(enriched, "enriched file", storage) as path:
+            beside = default_report_path(path)
+            target = output or (beside if path == local_path(enriched) else os.path.basename(beside))
+            summary = write_report(path, target)
         if as_json:
             _print_json({"ok": True, "report": target, "rollouts": summary.rollouts, **summary.digest()})
         else:
@@ -864,8 +893,10 @@ def report(
 
 
 @app.command()
+@_storage_options(captures=False)
 def export(
-    enriched: Annotated[str, typer.Argument(help="Enriched rollouts JSONL (a local file).")],
+    storage: Storage,
+    enriched: Annotated[str, typer.Argument(help="Enriched rollouts JSONL: a path or fsspec URL.")],
     calls: Annotated[
         str | None, typer.Option(help="Parquet file of the calls (one row per captured call).")
     ] = None,
@@ -881,13 +912,13 @@ def export(
     with _exits(as_json):
         from rollout_capture.export import ExportUnavailable, export_tables
 
-        path = _local_input(enriched, "enriched file")
         if calls is None and rollouts is None:
             raise InputError("name --calls, --rollouts or both")
-        try:
-            counts = export_tables(path, calls, rollouts)
-        except ExportUnavailable as exc:
-            raise InputError(str(exc)) from None
+        with _local_input(enriched, "enriched file", storage) as path:
+            try:
+                counts = export_tables(path, calls, rollouts)
+            except ExportUnavailable as exc:
+                raise InputError(str(exc)) from None
         if as_json:
             _print_json(
                 {
@@ -1098,78 +1129,222 @@ def proxy(
         )
 
 
+CronOpt = Annotated[
+    str,
+    typer.Option(envvar="ROLLOUT_CAPTURE_CRON", show_envvar=True, help="When the scheduled enrichment runs."),
+]
+CaptureDirForRunsOpt = Annotated[str | None, typer.Option(help="One capture root for all runs.")]
+MaxWorkersOpt = Annotated[int, typer.Option(min=1, help="Batches at once, per run.")]
+MaxParallelRunsOpt = Annotated[int, typer.Option(min=1, help="Runs enriched at once.")]
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """The scheduled flow's options ``deploy`` and ``serve`` share, as typed."""
+
+    cron: str
+    capture_dir: str | None
+    runner: RunnerName
+    dask_address: str | None
+    ray_address: str | None
+    max_workers: int
+    max_parallel_runs: int
+
+
+SCHEDULED_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "cron": (CronOpt, "*/15 * * * *"),
+    "capture_dir": (CaptureDirForRunsOpt, None),
+    "runner": (RunnerOpt, RunnerName.threads),
+    "dask_address": (DaskAddressOpt, None),
+    "ray_address": (RayAddressOpt, None),
+    "max_workers": (MaxWorkersOpt, 8),
+    "max_parallel_runs": (MaxParallelRunsOpt, 4),
+}
+"""The fields of :class:`Scheduled` as options: (annotation, default), declared once for both commands."""
+
+
+def _scheduled_options(command: Command) -> Command:
+    """Give a command the scheduled flow's options as one ``scheduled`` argument (before ``--json``)."""
+    declared = signature(command, eval_str=True)
+    kept = [p.replace(kind=Parameter.KEYWORD_ONLY) for p in declared.parameters.values()]
+    kept = [p for p in kept if p.name != "scheduled"]
+    added = [
+        Parameter(name, Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
+        for name, (annotation, default) in SCHEDULED_OPTIONS.items()
+    ]
+    _before_json(kept, added)
+
+    @functools.wraps(command)
+    def run(**given: Any) -> None:
+        scheduled = Scheduled(**{name: given.pop(name) for name in SCHEDULED_OPTIONS})
+        command(scheduled=scheduled, **given)
+
+    run.__signature__ = declared.replace(parameters=kept)  # type: ignore[attr-defined]
+    return run
+
+
+def _scheduled(
+    storage: Storage, runs_root: str | None, options: Scheduled
+) -> tuple[Location, dict[str, Any]]:
+    """``deploy`` and ``serve``: the runs root checked (absolute or a URL) and the scheduled flow's
+    other parameters; then the API, which both need (a temporary server would forget them)."""
+    capture_dir, runner = options.capture_dir, options.runner
+    dask_address, ray_address = options.dask_address, options.ray_address
+    if not runs_root:
+        raise InputError("no runs root: give --runs-root or set ROLLOUT_CAPTURE_RUNS_ROOT")
+    local = local_path(runs_root)
+    if local is not None and not os.path.isabs(local):
+        raise InputError(f"--runs-root must be absolute or a URL (workers resolve it): {runs_root}")
+    runs = storage.at(runs_root)  # refused here if bad: every tick would fail
+    if capture_dir:
+        runs.at(capture_dir)
+    _addresses_match(runner, dask_address, ray_address)  # the workers have the extras, maybe not here
+    parameters: dict[str, Any] = {
+        "runner": runner.value,
+        "max_workers": options.max_workers,
+        "max_parallel_runs": options.max_parallel_runs,
+    }
+    given = {"capture_dir": capture_dir, "dask_address": dask_address, "ray_address": ray_address}
+    parameters.update({key: value for key, value in given.items() if value})
+    parameters.update(runs.flow_parameters())
+    _prefect_env()
+    if not _api_url():
+        raise InputError(
+            "deployments live on your Prefect server (one started for this command alone would "
+            "forget them): set PREFECT_API_URL first"
+        )
+    if runs.credentials_block:
+        _block_exists(runs.credentials_block)
+    return runs, parameters
+
+
+def _block_exists(block: str) -> None:
+    """The named credentials block is on the server (its values never read here): a deployment naming
+    a missing one would fail every tick."""
+    from rollout_capture.tasks.credentials import require_block
+
+    try:
+        require_block(block)
+    except ValueError as exc:
+        raise InputError(f"credentials block {block!r}: {exc}") from None
+
+
 @app.command()
 @_storage_options(captures=False)
+@_scheduled_options
 def deploy(
     storage: Storage,
+    scheduled: Scheduled,
     runs_root: Annotated[
         str,
         typer.Option(help="Runs root the schedule enriches, as the workers see it: absolute path or URL."),
     ],
+    name: Annotated[
+        str,
+        typer.Option(
+            help="The scheduled deployment's name: one per runs root, several side by side on one server."
+        ),
+    ] = "enrich-completed-runs",
     pool: Annotated[str, typer.Option(help="Work pool (created as a process pool if missing).")] = (
         "rollout-capture"
     ),
-    cron: Annotated[str, typer.Option(help="When the scheduled enrichment runs.")] = "*/15 * * * *",
-    capture_dir: Annotated[str | None, typer.Option(help="One capture root for all runs.")] = None,
-    runner: RunnerOpt = RunnerName.threads,
-    dask_address: DaskAddressOpt = None,
-    ray_address: RayAddressOpt = None,
-    max_workers: Annotated[int, typer.Option(min=1, help="Batches at once, per run.")] = 8,
-    max_parallel_runs: Annotated[int, typer.Option(min=1, help="Runs enriched at once.")] = 4,
     automation: Annotated[
-        bool, typer.Option(help="Also create the gaps-exceeded automation (once per server).")
+        bool, typer.Option(help="Also create the shipped automations (once per server).")
     ] = True,
     as_json: JsonOpt = False,
 ) -> None:
     """Register the shipped deployments on the server PREFECT_API_URL names, from this install.
 
     Workers need rollout-capture installed (pip install 'rollout-capture[aws]' for S3); the
-    entrypoints are module paths, so no code is pushed anywhere.
+    entrypoints are module paths, so no code is pushed anywhere. Registering a name again
+    updates it in place and says what it replaces.
     """
     with _exits(as_json):
-        local = local_path(runs_root)
-        if local is not None and not os.path.isabs(local):
-            raise InputError(f"--runs-root must be absolute or a URL (workers resolve it): {runs_root}")
-        runs = storage.at(runs_root)  # refused here if bad: the workers would fail every tick
-        if capture_dir:
-            runs.at(capture_dir)
-        _prefect_env()
-        api = _api_url()
-        if not api:
-            raise InputError("deploy registers on your Prefect server: set PREFECT_API_URL first")
+        _, parameters = _scheduled(storage, runs_root, scheduled)
         from rollout_capture.deployments.register import register
 
-        parameters: dict[str, Any] = {
-            "runner": runner.value,
-            "max_workers": max_workers,
-            "max_parallel_runs": max_parallel_runs,
-        }
-        if capture_dir:
-            parameters["capture_dir"] = capture_dir
-        _addresses_match(runner, dask_address, ray_address)  # the workers have the extras, maybe not here
-        if dask_address:
-            parameters["dask_address"] = dask_address
-        if ray_address:
-            parameters["ray_address"] = ray_address
-        parameters.update(runs.flow_parameters())
-        done = register(runs_root, pool=pool, cron=cron, parameters=parameters, automation=automation)
+        done = register(
+            runs_root, pool=pool, cron=scheduled.cron, parameters=parameters, automation=automation, name=name
+        )
         if as_json:
-            _print_json({"ok": True, "api": api, **done})
-        else:
-            _show([(name, str(ident)) for name, ident in done["deployments"].items()], ("deployment", "id"))
+            _print_json({"ok": True, "api": _api_url(), **done})
+            return
+        _show([(name, str(ident)) for name, ident in done["deployments"].items()], ("deployment", "id"))
+        for replaced, change in done["replaced"].items():
             typer.echo(
-                f"work pool {pool}: start a worker with `prefect worker start --pool {pool}`", err=True
+                f"{replaced}: registered again, {change}"
+                if change == "unchanged"
+                else f"replaced {replaced}: {change}",
+                err=True,
             )
+        typer.echo(f"work pool {pool}: start a worker with `prefect worker start --pool {pool}`", err=True)
 
 
 @app.command()
-def serve(as_json: JsonOpt = False) -> None:
-    """Serve the deployments from this machine (Ctrl-C to stop)."""
-    with _exits(as_json):
-        _start_prefect()
-        from rollout_capture.deployments.serve import main as serve_main
+@_storage_options(captures=False)
+@_scheduled_options
+def serve(
+    storage: Storage,
+    scheduled: Scheduled,
+    runs_root: Annotated[
+        str | None,
+        typer.Option(
+            envvar="ROLLOUT_CAPTURE_RUNS_ROOT",
+            show_envvar=True,
+            help="Runs root the schedule enriches (required): absolute path or URL.",
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Serve deployments of its own (enrich-completed-runs-served...) from this machine until Ctrl-C.
 
-        serve_main()
+    Never changes what deploy registered; Ctrl-C pauses only the served ones. Needs PREFECT_API_URL.
+    """
+    with _exits(as_json):
+        runs, parameters = _scheduled(storage, runs_root, scheduled)
+        _preflight(folders=[(runs, "runs root")], prefect=False)  # served here: the root is this machine's
+        from rollout_capture.deployments.serve import serve_shipped
+
+        try:
+            serve_shipped(runs.url, cron=scheduled.cron, parameters=parameters)  # returns on Ctrl-C
+        except KeyboardInterrupt:
+            typer.echo("stopped before serving began", err=True)
+            raise typer.Exit(130) from None
+        typer.echo(
+            "stopped: the served deployments (*-served) are paused; deployments of work pools "
+            "were not touched",
+            err=True,
+        )
+
+
+@app.command()
+@_storage_options(captures=False)
+def finish(
+    storage: Storage,
+    run: Annotated[str, typer.Argument(help="Run folder (<runs_root>/<run>, with its rollouts.jsonl).")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Mark a run finished: write its _SUCCESS and tell the Prefect server, whose deployments of its
+    runs root then enrich it at once (without PREFECT_API_URL: the next schedule tick does)."""
+    with _exits(as_json):
+        where = storage.at(run)
+        _prefect_env()
+        if not _api_url():  # an event on a server started for this command would reach nobody
+            from rollout_capture.run_folders import mark_finished
+
+            finished = mark_finished(where.url, where.storage_options, credentials=None)
+            typer.echo(f"no PREFECT_API_URL: no event sent; the next tick enriches {finished}", err=True)
+            sent = False
+        else:
+            from rollout_capture.flows.events import mark_run_finished
+
+            _credentials(where.credentials_block, prefect=False)  # a missing block named, exit 2
+            finished = mark_run_finished(where.url, **where.flow_parameters())
+            sent = True
+        if as_json:
+            _print_json({"ok": True, "run": finished, "event_sent": sent})
+        else:
+            typer.echo(f"finished {finished}" + (": the server was told" if sent else ""))
 
 
 def main() -> None:

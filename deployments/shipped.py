@@ -11,13 +11,19 @@ from typing import Any
 
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.deployments.runner import RunnerDeployment
+from prefect.events import DeploymentEventTrigger
 from prefect.types.entrypoint import EntrypointType
 
 from rollout_capture.flows.dispatch import prepare_dispatch
 from rollout_capture.flows.enrich import enrich_rollouts
 from rollout_capture.flows.enrich_runs import enrich_completed_runs
+from rollout_capture.flows.events import RUN_FINISHED, runs_under
 
 SCHEDULED = "enrich-completed-runs"
+ON_DEMAND = ("enrich-rollouts", "prepare-dispatch")
+SERVED_SUFFIX = "-served"
+"""``serve`` registers deployments of its own under these names: it never touches (nor pauses on
+Ctrl-C) one that ``rollout-capture deploy`` registered on a work pool."""
 DEFAULT_CRON = "*/15 * * * *"
 TAGS = ["rollout-capture"]
 # Flow runs are child processes of a worker or of serve: the core's logger reaches the UI.
@@ -29,19 +35,31 @@ def shipped_deployments(
     *,
     cron: str = DEFAULT_CRON,
     scheduled_parameters: dict[str, Any] | None = None,
+    name: str = SCHEDULED,
+    served: bool = False,
 ) -> list[RunnerDeployment]:
-    """The scheduled enrichment of ``runs_root`` plus the two on-demand flows.
+    """The scheduled enrichment of ``runs_root`` (deployment ``name``) plus the two on-demand flows.
 
     ``scheduled_parameters`` are the scheduled flow's other parameters (capture dir,
     runner, credentials block name: never a secret, the parameter schema refuses them).
+    ``served``: every name gets :data:`SERVED_SUFFIX`, and no job variables (``serve`` sets
+    the environment in its own process; Prefect refuses job variables without a work pool).
+
+    Example:
+        ```python
+        shipped_deployments("s3://my-runs/runs", name="enrich-s3-runs",
+                            scheduled_parameters={"credentials_block": "rollout-capture"})
+        ```
     """
+    suffix = SERVED_SUFFIX if served else ""
     common: dict[str, Any] = {
         "tags": TAGS,
-        "job_variables": JOB_VARIABLES,
+        "job_variables": None if served else JOB_VARIABLES,
         "entrypoint_type": EntrypointType.MODULE_PATH,
+        "paused": False,  # registering again resumes a paused one (said in what it replaces)
     }
     scheduled = enrich_completed_runs.to_deployment(
-        name=SCHEDULED,
+        name=name + suffix,
         description=f"Every schedule tick ({cron}), enrich each finished run under {runs_root}.",
         cron=cron,
         parameters={"runs_root": runs_root, **(scheduled_parameters or {})},
@@ -49,14 +67,24 @@ def shipped_deployments(
         concurrency_limit=ConcurrencyLimitConfig(
             limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW
         ),
+        # A run finished under this root (``rollout-capture finish``): enriched now; the tick stays
+        # the backstop, and the leases decide who enriches a run both reach.
+        triggers=[
+            DeploymentEventTrigger(
+                name=f"{name + suffix}: a run finished",
+                expect={RUN_FINISHED},
+                match={"prefect.resource.id": runs_under(runs_root)},
+            )
+        ],
         **common,
     )
+    rollouts_name, dispatch_name = ON_DEMAND
     on_demand = [
         enrich_rollouts.to_deployment(
-            name="enrich-rollouts", description="Enrich one rollouts file on demand.", **common
+            name=rollouts_name + suffix, description="Enrich one rollouts file on demand.", **common
         ),
         prepare_dispatch.to_deployment(
-            name="prepare-dispatch",
+            name=dispatch_name + suffix,
             description="Clear stale captures of the rollouts about to be dispatched.",
             **common,
         ),

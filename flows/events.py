@@ -24,6 +24,46 @@ FAILED = "rollout-capture.enrichment.failed"
 GAPS_EXCEEDED = "rollout-capture.enrichment.gaps-exceeded"
 FAILED_CALLS_EXCEEDED = "rollout-capture.enrichment.failed-calls-exceeded"
 RESOURCE_PREFIX = "rollout-capture.enrichment."
+RUN_FINISHED = "rollout-capture.run.finished"
+RUN_PREFIX = "rollout-capture.run."
+"""A finished run's event: its resource id is this prefix and the run folder's location, so a
+deployment's trigger matches the runs under its root (``rollout-capture.run.<root>/*``)."""
+
+
+def run_resource(run: str) -> dict[str, str]:
+    """A run folder (its location as workers name it) as an event resource."""
+    return {
+        "prefect.resource.id": RUN_PREFIX + run,
+        "prefect.resource.name": run.rsplit("/", 1)[-1],
+        "rollout-capture.run": run,
+    }
+
+
+def runs_under(runs_root: str) -> str:
+    """The resource ids of every run under ``runs_root``, as a trigger's match pattern."""
+    return f"{RUN_PREFIX}{absolute_location(runs_root).rstrip('/')}/*"
+
+
+def mark_run_finished(
+    run: str, *, storage_options: dict[str, Any] | None = None, credentials_block: str | None = None
+) -> str:
+    """Mark a run finished (its empty ``_SUCCESS``) and emit ``rollout-capture.run.finished`` naming it,
+    so a deployment of its runs root enriches it now rather than at the next tick; returns the run.
+
+    Example:
+        ```python
+        mark_run_finished("s3://my-runs/runs/r1", credentials_block="rollout-capture")
+        ```
+    """
+    from prefect.events.worker import EventsWorker
+
+    from rollout_capture.run_folders import mark_finished
+    from rollout_capture.tasks.credentials import credentials_from_block
+
+    finished = mark_finished(run, storage_options, credentials=credentials_from_block(credentials_block))
+    emit_event(RUN_FINISHED, resource=run_resource(finished))
+    EventsWorker.drain_all(at_exit=False)  # sent before the caller (a harness, a command) moves on or exits
+    return finished
 
 
 def resource(source: str, output: str) -> dict[str, str]:

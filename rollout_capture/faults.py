@@ -8,12 +8,7 @@ retrying them only delays the error the user needs to see.
 from __future__ import annotations
 
 import errno
-
-try:  # s3fs depends on both; other stores simply never raise these types.
-    from aiohttp import ClientConnectionError, ClientPayloadError
-    from botocore.exceptions import ClientError, HTTPClientError
-except ImportError:  # pragma: no cover
-    ClientConnectionError = ClientPayloadError = ClientError = HTTPClientError = ()  # type: ignore[assignment,misc]
+import sys
 
 from fsspec.exceptions import FSTimeoutError
 
@@ -29,14 +24,25 @@ _THROTTLING_CODES = {
 _NEVER = (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)
 
 
+def _loaded(module: str, *names: str) -> tuple[type[BaseException], ...]:
+    """Exception types of ``module`` if it is loaded, else none: an exception of one of them
+    implies its module is loaded, so nothing is missed, and a command that never touches S3
+    (a local enrichment) never pays for importing aiohttp and botocore (about 0.2 s)."""
+    found = sys.modules.get(module)
+    return tuple(getattr(found, name) for name in names) if found is not None else ()
+
+
 def _transient_alone(exc: BaseException) -> bool:
     if isinstance(exc, _NEVER):
         return False
-    if isinstance(exc, (ConnectionError, TimeoutError, FSTimeoutError, HTTPClientError)):
+    botocore = "botocore.exceptions"
+    if isinstance(
+        exc, (ConnectionError, TimeoutError, FSTimeoutError, *_loaded(botocore, "HTTPClientError"))
+    ):
         return True
-    if isinstance(exc, (ClientConnectionError, ClientPayloadError)):
+    if isinstance(exc, _loaded("aiohttp", "ClientConnectionError", "ClientPayloadError")):
         return True
-    if isinstance(exc, ClientError):
+    if isinstance(exc, _loaded(botocore, "ClientError")):
         response = getattr(exc, "response", None) or {}
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
         code = response.get("Error", {}).get("Code", "")

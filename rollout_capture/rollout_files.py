@@ -143,6 +143,7 @@ def stage_rollouts(
         _refuse_irregular_input(path, source)
     if _is_plain_local(fs, path):
         return StagedRollouts(source=source, path=path, size=os.path.getsize(path), temporary=False)
+    refuse_wrong_compression(fs, path, source)
     fd, spooled = _local_spool("rollouts-", spool_dir)
     try:
         with os.fdopen(fd, "wb") as out:
@@ -151,6 +152,31 @@ def stage_rollouts(
         os.unlink(spooled)
         raise
     return StagedRollouts(source=source, path=spooled, size=size, temporary=True)
+
+
+MAGIC = {
+    "gzip": b"\x1f\x8b",
+    "bz2": b"BZh",
+    "xz": b"\xfd7zXZ\x00",
+}
+"""The first bytes of each compressed format: a file named ``.gz`` that lacks them is refused before
+anything starts (no server, no flow run), not after a spool copy."""
+
+
+def refuse_wrong_compression(fs: fsspec.AbstractFileSystem, path: str, source: str) -> None:
+    """A compressed name (``.gz``...) over bytes of another kind is a :class:`RolloutsFileError`
+    naming the source (one small read); a truncated file is only found by reading it whole."""
+    compression = infer_compression(path)
+    magic = MAGIC.get(compression or "")
+    if magic is None:
+        return
+    with fs.open(path, "rb") as raw:
+        head = raw.read(len(magic))
+    if head != magic:
+        raise RolloutsFileError(
+            f"rollouts file {source} is not valid {compression} data (truncated or not {compression} "
+            f"at all?): its first bytes are {head!r}, not {magic!r}"
+        )
 
 
 def _copy_decompressed(

@@ -39,7 +39,7 @@ from pydantic import BaseModel, Field, ValidationError
 from rollout_capture.backends import Backend, Named, open_backend
 from rollout_capture.claims import Clock, current_time, lapses_at
 from rollout_capture.faults import is_transient_storage_error
-from rollout_capture.filesystem import join
+from rollout_capture.filesystem import join, open_filesystem
 
 ROLLOUTS = "rollouts.jsonl"
 CAPTURES = "captures"
@@ -138,6 +138,28 @@ class Discovery(BaseModel):
     refused: dict[str, str] = Field(default_factory=dict)
     """Names under the root left alone, and why: a link (never followed out of the root), or
     a run folder holding one where its parts belong."""
+
+
+def mark_finished(
+    run: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    credentials: Mapping[str, Any] | None = None,
+) -> str:
+    """Write the run's empty ``_SUCCESS`` (what a harness does once its rollouts file is whole);
+    returns the run folder as every worker names it (a local path made absolute).
+
+    Raises ``FileNotFoundError`` when the run folder has no ``rollouts.jsonl``: a run that is
+    not there would never be enriched, so finishing it is a mistake worth naming.
+    """
+    from rollout_capture.worker_pool import absolute_location  # lazily: it loads the batch machinery
+
+    run = absolute_location(run).rstrip("/")
+    fs, path = open_filesystem(run, storage_options, credentials=credentials)
+    if not fs.exists(join(path, ROLLOUTS)):
+        raise FileNotFoundError(f"run {run} has no {ROLLOUTS}: not a run folder")
+    fs.pipe_file(join(path, SUCCESS), b"")
+    return run
 
 
 def new_owner() -> str:

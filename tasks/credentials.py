@@ -129,3 +129,22 @@ def access_denied_names(block_name: str | None) -> Iterator[None]:
                 _resolved.pop(block_name, None)
         source = f"credentials block {block_name!r}" if block_name else "the AWS credential chain"
         raise PermissionError(f"access denied with {source}: {exc}") from exc
+
+
+AWS_CREDENTIALS_SLUG = "aws-credentials"
+
+
+def require_block(block_name: str) -> None:
+    """Raise ``ValueError`` unless an ``AwsCredentials`` block of that name is on the API.
+
+    Its values are never read (no prefect-aws needed): ``deploy`` checks a name before
+    registering deployments that would otherwise fail every tick.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_block_document_by_name(block_name, AWS_CREDENTIALS_SLUG, include_secrets=False)
+        except ObjectNotFound:
+            raise ValueError(f"no {AWS_CREDENTIALS_SLUG} block of that name on the Prefect server") from None

@@ -209,10 +209,12 @@ def test_clear(prefect_api: str, tmp_path: Path) -> None:
     assert not store.has_any("0-0")
 
 
-def cold_cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """The CLI as on a fresh machine: no PREFECT_API_URL, a Prefect home of its own."""
+def cold_cli(home: Path, *args: str, without: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """The CLI as on a fresh machine: no PREFECT_API_URL, a Prefect home of its own, none of the
+    variables whose names start with one of ``without``."""
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(home)}
-    env.pop("PREFECT_API_URL", None)
+    env = {key: value for key, value in env.items() if not key.startswith(("PREFECT_API_URL", *without))}
+    env["AWS_EC2_METADATA_DISABLED"] = "true"  # no instance-metadata wait for credentials (not on EC2)
     return subprocess.run(
         [sys.executable, "-m", "rollout_capture.cli", *args],
         env=env,
@@ -238,11 +240,17 @@ def no_server_started(home: Path, done: subprocess.CompletedProcess[str]) -> boo
         "wait",
         "inspect",
         "runner",
+        "fake-gz",
+        "s3-runs-root-without-credentials",
+        "serve-without-an-api",
+        "serve-without-a-runs-root",
     ],
 )
 def test_bad_input_is_refused_before_any_prefect_server_starts(tmp_path: Path, case: str) -> None:
     rollouts = tmp_path / "r.jsonl"
     rollouts.write_bytes(b'{"_ng_task_index": 0, "_ng_rollout_index": 0}\n')
+    fake_gz = tmp_path / "r.jsonl.gz"
+    fake_gz.write_bytes(rollouts.read_bytes())  # plain JSONL behind a .gz name
     missing = tmp_path / "does" / "not" / "exist"
     fifo = tmp_path / "fifo.jsonl"
     os.mkfifo(fifo)
@@ -261,9 +269,16 @@ def test_bad_input_is_refused_before_any_prefect_server_starts(tmp_path: Path, c
         "wait": (["wait", "1-0", "-c", str(missing)], f"capture dir {missing} does not"),
         "inspect": (["inspect", "1-0", "-c", str(missing)], f"capture dir {missing} does not"),
         "runner": (["enrich", str(rollouts), "-c", str(missing), "--runner", "fibers"], "fibers"),
+        "fake-gz": (["enrich", str(fake_gz), "-c", str(tmp_path)], f"{fake_gz} is not valid gzip data"),
+        "s3-runs-root-without-credentials": (
+            ["enrich-runs", "s3://no-such-bucket/runs"],
+            "Unable to locate credentials",
+        ),
+        "serve-without-an-api": (["serve", "--runs-root", str(tmp_path)], "set PREFECT_API_URL"),
+        "serve-without-a-runs-root": (["serve"], "ROLLOUT_CAPTURE_RUNS_ROOT"),
     }[case]
     home = tmp_path / "home"
-    done = cold_cli(home, *args)
+    done = cold_cli(home, *args, without=("AWS_", "ROLLOUT_CAPTURE_RUNS_ROOT"))
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
     assert no_server_started(home, done)
@@ -336,6 +351,12 @@ def test_the_pre_flight_check_uses_the_credentials_block(prefect_api: str, s3: S
         [*run, "--credentials-block", "no-such-block"], env=env, capture_output=True, text=True
     )
     assert unknown.returncode == 2 and "credentials block 'no-such-block'" in unknown.stderr, unknown.stderr
+    block = ["-c", s3.url("caps"), "--credentials-block", "cli-preflight", "--json"]
+    cli_module = [sys.executable, "-m", "rollout_capture.cli"]
+    shown = subprocess.run([*cli_module, "inspect", "0-0", *block], env=env, capture_output=True, text=True)
+    assert shown.returncode == 0 and json.loads(shown.stdout)["metrics"]["num_calls"] == 1, shown.stderr
+    waited = subprocess.run([*cli_module, "wait", "0-0", *block], env=env, capture_output=True, text=True)
+    assert waited.returncode == 0 and json.loads(waited.stdout)["quiescent"], waited.stderr
 
 
 def test_the_proxy_names_its_extra_when_its_http_stack_is_missing(tmp_path: Path) -> None:
@@ -464,6 +485,38 @@ def test_report_and_export_commands(tmp_path: Path) -> None:
     bad.write_bytes(orjson.dumps({"ng_model_call_capture": {"rollout_id": "x", "calls": [call]}}) + b"\n")
     broken = cli("report", str(bad))
     assert broken.returncode == 2 and f"{bad}:1:" in broken.stderr and "latency_total_ms" in broken.stderr
+
+
+def test_report_and_export_read_an_output_on_s3(s3: S3, tmp_path: Path) -> None:
+    """Where S3 runs write their output: read from the URL, the report written here by default."""
+    pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from .test_report import build_corpus
+
+    _, enriched = build_corpus(tmp_path / "bad")
+    s3.fs().put_file(str(enriched), f"{s3.bucket}/runs/r1/rollouts.enriched.jsonl")
+    url, options = (
+        s3.url("runs/r1/rollouts.enriched.jsonl"),
+        ["--storage-options", json.dumps(s3.storage_options)],
+    )
+    here = tmp_path / "here"
+    here.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "rollout_capture.cli", "report", url, *options, "--json"],
+        cwd=here,
+        env={**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["report"] == "rollouts.enriched.report.html"
+    assert (here / "rollouts.enriched.report.html").read_text().startswith("<!DOCTYPE html>")
+    calls = tmp_path / "calls.parquet"
+    exported = cli("export", url, *options, "--calls", str(calls))
+    assert exported.returncode == 0 and pq.read_table(calls).num_rows == 100, exported.stderr
+    missing = cli("report", s3.url("runs/absent.jsonl"), *options)
+    assert missing.returncode == 2 and "enriched file not found: s3://" in missing.stderr, missing.stderr
 
 
 def test_enrich_runs_prints_each_runs_evidence(prefect_api: str, tmp_path: Path) -> None:

@@ -238,3 +238,197 @@ def test_the_shipped_automation_fires_when_gaps_exceed_the_threshold(
     finally:
         automation.delete()
         shutil.rmtree(tmp_path / "caps")
+
+
+def save_dummy_block(name: str, endpoint: str = "http://127.0.0.1:9") -> None:
+    """An ``AwsCredentials`` block of dummy values: registering only needs its name to exist."""
+    from prefect_aws import AwsClientParameters, AwsCredentials
+
+    AwsCredentials(
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+        aws_client_parameters=AwsClientParameters(endpoint_url=endpoint),
+    ).save(name, overwrite=True)
+
+
+def test_serve_never_changes_what_deploy_registered(prefect_api: str, tmp_path: Path) -> None:
+    """deploy A, serve B (a real process, stopped by SIGINT as Ctrl-C does), deploy an S3 root C under
+    a name of its own: A and C keep their parameters and active schedules; serve's own are B's."""
+    import signal
+
+    root_a, root_b = tmp_path / "A", tmp_path / "B"
+    root_a.mkdir()
+    root_b.mkdir()
+    from rollout_capture.deployments.register import register
+
+    a = {"runner": "processes", "max_workers": 3}
+    register(str(root_a), pool="rollout-capture", cron="*/15 * * * *", parameters=a, automation=False)
+    registered_a = deployments()["enrich-completed-runs"].parameters
+    assert registered_a["runs_root"] == str(root_a) and registered_a["max_workers"] == 3
+
+    served = subprocess.Popen(
+        [*CLI, "serve"],
+        cwd=tmp_path,
+        env=environment(prefect_api, ROLLOUT_CAPTURE_RUNS_ROOT=str(root_b)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for(  # READY: the server has seen serve poll for it (Ctrl-C before that stops nothing)
+            lambda: (
+                served.poll() is not None  # exited: said below
+                or any(
+                    d.parameters.get("runs_root") == str(root_b) and d.status == "READY"
+                    for d in deployments().values()
+                )
+            ),
+            60,
+            "serve to register its deployments and poll",
+            poll_s=0.2,
+        )
+        exited_early = served.poll()
+    finally:
+        served.send_signal(signal.SIGINT)
+        output = served.communicate(timeout=60)[0]
+    assert exited_early is None and served.returncode == 0, output
+    assert "deployments of work pools were not touched" in output
+
+    found = deployments()
+    scheduled = found["enrich-completed-runs"]
+    assert scheduled.parameters == registered_a, output  # never rewritten by serve...
+    assert not scheduled.paused and all(s.active for s in scheduled.schedules)  # ...nor paused
+    assert scheduled.work_pool_name == "rollout-capture"
+    own = found["enrich-completed-runs-served"]
+    assert own.parameters["runs_root"] == str(root_b) and own.work_pool_name is None
+    assert own.paused  # what serve served stops with it
+
+    save_dummy_block("rollout-capture-c")
+    root_c = "s3://bucket-c/runs"
+    args = ("--runs-root", root_c, "--name", "enrich-s3-runs", "--credentials-block", "rollout-capture-c")
+    done = deploy(prefect_api, *args, "--capture-dir", "s3://bucket-c/captures")
+    assert done.returncode == 0, done.stderr
+    assert "enrich-completed-runs:" not in done.stderr  # A's deployment is not replaced...
+    assert "enrich_rollouts/enrich-rollouts: registered again, unchanged" in done.stderr  # ...these are
+    given_c = {**deployments()["enrich-s3-runs"].parameters, "max_workers": 2}
+    given_c.pop("runs_root")
+    again = register(
+        root_c, pool="rollout-capture", cron="*/15 * * * *", parameters=given_c, name="enrich-s3-runs"
+    )
+    assert again["replaced"]["enrich_completed_runs/enrich-s3-runs"] == "max_workers 8 -> 2"
+
+    found = deployments()
+    for name, root in (("enrich-completed-runs", str(root_a)), ("enrich-s3-runs", root_c)):
+        assert found[name].parameters["runs_root"] == root
+        assert not found[name].paused and all(s.active for s in found[name].schedules)
+    assert found["enrich-completed-runs"].parameters == registered_a
+    assert found["enrich-s3-runs"].parameters["credentials_block"] == "rollout-capture-c"
+    assert found["enrich-s3-runs"].parameters["capture_dir"] == "s3://bucket-c/captures"  # was dropped
+    assert "testing" not in orjson.dumps(found["enrich-s3-runs"].parameters).decode()
+
+
+def test_deploy_refuses_a_credentials_block_the_server_does_not_hold(prefect_api: str) -> None:
+    """It used to register deployments whose every tick failed on the missing block."""
+    done = deploy(prefect_api, "--runs-root", "s3://bucket/never", "--credentials-block", "absent")
+    assert done.returncode == 2, done.stderr
+    assert "credentials block 'absent'" in done.stderr and "Traceback" not in done.stderr
+    assert all(d.parameters.get("runs_root") != "s3://bucket/never" for d in deployments().values())
+
+
+def test_a_run_cancelled_by_the_concurrency_limit_says_a_tick_was_already_running(prefect_api: str) -> None:
+    """The server cancels it saying only "Deployment concurrency limit reached."; the shipped
+    automation rewrites the message to say why. No worker: the states are proposed as one would."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Completed, Pending, Running
+
+    from rollout_capture.deployments.register import register
+
+    register("/data/tick-limit", pool="rollout-capture", cron="0 0 1 1 *", parameters={}, name="tick-limit")
+    deployment = deployments()["tick-limit"]
+    with get_client(sync_client=True) as client:
+        tick = client.create_flow_run_from_deployment(deployment.id)
+        assert client.set_flow_run_state(tick.id, Pending()).status.value == "ACCEPT"
+        client.set_flow_run_state(tick.id, Running())
+        tried: list[Any] = []
+
+        def cancelled_with_the_reason() -> str:
+            """The triggers service loads a new automation when it does: until then a cancelled run
+            keeps the server's message, so try another run until one is explained (a deadline)."""
+            run = client.create_flow_run_from_deployment(deployment.id)
+            tried.append(run.id)
+            client.set_flow_run_state(run.id, Pending())  # what a worker proposes first
+            try:
+                return wait_for(
+                    lambda: (
+                        "already running" in (client.read_flow_run(run.id).state.message or "")
+                        and client.read_flow_run(run.id).state.message
+                    ),
+                    10,
+                    "the cancelled run's message",
+                    poll_s=0.3,
+                )
+            except AssertionError:
+                assert client.read_flow_run(run.id).state.is_cancelled()
+                return ""
+
+        try:
+            message = wait_for(cancelled_with_the_reason, 90, "the explained cancellation", poll_s=0)
+            assert message.startswith("Not run: a tick of this deployment was already running")
+        finally:
+            client.set_flow_run_state(tick.id, Completed())
+            for run_id in (tick.id, *tried):
+                client.delete_flow_run(run_id)
+            client.delete_deployment(deployment.id)
+
+
+def test_a_finished_run_is_enriched_at_once_by_its_deployments_trigger(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """``rollout-capture finish`` writes _SUCCESS and emits the event; the scheduled deployment's
+    trigger runs it on a real worker (its tick, yearly here, never comes): the run gets _ENRICHED."""
+    import signal
+
+    from rollout_capture.deployments.register import register
+
+    run = tmp_path / "runs" / "run-1"
+    (run / "captures").mkdir(parents=True)
+    CaptureStore(run / "captures").record("0-0", ROW)
+    (run / "rollouts.jsonl").write_bytes(orjson.dumps({"_ng_task_index": 0, "_ng_rollout_index": 0}) + b"\n")
+    pool = "rollout-capture-trigger"
+    register(str(tmp_path / "runs"), pool=pool, cron="0 0 1 1 *", parameters={}, name="on-finish")
+    worker_env = environment(prefect_api, PREFECT_HOME=str(tmp_path / "worker-home"))
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
+        cwd=tmp_path,
+        env=worker_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+    def finished_then_enriched() -> bool:
+        """The triggers service loads a new deployment's trigger when it does: an event before
+        that goes unseen (the tick would take the run), so finish again until it is enriched."""
+        done = subprocess.run(
+            [*CLI, "finish", str(run)], env=environment(prefect_api), capture_output=True, text=True
+        )
+        assert done.returncode == 0 and "the server was told" in done.stdout, done.stderr
+        try:
+            return wait_for(lambda: (run / "_ENRICHED").exists(), 30, "_ENRICHED", poll_s=0.2)
+        except AssertionError:
+            return False
+
+    try:
+        wait_for(finished_then_enriched, 120, "the finished run to be enriched", poll_s=0)
+    finally:
+        worker.send_signal(signal.SIGINT)
+        output = worker.communicate(timeout=60)[0]
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            client.delete_deployment(deployments()["on-finish"].id)
+    out = (run / "rollouts.enriched.jsonl").read_bytes().splitlines()
+    assert [orjson.loads(line)["ng_model_call_capture"]["metrics"]["num_calls"] for line in out] == [1], (
+        output
+    )

@@ -86,7 +86,10 @@ def test_a_fifo_behind_a_gz_name_and_a_directory_are_refused_too(tmp_path: Path)
     ("content", "detail"),
     [
         (gzip.compress(ROLLOUTS.read_bytes())[:-300], "Compressed file ended"),  # truncated
-        (ROLLOUTS.read_bytes(), "Not a gzipped file"),  # plain JSONL named .gz
+        (
+            ROLLOUTS.read_bytes(),
+            "its first bytes are b'{",
+        ),  # plain JSONL named .gz: refused by its magic bytes
     ],
     ids=["truncated", "fake"],
 )

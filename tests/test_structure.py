@@ -128,3 +128,32 @@ def test_no_import_cycles() -> None:
         if name not in state:
             walk(name)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_a_local_enrichment_loads_no_s3_client_stack() -> None:
+    """The core's fault classification names aiohttp's and botocore's errors without importing
+    either (about 0.2 s of every flow command's start): only S3 work loads them."""
+    probe = (
+        "import sys, rollout_capture.faults, rollout_capture.attachment, rollout_capture.rollout_files\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'aiohttp', 'botocore'}))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_s3_client_errors_are_still_classified() -> None:
+    import aiohttp
+    from botocore.exceptions import ClientError, HTTPClientError
+
+    from rollout_capture.faults import is_transient_storage_error
+
+    def answered(status: int, code: str = "") -> ClientError:
+        return ClientError(
+            {"ResponseMetadata": {"HTTPStatusCode": status}, "Error": {"Code": code}}, "GetObject"
+        )
+
+    assert is_transient_storage_error(aiohttp.ClientConnectionError("reset"))
+    assert is_transient_storage_error(aiohttp.ClientPayloadError("cut"))
+    assert is_transient_storage_error(HTTPClientError(error="eof"))
+    assert is_transient_storage_error(answered(503)) and is_transient_storage_error(answered(400, "SlowDown"))
+    assert not is_transient_storage_error(answered(403, "AccessDenied"))
