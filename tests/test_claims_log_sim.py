@@ -40,4 +40,4 @@ def test_the_simulation_finds_a_cut_line_completed_into_a_claim(monkeypatch: pyt
     """The simulation can fail: with a cut line ended by a bare newline (as before), a claim
     never acknowledged, or a release's line, is completed into an entry by the next line."""
     monkeypatch.setattr(claims_log, "TORN_END", b"\n")
-    assert any(simulate(seed).problems for seed in (69, 448, 467, 488))
+    assert any(simulate(seed).problems for seed in range(1_000))

@@ -25,7 +25,7 @@ from unittest import mock
 import orjson
 
 from rollout_capture import claims_log
-from rollout_capture.claims import current_time, new_claim
+from rollout_capture.claims import Claim, current_time, new_claim
 from rollout_capture.claims_log import ClaimsLogReader, ClaimsLogWriter
 
 
@@ -42,6 +42,15 @@ class Outcome:
     seed: int
     steps: int = 0
     problems: list[str] = field(default_factory=list)
+
+
+def _claim(rng: random.Random, n: int) -> Claim:
+    """A claim whose line is the same in any process (host, pid, id and time from the seed), so a
+    schedule (rotation points, where a line is cut) replays exactly."""
+    claim = new_claim(f"m{n}", 30.0)
+    claim.claim_id = f"{rng.getrandbits(128):032x}"
+    claim.host, claim.pid, claim.claimed_at = "sim-host", 4242, 1_700_000_000.0 + n
+    return claim
 
 
 def _kill(sim: SimWriter, rng: random.Random) -> None:
@@ -121,7 +130,7 @@ def simulate(seed: int, steps: int = 60) -> Outcome:
             elif pick < 0.45:
                 sim = rng.choice(alive)
                 counter[0] += 1
-                claim = new_claim(f"m{counter[0]}", 30.0)
+                claim = _claim(rng, counter[0])
                 rollout = rng.choice(rollouts)
                 short = rng.random() < 0.05
                 try:
