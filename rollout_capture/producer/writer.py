@@ -419,7 +419,7 @@ def writer_for(settings: ProducerSettings) -> CaptureWriter:
     if layout == "auto" and not local:
         layout = "journal"
     if layout == "journal":
-        in_flight_setting()  # a malformed ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT: refused at startup, not per call
+        in_flight_setting()  # a malformed ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT refused at startup, not per call
     claims: ClaimsMode = "log" if local and settings.claims != "files" else "files"
     store = CaptureStore(
         settings.root, storage_options=settings.storage_options, layout=layout, claims=claims
