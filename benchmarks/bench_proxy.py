@@ -24,7 +24,7 @@ unsaturated.
                                      [--delay-ms 150] [--store-latency-ms 20] [--calls 400] [--rounds 2]
 
 Issue 20's targets instead: a proxy for each of ``--layouts`` writing to ``s3://`` on moto
-(its own process) through tests/fault_proxy.py's FaultProxy (its own process too, adding
+(its own process) through tests/support/fault_proxy.py's FaultProxy (its own process too, adding
 ``--store-latency-ms`` to each request and counting them by method), and one for each of
 ``--disk-layouts`` on a local disk (``jsonl+files``, ``jsonl+log``: the JSONL layout with claim
 files, or with the claims log; a plain ``jsonl`` takes the producer's default), beside direct
@@ -68,7 +68,7 @@ def serve_upstream(delay_s: float, http: str, loop: str) -> None:
 
     import uvicorn
 
-    from tests.scripted_upstream import ScriptedUpstream
+    from tests.support.scripted_upstream import ScriptedUpstream
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so Nagle is off
     sock.bind(("127.0.0.1", 0))
@@ -947,7 +947,7 @@ def store_main(args: argparse.Namespace) -> None:
             "note": "shared with other workloads; figures as measured",
         },
         "setup": {
-            "store": "moto server (own process) behind tests/fault_proxy.py FaultProxy (own process)",
+            "store": "moto server (own process) behind tests/support/fault_proxy.py FaultProxy (own process)",
             "store_added_latency_ms": args.store_latency_ms,
             "upstream_delay_ms": args.delay_ms,
             "streaming_share": 0.5,

@@ -46,7 +46,7 @@ import orjson
 
 from benchmarks.bench_s3 import free_port, s3, wait_for_port
 from rollout_capture.run_folders import ENRICHED, ROLLOUTS, SUCCESS, RunsRoot
-from tests.fault_proxy import FaultProxy
+from tests.support.fault_proxy import FaultProxy
 
 RECORD = orjson.dumps({"_ng_task_index": 0, "_ng_rollout_index": 0}) + b"\n"
 

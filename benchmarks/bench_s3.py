@@ -41,7 +41,7 @@ from examples.samples import capture_rows, corpus_records
 from rollout_capture import CaptureStore
 from rollout_capture.backends import ListingScope
 from rollout_capture.batch import enrich_lines
-from tests.fault_proxy import FaultProxy
+from tests.support.fault_proxy import FaultProxy
 
 BUCKET = "bench-captures"
 

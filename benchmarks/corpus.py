@@ -17,7 +17,7 @@ from pathlib import Path
 import orjson
 
 from examples.samples import DIALECTS, capture_rows, corpus_records, jsonl_bytes
-from rollout_capture.layout import jsonl_name
+from rollout_capture.names import jsonl_name
 
 HERE = Path(__file__).resolve().parent
 SHARED_CORPUS = HERE.parent.parent / "shared" / "corpus" / "nemo-gym-example-rollouts"

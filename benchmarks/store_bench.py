@@ -1,7 +1,7 @@
 """The object store of ``bench_proxy.py --store s3``: moto, and a counting, slowed proxy to it.
 
 moto (``python -m moto.server``) is one Python process; the request-counting proxy in front
-of it (tests/fault_proxy.py's FaultProxy, adding a fixed latency per request as a network
+of it (tests/support/fault_proxy.py's FaultProxy, adding a fixed latency per request as a network
 would) runs in a second one, so neither shares an interpreter, and its GIL, with the load
 generator or the capture proxy being measured. The bench talks to the counting proxy over
 its stdin/stdout: ``peek`` (counts so far), ``reset`` (counts so far, then zero), ``rtt``
@@ -210,7 +210,7 @@ def _head_ms(port: int, bucket: str, times: int = 7) -> list[float]:
 
 def serve_counting_proxy(target_port: int, latency_ms: float) -> None:
     """Run a FaultProxy to moto; answer the bench's commands on stdin until it closes."""
-    from tests.fault_proxy import FaultProxy
+    from tests.support.fault_proxy import FaultProxy
 
     proxy = FaultProxy("127.0.0.1", target_port, latency_s=latency_ms / 1000)
     print(proxy.port, flush=True)

@@ -21,7 +21,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.samples import capture_rows, iter_corpus, jsonl_bytes
-from rollout_capture.layout import jsonl_name, marker_name, object_name
+from rollout_capture.names import jsonl_name, marker_name, object_name
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CORPUS = HERE.parent.parent / "shared" / "corpus" / "nemo-gym-example-rollouts"

@@ -45,7 +45,7 @@ import orjson
 from pydantic import ValidationError
 
 from rollout_capture.claims import Claim, claim_fields, current_time
-from rollout_capture.layout import CLAIMS_LOG_DIR
+from rollout_capture.names import CLAIMS_LOG_DIR
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_capture.claims import Claim, read_claim
-from rollout_capture.layout import RolloutListing
+from rollout_capture.names import RolloutListing
 from rollout_capture.rows import Damage, ParsedRows, Row, add_jsonl, add_object, new_parsed_rows
 
 

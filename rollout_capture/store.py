@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeVar
 
 import orjson
 
-from rollout_capture import layout as names
+from rollout_capture import names
 from rollout_capture.backends import Backend, Fetched, ListingScope, open_backend
 from rollout_capture.backends.base import nothing
 from rollout_capture.claims import DEFAULT_CLAIM_TTL_S, Claim, claim_body, new_claim, partition
@@ -38,7 +38,7 @@ from rollout_capture.journal import (
     release_entry,
     row_entry,
 )
-from rollout_capture.layout import RolloutListing, probe_name
+from rollout_capture.names import RolloutListing, probe_name
 from rollout_capture.rows import NONCE_KEY, CaptureRowError, Row
 from rollout_capture.sequence import create_numbered, first_absent
 from rollout_capture.snapshot import RolloutSnapshot

@@ -28,7 +28,7 @@ import orjson
 from pydantic import BaseModel, Field
 
 from rollout_capture.attachment import ATTACHMENT_KEY, OBSERVATIONS_KEY
-from rollout_capture.layout import parse_capture_name
+from rollout_capture.names import parse_capture_name
 
 EXACT_LIMIT = 1024
 """A sketch keeps its values (exact percentiles) while it holds at most this many."""

@@ -168,7 +168,7 @@ FAST_FAIL = {
 @pytest.fixture
 def flaky_s3(s3: S3) -> Iterator[tuple[S3, Any]]:
     """The test bucket reached through a proxy that can go down on demand."""
-    from .fault_proxy import FaultProxy
+    from .support.fault_proxy import FaultProxy
 
     host, port = s3.endpoint.removeprefix("http://").split(":")
     proxy = FaultProxy(host, int(port))
@@ -193,8 +193,8 @@ def prefect_api() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def scripted_upstream() -> Iterator[tuple[str, Any]]:
     """The scripted model server on a loopback port, for the whole session: ``(url, app)``."""
-    from .scripted_upstream import ScriptedUpstream
-    from .servers import ThreadedServer
+    from .support.scripted_upstream import ScriptedUpstream
+    from .support.servers import ThreadedServer
 
     app = ScriptedUpstream()
     server = ThreadedServer(app)

@@ -21,10 +21,10 @@ from rollout_capture import (
 )
 from rollout_capture.claims import Claim, new_claim
 from rollout_capture.claims_log import ClaimsLogReader, ClaimsLogWriter
-from rollout_capture.layout import CLAIMS_LOG_DIR
+from rollout_capture.names import CLAIMS_LOG_DIR
 
 from .conftest import Clock, wait_for
-from .scripted_upstream import ScriptedUpstream
+from .support.scripted_upstream import ScriptedUpstream
 
 ROW = {"model_call_id": "m", "status_code": 200}
 

@@ -34,7 +34,7 @@ from rollout_capture import CaptureStore
 from rollout_capture.flows import enrich_completed_runs, enrich_rollouts
 from rollout_capture.flows.enrich_runs import RunsFailed
 
-from .prefect_api import running_task_runs, state_history, task_runs
+from .support.prefect_api import running_task_runs, state_history, task_runs
 from .test_runners import enrich, eventually, write_run
 
 pytestmark = pytest.mark.usefixtures("prefect_api")

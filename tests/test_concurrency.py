@@ -11,7 +11,7 @@ import pytest
 from rollout_capture import CaptureStore
 
 from .conftest import S3
-from .spawned import write_rows
+from .support.spawned import write_rows
 
 WRITERS, ROWS = 4, 50
 

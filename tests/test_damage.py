@@ -15,7 +15,7 @@ from rollout_capture import (
     read_available_model_call_records,
     read_model_call_records,
 )
-from rollout_capture.layout import jsonl_name, object_name
+from rollout_capture.names import jsonl_name, object_name
 
 
 def row(call_id: str, **extra: Any) -> dict[str, Any]:

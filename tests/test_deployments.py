@@ -19,7 +19,7 @@ from rollout_capture import CaptureStore
 from rollout_capture.flows import enrich_completed_runs, enrich_rollouts
 
 from .conftest import ROOT, S3, wait_for
-from .prefect_api import wait_for_events
+from .support.prefect_api import wait_for_events
 
 ROW = {"model_call_id": "c", "dialect": "chat", "response": {"usage": {"prompt_tokens": 3}}}
 CLI = [sys.executable, "-m", "rollout_capture.cli"]

@@ -23,7 +23,7 @@ from rollout_capture.flows.events import COMPLETED, FAILED_CALLS_EXCEEDED, RESOU
 from rollout_capture.flows.report import artifact_key
 
 from .conftest import S3
-from .prefect_api import artifacts, flow_run, task_runs, wait_for_events, wait_for_logs
+from .support.prefect_api import artifacts, flow_run, task_runs, wait_for_events, wait_for_logs
 from .test_report import _row
 
 pytestmark = pytest.mark.usefixtures("prefect_api")

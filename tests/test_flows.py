@@ -16,7 +16,7 @@ from rollout_capture.flows import enrich_rollouts, prepare_dispatch
 from rollout_capture.flows.report import artifact_key
 
 from .conftest import S3
-from .prefect_api import artifacts, flow_run, state_history, task_runs, wait_for_logs
+from .support.prefect_api import artifacts, flow_run, state_history, task_runs, wait_for_logs
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 ROW = {

@@ -28,11 +28,11 @@ from rollout_capture.attachment import GAP_RECORDS_UNREADABLE
 from rollout_capture.backends.posix import LINK_REASON, LinkedEntryError
 from rollout_capture.claims import claim_body, new_claim
 from rollout_capture.identity import MAX_ROLLOUT_ID_LENGTH, NAME_MAX, rollout_id_of, validate_rollout_id
-from rollout_capture.layout import CLAIMS_SUFFIX, JSONL_SUFFIX, MARKER_SUFFIX, OBJECTS_SUFFIX, SEQ_WIDTH
+from rollout_capture.names import CLAIMS_SUFFIX, JSONL_SUFFIX, MARKER_SUFFIX, OBJECTS_SUFFIX, SEQ_WIDTH
 from rollout_capture.rows import Damage
 from rollout_capture.run_folders import CAPTURES, ROLLOUTS, SUCCESS, RunFolder, RunsRoot
 
-from .producer_calls import sdk_call
+from .support.producer_calls import sdk_call
 from .test_proxy import Proxy, Spawned
 
 ROW = {"kind": "model_call", "n": 0}

@@ -23,8 +23,8 @@ from rollout_capture import CaptureStore
 from rollout_capture.producer import CaptureMiddleware, ProducerSettings
 
 from .conftest import wait_for
-from .scripted_upstream import CHAT, ScriptedUpstream, chat_events, garbled
-from .servers import ThreadedServer
+from .support.scripted_upstream import CHAT, ScriptedUpstream, chat_events, garbled
+from .support.servers import ThreadedServer
 from .test_proxy import Proxy
 
 

@@ -23,8 +23,8 @@ from rollout_capture.journal import JOURNAL_DIR, clear_entry, commit_name, decod
 from rollout_capture.producer.middleware import CaptureMiddleware
 
 from .conftest import S3
-from .producer_calls import body_then_silence, post_scope
-from .scripted_upstream import ScriptedUpstream
+from .support.producer_calls import body_then_silence, post_scope
+from .support.scripted_upstream import ScriptedUpstream
 from .test_concurrency import run_writers
 
 BACKENDS = ["local", "memory", "s3"]

@@ -172,7 +172,7 @@ def test_a_flow_given_a_url_with_credentials_fails_and_records_it_nowhere(tmp_pa
 
     from rollout_capture.flows import enrich_rollouts, prepare_dispatch
 
-    from .prefect_api import flow_run
+    from .support.prefect_api import flow_run
 
     url = f"s3://AKIAEXAMPLE:{URL_SECRET}@bucket/caps"
     states = [
@@ -199,7 +199,7 @@ def test_a_task_given_a_url_with_credentials_is_named_without_them() -> None:
     from rollout_capture.tasks.rollout_files import read_rollouts
     from rollout_capture.tasks.run_folders import find_runs
 
-    from .prefect_api import task_runs
+    from .support.prefect_api import task_runs
 
     url = f"s3://AKIAEXAMPLE:{URL_SECRET}@bucket/x"
     refusals: list[str] = []

@@ -13,7 +13,7 @@ import pytest
 
 from examples.samples import capture_rows, corpus_records, jsonl_bytes
 from rollout_capture import CaptureStore, merge_model_call_capture_into_record
-from rollout_capture.layout import claim_name, jsonl_name, marker_name
+from rollout_capture.names import claim_name, jsonl_name, marker_name
 
 from .conftest import SAMPLE
 

@@ -28,9 +28,16 @@ from rollout_capture.producer.settings import ProxySettings
 from rollout_capture.store import UnwritableRootError
 
 from .conftest import S3
-from .producer_calls import DIALECTS, body_then_silence, check_row, openai_client, post_scope, sdk_call
-from .scripted_upstream import CHAT, CUT_ANSWERS, RAISING, ScriptedUpstream
-from .servers import ThreadedServer
+from .support.producer_calls import (
+    DIALECTS,
+    body_then_silence,
+    check_row,
+    openai_client,
+    post_scope,
+    sdk_call,
+)
+from .support.scripted_upstream import CHAT, CUT_ANSWERS, RAISING, ScriptedUpstream
+from .support.servers import ThreadedServer
 
 SERVER = "policy-mw"
 

@@ -23,8 +23,8 @@ from rollout_capture.producer import CaptureMiddleware, ProducerSettings
 from rollout_capture.producer.proxy import CaptureProxy
 from rollout_capture.producer.settings import ProxySettings
 
-from .scripted_upstream import CHAT, ScriptedUpstream, chat_events, messages_events, responses_events
-from .servers import ThreadedServer
+from .support.scripted_upstream import CHAT, ScriptedUpstream, chat_events, messages_events, responses_events
+from .support.servers import ThreadedServer
 
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 CHAT_PATH = "/ng-rollout/{}/v1/chat/completions"

@@ -20,7 +20,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from rollout_capture.flows.guard import GuardedFlow, guarded_flow
 from rollout_capture.flows.prefect_adapter import FLOW_OPTIONS
 
-from .prefect_api import flow_run
+from .support.prefect_api import flow_run
 
 
 def test_every_option_prefect_takes_is_carried_over() -> None:

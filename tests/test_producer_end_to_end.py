@@ -26,8 +26,8 @@ from rollout_capture.producer.proxy import CaptureProxy
 from rollout_capture.producer.settings import ProxySettings
 
 from .conftest import wait_for
-from .producer_calls import PLAIN, derived, openai_client, sdk_call
-from .servers import ThreadedServer
+from .support.producer_calls import PLAIN, derived, openai_client, sdk_call
+from .support.servers import ThreadedServer
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 SERVER = "policy"

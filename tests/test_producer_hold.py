@@ -1,6 +1,6 @@
 """The answer held for its claim on an object store (spec 11, issues 26 and 27), both producers.
 
-A real proxy and a real middleware writing the journal to moto through tests/fault_proxy.py,
+A real proxy and a real middleware writing the journal to moto through tests/support/fault_proxy.py,
 which holds the call's claim commit on the wire: the client gets no byte before the claim is
 durable, the upstream's answer is read (and timed) meanwhile, so the row's ``latency_ttft_ms`` and
 ``latency_ms`` are the upstream's own figures (its ``sent`` timestamps are the truth), the hold is
@@ -28,10 +28,10 @@ from rollout_capture.producer.proxy import CaptureProxy
 from rollout_capture.producer.settings import ProxySettings
 
 from .conftest import S3, wait_for
-from .fault_proxy import FaultProxy
-from .producer_calls import body_then_silence, post_scope
-from .scripted_upstream import ScriptedUpstream
-from .servers import ThreadedServer
+from .support.fault_proxy import FaultProxy
+from .support.producer_calls import body_then_silence, post_scope
+from .support.scripted_upstream import ScriptedUpstream
+from .support.servers import ThreadedServer
 
 HELD_S = 0.4  # how long the claim stays on the wire after the upstream's answer is all sent
 SLACK_S = HELD_S / 2  # what the producer may take to see an upstream event: well below the hold

@@ -18,7 +18,7 @@ from rollout_capture.producer.settings import ProducerSettings, ProxySettings
 from rollout_capture.producer.sse import SseFramer
 from rollout_capture.producer.streams import StreamRelay
 
-from .scripted_upstream import CHAT, MESSAGE, RESPONSE, chat_events, messages_events, responses_events
+from .support.scripted_upstream import CHAT, MESSAGE, RESPONSE, chat_events, messages_events, responses_events
 
 STREAMS = {
     "chat": (lambda: chat_events(include_usage=True), CHAT),

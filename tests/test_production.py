@@ -17,7 +17,7 @@ from rollout_capture.flows import enrich_rollouts
 from rollout_capture.flows.events import COMPLETED, FAILED, GAPS_EXCEEDED, RESOURCE_PREFIX
 
 from .conftest import S3
-from .prefect_api import task_runs, wait_for_events, wait_for_logs
+from .support.prefect_api import task_runs, wait_for_events, wait_for_logs
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 TEST_KEYS = {"key": "testing", "secret": "testing"}

@@ -30,9 +30,9 @@ from rollout_capture.producer.proxy import CaptureProxy
 from rollout_capture.producer.settings import ProxySettings
 
 from .conftest import ROOT, S3, wait_for
-from .producer_calls import DIALECTS, anthropic_client, check_row, openai_client, sdk_call
-from .scripted_upstream import CHAT, CUT_ANSWERS, chat_events
-from .servers import ThreadedServer
+from .support.producer_calls import DIALECTS, anthropic_client, check_row, openai_client, sdk_call
+from .support.scripted_upstream import CHAT, CUT_ANSWERS, chat_events
+from .support.servers import ThreadedServer
 
 SERVER = "policy"
 
@@ -606,7 +606,7 @@ def test_the_supervisor_restarts_a_dead_worker_and_gives_up_on_one_that_cannot_s
 ) -> None:
     from rollout_capture.producer import workers
 
-    from .spawned import supervised
+    from .support.spawned import supervised
 
     monkeypatch.setattr(workers, "RESTART_DELAY_S", 0.01)
     with pytest.raises(workers.WorkerStartupFailed, match=r"worker 0 \(pid \d+\) could not start"):

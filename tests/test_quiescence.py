@@ -18,7 +18,7 @@ from rollout_capture import (
     await_quiescence_many,
     merge_model_call_capture_into_record,
 )
-from rollout_capture.layout import claim_name
+from rollout_capture.names import claim_name
 
 from .conftest import S3, Clock
 

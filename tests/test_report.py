@@ -525,7 +525,7 @@ def test_a_run_of_unknown_figures_says_unknown_everywhere(
     from rollout_capture.flows import enrich_rollouts
     from rollout_capture.flows.report import artifact_key
 
-    from .prefect_api import artifacts
+    from .support.prefect_api import artifacts
 
     captures = tmp_path / "captures"
     store = CaptureStore(captures)

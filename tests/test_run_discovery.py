@@ -11,7 +11,7 @@ import orjson
 from rollout_capture.run_folders import INDEX, RunsRoot
 
 from .conftest import S3
-from .runs_helpers import make_run, run_objects
+from .support.runs_helpers import make_run, run_objects
 
 
 def statuses(root: RunsRoot, **kwargs: Any) -> dict[str, str]:

@@ -21,9 +21,9 @@ from rollout_capture.flows.report import artifact_key
 from rollout_capture.run_folders import BEATS_PER_LEASE, Lease, RunsRoot
 
 from .conftest import S3, Clock, wait_for
-from .prefect_api import artifacts
-from .runs_helpers import ROW, Where, make_run
-from .spawned import run_tick, take_lease
+from .support.prefect_api import artifacts
+from .support.runs_helpers import ROW, Where, make_run
+from .support.spawned import run_tick, take_lease
 
 
 @pytest.mark.usefixtures("prefect_api")

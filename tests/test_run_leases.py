@@ -26,7 +26,7 @@ from rollout_capture.run_folders import (
 )
 
 from .conftest import S3, Clock, wait_for
-from .runs_helpers import Where
+from .support.runs_helpers import Where
 
 # Leases are judged by the test's clock: they lapse when the test says, never on a busy
 # machine's own time, so a minute is as quick as a second.

@@ -20,12 +20,12 @@ import pytest
 from examples.samples import capture_rows, corpus_records, jsonl_bytes
 from rollout_capture import CaptureStore
 from rollout_capture.flows import enrich_rollouts
-from rollout_capture.layout import jsonl_name
+from rollout_capture.names import jsonl_name
 from rollout_capture.rollout_files import iter_line_ranges
 from rollout_capture.worker_pool import absolute_location, enrich_in_worker
 
 from .conftest import S3
-from .prefect_api import running_task_runs, state_history, task_runs
+from .support.prefect_api import running_task_runs, state_history, task_runs
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 T = TypeVar("T")

@@ -20,7 +20,7 @@ from examples.samples import DIALECTS, capture_rows, corpus_records, jsonl_bytes
 from rollout_capture import CaptureStore
 from rollout_capture import summary as summary_module
 from rollout_capture.batch import enrich_lines
-from rollout_capture.layout import jsonl_name
+from rollout_capture.names import jsonl_name
 from rollout_capture.summary import (
     CALL_FIELDS,
     EXACT_LIMIT,

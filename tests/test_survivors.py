@@ -24,8 +24,8 @@ from rollout_capture import CaptureStore, merge_model_call_capture_into_record
 from rollout_capture.run_folders import RunsRoot
 
 from .conftest import S3, Clock, wait_for
-from .runs_helpers import ROW, Where
-from .spawned import run_tick
+from .support.runs_helpers import ROW, Where
+from .support.spawned import run_tick
 
 # ----------------------------------------------------------------------------- durability
 

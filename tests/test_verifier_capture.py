@@ -27,9 +27,9 @@ from rollout_capture.producer import CaptureMiddleware, current_verifier_call
 from rollout_capture.producer.proxy import CaptureProxy
 from rollout_capture.producer.settings import ProxySettings
 
-from .producer_calls import API_KEY, sdk_call
-from .scripted_upstream import CHAT
-from .servers import ThreadedServer
+from .support.producer_calls import API_KEY, sdk_call
+from .support.scripted_upstream import CHAT
+from .support.servers import ThreadedServer
 
 POLICY = "policy"
 VERIFIER = "math-verifier"

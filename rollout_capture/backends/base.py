@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from rollout_capture.claims import Claim
-from rollout_capture.layout import RolloutListing
+from rollout_capture.names import RolloutListing
 from rollout_capture.snapshot import RolloutSnapshot, claims_of, listed_paths
 
 if TYPE_CHECKING:

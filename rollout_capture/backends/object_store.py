@@ -37,7 +37,7 @@ from rollout_capture.backends.base import Backend, Fetched, ListingScope, Named,
 from rollout_capture.claims import Claim
 from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY, join, protocol_of
 from rollout_capture.identity import validate_rollout_id
-from rollout_capture.layout import JOURNAL_DIR, Entry, RolloutListing, group_entries, objects_dir
+from rollout_capture.names import JOURNAL_DIR, Entry, RolloutListing, group_entries, objects_dir
 from rollout_capture.snapshot import RolloutSnapshot, claims_of, listed_paths, parse_snapshot
 
 KEYS_PER_PAGE = 1000

@@ -29,7 +29,7 @@ from rollout_capture.backends.base import Backend, Fetched, ListingScope, Named,
 from rollout_capture.claims import Claim
 from rollout_capture.claims_log import ClaimsLogReader, ClaimsLogWriter
 from rollout_capture.identity import validate_rollout_id
-from rollout_capture.layout import (
+from rollout_capture.names import (
     CLAIMS_LOG_DIR,
     CLAIMS_SUFFIX,
     JSONL_SUFFIX,

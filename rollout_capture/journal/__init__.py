@@ -52,7 +52,7 @@ from rollout_capture.journal.writer import (
     in_flight_bound,
     in_flight_setting,
 )
-from rollout_capture.layout import JOURNAL_DIR
+from rollout_capture.names import JOURNAL_DIR
 
 __all__ = [
     "DEFAULT_IN_FLIGHT",

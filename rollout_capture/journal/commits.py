@@ -13,7 +13,7 @@ import orjson
 
 from rollout_capture.claims import Claim, claim_body
 from rollout_capture.identity import validate_rollout_id
-from rollout_capture.layout import JOURNAL_DIR
+from rollout_capture.names import JOURNAL_DIR
 
 SEQ_WIDTH = 12
 FORMAT = 1

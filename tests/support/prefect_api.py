@@ -21,7 +21,7 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import FlowRun, StateType, TaskRun
 
-from .conftest import wait_for
+from ..conftest import wait_for
 
 
 def task_runs(flow_run_id: UUID, name_prefix: str) -> list[TaskRun]:

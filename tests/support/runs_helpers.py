@@ -10,7 +10,7 @@ import orjson
 from rollout_capture import CaptureStore
 from rollout_capture.run_folders import RunFolder, RunsRoot
 
-from .conftest import S3
+from ..conftest import S3
 
 ROW = {"model_call_id": "c", "dialect": "chat", "response": {"usage": {"prompt_tokens": 3}}}
 
