@@ -252,7 +252,7 @@ def stages(rollouts: Path, captures: Path, batch_size: int = 1000) -> dict[str, 
             for batch in built:
                 fold = AttachmentFold(EvidenceSummary())
                 for attachment in batch:
-                    fold.add_made(attachment)
+                    fold.add_built_attachment(attachment)
                 fold.flush()
 
     timed: dict[str, Callable[[], object]] = {

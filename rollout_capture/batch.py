@@ -335,7 +335,7 @@ def _enrich(
         metrics = attachment["metrics"]
         if only_added:
             out.append(splice_attachment(line, attachment))
-            fold.add_made(attachment)  # as built: counted without looking it over
+            fold.add_built_attachment(attachment)  # as built: counted without looking it over
         else:  # the record already has our key or agent observations: merge into it
             record = attach(orjson.loads(line), attachment)
             out.append(orjson.dumps(record))

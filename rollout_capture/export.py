@@ -72,17 +72,17 @@ from typing import Any
 from rollout_capture.attachment import ATTACHMENT_KEY, OBSERVATIONS_KEY
 from rollout_capture.summary import (
     EvidenceShapeError,
-    _count,
-    _gap_codes,
-    _number,
-    _text,
     attachment_of,
+    count_field,
+    gap_codes,
     is_failed,
     iter_enriched,
     model_of,
     no_attachment_error,
+    number_field,
     observation_gap_codes,
     status_class,
+    text_field,
 )
 
 ROWS_PER_GROUP = 32_768
@@ -181,7 +181,7 @@ _MAX_MICROS = 2**63 - 1
 def _micros(call: Mapping[str, Any], name: str, where: str) -> int | None:
     """A time in Unix seconds as the table's microseconds; one past the column's range is
     refused naming the field (never a bare ``OverflowError`` from pyarrow)."""
-    seconds = _number(call, name, where)
+    seconds = number_field(call, name, where)
     if seconds is None:
         return None
     micros = round(seconds * 1_000_000)
@@ -254,41 +254,41 @@ class _Table:
 def _call_row(
     rollout_id: str, line: int, call: Mapping[str, Any], owners: Mapping[str, str], where: str
 ) -> dict[str, Any]:
-    status = _count(call, "status_code", where, bits=32)
-    category = _text(call, "error_category", where)
+    status = count_field(call, "status_code", where, bits=32)
+    category = text_field(call, "error_category", where)
     ref = call.get("model_ref")
-    model_call_id = _text(call, "model_call_id", where)
+    model_call_id = text_field(call, "model_call_id", where)
     tool_calls = call.get("tool_calls")
     cache_hit = call.get("cache_hit")
     return {
         "rollout_id": rollout_id,
         "line": line,
-        "call_index": _count(call, "call_index", where, bits=32),
+        "call_index": count_field(call, "call_index", where, bits=32),
         "model_call_id": model_call_id,
-        "response_id": _text(call, "response_id", where),
+        "response_id": text_field(call, "response_id", where),
         "model": model_of(call),
         "model_server": ref.get("name")
         if isinstance(ref, Mapping) and isinstance(ref.get("name"), str)
         else None,
-        "dialect": _text(call, "dialect", where),
+        "dialect": text_field(call, "dialect", where),
         "status_code": status,
         "status_class": status_class(status),
         "error_category": category,
         "failed": is_failed(status, category),
-        "finish_reason": _text(call, "finish_reason", where),
+        "finish_reason": text_field(call, "finish_reason", where),
         "started_at": _micros(call, "started_at", where),
         "completed_at": _micros(call, "completed_at", where),
-        "latency_ms": _number(call, "latency_total_ms", where),
-        "ttft_ms": _number(call, "latency_ttft_ms", where),
-        "tokens_in": _count(call, "tokens_in", where),
-        "tokens_out": _count(call, "tokens_out", where),
-        "tokens_reasoning": _count(call, "tokens_reasoning", where),
-        "tokens_total": _count(call, "tokens_total", where),
-        "cached_tokens": _count(call, "cached_tokens", where),
-        "cache_creation_tokens": _count(call, "cache_creation_tokens", where),
+        "latency_ms": number_field(call, "latency_total_ms", where),
+        "ttft_ms": number_field(call, "latency_ttft_ms", where),
+        "tokens_in": count_field(call, "tokens_in", where),
+        "tokens_out": count_field(call, "tokens_out", where),
+        "tokens_reasoning": count_field(call, "tokens_reasoning", where),
+        "tokens_total": count_field(call, "tokens_total", where),
+        "cached_tokens": count_field(call, "cached_tokens", where),
+        "cache_creation_tokens": count_field(call, "cache_creation_tokens", where),
         "cache_hit": cache_hit if isinstance(cache_hit, bool) else None,
         "tool_calls": len(tool_calls) if isinstance(tool_calls, list) else 0,
-        "verifier_invocation_id": _text(call, "verifier_invocation_id", where),
+        "verifier_invocation_id": text_field(call, "verifier_invocation_id", where),
         "owner_invocation_id": owners.get(model_call_id) if model_call_id else None,
     }
 
@@ -306,13 +306,13 @@ def _rollout_row(
         "reward": float(reward) if isinstance(reward, int | float) and not isinstance(reward, bool) else None,
         "num_calls": len(attachment["calls"]),
         "failed_calls": failed,
-        "tokens_in": _count(metrics, "tokens_in", where),
-        "tokens_out": _count(metrics, "tokens_out", where),
-        "tokens_reasoning": _count(metrics, "tokens_reasoning", where),
-        "tokens_total": _count(metrics, "tokens_total", where),
-        "cached_tokens": _count(metrics, "cached_tokens", where),
-        "latency_total_ms": _number(metrics, "latency_total_ms", where),
-        "gap_codes": _gap_codes(attachment.get("gaps"), f"{ATTACHMENT_KEY}.gaps"),
+        "tokens_in": count_field(metrics, "tokens_in", where),
+        "tokens_out": count_field(metrics, "tokens_out", where),
+        "tokens_reasoning": count_field(metrics, "tokens_reasoning", where),
+        "tokens_total": count_field(metrics, "tokens_total", where),
+        "cached_tokens": count_field(metrics, "cached_tokens", where),
+        "latency_total_ms": number_field(metrics, "latency_total_ms", where),
+        "gap_codes": gap_codes(attachment.get("gaps"), f"{ATTACHMENT_KEY}.gaps"),
         "observation_gap_codes": observation_gap_codes(record),
         "verifier_invocations": len(verifiers) if isinstance(verifiers, list) else 0,
     }

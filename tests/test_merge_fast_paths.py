@@ -90,7 +90,7 @@ def folded(attachments: list[dict[str, Any]], built: bool) -> str:
     if built:
         fold = AttachmentFold(summary)
         for attachment in attachments:
-            fold.add_made(attachment)
+            fold.add_built_attachment(attachment)
         fold.flush()
     else:
         for attachment in attachments:

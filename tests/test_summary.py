@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 from examples.samples import DIALECTS, capture_rows, corpus_records, jsonl_bytes
 from rollout_capture import CaptureStore
-from rollout_capture import summary as summary_module
 from rollout_capture.batch import enrich_lines
 from rollout_capture.names import jsonl_name
 from rollout_capture.summary import (
@@ -31,6 +30,7 @@ from rollout_capture.summary import (
     summarize_records,
     tokens_text,
 )
+from rollout_capture.summary import fold as fold_module
 from tests.conftest import CORPUS
 
 FIELDS = CALL_FIELDS  # the fields of a call a summary reads
@@ -252,13 +252,13 @@ def test_a_value_of_another_type_fails_in_bulk_naming_the_call_as_one_by_one() -
 # ---------------------------------------------------------------- batches
 
 
-@pytest.mark.parametrize("held", [3, summary_module._FLUSH_ROWS])
+@pytest.mark.parametrize("held", [3, fold_module._FLUSH_ROWS])
 def test_a_batch_counts_its_evidence_as_summarizing_its_output(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: int
 ) -> None:
     """enrich_lines counts in bulk (counting every ``held`` calls); summarizing the lines it
     wrote counts one by one."""
-    monkeypatch.setattr(summary_module, "_FLUSH_ROWS", held)
+    monkeypatch.setattr(fold_module, "_FLUSH_ROWS", held)
     captures = tmp_path / "captures"
     captures.mkdir()
     records = corpus_records(CORPUS)
