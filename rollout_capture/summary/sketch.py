@@ -47,9 +47,11 @@ class Sketch(BaseModel):
         self.add_many((value,))
 
     def add_many(self, values: Iterable[float]) -> None:
-        """Count several values in a few C-level passes over them (this runs for every batch).
+        """Twin of adding each value in a Python loop (the reference, ``one_by_one`` in
+        tests/test_summary.py), proved equal by ``test_add_many_counts_as_one_by_one`` there.
 
-        The same result as adding them one by one: buckets in first-seen order, the total
+        Several values counted in a few C-level passes over them (this runs for every batch),
+        the same result as adding them one by one: buckets in first-seen order, the total
         added in order, the first smallest and largest value kept, ``values`` kept exactly.
         """
         values = values if type(values) is list else list(values)
