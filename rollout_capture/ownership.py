@@ -106,65 +106,13 @@ def join_ownership(observations: Any, calls: Sequence[Mapping[str, Any]]) -> dic
     if not isinstance(gaps_in, list):
         raise ObservationError("ng_agent_observations.gaps must be a list")
     result = dict(observations)
-    invocations = _invocations(observations)
-
-    by_call_id: dict[str, list[int]] = {}
-    by_response: dict[tuple[str, str, str], list[int]] = {}
-    for position, call in enumerate(calls):
-        call_id = call.get("model_call_id")
-        if call_id:
-            by_call_id.setdefault(call_id, []).append(position)
-        ref = call.get("model_ref")
-        response_id = call.get("response_id")
-        if ref is not None and response_id:
-            by_response.setdefault((ref["type"], ref["name"], response_id), []).append(position)
-
-    def matches(ref: Mapping[str, Any]) -> list[int]:
-        key = _ref_key(ref.get("model_ref"))
-        if ref.get("model_call_id"):
-            return [
-                p
-                for p in by_call_id.get(ref["model_call_id"], [])
-                if (key is None or key == _ref_key(calls[p].get("model_ref")))
-                and (ref.get("response_id") is None or ref["response_id"] == calls[p].get("response_id"))
-            ]
-        assert key is not None
-        return by_response.get((*key, ref["response_id"]), [])
-
+    index = _CallIndex(calls)
     owned: set[int] = set()
     join_gaps: list[dict[str, Any]] = []
-    new_invocations: dict[int, dict[str, Any]] = {}
-    for invocation in invocations:
-        resolved: list[Any] = []
-        invocation_id = invocation["invocation_id"]
-        for index, ref in enumerate(invocation.get("model_calls", [])):
-            _check_ref(ref, f"invocation {invocation_id!r} model_calls[{index}]")
-            candidates = matches(ref)
-            if len(candidates) != 1:
-                code = "model_call_reference_ambiguous" if candidates else "model_call_reference_unmatched"
-                join_gaps.append(
-                    _gap(code, invocation_id, ref.get("model_call_id") or ref.get("response_id"))
-                )
-                resolved.append(ref)
-                continue
-            position = candidates[0]
-            call = calls[position]
-            if position in owned:
-                detail = call.get("model_call_id") or call.get("response_id")
-                join_gaps.append(_gap("model_call_reference_conflict", invocation_id, detail))
-                resolved.append(ref)
-                continue
-            owned.add(position)
-            resolved.append(
-                {
-                    **ref,
-                    "model_call_id": call.get("model_call_id"),
-                    "model_ref": call.get("model_ref"),
-                    "response_id": call.get("response_id"),
-                }
-            )
-        new_invocations[id(invocation)] = {**invocation, "model_calls": resolved}
-
+    new_invocations = {
+        id(invocation): _resolved(invocation, index, owned, join_gaps)
+        for invocation in _invocations(observations)
+    }
     for key in ("invocations", "records"):
         if key in observations:
             result[key] = [new_invocations.get(id(item), item) for item in observations[key]]
@@ -178,6 +126,73 @@ def join_ownership(observations: Any, calls: Sequence[Mapping[str, Any]]) -> dic
         gaps.append(_gap(UNOWNED_CODE, None, f"capture:{label}:call_index={call['call_index']}"))
     result["gaps"] = _dedupe(gaps)
     return result
+
+
+class _CallIndex:
+    """The captured calls by identity: ``model_call_id``, and ``(model_ref, response_id)``."""
+
+    __slots__ = ("by_call_id", "by_response", "calls")
+
+    def __init__(self, calls: Sequence[Mapping[str, Any]]) -> None:
+        self.calls = calls
+        self.by_call_id: dict[str, list[int]] = {}
+        self.by_response: dict[tuple[str, str, str], list[int]] = {}
+        for position, call in enumerate(calls):
+            call_id = call.get("model_call_id")
+            if call_id:
+                self.by_call_id.setdefault(call_id, []).append(position)
+            ref = call.get("model_ref")
+            response_id = call.get("response_id")
+            if ref is not None and response_id:
+                self.by_response.setdefault((ref["type"], ref["name"], response_id), []).append(position)
+
+    def matches(self, ref: Mapping[str, Any]) -> list[int]:
+        """The positions of the calls a (checked) reference names: one, or a gap."""
+        calls = self.calls
+        key = _ref_key(ref.get("model_ref"))
+        if ref.get("model_call_id"):
+            return [
+                p
+                for p in self.by_call_id.get(ref["model_call_id"], [])
+                if (key is None or key == _ref_key(calls[p].get("model_ref")))
+                and (ref.get("response_id") is None or ref["response_id"] == calls[p].get("response_id"))
+            ]
+        assert key is not None
+        return self.by_response.get((*key, ref["response_id"]), [])
+
+
+def _resolved(
+    invocation: dict[str, Any], index: _CallIndex, owned: set[int], join_gaps: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The invocation with each reference resolved to the one call it names (added to
+    ``owned``), or left as it was with a gap in ``join_gaps`` saying why."""
+    resolved: list[Any] = []
+    invocation_id = invocation["invocation_id"]
+    for position_in_list, ref in enumerate(invocation.get("model_calls", [])):
+        _check_ref(ref, f"invocation {invocation_id!r} model_calls[{position_in_list}]")
+        candidates = index.matches(ref)
+        if len(candidates) != 1:
+            code = "model_call_reference_ambiguous" if candidates else "model_call_reference_unmatched"
+            join_gaps.append(_gap(code, invocation_id, ref.get("model_call_id") or ref.get("response_id")))
+            resolved.append(ref)
+            continue
+        position = candidates[0]
+        call = index.calls[position]
+        if position in owned:
+            detail = call.get("model_call_id") or call.get("response_id")
+            join_gaps.append(_gap("model_call_reference_conflict", invocation_id, detail))
+            resolved.append(ref)
+            continue
+        owned.add(position)
+        resolved.append(
+            {
+                **ref,
+                "model_call_id": call.get("model_call_id"),
+                "model_ref": call.get("model_ref"),
+                "response_id": call.get("response_id"),
+            }
+        )
+    return {**invocation, "model_calls": resolved}
 
 
 def _dedupe(gaps: list[Any]) -> list[Any]:

@@ -170,47 +170,38 @@ def _read_jsonl(
         number += 1
         stop = find(b"\n", start)
         if stop < 0:
-            line = data[start:]
-            start = end
+            line, start = data[start:], end
         else:
-            line = data[start:stop]
-            start = stop + 1
-        if typed:
-            if checked:
+            line, start = data[start:stop], stop + 1
+        if checked:
+            try:
+                row = typed_decode(line)
+            except (msgspec.DecodeError, RecursionError):
+                row = None
+            if row is not None:
+                kind = row.kind
                 try:
-                    row = typed_decode(line)
-                except (msgspec.DecodeError, RecursionError):
-                    row = None
-                if row is not None:
-                    kind = row.kind
-                    try:
-                        append(
-                            (
-                                position,
-                                BuiltCall(typed_record(row, position))
-                                if kind is None or kind == "model_call"
-                                else typed_of(row, position),
-                            )
-                        )
-                        position += 1
-                        continue
-                    except (orjson.JSONDecodeError, Untyped):  # tool call arguments orjson cannot read
-                        pass
-            else:
-                try:
-                    append((position, typed_row(line, position)))
+                    if kind is None or kind == "model_call":
+                        append((position, BuiltCall(typed_record(row, position))))
+                    else:
+                        append((position, typed_of(row, position)))
                     position += 1
                     continue
-                except Untyped:
+                except (orjson.JSONDecodeError, Untyped):  # tool call arguments orjson cannot read
                     pass
+        elif typed:
+            try:
+                append((position, typed_row(line, position)))
+                position += 1
+                continue
+            except Untyped:
+                pass
         try:
             parsed = loads(line)
         except orjson.JSONDecodeError:
-            if not line or line.isspace():
-                continue
-            reason = "torn final line" if stop < 0 else "not JSON"
-            damaged.append(Damage(source, number, reason))
-            position += 1
+            if line and not line.isspace():  # a blank line is no row
+                damaged.append(Damage(source, number, "torn final line" if stop < 0 else "not JSON"))
+                position += 1
             continue
         if type(parsed) is dict:
             append((position, parsed))

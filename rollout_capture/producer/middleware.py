@@ -171,107 +171,145 @@ class CaptureMiddleware:
         whole: bool,
         body: bytes,
     ) -> None:
+        """Run the app on a claimed call, its answer relayed to the client and into the row."""
         headers: Headers = scope_headers(scope)
         if forward is not body:
             headers = replace_header(headers, b"content-length", str(len(forward)).encode())
         # The app is asked for an uncompressed answer: the row needs readable bytes.
         scope["headers"] = replace_header(headers, b"accept-encoding", b"identity")
         await exchange.claim(writer)
-        replayed = False
-        client_gone = False
-        refused: int | None = None  # a status no server can send: the client gets a 502 instead
-        answered = False
-
-        body_whole = whole
-
-        async def inner_receive() -> Message:
-            nonlocal replayed, client_gone, body_whole
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": forward, "more_body": not whole}
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                client_gone = True
-                if not body_whole:  # the app got a cut body: whatever it answers, the call was cancelled
-                    exchange.failed(ErrorCategory.CANCELLED)
-            elif not message.get("more_body", False):
-                body_whole = True
-            return message
-
-        async def to_client(message: Message) -> None:
-            nonlocal client_gone
-            try:
-                await send(message)
-            except OSError:
-                client_gone = True
-                raise
-
-        # The first byte waits for the claim (spec 3, 11); the app runs on meanwhile.
-        forward_send = exchange.to_client(to_client)
-
-        async def refuse() -> None:  # after the row, as for any answer
-            nonlocal answered
-            answered = True
-            assert refused is not None
-            await send_json_error(forward_send, 502, invalid_status_message(refused), INVALID_STATUS_KIND)
-
-        async def inner_send(message: Message) -> None:
-            nonlocal refused
-            kind = message["type"]
-            if refused is not None:  # the app's answer goes to the row only
-                if kind == "http.response.body":
-                    exchange.body(message.get("body", b""))
-                    if not message.get("more_body", False) and not answered:
-                        await exchange.complete(writer)
-                        await refuse()
-                return
-            if kind == "http.response.start":
-                exchange.response_started(message["status"], message.get("headers") or [])
-                if not is_valid_status(message["status"]):
-                    refused = message["status"]
-                    logger.warning(
-                        "the app answered status %d to a call of rollout %s: answered 502",
-                        refused,
-                        exchange.rollout_id,
-                    )
-                    return
-                if exchange.streaming:  # events may be held or hidden: the length is not the app's
-                    message = {
-                        **message,
-                        "headers": replace_header(list(message["headers"]), b"content-length", None),
-                    }
-                await forward_send(message)
-            elif kind == "http.response.body":
-                now = exchange.body(message.get("body", b""))
-                if message.get("more_body", False):
-                    if now:
-                        await forward_send({"type": "http.response.body", "body": now, "more_body": True})
-                    return
-                held = await exchange.complete(writer)  # durable before the client's last byte
-                await forward_send({"type": "http.response.body", "body": now + held, "more_body": False})
-            else:
-                await forward_send(message)
-
+        relay = _Relay(exchange, writer, receive, send, forward, whole)
         try:
             exchange.forwarding()
-            await self.app(scope, inner_receive, inner_send)
+            await self.app(scope, relay.receive, relay.send)
         except asyncio.CancelledError:
             exchange.failed(ErrorCategory.CANCELLED)
             exchange.answer_dropped()
             raise
         except Exception as exc:
-            if client_gone:
+            if relay.client_gone:
                 exchange.failed(ErrorCategory.CANCELLED)
             else:
                 exchange.server_failed(exc)
             raise
         finally:
-            if client_gone and not exchange.finished:
+            if relay.client_gone and not exchange.finished:
                 exchange.failed(ErrorCategory.CANCELLED)
             await exchange.close(writer)  # an app that returned early: its answer broke off
             await exchange.answer_settled()  # what it sent before goes to the client
-            if refused is not None and not answered and not client_gone:
-                await refuse()
+            if relay.refused is not None and not relay.answered and not relay.client_gone:
+                await relay.refuse()
+
+
+class _Relay:
+    """One captured call between the app and the client: the app's ``receive`` (the body
+    already read handed out first) and ``send`` (each message to the row, and to the client
+    once the claim is held), and what the call's end needs to know of them."""
+
+    __slots__ = (
+        "_forward",
+        "_forward_send",
+        "_receive",
+        "_send",
+        "_writer",
+        "answered",
+        "body_whole",
+        "client_gone",
+        "exchange",
+        "refused",
+        "replayed",
+        "whole",
+    )
+
+    def __init__(
+        self,
+        exchange: Exchange,
+        writer: CaptureWriter,
+        receive: Receive,
+        send: Send,
+        forward: bytes,
+        whole: bool,
+    ) -> None:
+        self.exchange, self._writer, self._receive, self._send = exchange, writer, receive, send
+        self._forward, self.whole, self.body_whole = forward, whole, whole
+        self.replayed = False
+        self.client_gone = False
+        self.refused: int | None = None  # a status no server can send: the client gets a 502 instead
+        self.answered = False
+        # The first byte waits for the claim (spec 3, 11); the app runs on meanwhile.
+        self._forward_send = exchange.to_client(self._to_client)
+
+    async def receive(self) -> Message:
+        if not self.replayed:
+            self.replayed = True
+            return {"type": "http.request", "body": self._forward, "more_body": not self.whole}
+        message = await self._receive()
+        if message["type"] == "http.disconnect":
+            self.client_gone = True
+            if not self.body_whole:  # the app got a cut body: whatever it answers, the call was cancelled
+                self.exchange.failed(ErrorCategory.CANCELLED)
+        elif not message.get("more_body", False):
+            self.body_whole = True
+        return message
+
+    async def _to_client(self, message: Message) -> None:
+        try:
+            await self._send(message)
+        except OSError:
+            self.client_gone = True
+            raise
+
+    async def refuse(self) -> None:
+        """The client's 502 for a status no server can send (after the row, as for any answer)."""
+        self.answered = True
+        assert self.refused is not None
+        await send_json_error(
+            self._forward_send, 502, invalid_status_message(self.refused), INVALID_STATUS_KIND
+        )
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if self.refused is not None:  # the app's answer goes to the row only
+            await self._to_row_only(message)
+            return
+        exchange = self.exchange
+        if kind == "http.response.start":
+            exchange.response_started(message["status"], message.get("headers") or [])
+            if not is_valid_status(message["status"]):
+                self._refuse_status(message["status"])
+                return
+            if exchange.streaming:  # events may be held or hidden: the length is not the app's
+                message = {
+                    **message,
+                    "headers": replace_header(list(message["headers"]), b"content-length", None),
+                }
+            await self._forward_send(message)
+        elif kind == "http.response.body":
+            now = exchange.body(message.get("body", b""))
+            if message.get("more_body", False):
+                if now:
+                    await self._forward_send({"type": "http.response.body", "body": now, "more_body": True})
+                return
+            held = await exchange.complete(self._writer)  # durable before the client's last byte
+            await self._forward_send({"type": "http.response.body", "body": now + held, "more_body": False})
+        else:
+            await self._forward_send(message)
+
+    def _refuse_status(self, status: int) -> None:
+        self.refused = status
+        logger.warning(
+            "the app answered status %d to a call of rollout %s: answered 502",
+            status,
+            self.exchange.rollout_id,
+        )
+
+    async def _to_row_only(self, message: Message) -> None:
+        """A refused answer's body: into the row; the client's 502 once it is whole."""
+        if message["type"] == "http.response.body":
+            self.exchange.body(message.get("body", b""))
+            if not message.get("more_body", False) and not self.answered:
+                await self.exchange.complete(self._writer)
+                await self.refuse()
 
 
 def _replay(body: bytes, whole: bool, receive: Receive) -> Receive:
