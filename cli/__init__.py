@@ -1105,7 +1105,7 @@ def proxy(
         from pydantic import ValidationError
 
         from rollout_capture.location import describe_errors
-        from rollout_capture.producer.proxy import serve_proxy
+        from rollout_capture.producer.server import serve_proxy
 
         if "storage_options" in settings:
             settings["storage_options"] = _options(settings["storage_options"]) or {}

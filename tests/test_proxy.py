@@ -671,7 +671,7 @@ async def test_the_proxys_connections_have_nagle_off() -> None:
     import asyncio
     import socket
 
-    from rollout_capture.producer.proxy import bind_listener
+    from rollout_capture.producer.server import bind_listener
 
     sock = bind_listener("127.0.0.1", 0)
     nodelay: list[int] = []

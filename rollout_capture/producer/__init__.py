@@ -1,7 +1,8 @@
 """Capture producers (spec 11): ``CaptureMiddleware`` for ASGI model servers, and the proxy.
 
-The proxy (``rollout_capture.producer.proxy``) imports httpx and uvicorn, so it is not
-imported here; the middleware needs neither.
+The proxy (the app in ``rollout_capture.producer.proxy``, served by ``serve_proxy`` of
+``rollout_capture.producer.server``) imports aiohttp and uvicorn, so it is not imported
+here; the middleware needs neither.
 """
 
 from rollout_capture.producer.middleware import CaptureMiddleware
