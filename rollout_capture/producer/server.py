@@ -166,26 +166,7 @@ def serve_proxy(
         many = f" ({workers} workers)" if workers > 1 else ""
         announce(f"rollout-capture proxy on http://{shown}:{bound} -> {settings.upstream}{many}")
     if workers > 1:
-        from rollout_capture.producer.workers import supervise
-
-        settings_json = settings.model_dump_json()
-
-        def close_sockets() -> None:
-            for sock in sockets:
-                sock.close()
-
-        try:
-            supervise(
-                _serve_worker,
-                lambda index: (settings_json, sockets[index % len(sockets)], options),
-                workers,
-                # A stuck worker is killed once its stop took well past both its waits (calls, writes).
-                stop_timeout_s=2 * settings.shutdown_grace_s + 30,
-                on_stop=close_sockets,  # once the workers close theirs, new connections are refused
-                name="proxy worker",
-            )
-        finally:
-            close_sockets()
+        _serve_workers(settings, sockets, options, workers)
         return
     server = _server(app, options)
     try:
@@ -194,3 +175,29 @@ def serve_proxy(
         app.close_writer()
         for sock in sockets:
             sock.close()
+
+
+def _serve_workers(
+    settings: ProxySettings, sockets: list[socket.socket], options: ServerOptions, workers: int
+) -> None:
+    """``serve_proxy`` of ``workers`` > 1: spawned worker processes on the bound sockets, supervised."""
+    from rollout_capture.producer.workers import supervise
+
+    settings_json = settings.model_dump_json()
+
+    def close_sockets() -> None:
+        for sock in sockets:
+            sock.close()
+
+    try:
+        supervise(
+            _serve_worker,
+            lambda index: (settings_json, sockets[index % len(sockets)], options),
+            workers,
+            # A stuck worker is killed once its stop took well past both its waits (calls, writes).
+            stop_timeout_s=2 * settings.shutdown_grace_s + 30,
+            on_stop=close_sockets,  # once the workers close theirs, new connections are refused
+            name="proxy worker",
+        )
+    finally:
+        close_sockets()
