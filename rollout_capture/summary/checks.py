@@ -33,7 +33,7 @@ class EvidenceShapeError(ValueError):
     """An enriched record whose attachment does not have the shape the summary reads."""
 
 
-def _add_sum(fields: dict[str, Any], name: str, known: int | None, unknown_calls: int) -> None:
+def add_partial_sum(fields: dict[str, Any], name: str, known: int | None, unknown_calls: int) -> None:
     """Add a partial sum (``None``: no call reported it) and its unknown calls to ``fields``."""
     if known is not None:
         mine = fields[name]
@@ -41,7 +41,7 @@ def _add_sum(fields: dict[str, Any], name: str, known: int | None, unknown_calls
     fields[f"{name}_unknown_calls"] += unknown_calls
 
 
-def _where(index: int) -> str:
+def call_where(index: int) -> str:
     """Where a call is, for an error message (built only when one is raised)."""
     return f"{ATTACHMENT_KEY}.calls[{index}]"
 
@@ -51,7 +51,7 @@ def status_class(status_code: int | None) -> str:
     return NO_STATUS if status_code is None else f"{status_code // 100}xx"
 
 
-_STATUS_CLASSES: dict[int | None, str] = {
+STATUS_CLASSES: dict[int | None, str] = {
     None: NO_STATUS,
     **{code: f"{code // 100}xx" for code in range(100, 600)},
 }
@@ -67,10 +67,10 @@ def model_of(call: Mapping[str, Any]) -> str:
     model = call.get("model")
     if isinstance(model, str) and model:
         return model
-    return _model_name(model, call.get("model_ref"))
+    return model_name_of(model, call.get("model_ref"))
 
 
-def _model_name(model: Any, ref: Any) -> str:
+def model_name_of(model: Any, ref: Any) -> str:
     """:func:`model_of` of a call's ``model`` and ``model_ref``."""
     if isinstance(model, str) and model:
         return model
@@ -79,7 +79,8 @@ def _model_name(model: Any, ref: Any) -> str:
     return UNKNOWN_MODEL
 
 
-def _bump(counts: dict[str, int], key: str, n: int = 1) -> None:
+def bump(counts: dict[str, int], key: str, n: int = 1) -> None:
+    """Add ``n`` to ``counts[key]`` (a new key goes last: dicts keep first-seen order)."""
     counts[key] = counts.get(key, 0) + n
 
 

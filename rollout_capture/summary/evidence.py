@@ -17,10 +17,10 @@ from pydantic import BaseModel, Field
 from rollout_capture.summary.checks import (
     CALL_FIELDS,
     TOKEN_SUMS,
-    _add_sum,
-    _bump,
-    _where,
+    add_partial_sum,
     attachment_of,
+    bump,
+    call_where,
     count_field,
     number_field,
     observation_gap_codes,
@@ -57,7 +57,8 @@ class TokenSums(BaseModel):
     def merge_sums(self, other: TokenSums) -> None:
         """Add another's sums and unknown calls into these."""
         for name in TOKEN_SUMS:
-            _add_sum(self.__dict__, name, getattr(other, name), getattr(other, f"{name}_unknown_calls"))
+            unknown = getattr(other, f"{name}_unknown_calls")
+            add_partial_sum(self.__dict__, name, getattr(other, name), unknown)
 
     def token_sums(self) -> dict[str, int | None]:
         """The sums and their unknown-call counts, as JSON (``--json``, events, ``_ENRICHED``)."""
@@ -165,7 +166,7 @@ class EvidenceSummary(TokenSums):
         rows: list[tuple[Any, ...]] = []
         holds: list[Any] = []
         for index, call in enumerate(calls):
-            where = _where(index)
+            where = call_where(index)
             status = call.get("status_code")
             if status is not None and type(status) is not int:
                 status = count_field(call, "status_code", where)
@@ -236,9 +237,9 @@ class EvidenceSummary(TokenSums):
         for name in ("calls_by_status_class", "calls_by_error_category", "calls_by_dialect", "gaps"):
             mine: dict[str, int] = getattr(self, name)
             for key, n in getattr(other, name).items():
-                _bump(mine, key, n)
+                bump(mine, key, n)
         for key, n in other.observation_gaps.items():
-            _bump(self.observation_gaps, key, n)
+            bump(self.observation_gaps, key, n)
         self.latency_ms.merge(other.latency_ms)
         self.ttft_ms.merge(other.ttft_ms)
         self.tokens_per_rollout.merge(other.tokens_per_rollout)

@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from rollout_capture.attachment import ATTACHMENT_KEY
 from rollout_capture.summary.checks import (
-    _STATUS_CLASSES,
     CALL_FIELDS,
+    STATUS_CLASSES,
     TOKEN_SUMS,
-    _add_sum,
-    _bump,
-    _model_name,
+    add_partial_sum,
+    bump,
     count_field,
     gap_codes,
+    model_name_of,
     status_class,
 )
 
@@ -254,7 +254,7 @@ def count_columns(
         columns
     )
     plain = set(map(type, model)) <= _STR and "" not in model
-    names: Sequence[str] = model if plain else list(map(_model_name, model, ref))
+    names: Sequence[str] = model if plain else list(map(model_name_of, model, ref))
     tallies, failed_calls = _count_classes(summary, status, category, dialect, names)
     latencies = _sum_per_model(tallies, rollouts, names, latency, tokens_in, tokens_out, tokens_total)
     _add_models(summary, tallies, latencies)
@@ -286,7 +286,7 @@ def _count_classes(
         summary.calls_by_error_category,
         summary.calls_by_dialect,
     )
-    classes = _STATUS_CLASSES
+    classes = STATUS_CLASSES
     tallies: dict[str, _ModelTally] = {}
     failed_calls = 0
     for (code, why, dialect_name, name), n in Counter(
@@ -362,8 +362,8 @@ def _add_models(
             strict=True,
         ):
             known_total = total if known else None
-            _add_sum(stats, sum_name, known_total, tally.calls - known)
-            _add_sum(fields, sum_name, known_total, tally.calls - known)
+            add_partial_sum(stats, sum_name, known_total, tally.calls - known)
+            add_partial_sum(fields, sum_name, known_total, tally.calls - known)
     for (_, name), value in latencies.items():
         models[name]["latency_ms_total"] += value
 
@@ -386,10 +386,10 @@ def _add_rollout_examples(
         if codes:
             fields["rollouts_with_gaps"] += 1
             for code in codes:
-                _bump(summary.gaps, code)
+                bump(summary.gaps, code)
                 summary._example(code, rollout_id)
         for code in observed:
-            _bump(summary.observation_gaps, code)
+            bump(summary.observation_gaps, code)
             summary._example(code, rollout_id)
 
 
