@@ -1,4 +1,5 @@
-"""Evidence counted in bulk (AttachmentFold, Sketch.add_many) against the one-by-one way.
+"""Evidence counted in bulk (AttachmentFold, Sketch.add_many) against the one-by-one way,
+and the summary of a hand-built corpus whose every figure can be checked by hand.
 
 The bulk way must leave the summary exactly as counting each attachment and value one by
 one: the same counts, the same key order, the same float sums to the last bit, the same
@@ -8,6 +9,8 @@ errors. Summaries are compared by the repr of their dump (order and every float 
 from __future__ import annotations
 
 import math
+import os
+import random
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +30,15 @@ from rollout_capture.summary import (
     EvidenceShapeError,
     EvidenceSummary,
     Sketch,
+    capture_ids_from_names,
+    orphans,
+    summarize_file,
     summarize_records,
     tokens_text,
 )
 from rollout_capture.summary import fold as fold_module
 from tests.conftest import CORPUS
+from tests.test_report import MODEL_A, MODEL_B, _input_ids, build_corpus
 
 FIELDS = CALL_FIELDS  # the fields of a call a summary reads
 
@@ -396,3 +403,107 @@ def test_the_markdown_digest_stays_small_and_inert_whatever_the_names() -> None:
     text = summary.to_markdown()
     assert len(text) < 30_000 and "<b>" not in text and "<i>" not in text
     assert "| &lt;i>g0\\| | 1 | r-0 |" in text and "| (70 more) | 70 |" in text
+
+
+# ---------------------------------------------------------------- a hand-built corpus, summarized
+# (moved from tests/test_report.py: its corpus is built there, for the report and export tests too)
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> tuple[Path, Path]:
+    return build_corpus(tmp_path / "bad")
+
+
+def test_summary_counts_a_hand_built_corpus(corpus: tuple[Path, Path]) -> None:
+    captures, enriched = corpus
+    summary, unreadable = summarize_file(enriched)
+    summary.set_orphans(capture_ids_from_names(os.listdir(captures)), _input_ids(enriched))
+
+    assert unreadable == 1 and summary.records_without_capture == 1
+    assert (summary.rollouts, summary.calls) == (22, 100)
+    assert summary.failed_calls == 10 and summary.failed_share == pytest.approx(0.10)
+    assert summary.calls_by_status_class == {"2xx": 91, "5xx": 6, "4xx": 2, "no status": 1}
+    assert summary.calls_by_error_category == {
+        "upstream_error": 6,
+        "rate_limit": 2,
+        "connection": 1,
+        "stream_truncated": 1,
+    }
+    # latencies 10, 20, ..., 1000 ms: nearest rank p50 = 50th = 500, p90 = 900, p99 = 990
+    assert summary.latency_ms.percentiles() == {"p50": 500, "p90": 900, "p99": 990}
+    assert summary.ttft_ms.percentiles() == {"p50": 50, "p90": 90, "p99": 99}
+    # 12 rollouts of 5 x 110 tokens, 8 of 5 x 220 (the two without captures report none)
+    assert summary.tokens_per_rollout.count == 20
+    assert summary.tokens_per_rollout.percentiles() == {"p50": 550, "p90": 1100, "p99": 1100}
+    models = {
+        name: (m.calls, m.failed_calls, m.tokens_in, m.tokens_out, m.tokens_total)
+        for name, m in summary.models.items()
+    }
+    assert models == {MODEL_A: (60, 6, 6000, 600, 6600), MODEL_B: (40, 4, 8000, 800, 8800)}
+    assert summary.gaps == {"model_call_capture_incomplete": 1, "model_call_capture_no_records": 2}
+    assert summary.gap_examples["model_call_capture_no_records"] == ["r-20", "24-1-a1"]
+    assert summary.gap_examples["model_call_capture_incomplete"] == ["r-3"]
+    assert summary.observation_gaps == {"model_call_ownership_unavailable": 1}
+    assert summary.gap_examples["model_call_ownership_unavailable"] == ["r-5"]
+    assert summary.rollouts_with_gaps == 3
+    assert (summary.orphan_captures, summary.orphan_examples) == (1, ["24-1"])
+    assert summary.orphan_near == {"24-1": "24-1-a1"}
+
+    text = summary.to_markdown()
+    assert "10 failed (10.0%)" in text and "| latency (ms) | 500 | 900 | 990 |" in text
+    assert "24-1 (input has 24-1-a1)" in text
+    rows = {(r["section"], r["name"]): r["value"] for r in summary.to_rows()}
+    assert rows[("calls by error category", "rate_limit")] == 2
+    assert rows[("failed rollouts (first)", "rate_limit")] == "r-13, r-15"  # which rollouts failed
+    assert rows[("TTFT (ms)", "p99")] == 99
+
+
+def test_summaries_of_two_halves_merge_to_the_whole(corpus: tuple[Path, Path], tmp_path: Path) -> None:
+    _, enriched = corpus
+    lines = enriched.read_bytes().splitlines(keepends=True)
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_bytes(b"".join(lines[:11]))
+    second.write_bytes(b"".join(lines[11:]))
+    whole = summarize_file(enriched)[0]
+    halves = summarize_file(first)[0] + summarize_file(second)[0]
+    assert halves.model_dump() == whole.model_dump()
+    # and through JSON, as batch results travel between processes
+    again = EvidenceSummary.model_validate_json(summarize_file(first)[0].model_dump_json())
+    assert again.merge(summarize_file(second)[0]).model_dump() == whole.model_dump()
+
+
+def test_a_large_distribution_stays_bounded_and_within_one_percent() -> None:
+    rng = random.Random(16)
+    values = [rng.lognormvariate(7, 1.2) for _ in range(60_000)]
+    halves = [Sketch(), Sketch()]
+    for index, value in enumerate(values):
+        halves[index % 2].add(value)
+    sketch = halves[0].merge(halves[1])
+    assert not sketch.exact and sketch.count == len(values) > EXACT_LIMIT
+    assert len(sketch.buckets) < 1_000 and len(sketch.model_dump_json()) < 20_000
+    ordered = sorted(values)
+    for q in (50, 90, 99):
+        exact = ordered[math.ceil(q / 100 * len(values)) - 1]
+        assert sketch.percentile(q) == pytest.approx(exact, rel=0.0101)
+    assert sketch.max == ordered[-1] and sketch.min == ordered[0]
+    # zeros (and negative clock steps) count as 0 and sit in a bin of their own
+    zeros = Sketch()
+    zeros.add_many([0, -3.0, 0, 5.0])
+    assert zeros.percentiles() == {"p50": 0, "p90": 5, "p99": 5} and zeros.histogram().zeros == 3
+
+
+def test_orphans_are_the_listed_ids_no_input_names() -> None:
+    names = ["24-1.capture.jsonl", "r-1.capture.jsonl", "r-2.capture/000000000000.json", "notes.txt"]
+    listed = capture_ids_from_names(names)
+    assert listed == {"24-1", "r-1", "r-2"}
+    assert orphans(listed, {"r-1", "r-2", "24-1-a1"}) == ["24-1"]
+
+
+def test_a_malformed_call_names_file_line_and_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    attachment = {"rollout_id": "x", "metrics": {}, "calls": [{"latency_total_ms": "fast"}]}
+    bad.write_bytes(b'{"reward": 1}\n' + orjson.dumps({"ng_model_call_capture": attachment}) + b"\n")
+    with pytest.raises(
+        EvidenceShapeError, match=r"bad\.jsonl:2: ng_model_call_capture\.calls\[0\]\.latency_total_ms"
+    ):
+        summarize_file(bad)
