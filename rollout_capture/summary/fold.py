@@ -244,8 +244,9 @@ def count_columns(
     holds: Sequence[Any],
     rollouts: Sequence[_Rollout],
 ) -> None:
-    """Count canonical columns (and each call's ``capture_hold_ms``) into the summary: the one
-    count of both ways, one rollout at a time (:meth:`EvidenceSummary.add_attachment`) or in bulk.
+    """Count canonical columns (and each call's ``capture_hold_ms``) into the summary: no twin,
+    the one count of both ways, one rollout at a time (:meth:`EvidenceSummary.add_attachment`)
+    or in bulk (:meth:`AttachmentFold.flush`).
 
     A negative duration (a clock step, not the model's time) is left out of the percentiles
     and the means: the attachment names the call in its ``model_call_timing_impossible`` gap.
