@@ -23,6 +23,9 @@ import pytest
 
 from .conftest import ROOT, SAMPLE
 
+# A wheel built and installed with its dependencies from the package index: slow and networked.
+pytestmark = pytest.mark.integration
+
 MAPPED = ("flows", "tasks", "deployments", "cli")  # repository folders shipped as rollout_capture.<name>
 TIMEOUT_S = 600
 
