@@ -38,6 +38,7 @@ os.environ.pop("AWS_PROFILE", None)
 
 import inspect  # noqa: E402
 import logging  # noqa: E402
+import socket  # noqa: E402
 import types  # noqa: E402
 
 import pytest  # noqa: E402
@@ -323,3 +324,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         by_param = any(name in value for name in asked for value in params) or bool(asked and not params)
         if fixturenames & SERVER_FIXTURES or reached - SERVER_FIXTURES or by_param:
             item.add_marker(pytest.mark.integration)
+
+
+# `-m "not integration"` (make test-fast) holds the marker to its word: a test left unmarked that
+# opens a listening socket (a server the code above did not see coming) fails, naming the fix.
+_LISTENING: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Count listening sockets in a run that leaves the integration tests out."""
+    if "not integration" not in (config.getoption("markexpr", "") or ""):
+        return
+    original = socket.socket.listen
+
+    def listen(self: socket.socket, *args: Any) -> None:
+        _LISTENING.append(repr(self.getsockname()))
+        original(self, *args)
+
+    socket.socket.listen = listen  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_server(request: pytest.FixtureRequest) -> Iterator[None]:
+    """In a run without the integration tests, fail a test that started a server anyway."""
+    before = len(_LISTENING)
+    yield
+    started = _LISTENING[before:]
+    if started and request.node.get_closest_marker("integration") is None:
+        pytest.fail(
+            f"a test left unmarked listened on {', '.join(started)}: mark it integration "
+            "(or add what starts the server to STARTERS in tests/conftest.py)",
+            pytrace=False,
+        )
