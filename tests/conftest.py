@@ -261,6 +261,15 @@ def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
             yield from _code_objects(const)
 
 
+def _strings(consts: Any) -> Iterator[str]:
+    """The strings among a code object's constants, in tuples too (``["-m", "x"]`` is one)."""
+    for const in consts:
+        if isinstance(const, str):
+            yield const
+        elif isinstance(const, tuple | frozenset):
+            yield from _strings(const)
+
+
 def _tests_namespace() -> dict[str, Any]:
     """Every name the loaded tests modules define: where a locally imported name comes from
     (``from .test_proxy import Spawned`` inside a test)."""
@@ -279,7 +288,7 @@ def _reaches(function: types.FunctionType, seen: dict[Any, set[str]], local: dic
     found: set[str] = set()
     seen[function] = found  # a cycle adds nothing
     for code in _code_objects(function.__code__):
-        strings = {const for const in code.co_consts if isinstance(const, str)}
+        strings = set(_strings(code.co_consts))
         found.update({CLI_PROCESS} & strings)
         if "getfixturevalue" in code.co_names:
             found.update(strings & SERVER_FIXTURES)
