@@ -3,6 +3,9 @@
 Data flows one way: URL -> store -> rows -> call records -> attachment -> record.
 """
 
+# The one source of the version: pyproject.toml reads it (``[tool.setuptools.dynamic]``).
+__version__ = "0.2.0"
+
 from rollout_capture.attachment import ATTACHMENT_KEY, attach, build_attachment
 from rollout_capture.call_records import (
     ModelCallRecord,

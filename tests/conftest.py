@@ -36,7 +36,10 @@ for _name, _value in {
     os.environ[_name] = _value
 os.environ.pop("AWS_PROFILE", None)
 
+import inspect  # noqa: E402
 import logging  # noqa: E402
+import socket  # noqa: E402
+import types  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -207,3 +210,158 @@ def scripted_upstream() -> Iterator[tuple[str, Any]]:
 def pytest_addoption(parser: Any) -> None:
     """``--sim-seed N``: run one schedule of the protocol simulations alone (a failing seed replays)."""
     parser.addoption("--sim-seed", default=None, help="replay one seed of the journal simulation")
+
+
+# The `integration` marker: a test that starts a server, a cluster, a browser or the CLI in a
+# process of its own. Marked here at collection, from what the test reaches (its fixtures, and the
+# code of the test and of the tests' helpers it calls), so a test moved to another file stays marked.
+SERVER_FIXTURES = frozenset(
+    {"moto_endpoint", "s3", "flaky_s3", "prefect_api", "scripted_upstream", "dask_cluster", "ray_cluster"}
+)
+STARTERS = frozenset(
+    {
+        "ThreadedServer",  # uvicorn on a loopback port (tests/support/servers.py)
+        "ThreadedMotoServer",
+        "FaultProxy",  # a TCP proxy in front of the S3 endpoint
+        "LocalCluster",
+        "DaskTaskRunner",
+        "RayTaskRunner",
+        "prefect_test_harness",
+        "listen",  # a raw socket server of the test's own
+        "AppRunner",  # aiohttp's server
+        "start_server",  # asyncio's
+    }
+)
+CLI_PROCESS = "rollout_capture.cli"  # `python -m rollout_capture.cli ...` in a subprocess
+_TESTS_PACKAGE = __name__.rpartition(".")[0]
+
+
+def _is_tests_code(value: Any) -> bool:
+    module = getattr(value, "__module__", None) or ""
+    return isinstance(module, str) and (module == _TESTS_PACKAGE or module.startswith(_TESTS_PACKAGE + "."))
+
+
+def _functions_of(value: Any) -> list[types.FunctionType]:
+    """The plain functions a test-side object runs: itself, or a class's methods and properties."""
+    members = list(vars(value).values()) if inspect.isclass(value) else [value]
+    found = []
+    for member in members:
+        member = member.fget if isinstance(member, property) else member
+        member = getattr(member, "__func__", member)  # static and class methods
+        member = inspect.unwrap(member) if inspect.isfunction(member) else member
+        if inspect.isfunction(member):
+            found.append(member)
+    return found
+
+
+def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+def _strings(consts: Any) -> Iterator[str]:
+    """The strings among a code object's constants, in tuples too (``["-m", "x"]`` is one)."""
+    for const in consts:
+        if isinstance(const, str):
+            yield const
+        elif isinstance(const, tuple | frozenset):
+            yield from _strings(const)
+
+
+def _tests_namespace() -> dict[str, Any]:
+    """Every name the loaded tests modules define: where a locally imported name comes from
+    (``from .test_proxy import Spawned`` inside a test)."""
+    found: dict[str, Any] = {}
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith(_TESTS_PACKAGE + "."):
+            found.update({name: value for name, value in vars(module).items() if _is_tests_code(value)})
+    return found
+
+
+def _reaches(function: types.FunctionType, seen: dict[Any, set[str]], local: dict[str, Any]) -> set[str]:
+    """What a function of the tests, or a helper of the tests it calls, starts (the starters'
+    names) and asks for by name (``request.getfixturevalue("s3")``)."""
+    if function in seen:
+        return seen[function]
+    found: set[str] = set()
+    seen[function] = found  # a cycle adds nothing
+    for code in _code_objects(function.__code__):
+        strings = set(_strings(code.co_consts))
+        found.update({CLI_PROCESS} & strings)
+        if "getfixturevalue" in code.co_names:
+            found.update(strings & SERVER_FIXTURES)
+        found.update(STARTERS.intersection(code.co_names))
+        for name in code.co_names:
+            if name in function.__globals__:
+                value = function.__globals__[name]
+            elif name in code.co_varnames or name in code.co_cellvars:  # imported in the function
+                value = local.get(name)
+            else:
+                continue
+            if _is_tests_code(value):
+                for inner in _functions_of(value):
+                    found.update(_reaches(inner, seen, local))
+    return found
+
+
+def _params(item: pytest.Item) -> set[str]:
+    callspec = getattr(item, "callspec", None)
+    values = callspec.params.values() if callspec is not None else ()
+    return {value for value in values if isinstance(value, str)}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``integration`` every test whose fixtures or code start a server, cluster or CLI process.
+
+    A fixture that asks for a server fixture by name only for some of its parameters (``s3`` among
+    local folders) marks only the tests run with a parameter naming it."""
+    seen: dict[Any, set[str]] = {}
+    local = _tests_namespace()
+    for item in items:
+        if item.get_closest_marker("integration"):
+            continue
+        fixturenames = set(getattr(item, "fixturenames", ()))
+        functions = _functions_of(getattr(item, "function", None))
+        definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        for name in fixturenames:
+            functions += [d.func for d in definitions.get(name, ()) if _is_tests_code(d.func)]
+        reached = set().union(*(_reaches(function, seen, local) for function in functions))
+        asked = reached & SERVER_FIXTURES
+        params = _params(item)
+        by_param = any(name in value for name in asked for value in params) or bool(asked and not params)
+        if fixturenames & SERVER_FIXTURES or reached - SERVER_FIXTURES or by_param:
+            item.add_marker(pytest.mark.integration)
+
+
+# `-m "not integration"` (make test-fast) holds the marker to its word: a test left unmarked that
+# opens a listening socket (a server the code above did not see coming) fails, naming the fix.
+_LISTENING: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Count listening sockets in a run that leaves the integration tests out."""
+    if "not integration" not in (config.getoption("markexpr", "") or ""):
+        return
+    original = socket.socket.listen
+
+    def listen(self: socket.socket, *args: Any) -> None:
+        _LISTENING.append(repr(self.getsockname()))
+        original(self, *args)
+
+    socket.socket.listen = listen  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_server(request: pytest.FixtureRequest) -> Iterator[None]:
+    """In a run without the integration tests, fail a test that started a server anyway."""
+    before = len(_LISTENING)
+    yield
+    started = _LISTENING[before:]
+    if started and request.node.get_closest_marker("integration") is None:
+        pytest.fail(
+            f"a test left unmarked listened on {', '.join(started)}: mark it integration "
+            "(or add what starts the server to STARTERS in tests/conftest.py)",
+            pytrace=False,
+        )

@@ -21,7 +21,12 @@ from pathlib import Path
 
 import pytest
 
+import rollout_capture
+
 from .conftest import ROOT, SAMPLE
+
+# A wheel built and installed with its dependencies from the package index: slow and networked.
+pytestmark = pytest.mark.integration
 
 MAPPED = ("flows", "tasks", "deployments", "cli")  # repository folders shipped as rollout_capture.<name>
 TIMEOUT_S = 600
@@ -230,7 +235,17 @@ def test_importing_the_core_loads_no_prefect_typer_or_rich(installed: Installed)
 
 def test_the_installed_cli_prints_its_version(installed: Installed) -> None:
     done = run([installed.cli, "--version"], installed.env, installed.user_dir)
-    assert done.stdout.strip() == "rollout-capture 0.1.0"
+    assert done.stdout.strip() == f"rollout-capture {rollout_capture.__version__}"
+
+
+def test_the_version_has_one_source_the_wheel_and_the_metadata_say(wheel: Path, installed: Installed) -> None:
+    """``rollout_capture.__version__`` is the version: pyproject reads it, the wheel and the
+    installed metadata carry it (no second copy to forget)."""
+    assert wheel.name.startswith(f"rollout_capture-{rollout_capture.__version__}-")
+    probe = "import importlib.metadata as m, rollout_capture as r; print(m.version('rollout-capture'))"
+    probe += "; print(r.__version__)"
+    shown = run([installed.python, "-c", probe], installed.env, installed.user_dir).stdout.split()
+    assert shown == [rollout_capture.__version__] * 2
 
 
 def test_the_installed_cli_enriches_the_installed_sample_as_the_source_tree_does(

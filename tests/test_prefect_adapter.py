@@ -81,6 +81,7 @@ print(json.dumps({"outside": current_api_url(), **probe()}))
 """
 
 
+@pytest.mark.integration  # its child process starts Prefect's temporary server (no fixture says so)
 def test_the_embedded_servers_url_is_found_in_a_run_and_shared_with_workers(tmp_path: Any) -> None:
     """Without a configured API, remote workers get the URL of this run's temporary server."""
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}

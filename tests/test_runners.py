@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import re
-import socket
 import subprocess
 import sys
 import threading
@@ -21,8 +18,7 @@ from examples.samples import capture_rows, corpus_records, jsonl_bytes
 from rollout_capture import CaptureStore
 from rollout_capture.flows import enrich_rollouts
 from rollout_capture.names import jsonl_name
-from rollout_capture.rollout_files import iter_line_ranges
-from rollout_capture.worker_pool import absolute_location, enrich_in_worker
+from rollout_capture.worker_pool import absolute_location
 
 from .conftest import S3
 from .support.prefect_api import running_task_runs, state_history, task_runs
@@ -173,19 +169,6 @@ def test_a_local_capture_dir_is_made_absolute_before_it_travels(
     assert absolute_location("file://caps") == f"file://{tmp_path / 'caps'}"
     assert absolute_location("s3://bucket/caps") == "s3://bucket/caps"
     assert absolute_location(str(tmp_path)) == str(tmp_path)
-
-
-def test_a_worker_process_names_itself_and_the_file_it_cannot_reach(run_dir: Path) -> None:
-    """The process pool's worker, given a parts dir or an input slice it cannot see."""
-    batch = next(iter_line_ranges(str(run_dir / "rollouts.jsonl"), 7))
-    where = f"on worker {socket.gethostname()} (pid {os.getpid()})"
-    caps = str(run_dir / "caps")
-    with pytest.raises(FileNotFoundError, match=re.escape(f"parts dir not readable {where}")):
-        enrich_in_worker(batch, str(run_dir / "gone"), caps, None, None, False, False)
-    moved = batch.model_copy(update={"path": str(run_dir / "moved.jsonl")})
-    with pytest.raises(FileNotFoundError, match=re.escape(f"input slice not readable {where}")) as failed:
-        enrich_in_worker(moved, str(run_dir), caps, None, None, False, False)
-    assert failed.value.filename == str(run_dir / "moved.jsonl")
 
 
 def test_a_cluster_address_for_another_runner_is_refused(run_dir: Path) -> None:

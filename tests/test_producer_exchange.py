@@ -1,0 +1,143 @@
+"""``rollout_capture.producer.exchange``: what one call's request and answer make of its row
+(spec 4, 5, 11), driven as the producers drive it, without a server or a store."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from rollout_capture.producer.classify import ErrorCategory
+from rollout_capture.producer.exchange import Exchange
+from rollout_capture.producer.routing import Dialect
+
+JSON = [(b"content-type", b"application/json")]
+
+
+def exchange(dialect: Dialect = "responses", *, cap: int = 10_000, server: str | None = "policy") -> Exchange:
+    return Exchange("1-0", dialect, server_name=server, max_body_bytes=cap)
+
+
+def answered(
+    call: Exchange, request: bytes, chunks: list[bytes], status: int = 200
+) -> tuple[bytes, dict[str, Any]]:
+    """Drive a call through a plain (not streamed) answer: what reached the client, and the row."""
+    call.prepare_request(request, whole=True)
+    call.forwarding()
+    call.response_started(status, JSON)
+    sent = b"".join(call.body(chunk) for chunk in chunks)
+    sent += call.end()
+    return sent, call.row()
+
+
+def test_a_json_answer_is_the_rows_response_and_reaches_the_client_byte_for_byte() -> None:
+    answer = [b'{"id": "resp_1", ', b'"output": []}']
+    sent, row = answered(exchange(), b'{"model": "m", "input": "hi"}', answer)
+    assert sent == b"".join(answer)
+    assert row["request"] == {"model": "m", "input": "hi"} and row["response"] == {
+        "id": "resp_1",
+        "output": [],
+    }
+    assert row["status_code"] == 200 and row["error_category"] is None and row["dialect"] == "responses"
+    assert row["model_ref"] == {"type": "responses_api_models", "name": "policy"}
+    assert len(row["model_call_id"]) == 32 and row["latency_ms"] >= 0 and row["latency_ttft_ms"] is not None
+
+
+def test_one_chunk_stays_behind_until_the_answer_ends() -> None:
+    call = exchange()
+    call.prepare_request(b"{}", whole=True)
+    call.response_started(200, JSON)
+    assert call.body(b'{"a": ') == b""  # held: with a Content-Length the client would wait anyway
+    assert call.body(b"1}") == b'{"a": '
+    assert call.end() == b"1}"
+
+
+@pytest.mark.parametrize(
+    ("status", "category"), [(429, "rate_limit"), (404, "not_found"), (503, "upstream_error")]
+)
+def test_an_error_status_is_the_category_and_its_json_the_response(status: int, category: str) -> None:
+    _, row = answered(exchange(), b"{}", [b'{"error": {"message": "no"}}'], status=status)
+    assert row["status_code"] == status and row["error_category"] == category
+    assert row["response"] == {"error": {"message": "no"}}
+
+
+def test_an_answer_that_is_not_json_is_kept_raw_as_a_parse_error() -> None:
+    _, row = answered(exchange(), b"{}", [b"<html>oops</html>"])
+    assert row["response"] is None and row["response_raw"] == "<html>oops</html>"
+    assert row["error_category"] == "capture_parse_error"
+
+
+def test_an_answer_past_the_cap_keeps_its_first_bytes_and_its_outcome() -> None:
+    body = orjson.dumps({"text": "x" * 100})
+    sent, row = answered(exchange(cap=20), b"{}", [body[:50], body[50:]])
+    assert sent == body  # the client gets all of it
+    assert row["response"] is None and row["response_raw"] == body[:20].decode()
+    assert row["response_truncated"] is True and row["error_category"] is None
+
+
+def test_a_request_over_the_cap_or_not_json_is_kept_raw() -> None:
+    call = exchange(cap=5)
+    assert call.prepare_request(b'{"model": "m"}', whole=True) == b'{"model": "m"}'
+    assert call.request is None and call.request_raw == '{"mod' and call.request_cut
+    row = call.row()
+    assert row["request_truncated"] is True and row["request_raw"] == '{"mod'
+    other = exchange()
+    other.prepare_request(b"[1, 2]", whole=True)
+    assert other.request is None and other.request_raw == "[1, 2]"
+
+
+def test_a_chat_stream_is_asked_for_usage_its_client_did_not_ask_for() -> None:
+    call = exchange("chat")
+    forwarded = call.prepare_request(b'{"stream": true, "messages": []}', whole=True)
+    assert orjson.loads(forwarded)["stream_options"] == {"include_usage": True} and call.hide_usage
+    asked = exchange("chat")
+    body = b'{"stream": true, "stream_options": {"include_usage": true}, "messages": []}'
+    assert asked.prepare_request(body, whole=True) == body and not asked.hide_usage
+    plain = exchange("chat")
+    assert plain.prepare_request(b'{"messages": []}', whole=True) == b'{"messages": []}'
+
+
+def test_an_answer_broken_off_is_incomplete_or_a_timeout() -> None:
+    call = exchange()
+    call.prepare_request(b"{}", whole=True)
+    call.response_started(200, JSON)
+    call.body(b'{"id": "cut')
+    call.broke_off()
+    row = call.row()
+    assert row["error_category"] == "incomplete" and row["response_raw"] == '{"id": "cut'
+    silent = exchange()
+    silent.prepare_request(b"{}", whole=True)
+    silent.response_started(200, JSON)
+    silent.broke_off(timed_out=True)
+    assert silent.row()["error_category"] == "timeout"
+
+
+def test_a_fault_outside_the_answer_wins_and_the_first_one_stays() -> None:
+    call = exchange()
+    call.prepare_request(b"{}", whole=True)
+    call.failed(ErrorCategory.CANCELLED)
+    call.failed(ErrorCategory.CONNECTION)
+    assert call.row()["error_category"] == "cancelled"
+
+
+def test_a_server_exception_is_classified_by_the_status_it_carries_else_its_type() -> None:
+    class StatusError(Exception):
+        status_code = 401
+        response_content = b'{"error": "key"}'
+
+    call = exchange()
+    call.prepare_request(b"{}", whole=True)
+    call.server_failed(StatusError())
+    row = call.row()
+    assert row["status_code"] == 401 and row["error_category"] == "auth"
+    assert row["response"] == {"error": "key"} and row["response_raw"] == '{"error": "key"}'
+    raised = exchange()
+    raised.prepare_request(b"{}", whole=True)
+    raised.server_failed(ConnectionResetError())
+    assert raised.row()["error_category"] == "connection" and raised.row()["status_code"] is None
+
+
+def test_a_row_without_a_server_name_has_no_model_ref() -> None:
+    _, row = answered(exchange(server=None), b"{}", [b"{}"])
+    assert row["model_ref"] is None and "capture_hold_ms" not in row
