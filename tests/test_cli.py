@@ -549,7 +549,8 @@ def test_the_proxy_options_come_from_the_settings_model() -> None:
 
     from typer.testing import CliRunner
 
-    from rollout_capture.cli import PROXY_OPTIONS, app
+    from rollout_capture.cli.app import app
+    from rollout_capture.cli.commands.proxy import PROXY_OPTIONS
     from rollout_capture.producer.settings import ProxySettings
 
     runner = CliRunner()
@@ -596,7 +597,7 @@ def _refused_unechoed(code: int, output: str) -> None:
 def test_credentials_in_a_url_exit_2_and_are_never_echoed(args: list[str], tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from rollout_capture.cli import app
+    from rollout_capture.cli.app import app
 
     rollouts = tmp_path / "r.jsonl"
     rollouts.write_text('{"_ng_rollout_id": "1-0"}\n')
@@ -620,7 +621,7 @@ def test_secret_storage_options_in_any_case_and_depth_exit_2_unechoed(
 ) -> None:
     from typer.testing import CliRunner
 
-    from rollout_capture.cli import app
+    from rollout_capture.cli.app import app
 
     rollouts = tmp_path / "r.jsonl"
     rollouts.write_text('{"_ng_rollout_id": "1-0"}\n')
