@@ -232,9 +232,8 @@ def merge_batch(
 ) -> BatchOutput:
     """Enrich one batch of rollout lines; rollouts still claimed are awaited in a nested task.
 
-    With ``worker_processes``, the merge runs in this process's pool, whose workers write part
-    files in ``parts_dir``. The batches of one ``scope`` share one listing of an object store;
-    ``capture_root_seen``: a worker that does not see this local capture dir fails, naming itself.
+    With ``worker_processes`` the merge runs in this process's pool (its part files in ``parts_dir``);
+    a ``scope``'s batches share one listing; ``capture_root_seen``: a worker blind to the dir fails.
 
     Examples:
         Merge the first five lines of the bundled sample, as one batch of ``enrich_rollouts``:
@@ -264,30 +263,24 @@ def merge_batch(
     where = Location.coerce(capture_dir)
     if capture_root_seen:
         require_capture_root(where.url)
-    with credentials_for(where) as credentials:
-        output = _merge(
-            batch,
-            where,
-            credentials,
-            include_payloads,
-            quiescence_timeout_s,
-            worker_processes,
-            parts_dir,
-            scope,
-        )
+    output = _merge(batch, where, include_payloads, quiescence_timeout_s, worker_processes, parts_dir, scope)
     if strict and output.stats.problems:
-        if output.part is not None:
-            os.unlink(output.part)
-        problem = output.stats.problems[0]
-        raise ValueError(f"{source}:{problem.line}: {problem.reason}")
+        _refuse_first_problem(output, source)
     batch.blob = None  # done with it (see BatchInput); a retry only follows a failure
     return output
+
+
+def _refuse_first_problem(output: BatchOutput, source: str) -> None:
+    """``strict``: the batch fails on its first line that is not a rollout record (its part removed)."""
+    if output.part is not None:
+        os.unlink(output.part)
+    problem = output.stats.problems[0]
+    raise ValueError(f"{source}:{problem.line}: {problem.reason}")
 
 
 def _merge(
     batch: BatchInput,
     where: Location,
-    credentials: dict[str, Any] | None,
     include_payloads: bool,
     quiescence_timeout_s: float,
     worker_processes: int,
@@ -300,7 +293,18 @@ def _merge(
         still = run_coro_as_sync(await_quiescence(sorted(pending), where, timeout_s=quiescence_timeout_s))
         return set(still or ())
 
-    if worker_processes:
+    with credentials_for(where) as credentials:
+        if not worker_processes:
+            blob, lines, stats = enrich_blob(
+                batch.data(),
+                [where.capture_store(credentials)],
+                first_line=batch.lines.first_line,
+                include_payloads=include_payloads,
+                quiescence_timeout_s=quiescence_timeout_s,
+                waiter=wait,
+                scope=scope,
+            )
+            return BatchOutput(blob=blob, lines=lines, stats=stats)
         if parts_dir is None:
             raise ValueError("worker_processes needs a parts_dir for the workers' output")
         return _merge_in_pool(
@@ -314,16 +318,6 @@ def _merge(
             quiescence_timeout_s > 0,
             worker_processes,
         )
-    blob, lines, stats = enrich_blob(
-        batch.data(),
-        [where.capture_store(credentials)],
-        first_line=batch.lines.first_line,
-        include_payloads=include_payloads,
-        quiescence_timeout_s=quiescence_timeout_s,
-        waiter=wait,
-        scope=scope,
-    )
-    return BatchOutput(blob=blob, lines=lines, stats=stats)
 
 
 def _merge_in_pool(
