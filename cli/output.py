@@ -19,20 +19,20 @@ class InputError(Exception):
     """Bad input: exit code 2."""
 
 
-def rounded(value: Any, places: int = 3) -> Any:
+def _rounded(value: Any, places: int = 3) -> Any:
     """Floats rounded for people (a sum of latencies prints 164.547, not 164.54699999999997)."""
     if isinstance(value, float):
         return round(value, places)
     if isinstance(value, dict):
-        return {key: rounded(item, places) for key, item in value.items()}
+        return {key: _rounded(item, places) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return [rounded(item, places) for item in value]
+        return [_rounded(item, places) for item in value]
     return value
 
 
-def print_json(value: Any) -> None:
+def _print_json(value: Any) -> None:
     """One JSON document on stdout, its floats rounded."""
-    typer.echo(json.dumps(rounded(value), indent=2, default=str))
+    typer.echo(json.dumps(_rounded(value), indent=2, default=str))
 
 
 Text = str | Callable[[], None]
@@ -51,7 +51,7 @@ class Output:
     ) -> None:
         """``{"ok": ok, **value}`` as JSON, or ``text`` (``value`` may be a function: built for JSON only)."""
         if self.json:
-            print_json({"ok": ok, **(value() if callable(value) else value)})
+            _print_json({"ok": ok, **(value() if callable(value) else value)})
         elif callable(text):
             text()
         else:
@@ -80,7 +80,7 @@ class Output:
             return
         typer.echo(f"error: {message}", err=True)
         if self.json:
-            print_json({"ok": False, "exit_code": code, "error": message})
+            _print_json({"ok": False, "exit_code": code, "error": message})
         raise typer.Exit(code) from None
 
 
