@@ -12,7 +12,7 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from rollout_capture.clear import rollout_ids_of
-from rollout_capture.flows.enrich import DEFAULT_BATCH_SIZE
+from rollout_capture.enrich_options import DEFAULT_BATCH_SIZE
 from rollout_capture.flows.guard import StorageOptions, guarded_flow
 from rollout_capture.flows.report import show_core_logs
 from rollout_capture.location import Location

@@ -9,9 +9,10 @@ import tempfile
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Annotated
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+from uuid import UUID
 
 from prefect import get_run_logger
 from prefect.client.schemas.objects import State
@@ -21,6 +22,7 @@ from pydantic import Field
 
 from rollout_capture.backends import ListingScope
 from rollout_capture.batch import BatchStats, DuplicateIds
+from rollout_capture.enrich_options import DEFAULT_BATCH_SIZE, DEFAULT_MAX_WORKERS, EnrichOptions, Runner
 from rollout_capture.flows.events import emit_completed, emit_failed
 from rollout_capture.flows.guard import StorageOptions, guarded_flow
 from rollout_capture.flows.report import (
@@ -35,7 +37,6 @@ from rollout_capture.flows.report import (
 )
 from rollout_capture.flows.runners import (
     REMOTE,
-    Runner,
     api_shared_with_workers,
     check_runner,
     effective_workers,
@@ -44,7 +45,9 @@ from rollout_capture.flows.runners import (
 from rollout_capture.location import Location
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
 from rollout_capture.rollout_files import (
+    LineRange,
     OutputSpool,
+    StagedRollouts,
     default_output,
     iter_line_ranges,
     refuse_unsafe_output,
@@ -62,7 +65,6 @@ from rollout_capture.tasks.capture import (
 from rollout_capture.tasks.rollout_files import read_rollouts, write_enriched
 from rollout_capture.worker_pool import absolute_location, sees_capture_root
 
-DEFAULT_BATCH_SIZE = 1000
 logger = logging.getLogger("rollout_capture.flows.enrich")
 
 
@@ -118,21 +120,79 @@ class Spooled:
     batches: int
 
 
+@dataclass
+class _SpoolFiller:
+    """Merged batches into the spool in input order, with the counts and the progress they add."""
+
+    spool: OutputSpool
+    progress: UUID
+    source: str
+    total_bytes: int
+    between_batches: Callable[[], None] | None
+    stats: BatchStats = field(default_factory=BatchStats)
+    duplicates: DuplicateIds = field(default_factory=DuplicateIds)
+    batches: int = 0
+    done_bytes: int = 0
+
+    def take(self, size: int, future: PrefectFuture[BatchOutput]) -> None:
+        """Spool one batch's output (``size`` input bytes) once its task is done."""
+        batch = future.result()
+        if batch.part is not None:
+            self.spool.append_part(batch.part, batch.lines)
+        else:
+            self.spool.write(batch.blob, batch.lines)
+        batch.blob = b""  # see BatchOutput: Prefect's engine may hold the object a while
+        self.duplicates.add(batch.stats)
+        self.stats += batch.stats
+        self.batches += 1
+        self.done_bytes += size
+        advance_progress(self.progress, self.source, self.done_bytes, self.total_bytes)
+        if self.between_batches is not None:
+            self.between_batches()
+
+
+def _cut(staged: StagedRollouts, batch_size: int, key: str) -> tuple[Iterator[LineRange], ListingScope]:
+    """The input's batches, cut lazily (the first run while the rest is scanned), and the listing
+    scope with the number of rollouts (for the listing strategy) estimated from the first slice."""
+    pieces = iter_line_ranges(staged.path, batch_size)
+    first = next(pieces, None)
+    if first is None:
+        return pieces, ListingScope(key=key, rollouts=0)
+    estimate = staged.size * first.lines // max(first.length, 1)
+    return itertools.chain([first], pieces), ListingScope(key=key, rollouts=estimate)
+
+
+def _merge_batches(
+    ranges: Iterator[LineRange],
+    options: EnrichOptions,
+    workers: int,
+    parameters: dict[str, Any],
+    filler: _SpoolFiller,
+) -> None:
+    """Submit a ``merge_batch`` per range, at most ``workers`` in flight, spooling each in order."""
+    runner = options.runner
+    with (
+        api_shared_with_workers(runner),
+        make_task_runner(runner, workers, options.dask_address, options.ray_address) as task_runner,
+    ):
+        in_flight: deque[tuple[int, PrefectFuture[BatchOutput]]] = deque()
+        for piece in ranges:
+            # Workers elsewhere (Dask, Ray) cannot read this machine's files: they get the bytes.
+            blob = piece.read() if runner in REMOTE else None
+            batch = {"batch": BatchInput(lines=piece, blob=blob), **parameters}
+            in_flight.append((piece.length, task_runner.submit(merge_batch, batch)))
+            while len(in_flight) > workers:  # bounded: memory stays flat as input grows
+                filler.take(*in_flight.popleft())
+        while in_flight:
+            filler.take(*in_flight.popleft())
+
+
 def enrich_to_spool(
     rollouts: Location,
     captures: Location,
     target: Location,
-    *,
-    include_payloads: bool,
-    quiescence_timeout_s: float,
-    batch_size: int,
-    max_workers: int,
-    runner: Runner,
-    dask_address: str | None,
-    strict: bool,
-    allow_empty: bool,
+    options: EnrichOptions,
     between_batches: Callable[[], None] | None = None,
-    ray_address: str | None = None,
 ) -> Spooled:
     """Everything of an enrichment but publishing, inside the calling flow run.
 
@@ -141,85 +201,47 @@ def enrich_to_spool(
     The batches share one listing of an object-store capture root (the flow run's scope).
     A local capture dir is made absolute here: batches may run where the working directory differs.
     """
-    check_runner(runner, dask_address, ray_address)
+    check_runner(options.runner, options.dask_address, options.ray_address)
     captures = captures.absolute()
-    check_capture_dir(captures, allow_empty)
+    check_capture_dir(captures, options.allow_empty)
     # Before reading anything: a link there is refused.
     refuse_unsafe_output(target.url, target.storage_options)
     staged = read_rollouts(rollouts)
     source = rollouts.url
     progress = start_progress(source, staged.size)
-    spool = OutputSpool(target.url, target.storage_options)
-    parts_dir = tempfile.mkdtemp(prefix="enrich-parts-") if runner == "processes" else None
-    stats = BatchStats()
-    duplicates = DuplicateIds()
-    batches = done_bytes = 0
-    workers = effective_workers(runner, max_workers, captures.url)
+    filler = _SpoolFiller(
+        OutputSpool(target.url, target.storage_options), progress, source, staged.size, between_batches
+    )
+    parts_dir = tempfile.mkdtemp(prefix="enrich-parts-") if options.runner == "processes" else None
+    workers = effective_workers(options.runner, options.max_workers, captures.url)
     scope = ListingScope(key=str(flow_run.id or uuid.uuid4()), rollouts=0)
     try:
-        # Cut lazily, so the first batches run while the rest of the input is scanned; the
-        # number of rollouts (for the listing strategy) is estimated from the first slice.
-        pieces = iter_line_ranges(staged.path, batch_size)
-        first = next(pieces, None)
-        ranges = itertools.chain([first] if first is not None else [], pieces)
-        if first is not None:
-            scope = ListingScope(key=scope.key, rollouts=staged.size * first.lines // max(first.length, 1))
-        options = {
+        ranges, scope = _cut(staged, options.batch_size, scope.key)
+        parameters = {
             "capture_dir": captures,
-            "include_payloads": include_payloads,
-            "quiescence_timeout_s": quiescence_timeout_s,
+            "include_payloads": options.include_payloads,
+            "quiescence_timeout_s": options.quiescence_timeout_s,
             "source": source,
-            "strict": strict,
-            "worker_processes": workers if runner == "processes" else 0,
+            "strict": options.strict,
+            "worker_processes": workers if options.runner == "processes" else 0,
             "parts_dir": parts_dir,
             "scope": scope,
             # A worker that does not see what this process sees fails its batch, naming itself.
             "capture_root_seen": sees_capture_root(captures.url),
         }
-        with (
-            api_shared_with_workers(runner),
-            make_task_runner(runner, workers, dask_address, ray_address) as task_runner,
-        ):
-            in_flight: deque[tuple[int, PrefectFuture[BatchOutput]]] = deque()
-
-            def collect() -> None:
-                nonlocal stats, batches, done_bytes
-                size, future = in_flight.popleft()
-                batch = future.result()
-                if batch.part is not None:
-                    spool.append_part(batch.part, batch.lines)
-                else:
-                    spool.write(batch.blob, batch.lines)
-                batch.blob = b""  # see BatchOutput: Prefect's engine may hold the object a while
-                duplicates.add(batch.stats)
-                stats += batch.stats
-                batches += 1
-                done_bytes += size
-                advance_progress(progress, source, done_bytes, staged.size)
-                if between_batches is not None:
-                    between_batches()
-
-            for piece in ranges:
-                # Workers elsewhere (Dask, Ray) cannot read this machine's files: they get the bytes.
-                blob = piece.read() if runner in REMOTE else None
-                parameters = {"batch": BatchInput(lines=piece, blob=blob), **options}
-                in_flight.append((piece.length, task_runner.submit(merge_batch, parameters)))
-                while len(in_flight) > workers:  # bounded: memory stays flat as input grows
-                    collect()
-            while in_flight:
-                collect()
-        stats = duplicates.report(stats, source)
-        count_orphans(stats, duplicates, captures, scope)
-        spool.close()
+        _merge_batches(ranges, options, workers, parameters, filler)
+        stats = filler.duplicates.report(filler.stats, source)
+        count_orphans(stats, filler.duplicates, captures, scope)
+        filler.spool.close()
     except BaseException:
-        spool.discard()
+        filler.spool.discard()
         raise
     finally:
         end_scope(scope.key)
         remove_staged(staged)
         if parts_dir is not None:
             shutil.rmtree(parts_dir, ignore_errors=True)
-    return Spooled(spool=spool, stats=stats, batches=batches)
+    return Spooled(spool=filler.spool, stats=stats, batches=filler.batches)
 
 
 def publish_spool(
@@ -252,12 +274,10 @@ def publish_spool(
     return summary
 
 
-def report_enrichment(
-    summary: EnrichSummary, max_gap_share: float | None = None, max_failed_share: float | None = None
-) -> State[EnrichSummary] | EnrichSummary:
+def report_enrichment(summary: EnrichSummary, options: EnrichOptions) -> State[EnrichSummary] | EnrichSummary:
     """Log what an enrichment found, publish its artifacts, emit its events; return the flow's end.
 
-    Poor evidence (a share past its threshold) is logged as a WARNING and ends the run in a
+    Poor evidence (a share past one of ``options``' thresholds) is logged as a WARNING and ends the run in a
     named ``Completed`` state ("Completed with gaps"); otherwise the summary itself is returned.
     """
     logger = get_run_logger()
@@ -272,7 +292,7 @@ def report_enrichment(
             first.reason,
         )
     evidence = stats.evidence
-    poor = poor_evidence(stats, max_gap_share, max_failed_share)
+    poor = poor_evidence(stats, options.max_gap_share, options.max_failed_share)
     logger.log(
         logging.WARNING if poor else logging.INFO,
         "%senriched %d rollout(s) with %d call(s) (%d failed: %s) in %d batch(es); latency p50/p99 %s, "
@@ -305,10 +325,10 @@ def report_enrichment(
         stats,
         summary.batches,
         summary.seconds,
-        max_gap_share,
-        max_failed_share,
+        options.max_gap_share,
+        options.max_failed_share,
     )
-    return final_state(summary, max_gap_share, max_failed_share)
+    return final_state(summary, options.max_gap_share, options.max_failed_share)
 
 
 @guarded_flow(name="enrich_rollouts", flow_run_name=enrich_run_name)
@@ -319,7 +339,7 @@ def enrich_rollouts(
     include_payloads: bool = False,
     quiescence_timeout_s: Annotated[float, Field(ge=0)] = CAPTURE_DRAIN_TIMEOUT_S,
     batch_size: Annotated[int, Field(ge=1)] = DEFAULT_BATCH_SIZE,
-    max_workers: Annotated[int, Field(ge=1)] = 8,
+    max_workers: Annotated[int, Field(ge=1)] = DEFAULT_MAX_WORKERS,
     runner: Runner = "threads",
     dask_address: str | None = None,
     ray_address: str | None = None,
@@ -332,10 +352,9 @@ def enrich_rollouts(
 ) -> EnrichSummary:
     """Enrich every rollout of ``rollouts`` (any fsspec URL, ``.gz`` too) with its captured calls.
 
-    Output keeps line order and line count; it defaults to ``<input stem>.enriched.jsonl``
-    beside the input and appears only once complete, with its evidence report beside it
-    (``<stem>.enriched.report.html``). Lines that are not rollout records pass through
-    unchanged and are reported (``strict`` fails instead).
+    Output keeps line order and count, defaults to ``<input stem>.enriched.jsonl`` beside the
+    input and appears only once complete, its evidence report beside it. Lines that are not
+    rollout records pass through unchanged and are reported (``strict`` fails instead).
 
     Args:
         rollouts: The rollouts JSONL file: a path or any fsspec URL (s3://...), gzip too.
@@ -375,29 +394,17 @@ def enrich_rollouts(
         #                        credentials_block="rollout-capture")
         ```
     """
+    options = EnrichOptions.from_parameters(locals())  # first: its locals are its parameters
     show_core_logs()
     target = output or default_output(rollouts)
     started = time.perf_counter()
     try:
         captures = Location.of(capture_dir, storage_options, credentials_block)  # refused here if bad
         output_at = captures.at(target)
-        done = enrich_to_spool(
-            captures.at(rollouts),
-            captures,
-            output_at,
-            include_payloads=include_payloads,
-            quiescence_timeout_s=quiescence_timeout_s,
-            batch_size=batch_size,
-            max_workers=max_workers,
-            runner=runner,
-            dask_address=dask_address,
-            ray_address=ray_address,
-            strict=strict,
-            allow_empty=allow_empty,
-        )
+        done = enrich_to_spool(captures.at(rollouts), captures, output_at, options)
         summary = publish_spool(done, rollouts, output_at, started)
     except Exception as exc:
         emit_failed(rollouts, target, exc)
         raise
     # A named Completed state when the evidence is poor; callers still get the summary.
-    return report_enrichment(summary, max_gap_share, max_failed_share)  # type: ignore[return-value]
+    return report_enrichment(summary, options)  # type: ignore[return-value]

@@ -7,7 +7,7 @@ under a lease renewed in the background, several at once when a backlog waits.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Annotated, Any, Literal
 from uuid import UUID
@@ -19,11 +19,13 @@ from prefect.runtime import flow_run as this_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, Field
 
-from rollout_capture.flows.enrich import DEFAULT_BATCH_SIZE, enrich_to_spool, publish_spool, report_enrichment
+from rollout_capture.batch import BatchStats
+from rollout_capture.enrich_options import DEFAULT_BATCH_SIZE, DEFAULT_MAX_WORKERS, EnrichOptions, Runner
+from rollout_capture.flows.enrich import enrich_to_spool, publish_spool, report_enrichment
 from rollout_capture.flows.events import emit_failed
 from rollout_capture.flows.guard import StorageOptions, guarded_flow
 from rollout_capture.flows.report import EnrichSummary, flow_run_link, publish_runs_table, show_core_logs
-from rollout_capture.flows.runners import Runner, check_runner
+from rollout_capture.flows.runners import check_runner
 from rollout_capture.location import Location
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
 from rollout_capture.run_folders import (
@@ -76,12 +78,21 @@ class RunsSummary(BaseModel):
     outcomes: dict[str, RunOutcome] = Field(default_factory=dict)
     """Each run this invocation tried to take, by name."""
 
-    def add(self, name: str, outcome: RunOutcome) -> None:
+    def record_outcome(self, name: str, outcome: RunOutcome) -> None:
+        """File a run's outcome under its name and in the list of its status."""
         self.outcomes[name] = outcome
         if outcome.status == "failed":
             self.failed[name] = outcome.error or "failed"
         else:
             getattr(self, outcome.status).append(name)
+
+    def tally(self) -> str:
+        """How many runs went each way, as the tick's last log line says it."""
+        return (
+            f"enriched {len(self.enriched)} run(s), {len(self.busy)} busy, {len(self.unfinished)} "
+            f"unfinished, {len(self.already_enriched)} already enriched, {len(self.lost)} lost, "
+            f"{len(self.failed)} failed"
+        )
 
 
 class RunsFailed(RuntimeError):
@@ -93,18 +104,9 @@ def enrich_run(
     runs_root: Location,
     run: RunFolder,
     lease: Lease,
+    options: EnrichOptions,
     capture_dir: Location | None = None,
-    include_payloads: bool = False,
-    quiescence_timeout_s: float = CAPTURE_DRAIN_TIMEOUT_S,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    max_workers: int = 8,
-    runner: Runner = "threads",
-    dask_address: str | None = None,
-    ray_address: str | None = None,
     heartbeat_s: float | None = None,
-    allow_empty: bool = False,
-    max_gap_share: float | None = None,
-    max_failed_share: float | None = None,
 ) -> EnrichSummary:
     """Enrich one run folder whose lease this flow run holds; publish only as its current holder.
 
@@ -122,26 +124,10 @@ def enrich_run(
     finished = False
     with _this_flow_runs_context(), keeper:
         try:
-            done = enrich_to_spool(
-                runs_root.at(run.rollouts),
-                capture_dir or runs_root.at(run.captures),
-                output,
-                include_payloads=include_payloads,
-                quiescence_timeout_s=quiescence_timeout_s,
-                batch_size=batch_size,
-                max_workers=max_workers,
-                runner=runner,
-                dask_address=dask_address,
-                ray_address=ray_address,
-                strict=False,
-                allow_empty=allow_empty,
-                between_batches=keeper.check,
-            )
+            captures = capture_dir or runs_root.at(run.captures)
+            done = enrich_to_spool(runs_root.at(run.rollouts), captures, output, options, keeper.check)
             summary = publish_spool(done, run.rollouts, output, started, before=lambda: fence_run(keeper))
-            marker = summary.model_dump(mode="json", exclude={"stats": {"problems", "evidence"}})
-            marker["evidence"] = done.stats.evidence.digest()
-            marker["unparseable_lines"] = [p.line for p in done.stats.problems]
-            finish_run(keeper, marker)
+            finish_run(keeper, _enriched_marker(summary, done.stats))
             finished = True
         except LeaseLost:
             raise  # another holder has the run: not a failure of its evidence
@@ -151,8 +137,16 @@ def enrich_run(
         finally:
             if not finished:
                 _give_back(keeper)
-        end = report_enrichment(summary, max_gap_share, max_failed_share)
+        end = report_enrichment(summary, options)
     return end  # type: ignore[return-value]  # a named Completed state when the evidence is poor
+
+
+def _enriched_marker(summary: EnrichSummary, stats: BatchStats) -> dict[str, Any]:
+    """What ``_ENRICHED`` says: the summary less its problems, the evidence digest, unparseable lines."""
+    marker = summary.model_dump(mode="json", exclude={"stats": {"problems", "evidence"}})
+    marker["evidence"] = stats.evidence.digest()
+    marker["unparseable_lines"] = [p.line for p in stats.problems]
+    return marker
 
 
 @contextmanager
@@ -191,16 +185,7 @@ def enrich_run_folder(
     run: RunFolder,
     lease_s: float,
     capture_dir: Location | None,
-    include_payloads: bool,
-    quiescence_timeout_s: float,
-    batch_size: int,
-    max_workers: int,
-    runner: Runner,
-    allow_empty: bool,
-    max_gap_share: float | None,
-    dask_address: str | None = None,
-    ray_address: str | None = None,
-    max_failed_share: float | None = None,
+    options: EnrichOptions,
 ) -> RunOutcome:
     """Take one run and enrich it in its own subflow.
 
@@ -219,17 +204,8 @@ def enrich_run_folder(
             runs_root=runs_root,
             run=run,
             lease=taken,
+            options=options,
             capture_dir=capture_dir,
-            include_payloads=include_payloads,
-            quiescence_timeout_s=quiescence_timeout_s,
-            batch_size=batch_size,
-            max_workers=max_workers,
-            runner=runner,
-            dask_address=dask_address,
-            ray_address=ray_address,
-            allow_empty=allow_empty,
-            max_gap_share=max_gap_share,
-            max_failed_share=max_failed_share,
             return_state=True,
         )
     except Exception as exc:
@@ -283,7 +259,7 @@ def enrich_completed_runs(
     include_payloads: bool = False,
     quiescence_timeout_s: Annotated[float, Field(ge=0)] = CAPTURE_DRAIN_TIMEOUT_S,
     batch_size: Annotated[int, Field(ge=1)] = DEFAULT_BATCH_SIZE,
-    max_workers: Annotated[int, Field(ge=1)] = 8,
+    max_workers: Annotated[int, Field(ge=1)] = DEFAULT_MAX_WORKERS,
     runner: Runner = "threads",
     dask_address: str | None = None,
     ray_address: str | None = None,
@@ -299,11 +275,8 @@ def enrich_completed_runs(
 ) -> RunsSummary:
     """Enrich each finished run (``_SUCCESS``, no ``_ENRICHED``) under ``runs_root``, each in a subflow.
 
-    Up to ``max_parallel_runs`` runs at once. ``_ENRICHED`` is written last, so the next
-    schedule skips the run; a lease keeps overlapping schedules off the same run, and
-    lapses ``lease_s`` after a crash. Runs the root's index knows as enriched are not
-    listed: ``recheck`` names runs to look at anyway, ``full_scan`` lists every folder.
-    One failing run does not stop the others.
+    ``_ENRICHED`` is written last, so the next schedule skips the run; a lease keeps overlapping
+    schedules off a run (it lapses ``lease_s`` after a crash); one failing run does not stop the others.
 
     Args:
         runs_root: The folder of runs (path or fsspec URL): <root>/<run>/rollouts.jsonl, captures/, _SUCCESS.
@@ -313,10 +286,8 @@ def enrich_completed_runs(
         batch_size: Rollout lines per batch task.
         max_workers: Batches running at once, per run.
         runner: Where batches run: threads, processes (all cores), dask or ray.
-        dask_address: The Dask scheduler every run's batches go to (runner=dask); default a
-            local cluster per run.
-        ray_address: The Ray cluster every run's batches go to (runner=ray); default RAY_ADDRESS,
-            else a local Ray instance.
+        dask_address: The Dask scheduler for every run's batches (runner=dask); default a local one per run.
+        ray_address: The Ray cluster for every run's batches (runner=ray); default RAY_ADDRESS, else local.
         lease_s: Seconds a run's lease lasts without renewal; a crashed tick's run is free after it.
         max_parallel_runs: Runs enriched at once when a backlog waits.
         full_scan: List every run folder, ignoring the index of runs already enriched.
@@ -348,54 +319,51 @@ def enrich_completed_runs(
         print(enrich_completed_runs(str(runs)).already_enriched)  # ['r1']: the next tick skips it
         ```
     """
+    options = EnrichOptions.from_parameters(locals())  # first: its locals are its parameters
     show_core_logs()
     check_runner(runner, dask_address, ray_address)
     runs = Location.of(runs_root, storage_options, credentials_block)  # refused here if bad
     captures = runs.at(capture_dir) if capture_dir else None
-    logger = get_run_logger()
+    summary, ready = _sorted_runs(find_runs(runs, full_scan, recheck))
+    parameters = {"runs_root": runs, "lease_s": lease_s, "capture_dir": captures, "options": options}
+    _enrich_ready(summary, ready, parameters, max_parallel_runs)
+    _publish_tick(summary, runs_root, runs)
+    get_run_logger().info("%s", summary.tally())
+    if summary.failed:
+        raise RunsFailed(f"{len(summary.failed)} run(s) failed: {summary.failed}")
+    return summary
+
+
+def _publish_tick(summary: RunsSummary, runs_root: str, runs: Location) -> None:
+    """What a tick leaves behind: its runs table (in the UI) and the root's index of enriched runs."""
+    if summary.outcomes:
+        publish_runs_table(runs_root, runs_rows(summary))
+    if summary.enriched:
+        remember_enriched(runs, summary.enriched)
+
+
+def _enrich_ready(
+    summary: RunsSummary, ready: list[RunFolder], parameters: dict[str, Any], max_parallel_runs: int
+) -> None:
+    """Each ready run through ``enrich_run_folder``, up to ``max_parallel_runs`` at once."""
+    if not ready:
+        return
+    pool: ThreadPoolTaskRunner[Any] = ThreadPoolTaskRunner(max_workers=min(max_parallel_runs, len(ready)))
+    with pool:
+        futures = [(run, pool.submit(enrich_run_folder, {"run": run, **parameters})) for run in ready]
+        for run, future in futures:
+            summary.record_outcome(run.name, future.result())
+
+
+def _sorted_runs(found: Iterable[RunFolder]) -> tuple[RunsSummary, list[RunFolder]]:
+    """A tick's summary with the runs it skips (enriched, unfinished) filed, and the runs ready."""
     summary = RunsSummary()
     ready = []
-    for run in find_runs(runs, full_scan, recheck):
+    for run in found:
         if run.enriched:
             summary.already_enriched.append(run.name)
         elif not run.finished:
             summary.unfinished.append(run.name)
         else:
             ready.append(run)
-    if ready:
-        parameters = {
-            "runs_root": runs,
-            "lease_s": lease_s,
-            "capture_dir": captures,
-            "include_payloads": include_payloads,
-            "quiescence_timeout_s": quiescence_timeout_s,
-            "batch_size": batch_size,
-            "max_workers": max_workers,
-            "runner": runner,
-            "dask_address": dask_address,
-            "ray_address": ray_address,
-            "allow_empty": allow_empty,
-            "max_gap_share": max_gap_share,
-            "max_failed_share": max_failed_share,
-        }
-        pool: ThreadPoolTaskRunner[Any] = ThreadPoolTaskRunner(max_workers=min(max_parallel_runs, len(ready)))
-        with pool:
-            futures = [(run, pool.submit(enrich_run_folder, {"run": run, **parameters})) for run in ready]
-            for run, future in futures:
-                summary.add(run.name, future.result())
-    if summary.outcomes:
-        publish_runs_table(runs_root, runs_rows(summary))
-    if summary.enriched:
-        remember_enriched(runs, summary.enriched)
-    logger.info(
-        "enriched %d run(s), %d busy, %d unfinished, %d already enriched, %d lost, %d failed",
-        len(summary.enriched),
-        len(summary.busy),
-        len(summary.unfinished),
-        len(summary.already_enriched),
-        len(summary.lost),
-        len(summary.failed),
-    )
-    if summary.failed:
-        raise RunsFailed(f"{len(summary.failed)} run(s) failed: {summary.failed}")
-    return summary
+    return summary, ready

@@ -113,9 +113,34 @@ def advance_progress(artifact_id: UUID, source: str, done: int, total: int) -> N
 
 def publish_summary(summary: EnrichSummary) -> None:
     """The table, markdown and link artifacts of a finished enrichment (output and report)."""
+    where = absolute_location(summary.output)  # keys of one target alike from whichever folder
+    create_table_artifact(
+        table=_summary_rows(summary),
+        key=artifact_key("enrichment", where),
+        description=f"{summary.source} -> {summary.output}",
+    )
+    create_link_artifact(
+        link=_link(summary.output),
+        link_text=summary.output,
+        key=artifact_key("enriched-output", where),
+        description="The enriched rollouts",
+    )
+    if summary.report is not None:
+        create_link_artifact(
+            link=_link(summary.report),
+            link_text=summary.report,
+            key=artifact_key("evidence-report", where),
+            description="The evidence report (one HTML file: latency, TTFT, tokens, failed calls, gaps)",
+        )
+    create_markdown_artifact(
+        markdown=_summary_markdown(summary), key=artifact_key("enrichment-summary", where)
+    )
+
+
+def _summary_rows(summary: EnrichSummary) -> list[dict[str, str | int | float]]:
+    """The enrichment table: the counts, each gap code, then the evidence's rows (less its totals)."""
     stats = summary.stats
     evidence = stats.evidence
-    where = absolute_location(summary.output)  # keys of one target alike from whichever folder
     rows: list[dict[str, str | int | float]] = [
         {"measure": "lines", "value": stats.lines},
         {"measure": "rollouts enriched", "value": stats.rollouts},
@@ -135,25 +160,13 @@ def publish_summary(summary: EnrichSummary) -> None:
         for row in evidence.to_rows()
         if row["section"] != "totals"
     )
-    create_table_artifact(
-        table=rows,
-        key=artifact_key("enrichment", where),
-        description=f"{summary.source} -> {summary.output}",
-    )
-    create_link_artifact(
-        link=_link(summary.output),
-        link_text=summary.output,
-        key=artifact_key("enriched-output", where),
-        description="The enriched rollouts",
-    )
-    if summary.report is not None:
-        create_link_artifact(
-            link=_link(summary.report),
-            link_text=summary.report,
-            key=artifact_key("evidence-report", where),
-            description="The evidence report (one HTML file: latency, TTFT, tokens, failed calls, gaps)",
-        )
+    return rows
 
+
+def _summary_markdown(summary: EnrichSummary) -> str:
+    """The enrichment's markdown summary: input, output, counts, the evidence, the lines passed through."""
+    stats = summary.stats
+    evidence = stats.evidence
     lines = [
         "# Rollout enrichment",
         "",
@@ -174,7 +187,7 @@ def publish_summary(summary: EnrichSummary) -> None:
         lines += [f"- line {p.line}: {p.reason}" for p in stats.problems[:MAX_LISTED_PROBLEMS]]
         if len(stats.problems) > MAX_LISTED_PROBLEMS:
             lines.append(f"- ... and {len(stats.problems) - MAX_LISTED_PROBLEMS} more")
-    create_markdown_artifact(markdown="\n".join(lines), key=artifact_key("enrichment-summary", where))
+    return "\n".join(lines)
 
 
 def _cell(value: object) -> str | int | float:

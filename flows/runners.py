@@ -6,15 +6,15 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 from prefect.context import FlowRunContext
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
+from rollout_capture.enrich_options import Runner
 from rollout_capture.filesystem import is_local
 
-Runner = Literal["threads", "processes", "dask", "ray"]
 REMOTE: tuple[Runner, ...] = ("dask", "ray")
 """Runners whose batches may run on other machines: they get the batch's bytes, not a local slice."""
 

@@ -232,11 +232,8 @@ def merge_batch(
 ) -> BatchOutput:
     """Enrich one batch of rollout lines; rollouts still claimed are awaited in a nested task.
 
-    With ``worker_processes``, the CPU-bound merge runs in this process's pool of that
-    many workers, which write their output to part files in ``parts_dir``; the task run
-    (its retries, its nested wait) stays here, in the UI. The batches of one ``scope``
-    (the flow run) share one listing of an object-store capture root. ``capture_root_seen``:
-    the flow found captures in this local dir, so a worker that does not fails, naming itself.
+    With ``worker_processes`` the merge runs in this process's pool (its part files in ``parts_dir``);
+    a ``scope``'s batches share one listing; ``capture_root_seen``: a worker blind to the dir fails.
 
     Examples:
         Merge the first five lines of the bundled sample, as one batch of ``enrich_rollouts``:
@@ -264,29 +261,40 @@ def merge_batch(
         ```
     """
     where = Location.coerce(capture_dir)
+    if capture_root_seen:
+        require_capture_root(where.url)
+    output = _merge(batch, where, include_payloads, quiescence_timeout_s, worker_processes, parts_dir, scope)
+    if strict and output.stats.problems:
+        _refuse_first_problem(output, source)
+    batch.blob = None  # done with it (see BatchInput); a retry only follows a failure
+    return output
+
+
+def _refuse_first_problem(output: BatchOutput, source: str) -> None:
+    """``strict``: the batch fails on its first line that is not a rollout record (its part removed)."""
+    if output.part is not None:
+        os.unlink(output.part)
+    problem = output.stats.problems[0]
+    raise ValueError(f"{source}:{problem.line}: {problem.reason}")
+
+
+def _merge(
+    batch: BatchInput,
+    where: Location,
+    include_payloads: bool,
+    quiescence_timeout_s: float,
+    worker_processes: int,
+    parts_dir: str | None,
+    scope: ListingScope | None,
+) -> BatchOutput:
+    """The batch merged here or, with ``worker_processes``, in the pool; claimed rollouts awaited."""
 
     def wait(pending: set[str]) -> set[str]:
         still = run_coro_as_sync(await_quiescence(sorted(pending), where, timeout_s=quiescence_timeout_s))
         return set(still or ())
 
-    if capture_root_seen:
-        require_capture_root(where.url)
     with credentials_for(where) as credentials:
-        if worker_processes:
-            if parts_dir is None:
-                raise ValueError("worker_processes needs a parts_dir for the workers' output")
-            output = _merge_in_pool(
-                batch.lines,
-                parts_dir,
-                where,
-                credentials,
-                include_payloads,
-                scope,
-                wait,
-                quiescence_timeout_s > 0,
-                worker_processes,
-            )
-        else:
+        if not worker_processes:
             blob, lines, stats = enrich_blob(
                 batch.data(),
                 [where.capture_store(credentials)],
@@ -296,14 +304,20 @@ def merge_batch(
                 waiter=wait,
                 scope=scope,
             )
-            output = BatchOutput(blob=blob, lines=lines, stats=stats)
-    if strict and output.stats.problems:
-        if output.part is not None:
-            os.unlink(output.part)
-        problem = output.stats.problems[0]
-        raise ValueError(f"{source}:{problem.line}: {problem.reason}")
-    batch.blob = None  # done with it (see BatchInput); a retry only follows a failure
-    return output
+            return BatchOutput(blob=blob, lines=lines, stats=stats)
+        if parts_dir is None:
+            raise ValueError("worker_processes needs a parts_dir for the workers' output")
+        return _merge_in_pool(
+            batch.lines,
+            parts_dir,
+            where,
+            credentials,
+            include_payloads,
+            scope,
+            wait,
+            quiescence_timeout_s > 0,
+            worker_processes,
+        )
 
 
 def _merge_in_pool(

@@ -19,10 +19,10 @@ from rollout_capture import CaptureStore
 from rollout_capture.flows import enrich_completed_runs, enrich_rollouts
 
 from .conftest import ROOT, S3, wait_for
+from .support.cli import CLI, run_cli
 from .support.prefect_api import wait_for_events
 
 ROW = {"model_call_id": "c", "dialect": "chat", "response": {"usage": {"prompt_tokens": 3}}}
-CLI = [sys.executable, "-m", "rollout_capture.cli"]
 
 
 def environment(api: str | None, **extra: str) -> dict[str, str]:
@@ -34,9 +34,7 @@ def environment(api: str | None, **extra: str) -> dict[str, str]:
 
 
 def deploy(api: str | None, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*CLI, "deploy", *args], cwd=cwd, env=environment(api), capture_output=True, text=True, timeout=300
-    )
+    return run_cli("deploy", *args, env=environment(api), cwd=cwd)
 
 
 def deployments() -> dict[str, Any]:
@@ -90,9 +88,7 @@ def test_deploy_refuses_bad_input_naming_it(prefect_api: str, args: list[str], m
 
 def test_deploy_without_a_server_says_so_and_starts_none(tmp_path: Path) -> None:
     env = environment(None, PREFECT_HOME=str(tmp_path / "home"))
-    done = subprocess.run(
-        [*CLI, "deploy", "--runs-root", "/data/runs"], env=env, capture_output=True, text=True, timeout=120
-    )
+    done = run_cli("deploy", "--runs-root", "/data/runs", env=env, timeout=120)
     assert done.returncode == 2 and "set PREFECT_API_URL" in done.stderr, done.stderr
     assert "temporary" not in done.stderr and not list(tmp_path.rglob("*.db"))
 
@@ -410,9 +406,7 @@ def test_a_finished_run_is_enriched_at_once_by_its_deployments_trigger(
     def finished_then_enriched() -> bool:
         """The triggers service loads a new deployment's trigger when it does: an event before
         that goes unseen (the tick would take the run), so finish again until it is enriched."""
-        done = subprocess.run(
-            [*CLI, "finish", str(run)], env=environment(prefect_api), capture_output=True, text=True
-        )
+        done = run_cli("finish", str(run), env=environment(prefect_api))
         assert done.returncode == 0 and "the server was told" in done.stdout, done.stderr
         try:
             return wait_for(lambda: (run / "_ENRICHED").exists(), 30, "_ENRICHED", poll_s=0.2)

@@ -16,7 +16,7 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from rollout_capture.cli import app
+from rollout_capture.cli.app import app
 from rollout_capture.summary import EvidenceShapeError, summarize_file
 
 from .test_report import build_corpus

@@ -620,7 +620,7 @@ def test_the_supervisor_restarts_a_dead_worker_and_gives_up_on_one_that_cannot_s
 def test_the_cli_refuses_bad_settings_with_exit_code_2(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from rollout_capture.cli import app
+    from rollout_capture.cli.app import app
 
     runner = CliRunner()
     bad = runner.invoke(app, ["proxy", "--upstream", "ftp://nope", "--capture-dir", str(tmp_path)])

@@ -418,7 +418,7 @@ def test_a_run_of_unknown_figures_says_unknown_everywhere(
     """Tokens no call reported and latencies none recorded are "unknown" in the log line, the
     artifacts, the digest and the terminal's rows, never 0 or ``None``; and a clean run with
     ``max_gap_share=0`` is plainly Completed."""
-    from rollout_capture.cli import _evidence_rows
+    from rollout_capture.cli.commands.enrich import evidence_rows as _evidence_rows
     from rollout_capture.flows import enrich_rollouts
     from rollout_capture.flows.report import artifact_key
 

@@ -1,0 +1,124 @@
+"""``clear``, ``wait`` and ``inspect``: one capture root's rollouts, before dispatch and after."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any
+
+import typer
+
+from rollout_capture.cli.options import JsonOpt, Storage, storage_options
+from rollout_capture.cli.output import Output, num, show
+from rollout_capture.cli.prefect_env import credentials, flow_run, preflight, rollouts_and_captures
+
+
+@storage_options()
+def clear(
+    storage: Storage,
+    rollouts: Annotated[str, typer.Argument(help="Rollouts JSONL about to be dispatched.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Remove the captures of the rollouts about to be dispatched."""
+    out = Output(json=as_json)
+    with out.exits():
+        source, captures = rollouts_and_captures(storage, rollouts)
+        from rollout_capture.flows import prepare_dispatch
+
+        cleared = flow_run(
+            False,  # quick: no progress to show
+            lambda: prepare_dispatch(source.url, captures.url, **captures.flow_parameters()),
+        )
+        out.result(
+            {"capture_dir": captures.url, "rollout_ids_cleared": cleared},
+            text=f"cleared captures of {cleared} rollout id(s)",
+        )
+
+
+def _rollout_store(rollout_id: str, storage: Storage) -> Any:
+    """``wait`` and ``inspect``: a valid rollout id, and a store whose root is there, read with the
+    credentials block's credentials when one is named (Prefect only then: its API holds the block)."""
+    from rollout_capture.identity import validate_rollout_id
+
+    validate_rollout_id(rollout_id)
+    captures = storage.captures()
+    resolved = credentials(captures.credentials_block, prefect=True)  # resolved once a process
+    preflight(capture_dirs=storage.must_exist(captures), prefect=False)
+    return captures.capture_store(resolved, shared=False)
+
+
+@storage_options()
+def wait(
+    storage: Storage,
+    rollout_id: Annotated[str, typer.Argument(help="Rollout id, e.g. 12-3 or 12-3-a1.")],
+    timeout: Annotated[float, typer.Option(help="Seconds before giving up.")] = 10.0,
+    poll: Annotated[float, typer.Option(help="Seconds between checks.")] = 0.05,
+    as_json: JsonOpt = False,
+) -> None:
+    """Wait until no claimed capture write of the rollout is outstanding (exit 1 on timeout)."""
+    out = Output(json=as_json)
+    with out.exits():
+        from rollout_capture import await_model_call_capture_quiescence
+
+        store = _rollout_store(rollout_id, storage)
+        quiet = asyncio.run(await_model_call_capture_quiescence(rollout_id, [store], timeout, poll))
+        out.result(
+            {"rollout_id": rollout_id, "quiescent": quiet, "timeout_s": timeout},
+            text=(
+                f"{rollout_id}: quiescent"
+                if quiet
+                else lambda: typer.echo(f"{rollout_id}: still claimed after {timeout}s", err=True)
+            ),
+            ok=quiet,
+        )
+        if not quiet:
+            raise typer.Exit(1)
+
+
+@storage_options()
+def inspect(
+    storage: Storage,
+    rollout_id: Annotated[str, typer.Argument(help="Rollout id, e.g. 12-3.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Show a rollout's captured calls: tokens, latency, status and gaps."""
+    out = Output(json=as_json)
+    with out.exits():
+        from rollout_capture.attachment import build_attachment
+        from rollout_capture.evidence import gather_evidence
+
+        store = _rollout_store(rollout_id, storage)
+        attachment = build_attachment(rollout_id, gather_evidence([rollout_id], [store])[rollout_id])
+        out.result(attachment, text=lambda: _show_attachment(attachment))
+
+
+CALL_FIELDS = (
+    "model",
+    "dialect",
+    "status_code",
+    "tokens_in",
+    "tokens_out",
+    "tokens_total",
+    "latency_total_ms",
+    "error_category",
+)
+
+
+def _show_attachment(attachment: dict[str, Any]) -> None:
+    """A row per call and one for the rollout, then its verifier invocations and gaps."""
+    rows = [
+        (str(call["call_index"]), *(num(call[field]) for field in CALL_FIELDS))
+        for call in attachment["calls"]
+    ]
+    metrics = attachment["metrics"]
+    totals = (
+        num(metrics[field]) for field in ("tokens_in", "tokens_out", "tokens_total", "latency_total_ms")
+    )
+    rows.append(("all", "", "", "", *totals, ""))
+    show(rows, ("#", "model", "dialect", "status", "in", "out", "total", "latency ms", "error"))
+    for invocation in attachment.get("verifier_invocations", []):
+        typer.echo(
+            f"verifier {invocation['verifier_invocation_id']}: reward {num(invocation['reward'])}, "
+            f"judge calls {invocation['model_call_ids']}"
+        )
+    for gap in attachment.get("gaps", []):
+        typer.echo(f"gap: {gap['code']}" + (f" ({gap['detail']})" if "detail" in gap else ""))

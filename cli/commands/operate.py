@@ -1,0 +1,180 @@
+"""``deploy``, ``serve`` and ``finish``: the scheduled enrichment on a Prefect server, and telling it
+a run is done."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from rollout_capture.cli.options import (
+    JsonOpt,
+    Scheduled,
+    Storage,
+    addresses_match,
+    scheduled_options,
+    storage_options,
+)
+from rollout_capture.cli.output import InputError, Output, show
+from rollout_capture.cli.prefect_env import api_url, block_exists, credentials, prefect_env, preflight
+from rollout_capture.filesystem import local_path
+
+if TYPE_CHECKING:
+    from rollout_capture.location import Location
+
+
+def _scheduled(
+    storage: Storage, runs_root: str | None, options: Scheduled
+) -> tuple[Location, dict[str, Any]]:
+    """``deploy`` and ``serve``: the runs root checked (absolute or a URL) and the scheduled flow's
+    other parameters; then the API, which both need (a temporary server would forget them)."""
+    capture_dir, runner = options.capture_dir, options.runner
+    dask_address, ray_address = options.dask_address, options.ray_address
+    if not runs_root:
+        raise InputError("no runs root: give --runs-root or set ROLLOUT_CAPTURE_RUNS_ROOT")
+    local = local_path(runs_root)
+    if local is not None and not os.path.isabs(local):
+        raise InputError(f"--runs-root must be absolute or a URL (workers resolve it): {runs_root}")
+    runs = storage.at(runs_root)  # refused here if bad: every tick would fail
+    if capture_dir:
+        runs.at(capture_dir)
+    addresses_match(runner, dask_address, ray_address)  # the workers have the extras, maybe not here
+    parameters: dict[str, Any] = {
+        "runner": runner.value,
+        "max_workers": options.max_workers,
+        "max_parallel_runs": options.max_parallel_runs,
+    }
+    given = {"capture_dir": capture_dir, "dask_address": dask_address, "ray_address": ray_address}
+    parameters.update({key: value for key, value in given.items() if value})
+    parameters.update(runs.flow_parameters())
+    prefect_env()
+    if not api_url():
+        raise InputError(
+            "deployments live on your Prefect server (one started for this command alone would "
+            "forget them): set PREFECT_API_URL first"
+        )
+    if runs.credentials_block:
+        block_exists(runs.credentials_block)
+    return runs, parameters
+
+
+@storage_options(captures=False)
+@scheduled_options
+def deploy(
+    storage: Storage,
+    scheduled: Scheduled,
+    runs_root: Annotated[
+        str,
+        typer.Option(help="Runs root the schedule enriches, as the workers see it: absolute path or URL."),
+    ],
+    name: Annotated[
+        str,
+        typer.Option(
+            help="The scheduled deployment's name: one per runs root, several side by side on one server."
+        ),
+    ] = "enrich-completed-runs",
+    pool: Annotated[str, typer.Option(help="Work pool (created as a process pool if missing).")] = (
+        "rollout-capture"
+    ),
+    automation: Annotated[
+        bool, typer.Option(help="Also create the shipped automations (once per server).")
+    ] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """Register the shipped deployments on the server PREFECT_API_URL names, from this install.
+
+    Workers need rollout-capture installed (pip install 'rollout-capture[aws]' for S3); the
+    entrypoints are module paths, so no code is pushed anywhere. Registering a name again
+    updates it in place and says what it replaces.
+    """
+    out = Output(json=as_json)
+    with out.exits():
+        _, parameters = _scheduled(storage, runs_root, scheduled)
+        from rollout_capture.deployments.register import register
+
+        done = register(
+            runs_root, pool=pool, cron=scheduled.cron, parameters=parameters, automation=automation, name=name
+        )
+
+        def registered() -> None:
+            show([(name, str(ident)) for name, ident in done["deployments"].items()], ("deployment", "id"))
+            for replaced, change in done["replaced"].items():
+                typer.echo(
+                    f"{replaced}: registered again, {change}"
+                    if change == "unchanged"
+                    else f"replaced {replaced}: {change}",
+                    err=True,
+                )
+            typer.echo(
+                f"work pool {pool}: start a worker with `prefect worker start --pool {pool}`", err=True
+            )
+
+        out.result(lambda: {"api": api_url(), **done}, text=registered)
+
+
+@storage_options(captures=False)
+@scheduled_options
+def serve(
+    storage: Storage,
+    scheduled: Scheduled,
+    runs_root: Annotated[
+        str | None,
+        typer.Option(
+            envvar="ROLLOUT_CAPTURE_RUNS_ROOT",
+            show_envvar=True,
+            help="Runs root the schedule enriches (required): absolute path or URL.",
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Serve deployments of its own (enrich-completed-runs-served...) from this machine until Ctrl-C.
+
+    Never changes what deploy registered; Ctrl-C pauses only the served ones. Needs PREFECT_API_URL.
+    """
+    out = Output(json=as_json)
+    with out.exits():
+        runs, parameters = _scheduled(storage, runs_root, scheduled)
+        preflight(folders=[(runs, "runs root")], prefect=False)  # served here: the root is this machine's
+        from rollout_capture.deployments.serve import serve_shipped
+
+        try:
+            serve_shipped(runs.url, cron=scheduled.cron, parameters=parameters)  # returns on Ctrl-C
+        except KeyboardInterrupt:
+            typer.echo("stopped before serving began", err=True)
+            raise typer.Exit(130) from None
+        typer.echo(
+            "stopped: the served deployments (*-served) are paused; deployments of work pools "
+            "were not touched",
+            err=True,
+        )
+
+
+@storage_options(captures=False)
+def finish(
+    storage: Storage,
+    run: Annotated[str, typer.Argument(help="Run folder (<runs_root>/<run>, with its rollouts.jsonl).")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Mark a run finished: write its _SUCCESS and tell the Prefect server, whose deployments of its
+    runs root then enrich it at once (without PREFECT_API_URL: the next schedule tick does)."""
+    out = Output(json=as_json)
+    with out.exits():
+        where = storage.at(run)
+        prefect_env()
+        if not api_url():  # an event on a server started for this command would reach nobody
+            from rollout_capture.run_folders import mark_finished
+
+            finished = mark_finished(where.url, where.storage_options, credentials=None)
+            typer.echo(f"no PREFECT_API_URL: no event sent; the next tick enriches {finished}", err=True)
+            sent = False
+        else:
+            from rollout_capture.flows.events import mark_run_finished
+
+            credentials(where.credentials_block, prefect=False)  # a missing block named, exit 2
+            finished = mark_run_finished(where.url, **where.flow_parameters())
+            sent = True
+        out.result(
+            {"run": finished, "event_sent": sent},
+            text=f"finished {finished}" + (": the server was told" if sent else ""),
+        )
