@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from rollout_capture.claims import Claim
 from rollout_capture.names import RolloutListing
@@ -19,13 +19,11 @@ from rollout_capture.snapshot import RolloutSnapshot, claims_of, listed_paths
 if TYPE_CHECKING:
     import fsspec
 
-    from rollout_capture.claims_log import ClaimsLogWriter
-
-RowLayout = Literal["jsonl", "objects"]
+    from rollout_capture.layouts import Layout
 
 
-def nothing() -> None:
-    """Nothing left to do: the second step of a write whose first did it all."""
+def nothing_to_finish() -> None:
+    """The ``finish`` step of a staged write whose ``blocking`` step did it all."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +51,8 @@ class ListingScope:
     rollouts: int
 
 
-class Fetched(ABC):
-    """A batch of rollouts made ready to be read, parsed one rollout at a time."""
+class ReadBatch(ABC):
+    """A batch of rollouts made ready to be read (listed, maybe read), parsed one rollout at a time."""
 
     journal_absent: bool = False
     """Whether the listing behind this batch covered the whole root and held no journal commit
@@ -81,8 +79,8 @@ class Backend(ABC):
     """Byte-level access to one capture root; paths are full, as the filesystem names them."""
 
     root: str
-    default_layout: RowLayout
-    """The row layout writers use here unless told otherwise."""
+    default_layout: Layout
+    """The row layout writers use here unless told otherwise (``jsonl`` or ``objects``)."""
     supports_append: bool
     """Whether appending a line is safe (a JSONL capture can be written)."""
     trust_mtime: bool
@@ -90,9 +88,6 @@ class Backend(ABC):
     writes_in_place: bool = False
     """Whether small writes are page-cache work, quick enough for an event loop (a local disk);
     only their fsync blocks. Object stores go over the network: never on a loop."""
-    keeps_claims_log: bool = False
-    """Whether producers here may keep their claims in a claims log of their own (a local disk,
-    where flock tells a live writer from a dead one), not a claim file each (spec 3)."""
     folders_exist: bool = False
     """Whether a folder exists apart from what it holds (a disk), so a missing root is a mistyped
     path; under an object prefix a folder is there only once a key is, and none is fine."""
@@ -114,7 +109,7 @@ class Backend(ABC):
         """What the root holds for each rollout, listed now (never from a cache)."""
 
     @abstractmethod
-    def fetch(self, rollout_ids: Collection[str], *, scope: ListingScope | None = None) -> Fetched:
+    def fetch(self, rollout_ids: Collection[str], *, scope: ListingScope | None = None) -> ReadBatch:
         """A batch ready to be read rollout by rollout; a ``scope``'s batches may share a listing."""
 
     def end_scope(self, key: str) -> None:  # noqa: B027 - nothing to forget unless a backend shares listings
@@ -188,7 +183,7 @@ class Backend(ABC):
         ``blocking`` makes it durable (for a thread); ``finish`` (cheap, for the caller's
         loop) lets readers see it. By default everything happens in ``blocking``.
         """
-        return (lambda: self.append_line(path, line)), nothing
+        return (lambda: self.append_line(path, line)), nothing_to_finish
 
     @abstractmethod
     def create(self, path: str, data: bytes) -> None:
@@ -197,15 +192,6 @@ class Backend(ABC):
     @abstractmethod
     def put(self, path: str, data: bytes) -> None:
         """Write a file whole, replacing any earlier one."""
-
-    @property
-    def claims_log_writer(self) -> ClaimsLogWriter | None:
-        """This process's claims log on this store (spec 3), where the store keeps one: a local
-        disk. ``None`` elsewhere: object stores write a claim file each, or the journal."""
-        return None
-
-    def close_claims_log(self) -> None:  # noqa: B027 - nothing to close where no log is kept
-        """Remove this process's claims logs that hold nothing open (a producer that stops)."""
 
     def put_live(self, path: str, data: bytes) -> None:
         """Write a new file that matters only while its writer lives (a claim, under a fresh

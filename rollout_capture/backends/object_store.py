@@ -28,17 +28,20 @@ import threading
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import fsspec
 from fsspec.asyn import sync as fsspec_sync
 
-from rollout_capture.backends.base import Backend, Fetched, ListingScope, Named, RowLayout
+from rollout_capture.backends.base import Backend, ListingScope, Named, ReadBatch
 from rollout_capture.claims import Claim
 from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY, join, protocol_of
 from rollout_capture.identity import validate_rollout_id
 from rollout_capture.names import JOURNAL_DIR, Entry, RolloutListing, group_entries, objects_dir
 from rollout_capture.snapshot import RolloutSnapshot, claims_of, listed_paths, parse_snapshot
+
+if TYPE_CHECKING:
+    from rollout_capture.layouts import Layout
 
 KEYS_PER_PAGE = 1000
 """Keys in one page of a listing (the maximum of the common object stores)."""
@@ -110,7 +113,7 @@ class ListingTooLarge(Exception):
 class ObjectStoreBackend(Backend):
     """A capture root on any fsspec filesystem but the local disk (generic: fsspec calls only)."""
 
-    default_layout: RowLayout = "objects"
+    default_layout: Layout = "objects"
     supports_append = False  # no object store appends safely (emulated appends lose rows)
     trust_mtime = True  # modification times come from the store's clock
     atomic_create: ClassVar[bool] = False
@@ -261,9 +264,9 @@ class ObjectStoreBackend(Backend):
 
     # ------------------------------------------------------------------ reading
 
-    def fetch(self, rollout_ids: Collection[str], *, scope: ListingScope | None = None) -> Fetched:
+    def fetch(self, rollout_ids: Collection[str], *, scope: ListingScope | None = None) -> ReadBatch:
         ids = [validate_rollout_id(r) for r in dict.fromkeys(rollout_ids)]
-        fetched = ObjectFetched(self)
+        fetched = ObjectReadBatch(self)
         listings, fetched.journal_absent = (
             self._list_rollouts(ids) if scope is None or not ids else self._scoped_listings(ids, scope)
         )
@@ -402,7 +405,7 @@ class ProcessLocalBackend(ObjectStoreBackend):
     process_local = True
 
 
-class ObjectFetched(Fetched):
+class ObjectReadBatch(ReadBatch):
     """A batch fetched as bytes in one concurrent pass; parsed one rollout at a time."""
 
     def __init__(self, backend: ObjectStoreBackend) -> None:

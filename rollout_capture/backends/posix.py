@@ -25,9 +25,9 @@ from collections.abc import Callable, Collection, Sequence
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
-from rollout_capture.backends.base import Backend, Fetched, ListingScope, Named, RowLayout, nothing
+from rollout_capture.backends.base import Backend, ListingScope, Named, ReadBatch, nothing_to_finish
 from rollout_capture.claims import Claim
-from rollout_capture.claims_log import ClaimsLogReader, ClaimsLogWriter
+from rollout_capture.claims_log import ClaimsLogReader
 from rollout_capture.identity import validate_rollout_id
 from rollout_capture.names import (
     CLAIMS_LOG_DIR,
@@ -49,6 +49,8 @@ from rollout_capture.snapshot import RolloutSnapshot, claims_of, listed_paths, p
 
 if TYPE_CHECKING:
     import fsspec
+
+    from rollout_capture.layouts import Layout
 
 _ALL_SUFFIXES = (JSONL_SUFFIX, MARKER_SUFFIX, OBJECTS_SUFFIX, CLAIMS_SUFFIX)
 # A name in a listing of the root costs a fraction of the access() probes a rollout needs.
@@ -192,32 +194,21 @@ def _read_locked(fd: int) -> bytes:
 class PosixBackend(Backend):
     """A capture root on a local POSIX disk."""
 
-    default_layout: RowLayout = "jsonl"
+    default_layout: Layout = "jsonl"
     supports_append = True
     trust_mtime = False  # a local file's mtime is the writer's own clock
     writes_in_place = True
     folders_exist = True
-    keeps_claims_log = True
 
     def __init__(self, root: str) -> None:
         self.root = root
         self._base = os.path.join(root, "")  # root with its separator, for fast concatenation
         self._names_hint: int | None = None  # how many names the root held when last listed
         self._names_cache: tuple[int, set[str]] | None = None  # (root mtime, its names)
-        self.claims_log = ClaimsLogReader(root)  # the producers' claims logs, read incrementally
-        self._claims_log_writer: ClaimsLogWriter | None = None
-
-    @property
-    def claims_log_writer(self) -> ClaimsLogWriter:
-        """This process's claims log under the root (opened by its first claim)."""
-        if self._claims_log_writer is None:
-            self._claims_log_writer = ClaimsLogWriter(self.root)
-        return self._claims_log_writer
-
-    def close_claims_log(self) -> None:
-        """Remove this process's claims logs that hold nothing open."""
-        if self._claims_log_writer is not None:
-            self._claims_log_writer.close()
+        # The producers' claims logs, read incrementally. Writing one is the layout's business
+        # (rollout_capture.layouts); reading stays here, merged into each rollout's listing and
+        # snapshot in the same pass (claims first, then rows), which a second reader would split.
+        self.claims_log = ClaimsLogReader(root)
 
     def _logged(self, listing: RolloutListing, rollout_id: str) -> RolloutListing:
         """The listing with the rollout's open claims in the claims logs, as last read."""
@@ -390,7 +381,7 @@ class PosixBackend(Backend):
         self.claims_log.refresh()  # logs first, then the rows' files: a released claim's row is there
         return {r: self._list_one(r) for r in ids}
 
-    def fetch(self, rollout_ids: Collection[str], *, scope: ListingScope | None = None) -> Fetched:
+    def fetch(self, rollout_ids: Collection[str], *, scope: ListingScope | None = None) -> ReadBatch:
         ids = {validate_rollout_id(r) for r in rollout_ids}
         names = None
         worth = (
@@ -405,7 +396,7 @@ class PosixBackend(Backend):
             self.claims_log.refresh()  # before any row is read (claims first, as listings do)
         else:
             self.claims_log.forget()  # no log when the root was listed
-        return PosixFetched(self, ids, names)
+        return PosixReadBatch(self, ids, names)
 
     def _names(self) -> set[str]:
         """The names directly under the root, without stat calls (cheap for a batch).
@@ -603,7 +594,7 @@ class PosixBackend(Backend):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            return (lambda: self.append_line(path, line)), nothing
+            return (lambda: self.append_line(path, line)), nothing_to_finish
         except BaseException:
             os.close(fd)
             raise
@@ -736,7 +727,7 @@ class PosixBackend(Backend):
         self.claims_log.clear(rollout_ids)
 
 
-class PosixFetched(Fetched):
+class PosixReadBatch(ReadBatch):
     """A batch on a local disk: optionally the root's names; files read rollout by rollout."""
 
     def __init__(self, backend: PosixBackend, ids: set[str], names: set[str] | None) -> None:
