@@ -19,6 +19,7 @@ from prefect.runtime import flow_run as this_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, Field
 
+from rollout_capture.filesystem import absolute_location
 from rollout_capture.flows.enrich import DEFAULT_BATCH_SIZE, enrich_to_spool, publish_spool, report_enrichment
 from rollout_capture.flows.events import emit_failed
 from rollout_capture.flows.guard import StorageOptions, guarded_flow
@@ -44,7 +45,6 @@ from rollout_capture.tasks.run_folders import (
     runs_root_at,
     take_run,
 )
-from rollout_capture.worker_pool import absolute_location
 
 DEFAULT_MAX_PARALLEL_RUNS = 4
 

@@ -39,10 +39,10 @@ from rollout_capture.backends import (
 from rollout_capture.backends.object_store import AtomicCreateBackend, ProcessLocalBackend
 from rollout_capture.claims import Claim, claim_body, new_claim
 from rollout_capture.config import check_capture_url
-from rollout_capture.filesystem import is_local, local_path, open_filesystem, url_scheme
+from rollout_capture.filesystem import absolute_location, is_local, local_path, open_filesystem, url_scheme
 from rollout_capture.layouts import Layout
 from rollout_capture.names import claim_name, jsonl_name, marker_name, object_name
-from rollout_capture.worker_pool import absolute_location, sees_capture_root
+from rollout_capture.worker_pool import sees_capture_root
 
 from .conftest import S3
 
