@@ -111,5 +111,7 @@ def test_the_layout_is_picked_once_in_one_place(tmp_path: Path) -> None:
         open_layout("memory://pick", memory, "jsonl", "files", journal)
     with pytest.raises(ValueError, match="the claims log needs a local disk"):
         open_layout("memory://pick", memory, "objects", "log", journal)
+    with pytest.raises(ValueError, match="layout must be 'auto' or one of"):
+        open_layout(str(tmp_path), local, "rows", "files", StoreJournal(local))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="claims must be 'files' or 'log'"):
         open_layout(str(tmp_path), local, "jsonl", "always", StoreJournal(local))  # type: ignore[arg-type]

@@ -55,6 +55,8 @@ def open_layout(
     """The strategy a store on ``backend`` writes with; ``ValueError`` naming ``url`` when the
     backend cannot hold the layout (JSONL needs an append) or the claims (a log needs a local disk)."""
     layout = resolve_layout(choice, backend)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be 'auto' or one of {sorted(LAYOUTS)}; got {layout!r}")
     if layout == "jsonl" and not backend.supports_append:
         raise ValueError(f"{url}: the JSONL layout needs a local disk (object stores have no append)")
     if claims not in ("files", "log"):
