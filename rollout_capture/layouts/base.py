@@ -41,7 +41,7 @@ class LayoutStrategy(ABC):
     name: ClassVar[Layout]
     submits: ClassVar[bool] = False
     """Whether rows and claims are submitted to a group committer and acknowledged by a future
-    (the journal), rather than written by the caller (:attr:`CaptureStore.writes_in_place`)."""
+    (the journal) rather than written on the caller's thread; a producer waits on the future."""
 
     def __init__(self, backend: Backend, claims: ClaimsMode, journal: StoreJournal) -> None:
         self.backend = backend
