@@ -33,8 +33,6 @@ from rollout_capture.journal import (
     JournalWriter,
     Stream,
     clear_entry,
-    release_entry,
-    row_entry,
 )
 from rollout_capture.layouts import ClaimsMode, Layout, LayoutChoice, StagedWrite, StoreJournal, open_layout
 from rollout_capture.names import RolloutListing, probe_name
@@ -265,11 +263,11 @@ class CaptureStore:
 
         The caller marks the rollout incomplete if the future fails (:meth:`mark_incomplete`).
         """
-        entries = [row_entry(rollout_id, row)]
+        released = None
         if release is not None and release.claim is not None:
-            entries.append(release_entry(release.rollout_id, release.claim.claim_id))
+            released = (release.rollout_id, release.claim.claim_id)
             release.claim = None  # released with the row, whatever happens to it
-        return self.journal_writer.submit(entries)
+        return self._journal.submit_row(rollout_id, row, released)
 
     def claim(
         self, rollout_id: str, model_call_id: str | None = None, ttl_s: float = DEFAULT_CLAIM_TTL_S

@@ -84,6 +84,11 @@ class LayoutStrategy(ABC):
         journal); None where a claim is written by :meth:`acquire_claim` instead."""
         return None
 
+    def submit_release(self, rollout_id: str, claim_id: str) -> concurrent.futures.Future[int] | None:
+        """Submit the release of a claim and return at once with a future saying when it is
+        durable (the journal); None where :meth:`release_claim` releases instead."""
+        return None
+
     def release_claim(self, rollout_id: str, claim_id: str) -> None:
         """Release a claim this store holds."""
         log = self.claims_log_writer

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from rollout_capture.backends import Backend
@@ -52,6 +52,19 @@ class StoreJournal:
                 )
             return writer
 
+    def submit_row(
+        self,
+        rollout_id: str,
+        row: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+        release: tuple[str, str] | None,
+    ) -> concurrent.futures.Future[int]:
+        """Submit a row (built by the committer when ``row`` is a function) and, when ``release``
+        names a claim (``(rollout_id, claim_id)``), its release, to land in one commit."""
+        entries = [row_entry(rollout_id, row)]
+        if release is not None:
+            entries.append(release_entry(*release))
+        return self.writer_of("rows").submit(entries)
+
     def _tail(self, stream: Stream) -> int:
         """Where the next commit may be: all below what this store has read exist already."""
         reader = self._reader
@@ -85,6 +98,9 @@ class JournalLayout(LayoutStrategy):
 
     def release_claim(self, rollout_id: str, claim_id: str) -> None:
         self.journal.writer_of("rows").write([release_entry(rollout_id, claim_id)])
+
+    def submit_release(self, rollout_id: str, claim_id: str) -> concurrent.futures.Future[int]:
+        return self.journal.writer_of("rows").submit([release_entry(rollout_id, claim_id)])
 
     def releases_once(self) -> bool:
         return False

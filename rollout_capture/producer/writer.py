@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from rollout_capture.filesystem import is_local
-from rollout_capture.journal import in_flight_setting, release_entry
+from rollout_capture.journal import in_flight_setting
 from rollout_capture.layouts import ClaimsMode, producer_layout
 from rollout_capture.producer.settings import ProducerSettings
 from rollout_capture.store import CaptureStore, ClaimContext, finish_shielded
@@ -368,9 +368,8 @@ class CaptureWriter:
         """Release a claim taken by :meth:`claim` (after the row, or after the marker)."""
         if context is not None and context.claim is not None:  # not released with its row yet
             if self._journal:
-                future = self.store.journal_writer.submit(
-                    [release_entry(context.rollout_id, context.claim.claim_id)]
-                )
+                future = self.store.layout_strategy.submit_release(context.rollout_id, context.claim.claim_id)
+                assert future is not None  # the journal's releases are submitted
                 context.claim = None
                 try:
                     await self._committed(future)
