@@ -2,7 +2,7 @@
 
 One module a layout (:mod:`.jsonl`, :mod:`.objects`, :mod:`.journal`), each a
 :class:`~.base.LayoutStrategy`; :data:`LAYOUTS` and :func:`open_layout` are the one place that
-picks one. Adding a layout is a module here and a line in :data:`LAYOUTS`.
+picks one. Adding a layout is a module here, its name in ``Layout`` and a line in :data:`LAYOUTS`.
 """
 
 from __future__ import annotations
