@@ -23,6 +23,7 @@ from pydantic import Field
 from rollout_capture.backends import ListingScope
 from rollout_capture.batch import BatchStats, DuplicateIds
 from rollout_capture.enrich_options import DEFAULT_BATCH_SIZE, DEFAULT_MAX_WORKERS, EnrichOptions, Runner
+from rollout_capture.filesystem import absolute_location
 from rollout_capture.flows.events import emit_completed, emit_failed
 from rollout_capture.flows.guard import StorageOptions, guarded_flow
 from rollout_capture.flows.report import (
@@ -63,7 +64,7 @@ from rollout_capture.tasks.capture import (
     merge_batch,
 )
 from rollout_capture.tasks.rollout_files import read_rollouts, write_enriched
-from rollout_capture.worker_pool import absolute_location, sees_capture_root
+from rollout_capture.worker_pool import sees_capture_root
 
 logger = logging.getLogger("rollout_capture.flows.enrich")
 

@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 from rollout_capture.batch import BatchStats
 from rollout_capture.enrich_options import DEFAULT_BATCH_SIZE, DEFAULT_MAX_WORKERS, EnrichOptions, Runner
 from rollout_capture.flows.enrich import enrich_to_spool, publish_spool, report_enrichment
+from rollout_capture.filesystem import absolute_location
 from rollout_capture.flows.events import emit_failed
 from rollout_capture.flows.guard import StorageOptions, guarded_flow
 from rollout_capture.flows.report import EnrichSummary, flow_run_link, publish_runs_table, show_core_logs
@@ -46,7 +47,6 @@ from rollout_capture.tasks.run_folders import (
     runs_root_at,
     take_run,
 )
-from rollout_capture.worker_pool import absolute_location
 
 DEFAULT_MAX_PARALLEL_RUNS = 4
 

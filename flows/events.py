@@ -15,9 +15,9 @@ from typing import Any
 from prefect.events import emit_event
 
 from rollout_capture.batch import BatchStats
+from rollout_capture.filesystem import absolute_location
 from rollout_capture.flows.report import shares_exceeded
 from rollout_capture.secret_options import shown_url
-from rollout_capture.worker_pool import absolute_location
 
 COMPLETED = "rollout-capture.enrichment.completed"
 FAILED = "rollout-capture.enrichment.failed"

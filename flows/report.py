@@ -28,12 +28,11 @@ from prefect.utilities.urls import url_for
 from pydantic import BaseModel, Field
 
 from rollout_capture.batch import BatchStats
-from rollout_capture.filesystem import is_local, local_path, open_filesystem
+from rollout_capture.filesystem import absolute_location, is_local, local_path, open_filesystem
 from rollout_capture.location import Location
 from rollout_capture.report import default_report_path, render_report, write_report
 from rollout_capture.rollout_files import refuse_unsafe_output
 from rollout_capture.tasks.credentials import credentials_from_block
-from rollout_capture.worker_pool import absolute_location
 
 MAX_LISTED_PROBLEMS = 50
 CORE_LOGGER = "rollout_capture"

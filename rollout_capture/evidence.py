@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
-from rollout_capture.backends import Fetched, ListingScope
+from rollout_capture.backends import ListingScope, ReadBatch
 from rollout_capture.claims import live_ids
 from rollout_capture.faults import is_transient_storage_error
 from rollout_capture.snapshot import RolloutSnapshot
@@ -57,7 +57,7 @@ class EvidenceReader:
     ) -> None:
         self._stores = list(stores)
         self._scope = scope
-        self._fetched: list[Fetched | None] = [None] * len(self._stores)
+        self._fetched: list[ReadBatch | None] = [None] * len(self._stores)
         self._broken: set[int] = set()
         self._fetch(list(dict.fromkeys(rollout_ids)))
 

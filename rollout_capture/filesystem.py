@@ -49,6 +49,19 @@ def local_path(url: str | os.PathLike[str]) -> str | None:
     return None if url_scheme(text) is not None else text
 
 
+def absolute_location(url: str) -> str:
+    """A path or URL that means the same on every worker: a local path made absolute here.
+
+    Batches run in processes with working directories of their own (a Dask or Ray worker
+    started in another folder); a relative path would name a different folder there.
+    """
+    path = local_path(url)
+    if path is None:
+        return url  # an object store's URL means the same everywhere
+    absolute = os.path.abspath(path)
+    return f"file://{absolute}" if url.startswith("file://") else absolute
+
+
 def is_local(where: str | os.PathLike[str] | fsspec.AbstractFileSystem) -> bool:
     """Whether a path, URL or opened filesystem is this machine's disk (read with ``os``, locked
     with ``flock``, published by a rename); every local-or-not question is asked here."""

@@ -17,10 +17,9 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rollout_capture.config import check_capture_url
-from rollout_capture.filesystem import is_local
+from rollout_capture.filesystem import absolute_location, is_local
 from rollout_capture.secret_options import refuse_secret_options
 from rollout_capture.store import CaptureStore, shared_store
-from rollout_capture.worker_pool import absolute_location
 
 
 class LocationError(ValueError):

@@ -39,7 +39,7 @@ from pydantic import BaseModel, Field, ValidationError
 from rollout_capture.backends import Backend, Named, open_backend
 from rollout_capture.claims import Clock, current_time, lapses_at
 from rollout_capture.faults import is_transient_storage_error
-from rollout_capture.filesystem import join, open_filesystem
+from rollout_capture.filesystem import absolute_location, join, open_filesystem
 
 ROLLOUTS = "rollouts.jsonl"
 CAPTURES = "captures"
@@ -152,7 +152,6 @@ def mark_finished(
     Raises ``FileNotFoundError`` when the run folder has no ``rollouts.jsonl``: a run that is
     not there would never be enriched, so finishing it is a mistake worth naming.
     """
-    from rollout_capture.worker_pool import absolute_location  # lazily: it loads the batch machinery
 
     run = absolute_location(run).rstrip("/")
     fs, path = open_filesystem(run, storage_options, credentials=credentials)

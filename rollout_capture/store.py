@@ -1,7 +1,8 @@
 """The capture store of one root: writes, claims, markers, reads and clearing (spec 2, 3, 9).
 
-Layout follows the filesystem: JSONL appends on local POSIX disks, a put-if-absent
-sequence of objects on object stores (which have no append). Reads understand both.
+How rows and claims are written is the store's layout (:mod:`rollout_capture.layouts`), picked
+once when it opens: by default JSONL appends on local POSIX disks, a put-if-absent sequence of
+objects on object stores (which have no append). Reads understand every layout.
 """
 
 from __future__ import annotations
@@ -12,47 +13,36 @@ import hashlib
 import logging
 import os
 import threading
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 
 from rollout_capture import names
-from rollout_capture.backends import Backend, Fetched, ListingScope, open_backend
-from rollout_capture.backends.base import nothing
-from rollout_capture.claims import DEFAULT_CLAIM_TTL_S, Claim, claim_body, new_claim, partition
+from rollout_capture.backends import Backend, ListingScope, ReadBatch, open_backend
+from rollout_capture.claims import DEFAULT_CLAIM_TTL_S, Claim, new_claim, partition
 from rollout_capture.claims_log import ClaimsLogWriter
 from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY
 from rollout_capture.identity import validate_rollout_id
 from rollout_capture.journal import (
     STREAMS,
-    JournalFetched,
+    JournalReadBatch,
     JournalReader,
     JournalWriter,
     Stream,
-    claim_entry,
     clear_entry,
-    release_entry,
-    row_entry,
 )
+from rollout_capture.layouts import ClaimsMode, Layout, LayoutChoice, StagedWrite, StoreJournal, open_layout
 from rollout_capture.names import RolloutListing, probe_name
-from rollout_capture.rows import NONCE_KEY, CaptureRowError, Row
-from rollout_capture.sequence import create_numbered, first_absent
+from rollout_capture.rows import CaptureRowError, Row
 from rollout_capture.snapshot import RolloutSnapshot
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Layout = Literal["auto", "jsonl", "objects", "journal"]
-RowsLayout = Literal["jsonl", "objects", "journal"]
-ClaimsMode = Literal["files", "log"]
-"""How a store writes its claims outside the journal: a file each (spec 3), or this process's
-claims log (local disks only, ``rollout_capture.claims_log``). Readers read both, always."""
 
-_MAX_SEQ_HINTS = 10_000
 _MAX_SCOPES = 64
 
 
@@ -98,28 +88,18 @@ class ClaimContext:
 
     def _acquire(self) -> Claim:
         claim = new_claim(self._model_call_id, self._ttl_s)
-        if self._store.layout == "journal":
-            self._store.journal_writer_of("claims").write([claim_entry(self._rollout_id, claim)])
-            self.claim = claim
-            return claim
-        log = self._store.claims_log_writer
-        if log is not None:
-            log.claim(self._rollout_id, claim)
-            self.claim = claim
-            return claim
-        self._store._backend.put_live(
-            self._store._backend.path(names.claim_name(self._rollout_id, claim.claim_id)), claim_body(claim)
-        )
+        self._store.layout_strategy.acquire_claim(self._rollout_id, claim)
         self.claim = claim
         return claim
 
     def start(self) -> concurrent.futures.Future[int] | None:
         """Journal layout: submit the claim and return at once; the future says when it is durable
         (the claim counts as held from now, so a release always follows). None on other layouts."""
-        if self._store.layout != "journal":
+        strategy = self._store.layout_strategy
+        if not strategy.submits:
             return None
         claim = new_claim(self._model_call_id, self._ttl_s)
-        future = self._store.journal_writer_of("claims").submit([claim_entry(self._rollout_id, claim)])
+        future = strategy.submit_claim(self._rollout_id, claim)
         self.claim = claim
         return future
 
@@ -128,18 +108,14 @@ class ClaimContext:
         return self._rollout_id
 
     def _release(self) -> None:
-        if self.claim is not None and self._store.layout == "journal":
-            self._store.journal_writer.write([release_entry(self._rollout_id, self.claim.claim_id)])
-            self.claim = None
-        log = self._store.claims_log_writer
-        if self.claim is not None and log is not None:
-            claim_id, self.claim = self.claim.claim_id, None  # a release that fails is not retried
-            log.release(self._rollout_id, claim_id)
-        if self.claim is not None:
-            self._store._backend.remove(
-                [self._store._backend.path(names.claim_name(self._rollout_id, self.claim.claim_id))]
-            )
-            self.claim = None
+        if self.claim is None:
+            return
+        strategy = self._store.layout_strategy
+        claim_id = self.claim.claim_id
+        if strategy.releases_once():
+            self.claim = None  # a release that fails is not retried
+        strategy.release_claim(self._rollout_id, claim_id)
+        self.claim = None
 
     def __enter__(self) -> Claim:
         return self._acquire()
@@ -160,11 +136,6 @@ class ClaimContext:
         await finish_in_thread(self._release)
 
 
-def _row_line(row: Mapping[str, Any]) -> bytes:
-    """One JSONL line of a row (values JSON cannot hold become strings)."""
-    return orjson.dumps(row, default=str, option=orjson.OPT_APPEND_NEWLINE)
-
-
 class CaptureStore:
     """One capture root (a local path or any fsspec URL) and the rollouts under it."""
 
@@ -173,7 +144,7 @@ class CaptureStore:
         url: str | os.PathLike[str],
         *,
         storage_options: Mapping[str, Any] | None = None,
-        layout: Layout = "auto",
+        layout: LayoutChoice = "auto",
         concurrency: int = DEFAULT_READ_CONCURRENCY,
         credentials: Mapping[str, Any] | None = None,
         claims: ClaimsMode = "files",
@@ -185,24 +156,11 @@ class CaptureStore:
             self.url, self.storage_options, concurrency=concurrency, credentials=credentials
         )
         self.root = self._backend.root
-        if layout == "auto":
-            layout = self._backend.default_layout
-        if layout == "jsonl" and not self._backend.supports_append:
-            raise ValueError(
-                f"{self.url}: the JSONL layout needs a local disk (object stores have no append)"
-            )
-        self.layout: RowsLayout = layout
-        if claims not in ("files", "log"):
-            raise ValueError(f"claims must be 'files' or 'log'; got {claims!r}")
-        if claims == "log" and not self._backend.keeps_claims_log:
-            raise ValueError(
-                f"{self.url}: the claims log needs a local disk (object stores write claim files)"
-            )
+        self._journal = StoreJournal(self._backend)
+        self.layout_strategy = open_layout(self.url, self._backend, layout, claims, self._journal)
+        """How this store writes rows and claims (picked once, here)."""
+        self.layout: Layout = self.layout_strategy.name
         self.claims_mode: ClaimsMode = claims
-        self._seq_hints: dict[str, int] = {}
-        self._journal_lock = threading.Lock()
-        self._journal_reader: JournalReader | None = None
-        self._journal_writers: dict[Stream, JournalWriter] = {}
         self._no_journal_scopes: dict[str, None] = {}  # jobs whose first batch found no journal
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -219,14 +177,11 @@ class CaptureStore:
     @property
     def claims_log_writer(self) -> ClaimsLogWriter | None:
         """This process's claims log, when claims go to one (not in the journal layout)."""
-        if self.claims_mode != "log" or self.layout == "journal":
-            return None
-        return self._backend.claims_log_writer
+        return self.layout_strategy.claims_log_writer
 
     def close_claims_log(self) -> None:
         """Remove this process's claims logs that hold nothing open (a producer that stops)."""
-        if self.claims_mode == "log":
-            self._backend.close_claims_log()
+        self.layout_strategy.close_claims_log()
 
     # ------------------------------------------------------------------ writing
 
@@ -248,9 +203,7 @@ class CaptureStore:
         finally:
             finish()
 
-    def record_staged(
-        self, rollout_id: str, row: Mapping[str, Any]
-    ) -> tuple[Callable[[], None], Callable[[], None]]:
+    def record_staged(self, rollout_id: str, row: Mapping[str, Any]) -> StagedWrite:
         """:meth:`record` in steps for a caller on an event loop: the cheap part now, then
         ``(blocking, finish)``: run ``blocking`` off the loop (the row is durable after it),
         then ``finish`` on the loop (readers see the row after it), even if ``blocking`` failed.
@@ -261,18 +214,7 @@ class CaptureStore:
         validate_rollout_id(rollout_id)
         if not isinstance(row, Mapping):
             raise ValueError(f"a capture row must be a JSON object; got {type(row).__name__}")
-        if self.layout == "journal":
-            entry = row_entry(rollout_id, row)
-
-            def committed() -> None:
-                self._guarded(rollout_id, self.journal_writer.write, [entry])
-
-            return committed, nothing
-        if self.layout != "jsonl":
-            return (lambda: self._guarded(rollout_id, self._append_object, rollout_id, row)), nothing
-        line = self._guarded(rollout_id, _row_line, row)  # a row orjson cannot write is a failed write too
-        path = self._backend.path(names.jsonl_name(rollout_id))
-        blocking, finish = self._guarded(rollout_id, self._backend.append_line_staged, path, line)
+        blocking, finish = self._guarded(rollout_id, self.layout_strategy.stage_row, rollout_id, row)
         return (lambda: self._guarded(rollout_id, blocking)), finish
 
     def _guarded(self, rollout_id: str, fn: Callable[..., T], *args: Any) -> T:
@@ -293,35 +235,12 @@ class CaptureStore:
         """:meth:`record` off the event loop, shielded: a cancelled caller still lands its row."""
         await finish_in_thread(self.record, rollout_id, row)
 
-    def _append_object(self, rollout_id: str, row: Mapping[str, Any]) -> None:
-        nonce = uuid.uuid4().hex
-        body = orjson.dumps({**row, NONCE_KEY: nonce}, default=str)
-        seq = create_numbered(
-            self._backend,
-            lambda n: names.object_name(rollout_id, n),
-            self._seq_hints.get(rollout_id, 0),
-            body,
-            lambda existing: _nonce_of(existing) == nonce,
-            lambda taken: self._first_free_after(rollout_id, taken),
-        )
-        if len(self._seq_hints) >= _MAX_SEQ_HINTS:
-            self._seq_hints.clear()
-        self._seq_hints[rollout_id] = seq + 1
-
-    def _first_free_after(self, rollout_id: str, taken: int) -> int:
-        """Smallest free seq above ``taken``; occupied seqs always form a prefix."""
-        exists, path = self._backend.exists, self._backend.path
-        return first_absent(lambda seq: exists(path(names.object_name(rollout_id, seq))), taken + 1)
-
     # ------------------------------------------------------------------ the journal (spec 2, extension)
 
     @property
     def journal_reader(self) -> JournalReader:
         """This store's reader of the root's journal (read incrementally, shared by its batches)."""
-        with self._journal_lock:
-            if self._journal_reader is None:
-                self._journal_reader = JournalReader(self._backend)
-            return self._journal_reader
+        return self._journal.reader
 
     @property
     def journal_writer(self) -> JournalWriter:
@@ -330,18 +249,7 @@ class CaptureStore:
 
     def journal_writer_of(self, stream: Stream) -> JournalWriter:
         """This process's group committer for one stream of the root's journal."""
-        with self._journal_lock:
-            writer = self._journal_writers.get(stream)
-            if writer is None:
-                writer = self._journal_writers[stream] = JournalWriter(
-                    self._backend, stream, tail_hint=lambda: self._journal_tail(stream)
-                )
-            return writer
-
-    def _journal_tail(self, stream: Stream) -> int:
-        """Where the next commit may be: all below what this store has read exist already."""
-        reader = self._journal_reader
-        return reader.tail(stream) if reader is not None else 0
+        return self._journal.writer_of(stream)
 
     def journal_record(
         self,
@@ -355,11 +263,11 @@ class CaptureStore:
 
         The caller marks the rollout incomplete if the future fails (:meth:`mark_incomplete`).
         """
-        entries = [row_entry(rollout_id, row)]
+        released = None
         if release is not None and release.claim is not None:
-            entries.append(release_entry(release.rollout_id, release.claim.claim_id))
+            released = (release.rollout_id, release.claim.claim_id)
             release.claim = None  # released with the row, whatever happens to it
-        return self.journal_writer.submit(entries)
+        return self._journal.submit_row(rollout_id, row, released)
 
     def claim(
         self, rollout_id: str, model_call_id: str | None = None, ttl_s: float = DEFAULT_CLAIM_TTL_S
@@ -393,7 +301,7 @@ class CaptureStore:
         """Listings of many rollouts, listed now, the quickest way the backend knows."""
         return self._backend.list_rollouts([validate_rollout_id(r) for r in rollout_ids])
 
-    def prefetch(self, rollout_ids: Iterable[str], *, scope: ListingScope | None = None) -> Fetched:
+    def prefetch(self, rollout_ids: Iterable[str], *, scope: ListingScope | None = None) -> ReadBatch:
         """Get a batch ready to be read rollout by rollout.
 
         The backend picks how: one concurrent pass over every file on object stores, reads
@@ -410,7 +318,7 @@ class CaptureStore:
                 if len(self._no_journal_scopes) >= _MAX_SCOPES:
                     self._no_journal_scopes.pop(next(iter(self._no_journal_scopes)))
                 self._no_journal_scopes[scope.key] = None
-        return JournalFetched(fetched, reader, ids) if reader.exists else fetched
+        return JournalReadBatch(fetched, reader, ids) if reader.exists else fetched
 
     def listed_rollout_ids(self, scope: ListingScope) -> set[str] | None:
         """The rollout ids under the root from what a job's listing already holds (orphan captures)."""
@@ -491,8 +399,7 @@ class CaptureStore:
         because bulk deletes can drop keys silently).
         """
         ids = [validate_rollout_id(r) for r in rollout_ids]
-        for rollout_id in ids:
-            self._seq_hints.pop(rollout_id, None)
+        self.layout_strategy.forget(ids)
         self._backend.clear_rollouts(ids)
         reader = self.journal_reader
         reader.refresh()
@@ -509,16 +416,12 @@ class CaptureStore:
         return ids
 
 
-def _nonce_of(body: bytes) -> str | None:
-    try:
-        row = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    return row.get(NONCE_KEY) if isinstance(row, dict) else None
-
-
 def _rebuild_store(
-    url: str, storage_options: dict[str, Any], layout: Layout, concurrency: int, claims: ClaimsMode = "files"
+    url: str,
+    storage_options: dict[str, Any],
+    layout: LayoutChoice,
+    concurrency: int,
+    claims: ClaimsMode = "files",
 ) -> CaptureStore:
     return CaptureStore(
         url, storage_options=storage_options, layout=layout, concurrency=concurrency, claims=claims

@@ -60,19 +60,6 @@ def _shutdown_pools() -> None:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def absolute_location(url: str) -> str:
-    """A path or URL that means the same on every worker: a local path made absolute here.
-
-    Batches run in processes with working directories of their own (a Dask or Ray worker
-    started in another folder); a relative path would name a different folder there.
-    """
-    path = local_path(url)
-    if path is None:
-        return url  # an object store's URL means the same everywhere
-    absolute = os.path.abspath(path)
-    return f"file://{absolute}" if url.startswith("file://") else absolute
-
-
 def where_this_runs() -> str:
     """This worker, for an error message: its host and process."""
     return f"{socket.gethostname()} (pid {os.getpid()})"

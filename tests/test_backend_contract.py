@@ -31,7 +31,6 @@ from rollout_capture.backends import (
     ListingScope,
     ObjectStoreBackend,
     PosixBackend,
-    RowLayout,
     S3Backend,
     UnsafeStoreError,
     backend_class,
@@ -40,9 +39,10 @@ from rollout_capture.backends import (
 from rollout_capture.backends.object_store import AtomicCreateBackend, ProcessLocalBackend
 from rollout_capture.claims import Claim, claim_body, new_claim
 from rollout_capture.config import check_capture_url
-from rollout_capture.filesystem import is_local, local_path, open_filesystem, url_scheme
+from rollout_capture.filesystem import absolute_location, is_local, local_path, open_filesystem, url_scheme
+from rollout_capture.layouts import Layout
 from rollout_capture.names import claim_name, jsonl_name, marker_name, object_name
-from rollout_capture.worker_pool import absolute_location, sees_capture_root
+from rollout_capture.worker_pool import sees_capture_root
 
 from .conftest import S3
 
@@ -57,7 +57,7 @@ class Subject:
     url: str
     storage_options: dict[str, Any]
     backend: Backend
-    layout: RowLayout
+    layout: Layout
 
     def again(self) -> Backend:
         """Another backend on the same root (another writer or reader)."""
@@ -89,7 +89,7 @@ def subject(request: pytest.FixtureRequest, tmp_path: Path) -> Subject:
     else:
         s3: S3 = request.getfixturevalue("s3")
         url, options = s3.url("caps"), s3.storage_options
-    layout: RowLayout = "jsonl" if kind == "local" else "objects"
+    layout: Layout = "jsonl" if kind == "local" else "objects"
     return Subject(kind, url, options, open_backend(url, options), layout)
 
 

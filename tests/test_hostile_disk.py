@@ -25,7 +25,7 @@ import pytest
 
 from rollout_capture import CaptureStore, merge_model_call_capture_into_record
 from rollout_capture.attachment import GAP_RECORDS_UNREADABLE
-from rollout_capture.backends.posix import LINK_REASON, LinkedEntryError
+from rollout_capture.backends.posix_files import LINK_REASON, LinkedEntryError
 from rollout_capture.claims import claim_body, new_claim
 from rollout_capture.identity import MAX_ROLLOUT_ID_LENGTH, NAME_MAX, rollout_id_of, validate_rollout_id
 from rollout_capture.names import CLAIMS_SUFFIX, JSONL_SUFFIX, MARKER_SUFFIX, OBJECTS_SUFFIX, SEQ_WIDTH

@@ -16,9 +16,9 @@ import pytest
 
 from examples.samples import capture_rows, corpus_records, jsonl_bytes
 from rollout_capture import CaptureStore
+from rollout_capture.filesystem import absolute_location
 from rollout_capture.flows import enrich_rollouts
 from rollout_capture.names import jsonl_name
-from rollout_capture.worker_pool import absolute_location
 
 from .conftest import S3
 from .support.prefect_api import running_task_runs, state_history, task_runs

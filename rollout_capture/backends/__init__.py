@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from rollout_capture.backends.base import Backend, Fetched, ListingScope, Named, RowLayout
+from rollout_capture.backends.base import Backend, ListingScope, Named, ReadBatch
 from rollout_capture.backends.object_store import ObjectStoreBackend, UnsafeStoreError
 from rollout_capture.backends.posix import PosixBackend
 from rollout_capture.backends.registry import (
@@ -30,12 +30,11 @@ __all__ = [
     "DEFAULT_BACKEND",
     "PROCESS_LOCAL_PROTOCOLS",
     "Backend",
-    "Fetched",
     "ListingScope",
     "Named",
     "ObjectStoreBackend",
     "PosixBackend",
-    "RowLayout",
+    "ReadBatch",
     "S3Backend",
     "UnsafeStoreError",
     "backend_class",

@@ -2,30 +2,37 @@
 
 Modelled on fsspec's ``AbstractFileSystem``: the store talks to this interface only, and
 each backend owns its strategy (per-rollout probes on a local disk, one flat listing on
-an object store), so no caller ever asks which backend it holds.
+an object store), so no caller ever asks which backend it holds. A backend must give the
+byte operations (list, read, create-if-absent, put, remove) and its listing of a rollout;
+everything else has a generic default built on them, which a backend overrides where it
+knows a quicker way.
 """
 
 from __future__ import annotations
 
+import errno
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from rollout_capture.claims import Claim
-from rollout_capture.names import RolloutListing
-from rollout_capture.snapshot import RolloutSnapshot, claims_of, listed_paths
+from rollout_capture.identity import validate_rollout_id
+from rollout_capture.names import Entry, RolloutListing, claims_dir, group_entries, objects_dir
+from rollout_capture.snapshot import RolloutSnapshot, claims_of, listed_paths, parse_snapshot
 
 if TYPE_CHECKING:
     import fsspec
 
-    from rollout_capture.claims_log import ClaimsLogWriter
-
-RowLayout = Literal["jsonl", "objects"]
+    from rollout_capture.layouts import Layout
 
 
-def nothing() -> None:
-    """Nothing left to do: the second step of a write whose first did it all."""
+_CLEAR_ATTEMPTS = 3
+_RELIST_ATTEMPTS = 4  # listings of a rollout whose claims keep vanishing as they are read
+
+
+def nothing_to_finish() -> None:
+    """The ``finish`` step of a staged write whose ``blocking`` step did it all."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +60,8 @@ class ListingScope:
     rollouts: int
 
 
-class Fetched(ABC):
-    """A batch of rollouts made ready to be read, parsed one rollout at a time."""
+class ReadBatch(ABC):
+    """A batch of rollouts made ready to be read (listed, maybe read), parsed one rollout at a time."""
 
     journal_absent: bool = False
     """Whether the listing behind this batch covered the whole root and held no journal commit
@@ -77,12 +84,16 @@ class Fetched(ABC):
         """Read these rollouts afresh from now on (rows may have landed since)."""
 
 
+def _is_file(named: Named) -> bool:
+    return not named.folder and not named.link
+
+
 class Backend(ABC):
     """Byte-level access to one capture root; paths are full, as the filesystem names them."""
 
     root: str
-    default_layout: RowLayout
-    """The row layout writers use here unless told otherwise."""
+    default_layout: Layout
+    """The row layout writers use here unless told otherwise (``jsonl`` or ``objects``)."""
     supports_append: bool
     """Whether appending a line is safe (a JSONL capture can be written)."""
     trust_mtime: bool
@@ -90,9 +101,6 @@ class Backend(ABC):
     writes_in_place: bool = False
     """Whether small writes are page-cache work, quick enough for an event loop (a local disk);
     only their fsync blocks. Object stores go over the network: never on a loop."""
-    keeps_claims_log: bool = False
-    """Whether producers here may keep their claims in a claims log of their own (a local disk,
-    where flock tells a live writer from a dead one), not a claim file each (spec 3)."""
     folders_exist: bool = False
     """Whether a folder exists apart from what it holds (a disk), so a missing root is a mistyped
     path; under an object prefix a folder is there only once a key is, and none is fine."""
@@ -109,13 +117,40 @@ class Backend(ABC):
 
     # ------------------------------------------------------------------ reading
 
-    @abstractmethod
     def list_rollouts(self, rollout_ids: Collection[str]) -> dict[str, RolloutListing]:
-        """What the root holds for each rollout, listed now (never from a cache)."""
+        """What the root holds for each rollout, listed now (never from a cache).
 
-    @abstractmethod
-    def fetch(self, rollout_ids: Collection[str], *, scope: ListingScope | None = None) -> Fetched:
-        """A batch ready to be read rollout by rollout; a ``scope``'s batches may share a listing."""
+        By default one listing of the root's names, then one of each rollout folder it shows
+        (a link is neither file nor folder: never listed into).
+        """
+        ids = [validate_rollout_id(r) for r in dict.fromkeys(rollout_ids)]
+        if not ids:
+            return {}
+        top = self.list_names([self.root])[0]
+        folders = [
+            name
+            for rollout_id in ids
+            for name in (objects_dir(rollout_id), claims_dir(rollout_id))
+            if (named := top.get(name)) is not None and named.folder
+        ]
+        entries = [(name, Entry(n.path, n.size, n.mtime)) for name, n in top.items() if _is_file(n)]
+        for folder, below in zip(folders, self.list_names([self.path(f) for f in folders]), strict=True):
+            entries += [
+                (f"{folder}/{name}", Entry(n.path, n.size, n.mtime))
+                for name, n in below.items()
+                if _is_file(n)
+            ]
+        grouped = group_entries(entries, set(ids))
+        return {rollout_id: grouped.get(rollout_id) or RolloutListing() for rollout_id in ids}
+
+    def fetch(self, rollout_ids: Collection[str], *, scope: ListingScope | None = None) -> ReadBatch:
+        """A batch ready to be read rollout by rollout; a ``scope``'s batches may share a listing.
+
+        By default the rollouts are listed now and every listed file read at once (no listing shared).
+        """
+        batch = ListedReadBatch(self)
+        batch.add(self.list_rollouts([validate_rollout_id(r) for r in dict.fromkeys(rollout_ids)]))
+        return batch
 
     def end_scope(self, key: str) -> None:  # noqa: B027 - nothing to forget unless a backend shares listings
         """Forget what was kept for the batches of a finished job."""
@@ -130,9 +165,9 @@ class Backend(ABC):
     def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
         """The bytes of each path, ``None`` where it does not exist."""
 
-    @abstractmethod
     def exists(self, path: str) -> bool:
-        """Whether the path exists."""
+        """Whether the file exists (by default: whether it can be read)."""
+        return self.read_many([path])[0] is not None
 
     def existing(self, paths: Sequence[str]) -> list[bool]:
         """Whether each of these files exists, in as few requests as the store allows (a journal
@@ -152,13 +187,13 @@ class Backend(ABC):
         """
         return None
 
-    @abstractmethod
     def root_found(self) -> bool:
         """Whether the root is there at all: a folder on a disk, at least one key on a store.
 
         A mistyped capture dir would otherwise read as a run whose every rollout went
-        uncaptured.
+        uncaptured. By default: whether the root lists any name (one delimited LIST, never a HEAD).
         """
+        return bool(self.list_names([self.root])[0])
 
     @abstractmethod
     def list_names(self, folders: Sequence[str]) -> list[dict[str, Named]]:
@@ -178,9 +213,10 @@ class Backend(ABC):
 
     # ------------------------------------------------------------------ writing
 
-    @abstractmethod
     def append_line(self, path: str, line: bytes) -> None:
-        """Append one line durably, never interleaved with another writer's."""
+        """Append one line durably, never interleaved with another writer's (only where
+        :attr:`supports_append`; by default refused: emulated appends lose rows)."""
+        raise OSError(errno.EOPNOTSUPP, f"{self.root}: no safe append here; use the object layout")
 
     def append_line_staged(self, path: str, line: bytes) -> tuple[Callable[[], None], Callable[[], None]]:
         """Append one line in steps: the cheap part now, then ``(blocking, finish)``.
@@ -188,7 +224,7 @@ class Backend(ABC):
         ``blocking`` makes it durable (for a thread); ``finish`` (cheap, for the caller's
         loop) lets readers see it. By default everything happens in ``blocking``.
         """
-        return (lambda: self.append_line(path, line)), nothing
+        return (lambda: self.append_line(path, line)), nothing_to_finish
 
     @abstractmethod
     def create(self, path: str, data: bytes) -> None:
@@ -197,15 +233,6 @@ class Backend(ABC):
     @abstractmethod
     def put(self, path: str, data: bytes) -> None:
         """Write a file whole, replacing any earlier one."""
-
-    @property
-    def claims_log_writer(self) -> ClaimsLogWriter | None:
-        """This process's claims log on this store (spec 3), where the store keeps one: a local
-        disk. ``None`` elsewhere: object stores write a claim file each, or the journal."""
-        return None
-
-    def close_claims_log(self) -> None:  # noqa: B027 - nothing to close where no log is kept
-        """Remove this process's claims logs that hold nothing open (a producer that stops)."""
 
     def put_live(self, path: str, data: bytes) -> None:
         """Write a new file that matters only while its writer lives (a claim, under a fresh
@@ -217,6 +244,61 @@ class Backend(ABC):
     def remove(self, paths: Sequence[str]) -> None:
         """Delete these files; absent ones are fine."""
 
-    @abstractmethod
     def clear_rollouts(self, rollout_ids: Collection[str]) -> None:
-        """Delete everything of these rollouts, or raise ``OSError`` when something survives."""
+        """Delete everything of these rollouts, or raise ``OSError`` when something survives.
+
+        By default what is listed is removed, and listed again after: bulk deletes can drop keys silently.
+        """
+        for _ in range(_CLEAR_ATTEMPTS):
+            leftover = [p for listing in self.list_rollouts(rollout_ids).values() for p in listing.paths()]
+            if not leftover:
+                return
+            self.remove(leftover)
+        leftover = [p for listing in self.list_rollouts(rollout_ids).values() for p in listing.paths()]
+        if leftover:
+            survived = f"{len(leftover)} capture file(s) survived deletion: {leftover[:3]}"
+            raise OSError(errno.EIO, f"{self.root}: {survived}")
+
+
+class ListedReadBatch(ReadBatch):
+    """A batch listed, then read as bytes in one pass (concurrent where the backend reads so);
+    parsed one rollout at a time. What :meth:`Backend.fetch` gives unless a backend does better."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._listings: dict[str, RolloutListing] = {}
+        self._bodies: dict[str, bytes | None] = {}
+
+    def add(self, listings: dict[str, RolloutListing]) -> None:
+        """Read the files of these listings (replacing what was known of their rollouts).
+
+        A listed claim gone by the time it is read was released after the listing, so its
+        row landed after it too: those rollouts are listed and read again, until no claim
+        vanishes (a listing shared by a whole job is minutes old by its last batch).
+        """
+        for _ in range(_RELIST_ATTEMPTS):
+            paths = [path for listing in listings.values() for path in listed_paths(listing)]
+            self._bodies.update(zip(paths, self._backend.read_many(paths), strict=True))
+            self._listings.update(listings)
+            released = [
+                rollout_id
+                for rollout_id, listing in listings.items()
+                if any(self._bodies.get(entry.path) is None for _, entry in listing.claims)
+            ]
+            if not released:
+                return
+            listings = self._backend.list_rollouts(released)
+
+    def found(self, rollout_id: str) -> bool:
+        listing = self._listings.get(rollout_id)
+        return listing is not None and listing.found
+
+    def snapshot(self, rollout_id: str) -> RolloutSnapshot:
+        listing = self._listings.get(rollout_id) or RolloutListing()
+        return parse_snapshot(rollout_id, listing, self._bodies, trust_mtime=self._backend.trust_mtime)
+
+    def claims(self) -> dict[str, list[Claim]]:
+        return claims_of(self._listings, self._bodies, trust_mtime=self._backend.trust_mtime)
+
+    def refresh(self, rollout_ids: Collection[str]) -> None:
+        self.add(self._backend.list_rollouts(rollout_ids))

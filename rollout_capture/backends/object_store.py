@@ -28,25 +28,24 @@ import threading
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import fsspec
 from fsspec.asyn import sync as fsspec_sync
 
-from rollout_capture.backends.base import Backend, Fetched, ListingScope, Named, RowLayout
-from rollout_capture.claims import Claim
+from rollout_capture.backends.base import Backend, ListedReadBatch, ListingScope, Named, ReadBatch
 from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY, join, protocol_of
 from rollout_capture.identity import validate_rollout_id
 from rollout_capture.names import JOURNAL_DIR, Entry, RolloutListing, group_entries, objects_dir
-from rollout_capture.snapshot import RolloutSnapshot, claims_of, listed_paths, parse_snapshot
+
+if TYPE_CHECKING:
+    from rollout_capture.layouts import Layout
 
 KEYS_PER_PAGE = 1000
 """Keys in one page of a listing (the maximum of the common object stores)."""
 # Below this many rollouts, and with nothing learnt yet, one listing per rollout is cheapest.
 _FLAT_MIN_IDS = 32
-_CLEAR_ATTEMPTS = 3
 _SCOPES_KEPT = 4  # jobs whose listing is kept at once
-_RELIST_ATTEMPTS = 4  # listings of a rollout whose claims keep vanishing as they are read
 
 _memory_create_lock = threading.Lock()
 
@@ -110,7 +109,7 @@ class ListingTooLarge(Exception):
 class ObjectStoreBackend(Backend):
     """A capture root on any fsspec filesystem but the local disk (generic: fsspec calls only)."""
 
-    default_layout: RowLayout = "objects"
+    default_layout: Layout = "objects"
     supports_append = False  # no object store appends safely (emulated appends lose rows)
     trust_mtime = True  # modification times come from the store's clock
     atomic_create: ClassVar[bool] = False
@@ -261,9 +260,9 @@ class ObjectStoreBackend(Backend):
 
     # ------------------------------------------------------------------ reading
 
-    def fetch(self, rollout_ids: Collection[str], *, scope: ListingScope | None = None) -> Fetched:
+    def fetch(self, rollout_ids: Collection[str], *, scope: ListingScope | None = None) -> ReadBatch:
         ids = [validate_rollout_id(r) for r in dict.fromkeys(rollout_ids)]
-        fetched = ObjectFetched(self)
+        fetched = ListedReadBatch(self)
         listings, fetched.journal_absent = (
             self._list_rollouts(ids) if scope is None or not ids else self._scoped_listings(ids, scope)
         )
@@ -311,9 +310,6 @@ class ObjectStoreBackend(Backend):
             except FileNotFoundError:
                 out.append(None)
         return out
-
-    def root_found(self) -> bool:
-        return bool(self.list_names([self.root])[0])  # one delimited LIST, never a HEAD
 
     def list_names(self, folders: Sequence[str]) -> list[dict[str, Named]]:
         if not folders:
@@ -375,18 +371,6 @@ class ObjectStoreBackend(Backend):
                 with contextlib.suppress(FileNotFoundError):
                     self.fs.rm_file(path)
 
-    def clear_rollouts(self, rollout_ids: Collection[str]) -> None:
-        # Listed again after deleting: bulk deletes can drop keys silently.
-        for _ in range(_CLEAR_ATTEMPTS):
-            leftover = [p for listing in self.list_rollouts(rollout_ids).values() for p in listing.paths()]
-            if not leftover:
-                return
-            self.remove(leftover)
-        leftover = [p for listing in self.list_rollouts(rollout_ids).values() for p in listing.paths()]
-        if leftover:
-            survived = f"{len(leftover)} capture file(s) survived deletion: {leftover[:3]}"
-            raise OSError(errno.EIO, f"{self.root}: {survived}")
-
 
 class AtomicCreateBackend(ObjectStoreBackend):
     """A generic object store whose fsspec filesystem creates only if absent in one request
@@ -400,46 +384,3 @@ class ProcessLocalBackend(ObjectStoreBackend):
     atomic there, so it is writable (tests, one-process tools), though never shared by hosts."""
 
     process_local = True
-
-
-class ObjectFetched(Fetched):
-    """A batch fetched as bytes in one concurrent pass; parsed one rollout at a time."""
-
-    def __init__(self, backend: ObjectStoreBackend) -> None:
-        self._backend = backend
-        self._listings: dict[str, RolloutListing] = {}
-        self._bodies: dict[str, bytes | None] = {}
-
-    def add(self, listings: dict[str, RolloutListing]) -> None:
-        """Read the files of these listings (replacing what was known of their rollouts).
-
-        A listed claim gone by the time it is read was released after the listing, so its
-        row landed after it too: those rollouts are listed and read again, until no claim
-        vanishes (a listing shared by a whole job is minutes old by its last batch).
-        """
-        for _ in range(_RELIST_ATTEMPTS):
-            paths = [path for listing in listings.values() for path in listed_paths(listing)]
-            self._bodies.update(zip(paths, self._backend.read_many(paths), strict=True))
-            self._listings.update(listings)
-            released = [
-                rollout_id
-                for rollout_id, listing in listings.items()
-                if any(self._bodies.get(entry.path) is None for _, entry in listing.claims)
-            ]
-            if not released:
-                return
-            listings = self._backend.list_rollouts(released)
-
-    def found(self, rollout_id: str) -> bool:
-        listing = self._listings.get(rollout_id)
-        return listing is not None and listing.found
-
-    def snapshot(self, rollout_id: str) -> RolloutSnapshot:
-        listing = self._listings.get(rollout_id) or RolloutListing()
-        return parse_snapshot(rollout_id, listing, self._bodies, trust_mtime=True)
-
-    def claims(self) -> dict[str, list[Claim]]:
-        return claims_of(self._listings, self._bodies, trust_mtime=True)
-
-    def refresh(self, rollout_ids: Collection[str]) -> None:
-        self.add(self._backend.list_rollouts(rollout_ids))

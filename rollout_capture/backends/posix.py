@@ -1,7 +1,8 @@
 """A capture root on a local POSIX disk.
 
-It talks to the OS directly (flock, O_APPEND, link-based put-if-absent) because fsspec's
-local layer offers neither locks nor exclusive creation. Probing a rollout costs a few
+It talks to the OS directly (flock, O_APPEND, link-based put-if-absent; the opens, locked
+appends and reads in :mod:`.posix_files`) because fsspec's local layer offers neither locks nor
+exclusive creation. Probing a rollout costs a few
 syscalls, so a batch is read rollout by rollout; one listing of the root's names replaces
 the probes when the root is small enough for that to pay.
 
@@ -25,9 +26,25 @@ from collections.abc import Callable, Collection, Sequence
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
-from rollout_capture.backends.base import Backend, Fetched, ListingScope, Named, RowLayout, nothing
+from rollout_capture.backends.base import Backend, ListingScope, Named, ReadBatch, nothing_to_finish
+from rollout_capture.backends.posix_files import (
+    APPEND_FLAGS,
+    FOLDER_FLAGS,
+    LINK_REASON,
+    NEW_FLAGS,
+    READ_FLAGS,
+    LinkedEntryError,
+    NoFollowRoot,
+    append_locked,
+    fsync_or_cut,
+    is_link,
+    link_refusal,
+    read_locked,
+    scan_names,
+    write_all,
+)
 from rollout_capture.claims import Claim
-from rollout_capture.claims_log import ClaimsLogReader, ClaimsLogWriter
+from rollout_capture.claims_log import ClaimsLogReader
 from rollout_capture.identity import validate_rollout_id
 from rollout_capture.names import (
     CLAIMS_LOG_DIR,
@@ -50,6 +67,8 @@ from rollout_capture.snapshot import RolloutSnapshot, claims_of, listed_paths, p
 if TYPE_CHECKING:
     import fsspec
 
+    from rollout_capture.layouts import Layout
+
 _ALL_SUFFIXES = (JSONL_SUFFIX, MARKER_SUFFIX, OBJECTS_SUFFIX, CLAIMS_SUFFIX)
 # A name in a listing of the root costs a fraction of the access() probes a rollout needs.
 _NAMES_PER_PROBE = 16
@@ -57,167 +76,26 @@ _NAMES_PER_PROBE = 16
 _LIST_NAMES_MIN_IDS = 32
 # A listing is reused only if the root last changed this long before it was taken.
 _SETTLED_NS = 2_000_000_000
-# Most captures fit in one read this size, which saves an fstat per file; larger ones are sized.
-_FIRST_READ = 64 << 10
 
 
-_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO never blocks a reader
-_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# Read-write: an append looks at the last byte first (see _append_locked).
-_APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-LINK_REASON = "a symbolic link, never followed inside a capture root"
-
-
-class LinkedEntryError(OSError):
-    """An entry inside a capture or runs root is a symbolic link: nothing is read or written
-    through it (a planted link would lead out of the root)."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__(errno.ELOOP, "a symbolic link inside the root; refused, never followed", path)
-
-
-def _is_link(name: str, dir_fd: int | None = None) -> bool:
-    try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
-
-
-def _refused(exc: OSError, shown: str, name: str, dir_fd: int | None) -> OSError:
-    """The error to raise for a failed no-follow open: a link is named as one."""
-    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK) and _is_link(name, dir_fd):
-        return LinkedEntryError(shown)
-    return exc
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
-def _append_locked(fd: int, line: bytes) -> int:
-    """Append ``line`` (the exclusive lock held) and return the size it started from.
-
-    A file not ending in a newline holds a torn line (a writer killed mid-write): the new
-    line starts on a fresh one, so that torn row stays the only damage. A write that fails
-    (a full disk) is cut off again: the file holds what it held before.
-    """
-    end = os.lseek(fd, 0, os.SEEK_END)
-    if end and os.pread(fd, 1, end - 1) != b"\n":
-        line = b"\n" + line
-    try:
-        _write_all(fd, line)
-    except BaseException:
-        _cut(fd, end)
-        raise
-    return end
-
-
-def _cut(fd: int, end: int) -> None:
-    """Take a failed append back (shrinking needs no space); if even that fails, the next
-    append still starts on a fresh line."""
-    with contextlib.suppress(OSError):
-        os.ftruncate(fd, end)
-
-
-def _fsync_or_cut(fd: int, end: int) -> None:
-    try:
-        os.fsync(fd)
-    except BaseException:
-        _cut(fd, end)  # a line not known durable is not left behind as if it were
-        raise
-
-
-def _scan_names(fd: int, folder: str) -> dict[str, Named]:
-    """One folder's names via scandir of its fd: a stat per file, none per folder; links named as such."""
-    out = {}
-    with os.scandir(fd) as it:
-        for item in it:
-            name = item.name
-            path = os.path.join(folder, name)
-            try:
-                if item.is_symlink():
-                    out[name] = Named(name, path, False, link=True)
-                    continue
-                if item.is_dir(follow_symlinks=False):
-                    out[name] = Named(name, path, True)
-                    continue
-                st = item.stat(follow_symlinks=False)
-            except FileNotFoundError:  # removed while listed
-                continue
-            out[name] = Named(name, path, False, st.st_size, st.st_mtime)
-    return out
-
-
-def _read_whole(fd: int) -> bytes:
-    """A file's bytes, read from its start: one read for a typical capture, and no fstat.
-
-    A short read means EOF on a regular file; only a file filling the first read is sized,
-    and read on until a short read (it may grow meanwhile).
-    """
-    data = os.read(fd, _FIRST_READ)
-    if len(data) < _FIRST_READ:
-        return data
-    chunks = [data]
-    want = max(os.fstat(fd).st_size - len(data), 0) + 1
-    while True:
-        chunk = os.read(fd, want)
-        chunks.append(chunk)
-        if len(chunk) < want:
-            return b"".join(chunks)
-        want = 1 << 20
-
-
-def _read_locked(fd: int) -> bytes:
-    """An open file's bytes, every line whole; closes ``fd``.
-
-    Each JSONL append is one line with its newline, written under an exclusive lock, so
-    bytes ending in a newline hold only whole lines: read without the lock first, and take
-    the shared lock only when a write may be in progress (they do not end in one).
-    """
-    try:
-        data = _read_whole(fd)
-        if not data or data.endswith(b"\n"):
-            return data
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        os.lseek(fd, 0, os.SEEK_SET)
-        return _read_whole(fd)
-    finally:
-        os.close(fd)  # also releases the lock
-
-
-class PosixBackend(Backend):
+class PosixBackend(NoFollowRoot, Backend):
     """A capture root on a local POSIX disk."""
 
-    default_layout: RowLayout = "jsonl"
+    default_layout: Layout = "jsonl"
     supports_append = True
     trust_mtime = False  # a local file's mtime is the writer's own clock
     writes_in_place = True
     folders_exist = True
-    keeps_claims_log = True
 
     def __init__(self, root: str) -> None:
         self.root = root
         self._base = os.path.join(root, "")  # root with its separator, for fast concatenation
         self._names_hint: int | None = None  # how many names the root held when last listed
         self._names_cache: tuple[int, set[str]] | None = None  # (root mtime, its names)
-        self.claims_log = ClaimsLogReader(root)  # the producers' claims logs, read incrementally
-        self._claims_log_writer: ClaimsLogWriter | None = None
-
-    @property
-    def claims_log_writer(self) -> ClaimsLogWriter:
-        """This process's claims log under the root (opened by its first claim)."""
-        if self._claims_log_writer is None:
-            self._claims_log_writer = ClaimsLogWriter(self.root)
-        return self._claims_log_writer
-
-    def close_claims_log(self) -> None:
-        """Remove this process's claims logs that hold nothing open."""
-        if self._claims_log_writer is not None:
-            self._claims_log_writer.close()
+        # The producers' claims logs, read incrementally. Writing one is the layout's business
+        # (rollout_capture.layouts); reading stays here, merged into each rollout's listing and
+        # snapshot in the same pass (claims first, then rows), which a second reader would split.
+        self.claims_log = ClaimsLogReader(root)
 
     def _logged(self, listing: RolloutListing, rollout_id: str) -> RolloutListing:
         """The listing with the rollout's open claims in the claims logs, as last read."""
@@ -230,94 +108,6 @@ class PosixBackend(Backend):
 
     def path(self, name: str) -> str:
         return self._base + name
-
-    # ------------------------------------------------------------------ no-follow opens
-
-    def _relative(self, path: str) -> str:
-        if not path.startswith(self._base):
-            raise ValueError(f"{path}: not under the root {self.root}")
-        return path[len(self._base) :]
-
-    def _open_root(self, create: bool) -> int:
-        """The root's own fd, following it if it is a link (the root is the user's choice)."""
-        try:
-            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            if not create:
-                raise
-            os.makedirs(self.root, exist_ok=True)
-            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-
-    def _enter(self, dir_fd: int | None, name: str, shown: str, create: bool) -> int:
-        """Open one folder below the root without following a link; ``mkdir`` it when asked."""
-        target = shown if dir_fd is None else name
-        for attempt in range(2):
-            try:
-                return os.open(target, _FOLDER, dir_fd=dir_fd)
-            except FileNotFoundError:
-                if not create or attempt:
-                    raise
-                try:
-                    os.mkdir(target, 0o755, dir_fd=dir_fd)  # never follows a link either
-                except FileExistsError:
-                    pass
-                except FileNotFoundError:  # the root is not there yet
-                    if dir_fd is not None:
-                        raise
-                    os.makedirs(self.root, exist_ok=True)
-                    os.mkdir(target, 0o755)
-            except OSError as exc:
-                raise _refused(exc, shown, target, dir_fd) from None
-        raise AssertionError("unreachable")
-
-    def _parent(self, path: str, *, create: bool = False) -> tuple[int, str]:
-        """``(fd of the folder holding path, its last name)``: each folder below the root opened
-        without following a link (a linked one raises :class:`LinkedEntryError`)."""
-        head, _, name = self._relative(path).rpartition("/")
-        if not head:
-            return self._open_root(create), name
-        fd: int | None = None
-        shown = self.root
-        try:
-            for part in head.split("/"):
-                shown = f"{shown}/{part}"
-                entered = self._enter(fd, part, shown, create)
-                if fd is not None:
-                    os.close(fd)
-                fd = entered
-        except BaseException:
-            if fd is not None:
-                os.close(fd)
-            raise
-        assert fd is not None
-        return fd, name
-
-    def _open(self, path: str, flags: int, mode: int = 0o644) -> int:
-        """Open a file inside the root, never through a link (flags carry ``O_NOFOLLOW``).
-
-        A file directly under the root costs one ``open`` (the root's own path is followed,
-        the name is not); a deeper one opens its folders first, each without following.
-        """
-        if "/" not in self._relative(path):
-            try:
-                return os.open(path, flags, mode)
-            except OSError as exc:
-                raise _refused(exc, path, path, None) from None
-        dir_fd, name = self._parent(path)
-        try:
-            return os.open(name, flags, mode, dir_fd=dir_fd)
-        except OSError as exc:
-            raise _refused(exc, path, name, dir_fd) from None
-        finally:
-            os.close(dir_fd)
-
-    def _read(self, path: str) -> bytes | None:
-        """A file's bytes (lines whole); None if absent; ``LinkedEntryError`` for a link."""
-        try:
-            fd = self._open(path, _READ)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        return _read_locked(fd)
 
     # ------------------------------------------------------------------ reading
 
@@ -336,11 +126,11 @@ class PosixBackend(Backend):
         """The files of a rollout's folder; a linked folder, or a link in it, is refused, not read."""
         path = self.path(folder)
         try:
-            fd = os.open(path, _FOLDER)
+            fd = os.open(path, FOLDER_FLAGS)
         except FileNotFoundError:
             return []
         except OSError as exc:
-            if _is_link(path):
+            if is_link(path):
                 listing.refused.append(Refused(path, LINK_REASON))
             elif exc.errno != errno.ENOTDIR:  # a file where the folder belongs holds no rows
                 raise
@@ -390,7 +180,7 @@ class PosixBackend(Backend):
         self.claims_log.refresh()  # logs first, then the rows' files: a released claim's row is there
         return {r: self._list_one(r) for r in ids}
 
-    def fetch(self, rollout_ids: Collection[str], *, scope: ListingScope | None = None) -> Fetched:
+    def fetch(self, rollout_ids: Collection[str], *, scope: ListingScope | None = None) -> ReadBatch:
         ids = {validate_rollout_id(r) for r in rollout_ids}
         names = None
         worth = (
@@ -405,7 +195,7 @@ class PosixBackend(Backend):
             self.claims_log.refresh()  # before any row is read (claims first, as listings do)
         else:
             self.claims_log.forget()  # no log when the root was listed
-        return PosixFetched(self, ids, names)
+        return PosixReadBatch(self, ids, names)
 
     def _names(self) -> set[str]:
         """The names directly under the root, without stat calls (cheap for a batch).
@@ -487,13 +277,13 @@ class PosixBackend(Backend):
             has_marker = rollout_id + MARKER_SUFFIX in names
             if rollout_id + JSONL_SUFFIX in names:
                 try:  # directly under the root: one no-follow open (what _open does, unwrapped)
-                    fd = os.open(jsonl, _READ)
+                    fd = os.open(jsonl, READ_FLAGS)
                 except (FileNotFoundError, NotADirectoryError):
                     pass
                 except OSError:  # a link, say: the full way names it
                     data, refused = self._read_or_refuse(jsonl)
                 else:
-                    data = _read_locked(fd)
+                    data = read_locked(fd)
         logged = self.claims_log.claims([rollout_id]).get(rollout_id, [])  # as read when fetched
         snap = RolloutSnapshot(
             rollout_id,
@@ -562,27 +352,19 @@ class PosixBackend(Backend):
                 out.append({})
                 continue
             try:
-                out.append(_scan_names(fd, folder))
+                out.append(scan_names(fd, folder))
             finally:
                 os.close(fd)
         return out
-
-    def _folder_fd(self, folder: str, *, create: bool = False) -> int:
-        """A folder below the root, each part of it opened without following a link."""
-        dir_fd, name = self._parent(folder, create=create)
-        try:
-            return self._enter(dir_fd, name, folder, create)
-        finally:
-            os.close(dir_fd)
 
     # ------------------------------------------------------------------ writing
 
     def _open_append(self, path: str) -> int:
         try:
-            return self._open(path, _APPEND)
+            return self._open(path, APPEND_FLAGS)
         except FileNotFoundError:  # the root is not there yet
             os.makedirs(self.root, exist_ok=True)
-            return self._open(path, _APPEND)
+            return self._open(path, APPEND_FLAGS)
 
     def append_line(self, path: str, line: bytes) -> None:
         # The exclusive lock is held until the line is durable: a reader (shared lock) sees
@@ -590,7 +372,7 @@ class PosixBackend(Backend):
         fd = self._open_append(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            _fsync_or_cut(fd, _append_locked(fd, line))
+            fsync_or_cut(fd, append_locked(fd, line))
         finally:
             os.close(fd)  # also releases the lock
 
@@ -603,16 +385,16 @@ class PosixBackend(Backend):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            return (lambda: self.append_line(path, line)), nothing
+            return (lambda: self.append_line(path, line)), nothing_to_finish
         except BaseException:
             os.close(fd)
             raise
         try:
-            end = _append_locked(fd, line)
+            end = append_locked(fd, line)
         except BaseException:
             os.close(fd)
             raise
-        return (lambda: _fsync_or_cut(fd, end)), (lambda: os.close(fd))  # closing releases the lock
+        return (lambda: fsync_or_cut(fd, end)), (lambda: os.close(fd))  # closing releases the lock
 
     def _write_temp(self, path: str, data: bytes) -> tuple[int, str, str]:
         """``data`` written durably to a fresh temp file beside ``path``: ``(folder fd, temp, name)``.
@@ -622,9 +404,9 @@ class PosixBackend(Backend):
         dir_fd, name = self._parent(path, create=True)
         temp = f".tmp-{uuid.uuid4().hex}"
         try:
-            fd = os.open(temp, _NEW, 0o644, dir_fd=dir_fd)
+            fd = os.open(temp, NEW_FLAGS, 0o644, dir_fd=dir_fd)
             try:
-                _write_all(fd, data)
+                write_all(fd, data)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -668,9 +450,9 @@ class PosixBackend(Backend):
         for attempt in range(3):
             dir_fd, name = self._parent(path, create=True)
             try:
-                fd = os.open(name, _NEW, 0o644, dir_fd=dir_fd)
+                fd = os.open(name, NEW_FLAGS, 0o644, dir_fd=dir_fd)
                 try:
-                    _write_all(fd, data)
+                    write_all(fd, data)
                 except BaseException:
                     os.close(fd)
                     with contextlib.suppress(OSError):
@@ -682,9 +464,9 @@ class PosixBackend(Backend):
                 # The claims folder was removed (its last claim released) after we opened it:
                 # open it afresh, made again, rather than lose the claim.
                 if attempt == 2:
-                    raise _refused(exc, path, name, dir_fd) from None
+                    raise link_refusal(exc, path, name, dir_fd) from None
             except OSError as exc:
-                raise _refused(exc, path, name, dir_fd) from None
+                raise link_refusal(exc, path, name, dir_fd) from None
             finally:
                 os.close(dir_fd)
 
@@ -736,7 +518,7 @@ class PosixBackend(Backend):
         self.claims_log.clear(rollout_ids)
 
 
-class PosixFetched(Fetched):
+class PosixReadBatch(ReadBatch):
     """A batch on a local disk: optionally the root's names; files read rollout by rollout."""
 
     def __init__(self, backend: PosixBackend, ids: set[str], names: set[str] | None) -> None:

@@ -42,7 +42,7 @@ from rollout_capture.journal.commits import (
     row_entry,
     tombstone_body,
 )
-from rollout_capture.journal.reader import JournalFetched, JournalReader, JournalView
+from rollout_capture.journal.reader import JournalReadBatch, JournalReader, JournalView
 from rollout_capture.journal.writer import (
     DEFAULT_IN_FLIGHT,
     IN_FLIGHT_ENV,
@@ -69,7 +69,7 @@ __all__ = [
     "BadCommit",
     "Commit",
     "Entry",
-    "JournalFetched",
+    "JournalReadBatch",
     "JournalReader",
     "JournalView",
     "JournalWriter",

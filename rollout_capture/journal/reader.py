@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from rollout_capture.backends.base import Backend, Fetched
+from rollout_capture.backends.base import Backend, ReadBatch
 from rollout_capture.claims import Claim, read_claim
 from rollout_capture.journal import commits
 from rollout_capture.journal.clock import REAL_CLOCK, Clock
@@ -369,10 +369,10 @@ class JournalView:
         return out
 
 
-class JournalFetched(Fetched):
+class JournalReadBatch(ReadBatch):
     """A batch fetched from the other layouts, with what the journal holds for it added."""
 
-    def __init__(self, base: Fetched, reader: JournalReader, rollout_ids: Collection[str]) -> None:
+    def __init__(self, base: ReadBatch, reader: JournalReader, rollout_ids: Collection[str]) -> None:
         self._base = base
         self._reader = reader
         self._ids = list(rollout_ids)

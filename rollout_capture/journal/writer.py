@@ -269,7 +269,7 @@ class JournalWriter:
                 raise
             with self._cond:  # another writer's: it exists, and its header tells what is below
                 self._numbers.lost(seq)
-            self._learn(seq, existing)
+            self._note_existing(seq, existing)
             taken += 1
             seq = self._numbered(headers, jump=taken >= _LINEAR_TRIES)
         # Its number is final: its rollouts may go in the next commit now, before the numbers
@@ -320,7 +320,7 @@ class JournalWriter:
                 self._cond.notify_all()
             raise
         if below is not None:
-            self._learn(found - 1, below)
+            self._note_existing(found - 1, below)
         with self._cond:
             self._starting = False
             self._cond.notify_all()
@@ -343,7 +343,7 @@ class JournalWriter:
                 raise
             there = [n for n, exists in zip(ahead, found, strict=True) if exists]
             for n in there:
-                self._learn(n, None)
+                self._note_existing(n, None)
             with self._cond:
                 others = self._numbers.others_above(seq, there)
                 if not others:
@@ -359,7 +359,7 @@ class JournalWriter:
             self._numbers.failed(seq)
             self._cond.notify_all()
 
-    def _learn(self, seq: int, body: bytes | None) -> None:
+    def _note_existing(self, seq: int, body: bytes | None) -> None:
         """``seq`` exists; its header says below which number everything existed when written."""
         floor = floor_of(seq, body)
         with self._cond:
@@ -387,7 +387,7 @@ class JournalWriter:
                 for n in debts:
                     progressed |= self._tombstone(n)
                 if others:
-                    progressed |= self._look(others)
+                    progressed |= self._read_others_below(others)
             finally:
                 with self._cond:
                     self._numbers.resolved([*debts, *others])
@@ -404,7 +404,7 @@ class JournalWriter:
             f"{self._numbers.floor} below it is still missing after {SETTLE_TIMEOUT_S:.0f} s"
         )
 
-    def _look(self, seqs: list[int]) -> bool:
+    def _read_others_below(self, seqs: list[int]) -> bool:
         """Read others' numbers below ours; fill those missing past the grace. Whether any settled."""
         path = self._backend.path
         bodies = self._backend.read_many([path(commit_name(n, self.stream)) for n in seqs])
@@ -412,7 +412,7 @@ class JournalWriter:
         now = self._clock.monotonic()
         for n, body in zip(seqs, bodies, strict=True):
             if body is not None:
-                self._learn(n, body)
+                self._note_existing(n, body)
                 progressed = True
                 continue
             with self._cond:
@@ -429,14 +429,14 @@ class JournalWriter:
             self._backend.create(path, body)
         except FileExistsError:
             existing = self._backend.read_many([path])[0]
-            self._learn(seq, existing)
+            self._note_existing(seq, existing)
         except Exception:
             logger.warning("could not fill missing journal commit %s", path, exc_info=True)
             return False
         else:
             self.tombstones += 1
             logger.warning("journal commit %s was missing below later ones: filled with a tombstone", path)
-            self._learn(seq, body)
+            self._note_existing(seq, body)
         with self._cond:
             self._numbers.paid(seq)
         return True

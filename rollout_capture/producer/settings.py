@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from rollout_capture.claims import DEFAULT_CLAIM_TTL_S
 from rollout_capture.config import check_capture_url
 from rollout_capture.filesystem import is_local
+from rollout_capture.layouts import LayoutChoice
 from rollout_capture.producer.routing import VERIFY_PATHS
 from rollout_capture.secret_options import refuse_secret_options
 
@@ -63,7 +64,7 @@ class ProducerSettings(BaseModel):
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description='fsspec options as JSON (no secrets), e.g. {"anon": false}.'
     )
-    layout: Literal["auto", "jsonl", "objects", "journal"] = Field(
+    layout: LayoutChoice = Field(
         "auto",
         description=(
             "Capture layout: auto writes JSONL on local disks (NeMo Gym's) and the journal on object "

@@ -26,9 +26,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from rollout_capture.filesystem import is_local
-from rollout_capture.journal import in_flight_setting, release_entry
+from rollout_capture.journal import in_flight_setting
+from rollout_capture.layouts import ClaimsMode, producer_layout
 from rollout_capture.producer.settings import ProducerSettings
-from rollout_capture.store import CaptureStore, ClaimContext, ClaimsMode, finish_shielded
+from rollout_capture.store import CaptureStore, ClaimContext, finish_shielded
 
 logger = logging.getLogger("rollout_capture.producer")
 
@@ -144,7 +145,7 @@ class CaptureWriter:
         self._retry_wait_s = RETRY_INLINE_S
         self._retry_at: float | None = None  # when writes moved to threads go back on the loop
         self._returned_at = -math.inf
-        self._journal = store.layout == "journal"
+        self._journal = store.layout_strategy.submits  # claims and rows acknowledged by futures
         self._threads = _Threads(io_threads, "rollout-capture")
         self._pending = 0
         self._lock = threading.Lock()
@@ -367,9 +368,8 @@ class CaptureWriter:
         """Release a claim taken by :meth:`claim` (after the row, or after the marker)."""
         if context is not None and context.claim is not None:  # not released with its row yet
             if self._journal:
-                future = self.store.journal_writer.submit(
-                    [release_entry(context.rollout_id, context.claim.claim_id)]
-                )
+                future = self.store.layout_strategy.submit_release(context.rollout_id, context.claim.claim_id)
+                assert future is not None  # the journal's releases are submitted
                 context.claim = None
                 try:
                     await self._committed(future)
@@ -414,10 +414,8 @@ def writer_for(settings: ProducerSettings) -> CaptureWriter:
     where a request per call is what a run costs (spec 2); claims go to this process's claims
     log on a local disk unless told ``files`` (spec 3).
     """
-    layout = settings.layout
     local = is_local(settings.root)
-    if layout == "auto" and not local:
-        layout = "journal"
+    layout = producer_layout(settings.layout, local=local)
     if layout == "journal":
         in_flight_setting()  # a malformed ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT refused at startup, not per call
     claims: ClaimsMode = "log" if local and settings.claims != "files" else "files"

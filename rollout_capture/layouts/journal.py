@@ -1,0 +1,106 @@
+"""The journal layout: rows and claims as entries of a few shared commits (spec 2, extension).
+
+:class:`StoreJournal` is a store's reader and writers of its root's journal: every store reads
+(and clears through) it whatever it writes, since a reader understands every layout;
+:class:`JournalLayout` writes rows and claims through it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+from rollout_capture.backends import Backend
+from rollout_capture.backends.base import nothing_to_finish
+from rollout_capture.claims import Claim
+from rollout_capture.journal import (
+    JournalReader,
+    JournalWriter,
+    Stream,
+    claim_entry,
+    release_entry,
+    row_entry,
+)
+from rollout_capture.layouts.base import Layout, LayoutStrategy, StagedWrite
+
+
+class StoreJournal:
+    """One store's reader of the root's journal (read incrementally, shared by its batches) and
+    this process's group committer of each stream (started by its first entry)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._lock = threading.Lock()
+        self._reader: JournalReader | None = None
+        self._writers: dict[Stream, JournalWriter] = {}
+
+    @property
+    def reader(self) -> JournalReader:
+        with self._lock:
+            if self._reader is None:
+                self._reader = JournalReader(self._backend)
+            return self._reader
+
+    def writer_of(self, stream: Stream) -> JournalWriter:
+        with self._lock:
+            writer = self._writers.get(stream)
+            if writer is None:
+                writer = self._writers[stream] = JournalWriter(
+                    self._backend, stream, tail_hint=lambda: self._tail(stream)
+                )
+            return writer
+
+    def submit_row(
+        self,
+        rollout_id: str,
+        row: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+        release: tuple[str, str] | None,
+    ) -> concurrent.futures.Future[int]:
+        """Submit a row (built by the committer when ``row`` is a function) and, when ``release``
+        names a claim (``(rollout_id, claim_id)``), its release, to land in one commit."""
+        entries = [row_entry(rollout_id, row)]
+        if release is not None:
+            entries.append(release_entry(*release))
+        return self.writer_of("rows").submit(entries)
+
+    def _tail(self, stream: Stream) -> int:
+        """Where the next commit may be: all below what this store has read exist already."""
+        reader = self._reader
+        return reader.tail(stream) if reader is not None else 0
+
+
+class JournalLayout(LayoutStrategy):
+    """Rows in the ``rows`` stream, claims and releases in ``claims`` (a release rides with its
+    row when :meth:`CaptureStore.journal_record` submits both); claims never in files or a log."""
+
+    name: ClassVar[Layout] = "journal"
+    submits: ClassVar[bool] = True
+
+    def stage_row(self, rollout_id: str, row: Mapping[str, Any]) -> StagedWrite:
+        entry = row_entry(rollout_id, row)
+
+        def committed() -> None:
+            self.journal.writer_of("rows").write([entry])
+
+        return committed, nothing_to_finish
+
+    @property
+    def claims_log_writer(self) -> None:
+        return None
+
+    def acquire_claim(self, rollout_id: str, claim: Claim) -> None:
+        self.journal.writer_of("claims").write([claim_entry(rollout_id, claim)])
+
+    def submit_claim(self, rollout_id: str, claim: Claim) -> concurrent.futures.Future[int]:
+        return self.journal.writer_of("claims").submit([claim_entry(rollout_id, claim)])
+
+    def release_claim(self, rollout_id: str, claim_id: str) -> None:
+        self.journal.writer_of("rows").write([release_entry(rollout_id, claim_id)])
+
+    def submit_release(self, rollout_id: str, claim_id: str) -> concurrent.futures.Future[int]:
+        return self.journal.writer_of("rows").submit([release_entry(rollout_id, claim_id)])
+
+    def releases_once(self) -> bool:
+        return False
