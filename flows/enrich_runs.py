@@ -21,8 +21,8 @@ from pydantic import BaseModel, Field
 
 from rollout_capture.batch import BatchStats
 from rollout_capture.enrich_options import DEFAULT_BATCH_SIZE, DEFAULT_MAX_WORKERS, EnrichOptions, Runner
-from rollout_capture.flows.enrich import enrich_to_spool, publish_spool, report_enrichment
 from rollout_capture.filesystem import absolute_location
+from rollout_capture.flows.enrich import enrich_to_spool, publish_spool, report_enrichment
 from rollout_capture.flows.events import emit_failed
 from rollout_capture.flows.guard import StorageOptions, guarded_flow
 from rollout_capture.flows.report import EnrichSummary, flow_run_link, publish_runs_table, show_core_logs
