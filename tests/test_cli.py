@@ -533,6 +533,17 @@ def test_a_bad_enriched_file_on_s3_is_named_by_its_url(s3: S3, tmp_path: Path) -
         assert "rollout-capture-" not in broken.stderr  # the temporary copy's folder
 
 
+def test_finish_tells_the_server_without_a_warning(prefect_api: str, tmp_path: Path) -> None:
+    """The event is sent before the worker stops: no "EventsWorker - Still processing items"."""
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "rollouts.jsonl").write_bytes(b"")
+    done = cli("finish", str(run), api=prefect_api)
+    assert done.returncode == 0 and "the server was told" in done.stdout, done.stderr
+    assert (run / "_SUCCESS").exists()
+    assert "Still processing" not in done.stderr and "WARNING" not in done.stderr, done.stderr
+
+
 def test_enrich_runs_prints_each_runs_evidence(prefect_api: str, tmp_path: Path) -> None:
     from .test_evidence_wiring import write_run
 
