@@ -79,4 +79,4 @@ def heartbeats_unjoined() -> None:
         current = prefect.flow_engine._send_heartbeats
         if isinstance(current, functools.partial):
             return
-        prefect.flow_engine._send_heartbeats = functools.partial(current, join_on_exit=False)  # type: ignore[assignment]
+        prefect.flow_engine._send_heartbeats = functools.partial(current, join_on_exit=False)
