@@ -15,7 +15,7 @@ from prefect.client.orchestration import get_client
 from prefect.exceptions import ObjectNotFound
 
 from rollout_capture.deployments.register import ensure_automations
-from rollout_capture.deployments.shipped import DEFAULT_CRON, JOB_VARIABLES, shipped_deployments
+from rollout_capture.deployments.shipped import DEFAULT_CRON, JOB_VARIABLES, SCHEDULED, shipped_deployments
 
 
 class NotServed(ValueError):
@@ -23,9 +23,16 @@ class NotServed(ValueError):
 
 
 def serve_shipped(
-    runs_root: str, *, cron: str = DEFAULT_CRON, parameters: dict[str, Any] | None = None
+    runs_root: str,
+    *,
+    cron: str = DEFAULT_CRON,
+    parameters: dict[str, Any] | None = None,
+    name: str = SCHEDULED,
 ) -> None:
     """Serve the scheduled enrichment of ``runs_root`` and the on-demand flows until interrupted.
+
+    ``name`` (as ``deploy``'s): another than the default names every served deployment after it,
+    so a second serve, of another runs root, shares none with the first.
 
     Example:
         ```python
@@ -34,7 +41,9 @@ def serve_shipped(
     """
     for key, value in JOB_VARIABLES["env"].items():  # what a worker's job variables would set
         os.environ.setdefault(key, value)
-    deployments = shipped_deployments(runs_root, cron=cron, scheduled_parameters=parameters, served=True)
+    deployments = shipped_deployments(
+        runs_root, cron=cron, scheduled_parameters=parameters, name=name, served=True
+    )
     with get_client(sync_client=True) as client:
         for deployment in deployments:
             try:

@@ -43,7 +43,9 @@ def shipped_deployments(
     ``scheduled_parameters`` are the scheduled flow's other parameters (capture dir,
     runner, credentials block name: never a secret, the parameter schema refuses them).
     ``served``: every name gets :data:`SERVED_SUFFIX`, and no job variables (``serve`` sets
-    the environment in its own process; Prefect refuses job variables without a work pool).
+    the environment in its own process; Prefect refuses job variables without a work pool);
+    a ``name`` other than the default also prefixes the on-demand ones (``<name>-enrich-rollouts-served``),
+    since a served deployment belongs to its process: two serves of two roots share none.
 
     Example:
         ```python
@@ -79,6 +81,8 @@ def shipped_deployments(
         **common,
     )
     rollouts_name, dispatch_name = ON_DEMAND
+    if served and name != SCHEDULED:  # a second serve's own, not the first one's
+        rollouts_name, dispatch_name = f"{name}-{rollouts_name}", f"{name}-{dispatch_name}"
     on_demand = [
         enrich_rollouts.to_deployment(
             name=rollouts_name + suffix, description="Enrich one rollouts file on demand.", **common

@@ -10,6 +10,7 @@ thresholds are judged here). Payloads hold counts, never secrets.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from prefect.events import emit_event
@@ -55,15 +56,32 @@ def mark_run_finished(
         mark_run_finished("s3://my-runs/runs/r1", credentials_block="rollout-capture")
         ```
     """
-    from prefect.events.worker import EventsWorker
-
     from rollout_capture.run_folders import mark_finished
     from rollout_capture.tasks.credentials import credentials_from_block
 
     finished = mark_finished(run, storage_options, credentials=credentials_from_block(credentials_block))
-    emit_event(RUN_FINISHED, resource=run_resource(finished))
-    EventsWorker.drain_all(at_exit=False)  # sent before the caller (a harness, a command) moves on or exits
+    if emit_event(RUN_FINISHED, resource=run_resource(finished)) is not None:
+        _sent()  # before the caller (a harness, a command) moves on or exits
     return finished
+
+
+SEND_WAIT_S = 10.0
+"""How long :func:`_sent` waits for the events worker (it sends within a second; a worker that
+failed, e.g. a server that went away, has said so in its log and never empties its queue)."""
+
+
+def _sent() -> None:
+    """Wait until the events emitted so far are sent, then stop the events worker.
+
+    Stopped with an event still queued, Prefect's worker sends it but warns "Still processing
+    items" on the way: waiting for an empty queue first keeps a clean exit quiet.
+    """
+    from prefect.events.worker import EventsWorker
+
+    waiting = threading.Thread(target=EventsWorker.instance().wait_until_empty, daemon=True)
+    waiting.start()
+    waiting.join(SEND_WAIT_S)
+    EventsWorker.drain_all(at_exit=False)
 
 
 def resource(source: str, output: str) -> dict[str, str]:

@@ -16,7 +16,7 @@ from prefect.client.schemas.objects import State
 from prefect.futures import PrefectFuture
 from pydantic import Field
 
-from rollout_capture.flows.prefect_adapter import rebuild
+from rollout_capture.flows.prefect_adapter import heartbeats_unjoined, rebuild
 from rollout_capture.secret_options import SECRET_KEY_WORDS, redact_secret_options
 
 P = ParamSpec("P")
@@ -53,14 +53,40 @@ StorageOptions = Annotated[
 server never stores such a run; direct calls are redacted before recording (GuardedFlow)."""
 
 
+def _plain_json(value: Any) -> bool:
+    """JSON's own types, nested (exact types: an enum or a str subclass is encoded by Prefect).
+
+    Keys starting ``_sa`` are left to Prefect too (its encoder drops them, as SQLAlchemy's state).
+    """
+    if value is None or type(value) in (str, int, float, bool):
+        return True
+    if type(value) is list:
+        return all(_plain_json(item) for item in value)
+    if type(value) is dict:
+        return all(
+            type(key) is str and not key.startswith("_sa") and _plain_json(item)
+            for key, item in value.items()
+        )
+    return False
+
+
 class GuardedFlow(Flow[P, R]):
     """A flow that redacts secret-looking values from the parameters sent to the API.
 
     Relies on the engine serializing through ``serialize_parameters`` (see prefect_adapter).
+    Its runs end without waiting out the heartbeat thread's last tick (``heartbeats_unjoined``).
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        heartbeats_unjoined()
+
     def serialize_parameters(self, parameters: dict[str, Any | PrefectFuture[Any] | State]) -> dict[str, Any]:
-        serialized: dict[str, Any] = redact_secret_options(super().serialize_parameters(parameters))
+        if all(_plain_json(value) for value in parameters.values()):
+            # What Prefect's jsonable_encoder gives for plain JSON, without importing FastAPI for it.
+            serialized: dict[str, Any] = redact_secret_options(parameters)
+        else:
+            serialized = redact_secret_options(super().serialize_parameters(parameters))
         return serialized
 
     def with_options(self, *args: Any, **kwargs: Any) -> GuardedFlow[P, R]:

@@ -12,11 +12,17 @@ silently recording secrets or losing a flow's options:
   its copies from them).
 - prefect-ray submits each task through its static ``RayTaskRunner._run_prefect_task``, which
   ``flows/runners.py`` wraps so a Ray batch's last states reach the API before Ray ends the
-  worker (prefect-ray offers no public hook).
+  worker (prefect-ray offers no public hook);
+- a sync flow run keeps its heartbeats in ``prefect.flow_engine._send_heartbeats``, looked up
+  by that name when the run starts, and joining that thread at the end waits out the rest of
+  its one-second sleep: :func:`heartbeats_unjoined` lets the run end without that wait, as
+  Prefect's own async engine does (``join_on_exit=False``).
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from typing import Any, TypeVar
 
 from prefect import Flow
@@ -55,3 +61,22 @@ def rebuild(cls: type[F], plain: Flow[Any, Any]) -> F:
     line (no class swap on a live object).
     """
     return cls(**{option: getattr(plain, attribute) for option, attribute in FLOW_OPTIONS.items()})
+
+
+_heartbeats_lock = threading.Lock()
+
+
+def heartbeats_unjoined() -> None:
+    """Let a sync flow run end without joining its heartbeat thread (up to a second's wait per run).
+
+    The thread is a daemon and returns by itself at its next one-second tick once the run has
+    stopped it, never sending a heartbeat after that: the heartbeats sent are the same, only the
+    wait at the run's end goes. Idempotent; for this process's flow runs from then on.
+    """
+    import prefect.flow_engine  # imported by the first flow run anyway
+
+    with _heartbeats_lock:
+        current = prefect.flow_engine._send_heartbeats
+        if isinstance(current, functools.partial):
+            return
+        prefect.flow_engine._send_heartbeats = functools.partial(current, join_on_exit=False)

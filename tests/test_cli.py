@@ -211,3 +211,14 @@ def test_secret_storage_options_in_any_case_and_depth_exit_2_unechoed(
     done = CliRunner().invoke(app, ["enrich", str(rollouts), *args])
     refused_unechoed(done.exit_code, done.output)
     assert "looks like a secret" in done.output
+
+
+def test_finish_tells_the_server_without_a_warning(prefect_api: str, tmp_path: Path) -> None:
+    """The event is sent before the worker stops: no "EventsWorker - Still processing items"."""
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "rollouts.jsonl").write_bytes(b"")
+    done = run_cli("finish", str(run), api=prefect_api)
+    assert done.returncode == 0 and "the server was told" in done.stdout, done.stderr
+    assert (run / "_SUCCESS").exists()
+    assert "Still processing" not in done.stderr and "WARNING" not in done.stderr, done.stderr

@@ -68,3 +68,17 @@ def test_report_and_export_read_an_output_on_s3(s3: S3, tmp_path: Path) -> None:
     assert exported.returncode == 0 and pq.read_table(calls).num_rows == 100, exported.stderr
     missing = run_cli("report", s3.url("runs/absent.jsonl"), *options)
     assert missing.returncode == 2 and "enriched file not found: s3://" in missing.stderr, missing.stderr
+
+
+def test_a_bad_enriched_file_on_s3_is_named_by_its_url(s3: S3, tmp_path: Path) -> None:
+    """``report`` and ``export`` read a URL through a temporary copy: an error names the URL."""
+    pytest.importorskip("pyarrow")
+    call = {"latency_total_ms": "slow"}
+    line = orjson.dumps({"ng_model_call_capture": {"rollout_id": "x", "calls": [call]}}) + b"\n"
+    s3.fs().pipe_file(f"{s3.bucket}/runs/r1/bad.enriched.jsonl", line)
+    url, options = s3.url("runs/r1/bad.enriched.jsonl"), ["--storage-options", json.dumps(s3.storage_options)]
+    report = ["report", url, "-o", str(tmp_path / "r.html")]
+    for command in (report, ["export", url, "--calls", str(tmp_path / "c.parquet")]):
+        broken = run_cli(*command, *options)
+        assert broken.returncode == 2 and f"{url}:1:" in broken.stderr, broken.stderr
+        assert "rollout-capture-" not in broken.stderr  # the temporary copy's folder

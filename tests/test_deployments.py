@@ -248,6 +248,21 @@ def save_dummy_block(name: str, endpoint: str = "http://127.0.0.1:9") -> None:
     ).save(name, overwrite=True)
 
 
+def test_two_serves_of_two_runs_roots_share_no_deployment_name() -> None:
+    """serve --name: the default names as they were; another names all three after it (a served
+    deployment belongs to its process: one serve's Ctrl-C pauses only its own)."""
+    from rollout_capture.deployments.shipped import shipped_deployments
+
+    def names(**options: Any) -> list[str]:
+        return [d.name for d in shipped_deployments("/data/runs", **options)]
+
+    first = names(served=True)
+    assert first == ["enrich-completed-runs-served", "enrich-rollouts-served", "prepare-dispatch-served"]
+    second = names(served=True, name="lab")
+    assert second == ["lab-served", "lab-enrich-rollouts-served", "lab-prepare-dispatch-served"]
+    assert names(name="lab") == ["lab", "enrich-rollouts", "prepare-dispatch"]  # deploy's: shared
+
+
 def test_serve_never_changes_what_deploy_registered(prefect_api: str, tmp_path: Path) -> None:
     """deploy A, serve B (a real process, stopped by SIGINT as Ctrl-C does), deploy an S3 root C under
     a name of its own: A and C keep their parameters and active schedules; serve's own are B's."""

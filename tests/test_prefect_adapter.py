@@ -5,11 +5,13 @@ Each test pins one assumption, so a Prefect upgrade that breaks it fails here by
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
 import subprocess
 import sys
+from enum import Enum
 from typing import Any
 
 import orjson
@@ -18,7 +20,8 @@ from prefect import Flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from rollout_capture.flows.guard import GuardedFlow, guarded_flow
-from rollout_capture.flows.prefect_adapter import FLOW_OPTIONS
+from rollout_capture.flows.prefect_adapter import FLOW_OPTIONS, heartbeats_unjoined
+from rollout_capture.secret_options import redact_secret_options
 
 from .support.prefect_api import flow_run
 
@@ -108,3 +111,60 @@ def test_prefect_rays_task_body_is_still_the_static_hook_the_ray_runner_wraps() 
     assert "self._run_prefect_task" in inspect.getsource(ray_runners.RayTaskRunner.submit)
     passed = set(inspect.signature(hook.__func__).parameters)
     assert {"task", "task_run_id", "context", "parameters", "wait_for", "dependencies"} <= passed
+
+
+def test_the_sync_engine_still_takes_its_heartbeats_from_the_name_the_adapter_rebinds() -> None:
+    """``heartbeats_unjoined`` rebinds ``prefect.flow_engine._send_heartbeats`` with
+    ``join_on_exit=False`` (a run's end no longer waits out the thread's one-second sleep): if the
+    sync engine stops looking it up by that name, or the parameter goes, this fails by name."""
+    import prefect.flow_engine as engine
+
+    heartbeats_unjoined()
+    heartbeats_unjoined()  # idempotent: one partial, not one around another
+    bound = engine._send_heartbeats
+    assert isinstance(bound, functools.partial) and bound.keywords == {"join_on_exit": False}
+    assert not isinstance(bound.func, functools.partial)
+    assert "join_on_exit" in inspect.signature(bound.func).parameters
+    assert "with _send_heartbeats(self):" in inspect.getsource(engine.FlowRunEngine.run_context)
+
+
+class _Colour(Enum):
+    red = "red"
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"rollouts": "r.jsonl", "batch_size": 1000, "quiescence_timeout_s": 10.0, "strict": False},
+        {"storage_options": {"anon": False, "client_kwargs": {"region_name": "x"}, "ports": [1, 2.5]}},
+        {"storage_options": {"token": "hunter2", "key": None}, "output": "s3://u:p@bucket/x"},
+        {"storage_options": None, "big": 1e308, "negative": -3},
+        {"colour": _Colour.red, "pair": (1, 2)},  # not plain JSON: Prefect's encoder as before
+        {"storage_options": {"_sa_state": 1, "anon": True}},  # its encoder drops _sa keys
+    ],
+)
+def test_parameters_are_recorded_as_prefects_encoder_gives_them(parameters: dict[str, Any]) -> None:
+    """The guard encodes plain JSON itself (no FastAPI import for a flow run): the same values."""
+
+    @guarded_flow(name="adapter-encoded")
+    def encoded(**given: Any) -> None:
+        return None
+
+    assert encoded.serialize_parameters(parameters) == redact_secret_options(
+        Flow.serialize_parameters(encoded, parameters)
+    )
+
+
+def test_plain_parameters_are_recorded_without_importing_fastapi() -> None:
+    probe = (
+        "import sys\n"
+        "from rollout_capture.flows.guard import guarded_flow\n"
+        "flow = guarded_flow(name='probe')(lambda rollouts, options=None: None)\n"
+        "flow.serialize_parameters({'rollouts': 'r.jsonl', 'options': {'anon': False}})\n"
+        "print('fastapi' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"

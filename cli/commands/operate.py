@@ -126,6 +126,13 @@ def serve(
             help="Runs root the schedule enriches (required): absolute path or URL.",
         ),
     ] = None,
+    name: Annotated[
+        str,
+        typer.Option(
+            help="The scheduled deployment's name (NAME-served); another than the default also names "
+            "the on-demand ones (NAME-enrich-rollouts-served...): one per serve of another runs root."
+        ),
+    ] = "enrich-completed-runs",
     as_json: JsonOpt = False,
 ) -> None:
     """Serve deployments of its own (enrich-completed-runs-served...) from this machine until Ctrl-C.
@@ -139,7 +146,7 @@ def serve(
         from rollout_capture.deployments.serve import serve_shipped
 
         try:
-            serve_shipped(runs.url, cron=scheduled.cron, parameters=parameters)  # returns on Ctrl-C
+            serve_shipped(runs.url, cron=scheduled.cron, parameters=parameters, name=name)  # until Ctrl-C
         except KeyboardInterrupt:
             typer.echo("stopped before serving began", err=True)
             raise typer.Exit(130) from None

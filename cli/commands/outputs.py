@@ -37,7 +37,30 @@ def _local_input(path: str, what: str, storage: Storage) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="rollout-capture-") as folder:
         copy = os.path.join(folder, remote.rstrip("/").rsplit("/", 1)[-1])
         fs.get_file(remote, copy)
-        yield copy
+        try:
+            yield copy
+        except Exception as exc:
+            renamed = _naming(exc, copy, where.url)
+            if renamed is None:
+                raise
+            raise renamed.with_traceback(exc.__traceback__) from None
+
+
+def _naming(exc: Exception, copy: str, url: str) -> Exception | None:
+    """``exc`` (of the same type) naming ``url`` where it names the temporary ``copy`` of it,
+    so an error says which file the user gave; None when it does not name the copy."""
+    if isinstance(exc, OSError):
+        if exc.filename != copy:
+            return None
+        exc.filename = url
+        return exc
+    text = str(exc)
+    if copy not in text:
+        return None
+    try:
+        return type(exc)(text.replace(copy, url))
+    except Exception:  # a type not built from one message: left as it was
+        return None
 
 
 @storage_options(captures=False)
