@@ -35,13 +35,13 @@ from benchmarks import corpus
 from rollout_capture import CaptureStore, build_model_call_record, merge_model_call_capture_into_record
 from rollout_capture.attachment import build_attachment
 from rollout_capture.batch import enrich_lines, splice_attachment
+from rollout_capture.call_records_fast import orjson_reads, typed_decode
 from rollout_capture.evidence import Evidence, EvidenceReader
 from rollout_capture.identity import rollout_id_of
+from rollout_capture.identity_fast import identify_line
 from rollout_capture.metrics import aggregate_call_dicts
 from rollout_capture.names import jsonl_name
 from rollout_capture.summary import AttachmentFold, EvidenceSummary
-from rollout_capture.typed_lines import identify_line
-from rollout_capture.typed_rows import orjson_reads, typed_decode
 
 
 def floor(rollouts: Path, captures: Path) -> float:

@@ -23,14 +23,14 @@ from pydantic import BaseModel, Field, computed_field
 
 from rollout_capture.attachment import ATTACHMENT_KEY, OBSERVATIONS_KEY, attach, build_attachment
 from rollout_capture.backends import ListingScope
+from rollout_capture.call_records_fast import Untyped
 from rollout_capture.evidence import EvidenceReader
 from rollout_capture.identity import rollout_id_of
+from rollout_capture.identity_fast import identify_line
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
 from rollout_capture.rollout_files import split_lines
 from rollout_capture.store import CaptureDir, CaptureStore, as_store
 from rollout_capture.summary import AttachmentFold, EvidenceSummary, observation_gap_codes
-from rollout_capture.typed_lines import identify_line
-from rollout_capture.typed_rows import Untyped
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ def _identify(line: bytes, number: int, problems: list[LineProblem]) -> tuple[st
     """``(rollout id, whether merging only adds our key)`` of a line, or None to pass it through.
 
     The parsed record is dropped at once: a batch holds lines, not parsed records. Most
-    lines are read by their identity keys alone (:mod:`rollout_capture.typed_lines`).
+    lines are read by their identity keys alone (:mod:`rollout_capture.identity_fast`).
     """
     try:
         return identify_line(line)

@@ -3,7 +3,7 @@
 The pydantic models are the contract. Building them is the hot path of a merge, so
 :func:`call_record_dict` builds the dumped form directly when every typed field already
 has its canonical type, and defers to pydantic otherwise: same output, same errors.
-Rows read by the typed decoder (:mod:`rollout_capture.typed_rows`) arrive as
+Rows read by the typed decoder (:mod:`rollout_capture.call_records_fast`) arrive as
 :class:`BuiltCall`, their record already built.
 """
 

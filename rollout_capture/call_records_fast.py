@@ -1,6 +1,8 @@
-"""Capture rows read by a typed decoder that skips what a call record does not use.
+"""Fast path of :func:`call_records.call_record_dict` (the reference); tests/test_call_records_fast.py.
 
-A merge without payloads needs a dozen scalars of a row and a few parts of its response
+That test proves the two equal on any row. Capture rows are read by a typed decoder that
+skips what a call record does not use. A merge without payloads needs a dozen scalars of a
+row and a few parts of its response
 (id, model, status, usage, finish reason, tool calls, reasoning), never the request's
 conversation nor the response's text. msgspec decodes just those into typed structs,
 skipping the rest unbuilt; the record is built from them. Same output as the full path
@@ -134,7 +136,7 @@ class _ModelRef(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 
 
 class _Row(msgspec.Struct, gc=False):
-    """A capture row's fields with the types a call record takes as they are."""
+    """A capture row's fields with the types a call record takes as they are (all the fast path reads)."""
 
     kind: str | None = None
     model_call_id: str | None = None
@@ -164,7 +166,7 @@ _REF_KIND = "responses_api_models"
 
 
 class Untyped(Exception):
-    """The typed path does not take this row: read it the full way."""
+    """The fast path does not take this row: read it the reference way (the full orjson path)."""
 
 
 _probe = msgspec.json.Decoder().decode
@@ -211,10 +213,11 @@ def orjson_reads(line: bytes) -> bool:
 
 
 def typed_row(line: bytes, call_index: int, *, checked: bool = False) -> BuiltCall | dict[str, Any]:
-    """The row of one capture line as the typed path reads it, or :class:`Untyped`.
+    """Fast path of ``call_record_dict(orjson.loads(line))`` (the reference); tests/test_call_records_fast.py.
 
-    A model call comes back as its built record; any other kind as the fields its reader
-    uses (a verifier row) or just its kind. ``checked``: :func:`orjson_reads` already
+    The row of one capture line as the typed path reads it, or :class:`Untyped`. A model call
+    comes back as its built record; any other kind as the fields its reader uses (a verifier
+    row) or just its kind. ``checked``: :func:`orjson_reads` already
     holds for bytes holding this line.
     """
     try:
@@ -227,7 +230,10 @@ def typed_row(line: bytes, call_index: int, *, checked: bool = False) -> BuiltCa
 
 
 def typed_of(row: _Row, call_index: int) -> BuiltCall | dict[str, Any]:
-    """:func:`typed_row` of a row already decoded (and checked)."""
+    """Fast path of :func:`call_record_dict` (the reference); tests/test_call_records_fast.py.
+
+    :func:`typed_row` of a row already decoded (and checked).
+    """
     kind = row.kind
     if kind is None or kind == "model_call":
         try:
@@ -250,14 +256,17 @@ def typed_of(row: _Row, call_index: int) -> BuiltCall | dict[str, Any]:
 
 
 # The normalization of rollout_capture.call_records over the typed parts, step for step:
-# attributes for keys, a struct's type for "is a dict". tests/test_typed_rows.py pins the
+# attributes for keys, a struct's type for "is a dict". tests/test_call_records_fast.py pins the
 # two to each other.
 
 _NO_USAGE = (None, None, None, None, None, None, None)
 
 
 def _cached_count(details: _Details) -> int | None:
-    """The first valid count among a details group's ``cached_tokens`` and ``cached_input_tokens``."""
+    """Fast path of :func:`call_records._detail_count` (the reference); tests/test_call_records_fast.py.
+
+    The first valid count among a details group's ``cached_tokens`` and ``cached_input_tokens``.
+    """
     value = details.cached_tokens
     if type(value) is int and value >= 0:
         return value
@@ -270,7 +279,10 @@ def _cached_count(details: _Details) -> int | None:
 def _usage_stats(
     usage: Any,
 ) -> tuple[int | None, int | None, int | None, int | None, int | None, bool | None, int | None]:
-    """:func:`rollout_capture.call_records.usage_stats` of a typed usage."""
+    """Fast path of :func:`call_records.usage_stats` (the reference); tests/test_call_records_fast.py.
+
+    The same counts of a typed usage, step for step.
+    """
     if type(usage) is not _Usage:
         return _NO_USAGE
     tokens_in: Any = usage.input_tokens
@@ -331,7 +343,10 @@ def _usage_stats(
 
 
 def _calls_and_reasoning(response: _Response) -> tuple[list[dict[str, Any]], str | None]:
-    """:func:`rollout_capture.call_records.calls_and_reasoning` of a typed response."""
+    """Fast path of :func:`call_records.calls_and_reasoning` (the reference); tests/test_call_records_fast.py.
+
+    Tool calls and reasoning text of a typed response, step for step.
+    """
     calls: list[dict[str, Any]] = []
     reasoning: list[str] = []
     output = response.output
@@ -391,8 +406,9 @@ def _calls_and_reasoning(response: _Response) -> tuple[list[dict[str, Any]], str
 
 
 def typed_record(row: _Row, call_index: int) -> dict[str, Any]:
-    """``call_record_dict(row, call_index, include_payloads=False)`` of a typed row.
+    """Fast path of :func:`call_record_dict` (the reference); tests/test_call_records_fast.py proves it.
 
+    ``call_record_dict(row, call_index, include_payloads=False)`` of a typed row.
     Every typed field already has its record type, so nothing is validated here; the
     rest follows :func:`rollout_capture.call_records._raw_fields` step for step.
     """
