@@ -276,6 +276,12 @@ def _cached_count(details: _Details) -> int | None:
     return None
 
 
+def _reasoning_count(details: _Details) -> int | None:
+    """Fast path of ``call_records._detail_count(details, "reasoning_tokens")`` (the reference)."""
+    value = details.reasoning_tokens
+    return value if type(value) is int and value >= 0 else None
+
+
 def _usage_stats(
     usage: Any,
 ) -> tuple[int | None, int | None, int | None, int | None, int | None, bool | None, int | None]:
@@ -308,19 +314,12 @@ def _usage_stats(
     tokens_total: Any = usage.total_tokens
     if type(tokens_total) is not int or tokens_total < 0:
         tokens_total = None if tokens_in is None or tokens_out is None else tokens_in + tokens_out
-    # A details group is looked into only where there is one; _detail_count written out.
-    reasoning: Any = None
+    # A details group is looked into only where there is one.
     details: Any = usage.output_tokens_details
-    if type(details) is _Details:
-        reasoning = details.reasoning_tokens
-        if type(reasoning) is not int or reasoning < 0:
-            reasoning = None
+    reasoning = _reasoning_count(details) if type(details) is _Details else None
     if reasoning is None:
         details = usage.completion_tokens_details
-        if type(details) is _Details:
-            reasoning = details.reasoning_tokens
-            if type(reasoning) is not int or reasoning < 0:
-                reasoning = None
+        reasoning = _reasoning_count(details) if type(details) is _Details else None
         if reasoning is None:
             reasoning = usage.reasoning_output_tokens
             if type(reasoning) is not int or reasoning < 0:
@@ -345,64 +344,122 @@ def _usage_stats(
 def _calls_and_reasoning(response: _Response) -> tuple[list[dict[str, Any]], str | None]:
     """Fast path of :func:`call_records.calls_and_reasoning` (the reference); tests/test_call_records_fast.py.
 
-    Tool calls and reasoning text of a typed response, step for step.
+    Tool calls and reasoning text of a typed response, dialect by dialect as the reference.
     """
+    output = response.output
+    if type(output) is list:
+        return _responses_calls(output)
+    choices = response.choices
+    if type(choices) is list:
+        return _chat_calls(choices)
+    content = response.content
+    if type(content) is list:
+        return _messages_calls(content)
+    return [], None
+
+
+def _responses_calls(output: list[Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """Fast path of :func:`call_records._responses_calls` (the reference) over typed items."""
     calls: list[dict[str, Any]] = []
     reasoning: list[str] = []
-    output = response.output
-    if type(output) is list:  # Responses
-        for item in output:
-            if type(item) is not _OutputItem:
+    for item in output:
+        if type(item) is not _OutputItem:
+            continue
+        kind = item.type
+        if kind == "function_call":
+            calls.append(
+                {
+                    "call_id": item.call_id or item.id,
+                    "name": item.name,
+                    "arguments": parse_arguments(item.arguments),
+                }
+            )
+        elif kind == "reasoning":
+            summaries = item.summary
+            for summary in summaries if type(summaries) is list else ():
+                text = summary.text if type(summary) is _Summary else None
+                if type(text) is str and text:
+                    reasoning.append(text)
+    return calls, "\n".join(reasoning) or None
+
+
+def _chat_calls(choices: list[Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """Fast path of :func:`call_records._chat_calls` (the reference) over typed choices."""
+    calls: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+    for choice in choices:
+        message = choice.message if type(choice) is _Choice else None
+        if type(message) is not _Message:
+            continue
+        tool_calls = message.tool_calls
+        for tool_call in tool_calls if type(tool_calls) is list else ():
+            if type(tool_call) is not _ToolCall:
                 continue
-            kind = item.type
-            if kind == "function_call":
-                calls.append(
-                    {
-                        "call_id": item.call_id or item.id,
-                        "name": item.name,
-                        "arguments": parse_arguments(item.arguments),
-                    }
-                )
-            elif kind == "reasoning":
-                summaries = item.summary
-                for summary in summaries if type(summaries) is list else ():
-                    text = summary.text if type(summary) is _Summary else None
-                    if type(text) is str and text:
-                        reasoning.append(text)
-        return calls, "\n".join(reasoning) or None
+            function = tool_call.function
+            name, arguments = (
+                (function.name, function.arguments) if type(function) is _Function else (None, None)
+            )
+            calls.append({"call_id": tool_call.id, "name": name, "arguments": parse_arguments(arguments)})
+        text = message.reasoning_content or message.reasoning
+        if type(text) is str and text:
+            reasoning.append(text)
+    return calls, "\n".join(reasoning) or None
+
+
+def _messages_calls(content: list[Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """Fast path of :func:`call_records._messages_calls` (the reference) over typed blocks."""
+    calls: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+    for block in content:
+        if type(block) is not _Block:
+            continue
+        kind = block.type
+        if kind == "tool_use":
+            calls.append({"call_id": block.id, "name": block.name, "arguments": parse_arguments(block.input)})
+        elif (kind == "thinking" or kind == "redacted_thinking") and type(block.thinking) is str:
+            reasoning.append(block.thinking)
+    return calls, "\n".join(reasoning) or None
+
+
+def _finish_reason(response: _Response) -> str | None:
+    """Fast path of :func:`call_records._finish_reason` (the reference): the first string among
+    stop_reason, choices[0].finish_reason and incomplete_details.reason (spec section 5)."""
+    finish = response.stop_reason
+    if type(finish) is str:
+        return finish
     choices = response.choices
-    if type(choices) is list:  # Chat Completions
-        for choice in choices:
-            message = choice.message if type(choice) is _Choice else None
-            if type(message) is not _Message:
-                continue
-            tool_calls = message.tool_calls
-            for tool_call in tool_calls if type(tool_calls) is list else ():
-                if type(tool_call) is not _ToolCall:
-                    continue
-                function = tool_call.function
-                name, arguments = (
-                    (function.name, function.arguments) if type(function) is _Function else (None, None)
-                )
-                calls.append({"call_id": tool_call.id, "name": name, "arguments": parse_arguments(arguments)})
-            text = message.reasoning_content or message.reasoning
-            if type(text) is str and text:
-                reasoning.append(text)
-        return calls, "\n".join(reasoning) or None
-    content = response.content
-    if type(content) is list:  # Anthropic Messages
-        for block in content:
-            if type(block) is not _Block:
-                continue
-            kind = block.type
-            if kind == "tool_use":
-                calls.append(
-                    {"call_id": block.id, "name": block.name, "arguments": parse_arguments(block.input)}
-                )
-            elif (kind == "thinking" or kind == "redacted_thinking") and type(block.thinking) is str:
-                reasoning.append(block.thinking)
-        return calls, "\n".join(reasoning) or None
-    return calls, None
+    if type(choices) is list and choices and type(choices[0]) is _Choice:
+        finish = choices[0].finish_reason
+        if type(finish) is str:
+            return finish
+    details = response.incomplete_details
+    if type(details) is _Incomplete:
+        finish = details.reason
+        if type(finish) is str:
+            return finish
+    return None
+
+
+def _fill_from_response(fields: dict[str, Any], response: _Response, request: _Request | None) -> Any:
+    """Fast path of :func:`call_records._fill_from_response` (the reference); returns the model."""
+    (
+        fields["tokens_in"],
+        fields["tokens_out"],
+        fields["tokens_reasoning"],
+        fields["tokens_total"],
+        fields["cache_creation_tokens"],
+        fields["cache_hit"],
+        fields["cached_tokens"],
+    ) = _usage_stats(response.usage)
+    fields["tool_calls"], fields["reasoning_content"] = _calls_and_reasoning(response)
+    value = response.id
+    if type(value) is str:
+        fields["response_id"] = value
+    value = response.status
+    if type(value) is str:
+        fields["response_status"] = value
+    fields["finish_reason"] = _finish_reason(response)
+    return response.model or (None if request is None else request.model)
 
 
 def typed_record(row: _Row, call_index: int) -> dict[str, Any]:
@@ -418,40 +475,7 @@ def typed_record(row: _Row, call_index: int) -> dict[str, Any]:
         model: Any = None if request is None else request.model
         fields["tool_calls"] = []
     else:
-        (
-            fields["tokens_in"],
-            fields["tokens_out"],
-            fields["tokens_reasoning"],
-            fields["tokens_total"],
-            fields["cache_creation_tokens"],
-            fields["cache_hit"],
-            fields["cached_tokens"],
-        ) = _usage_stats(response.usage)
-        fields["tool_calls"], fields["reasoning_content"] = _calls_and_reasoning(response)
-        model = response.model or (None if request is None else request.model)
-        value = response.id
-        if type(value) is str:
-            fields["response_id"] = value
-        value = response.status
-        if type(value) is str:
-            fields["response_status"] = value
-        # finish_reason: the first string among stop_reason, choices[0].finish_reason and
-        # incomplete_details.reason (spec section 5).
-        finish = response.stop_reason
-        if type(finish) is not str:
-            finish = None
-            choices = response.choices
-            if type(choices) is list and choices and type(choices[0]) is _Choice:
-                finish = choices[0].finish_reason
-                if type(finish) is not str:
-                    finish = None
-            if finish is None:
-                details = response.incomplete_details
-                if type(details) is _Incomplete:
-                    finish = details.reason
-                    if type(finish) is not str:
-                        finish = None
-        fields["finish_reason"] = finish
+        model = _fill_from_response(fields, response, request)
     ref = row.model_ref
     session = row.client_session_id
     fields["model_call_id"] = row.model_call_id
