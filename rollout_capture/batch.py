@@ -187,9 +187,11 @@ class EnrichedBatch:
 
 
 def splice_attachment(line: bytes, attachment: dict[str, Any]) -> bytes:
-    """The line with our key appended: every other key stays byte for byte as written.
+    """Fast path of re-serializing the merged record (the reference); tests/test_batch.py proves them equal.
 
-    Only for records that do not hold the key yet; cheaper than re-serializing them.
+    The line with our key appended: every other key stays byte for byte as written
+    (``test_splice_keeps_every_original_byte``). Only for records that do not hold the key
+    yet; cheaper than re-serializing them.
     """
     end = len(line)
     while end and line[end - 1] in b" \t\r\n":

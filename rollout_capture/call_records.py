@@ -504,11 +504,12 @@ def build_model_call_record(row: Mapping[str, Any], *, call_index: int) -> Model
 def call_record_dict(
     row: Mapping[str, Any] | BuiltCall, call_index: int, *, include_payloads: bool = True
 ) -> dict[str, Any]:
-    """``build_model_call_record(row).model_dump()``, built directly when possible.
+    """Fast path of ``build_model_call_record(row).model_dump()`` (the reference); tests/test_call_records.py.
 
-    Payload fields are left out unless ``include_payloads``. Raises ``ValidationError``
-    exactly when :func:`build_model_call_record` does. A :class:`BuiltCall` (read without
-    payloads) gives its record.
+    There ``test_fast_path_equals_the_pydantic_model`` proves the two equal on any row: the
+    dumped record is built directly when possible. Payload fields are left out unless
+    ``include_payloads``. Raises ``ValidationError`` exactly when :func:`build_model_call_record`
+    does. A :class:`BuiltCall` (read without payloads) gives its record.
     """
     if isinstance(row, BuiltCall):
         built = row.record
@@ -536,10 +537,11 @@ def _str_keys(value: dict[str, Any] | None) -> bool:
 def verifier_invocation_dict(
     row: Mapping[str, Any], call_index: int, *, include_payloads: bool
 ) -> dict[str, Any]:
-    """The dumped :class:`VerifierInvocation` of one verifier row (``model_call_ids`` filled later).
+    """Fast path of the dumped :class:`VerifierInvocation` (the reference); tests/test_call_records.py.
 
-    Built directly when every field already has its canonical type (as for call records);
-    pydantic decides, and raises, otherwise.
+    There ``test_verifier_fast_path_equals_the_pydantic_model`` proves them equal. One verifier
+    row's invocation (``model_call_ids`` filled later), built directly when every field
+    already has its canonical type (as for call records); pydantic decides, and raises, otherwise.
     """
     get = row.get
     raw_request = get("request")
