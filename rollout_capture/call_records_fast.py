@@ -316,7 +316,7 @@ def _usage_stats(
         tokens_total = None if tokens_in is None or tokens_out is None else tokens_in + tokens_out
     # A details group is looked into only where there is one.
     details: Any = usage.output_tokens_details
-    reasoning = _reasoning_count(details) if type(details) is _Details else None
+    reasoning: Any = _reasoning_count(details) if type(details) is _Details else None
     if reasoning is None:
         details = usage.completion_tokens_details
         reasoning = _reasoning_count(details) if type(details) is _Details else None
