@@ -120,8 +120,11 @@ def gather_evidence(rollout_ids: Sequence[str], stores: Sequence[CaptureStore]) 
 
 
 def rollout_evidence(rollout_id: str, stores: Sequence[CaptureStore]) -> Evidence:
-    """One rollout's evidence by :class:`EvidenceReader`'s rule (the first store holding anything
-    wins; transient faults raised, any other marks it unreadable), each store read once, no batch set up."""
+    """Fast path of :class:`EvidenceReader` for one rollout (the reference); tests/test_evidence.py.
+
+    That test proves them equal. The reader's rule (the first store holding anything wins;
+    transient faults raised, any other marks it unreadable), each store read once, no batch set up.
+    """
     for store in stores:
         try:
             snap = store.snapshot(rollout_id)
