@@ -421,25 +421,6 @@ def _messages_calls(content: list[Any]) -> tuple[list[dict[str, Any]], str | Non
     return calls, "\n".join(reasoning) or None
 
 
-def _finish_reason(response: _Response) -> str | None:
-    """Fast path of :func:`call_records._finish_reason` (the reference): the first string among
-    stop_reason, choices[0].finish_reason and incomplete_details.reason (spec section 5)."""
-    finish = response.stop_reason
-    if type(finish) is str:
-        return finish
-    choices = response.choices
-    if type(choices) is list and choices and type(choices[0]) is _Choice:
-        finish = choices[0].finish_reason
-        if type(finish) is str:
-            return finish
-    details = response.incomplete_details
-    if type(details) is _Incomplete:
-        finish = details.reason
-        if type(finish) is str:
-            return finish
-    return None
-
-
 def _fill_from_response(fields: dict[str, Any], response: _Response, request: _Request | None) -> Any:
     """Fast path of :func:`call_records._fill_from_response` (the reference); returns the model."""
     (
@@ -458,7 +439,23 @@ def _fill_from_response(fields: dict[str, Any], response: _Response, request: _R
     value = response.status
     if type(value) is str:
         fields["response_status"] = value
-    fields["finish_reason"] = _finish_reason(response)
+    # finish_reason: the first string among stop_reason, choices[0].finish_reason and
+    # incomplete_details.reason (spec section 5; the reference's _finish_reason, written out).
+    finish = response.stop_reason
+    if type(finish) is not str:
+        finish = None
+        choices = response.choices
+        if type(choices) is list and choices and type(choices[0]) is _Choice:
+            finish = choices[0].finish_reason
+            if type(finish) is not str:
+                finish = None
+        if finish is None:
+            details = response.incomplete_details
+            if type(details) is _Incomplete:
+                finish = details.reason
+                if type(finish) is not str:
+                    finish = None
+    fields["finish_reason"] = finish
     return response.model or (None if request is None else request.model)
 
 
