@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import orjson
@@ -35,13 +36,13 @@ from benchmarks import corpus
 from rollout_capture import CaptureStore, build_model_call_record, merge_model_call_capture_into_record
 from rollout_capture.attachment import build_attachment
 from rollout_capture.batch import enrich_lines, splice_attachment
+from rollout_capture.call_records_fast import orjson_reads, typed_decode
 from rollout_capture.evidence import Evidence, EvidenceReader
 from rollout_capture.identity import rollout_id_of
+from rollout_capture.identity_fast import identify_line
 from rollout_capture.metrics import aggregate_call_dicts
 from rollout_capture.names import jsonl_name
 from rollout_capture.summary import AttachmentFold, EvidenceSummary
-from rollout_capture.typed_lines import identify_line
-from rollout_capture.typed_rows import orjson_reads, typed_decode
 
 
 def floor(rollouts: Path, captures: Path) -> float:
@@ -183,98 +184,105 @@ def pydantic_loop(rollouts: Path, captures: Path) -> float:
     return time.perf_counter() - started
 
 
-def stages(rollouts: Path, captures: Path, batch_size: int = 1000) -> dict[str, float]:
-    """CPU seconds of each stage of the merge, each run alone over the whole corpus.
+def _evidence_of(store: CaptureStore, batch: list[str]) -> Iterator[tuple[str, Evidence]]:
+    """Each rollout of a batch with its evidence, read as the merge reads it."""
+    read = EvidenceReader(batch, [store])
+    return ((rollout_id, read.evidence(rollout_id)) for rollout_id in batch)
 
-    Where the merge's time goes: the stages are what :func:`merge_loop` does, taken apart
-    (``batch overhead`` is the merge less their sum). Each stage's output is dropped per
-    batch, as the merge drops it.
-    """
+
+def _read_lines(rollouts: Path, batch_size: int) -> None:
+    with rollouts.open("rb") as handle:
+        while list(itertools.islice(handle, batch_size)):
+            pass
+
+
+def _reads(store: CaptureStore, ids: list[list[str]]) -> None:
+    for batch in ids:
+        for _ in _evidence_of(store, batch):
+            pass
+
+
+def _rows_alone(
+    store: CaptureStore,
+    ids: list[list[str]],
+    step: Callable[[bytes], object],
+    whole: Callable[[bytes], object] | None = None,
+) -> None:
+    """``step`` over every capture line (or ``whole`` over every capture file), as the merge cuts them."""
+    for batch in ids:
+        for _, evidence in _evidence_of(store, batch):
+            snap = evidence.snapshot
+            for data in [part[1] for part in snap.parsed._parts if part[0] == "jsonl"] if snap else ():
+                if whole is not None:
+                    whole(data)
+                    continue
+                find, end, start = data.find, len(data), 0
+                while start < end:
+                    stop = find(b"\n", start)
+                    stop = end if stop < 0 else stop
+                    try:  # noqa: SIM105 - contextlib.suppress would slow the stage down
+                        step(data[start:stop])
+                    except msgspec.DecodeError:
+                        pass
+                    start = stop + 1
+
+
+def _records(store: CaptureStore, ids: list[list[str]]) -> None:
+    for batch in ids:
+        for _, evidence in _evidence_of(store, batch):
+            if evidence.snapshot is not None:
+                evidence.snapshot.record_rows(False)
+
+
+def _attachments(store: CaptureStore, ids: list[list[str]]) -> None:
+    for batch in ids:
+        for rollout_id, evidence in _evidence_of(store, batch):
+            build_attachment(rollout_id, evidence)
+
+
+def _splices(batches: list[list[bytes]], built: list[list[dict[str, Any]]], repeat: int) -> None:
+    for _ in range(repeat):
+        for lines, batch in zip(batches, built, strict=False):
+            for line, attachment in zip(lines, batch, strict=False):
+                splice_attachment(line, attachment)
+
+
+def _folds(built: list[list[dict[str, Any]]], repeat: int) -> None:
+    """As the merge folds: a built attachment without gaps counted as built."""
+    for _ in range(repeat):
+        for batch in built:
+            fold = AttachmentFold(EvidenceSummary())
+            for attachment in batch:
+                fold.add_built_attachment(attachment)
+            fold.flush()
+
+
+def _stage_runs(rollouts: Path, captures: Path, batch_size: int) -> dict[str, Callable[[], object]]:
+    """Each stage of the merge as a run of its own over the whole corpus, by the name it is printed under."""
     store = CaptureStore(captures)
     with rollouts.open("rb") as handle:
         batches = [lines for lines in iter(lambda: list(itertools.islice(handle, batch_size)), [])]
     ids = [[item[0] for item in map(identify_line, lines) if item] for lines in batches]
-
-    def reader(batch: list[str]) -> Iterator[tuple[str, Evidence]]:
-        read = EvidenceReader(batch, [store])
-        return ((rollout_id, read.evidence(rollout_id)) for rollout_id in batch)
-
-    def read_lines() -> None:
-        with rollouts.open("rb") as handle:
-            while list(itertools.islice(handle, batch_size)):
-                pass
-
-    def reads() -> None:
-        for batch in ids:
-            for _ in reader(batch):
-                pass
-
-    def rows_alone(step: Callable[[bytes], object], whole: Callable[[bytes], object] | None = None) -> None:
-        for batch in ids:
-            for _, evidence in reader(batch):
-                snap = evidence.snapshot
-                for data in [part[1] for part in snap.parsed._parts if part[0] == "jsonl"] if snap else ():
-                    if whole is not None:
-                        whole(data)
-                        continue
-                    find, end, start = data.find, len(data), 0
-                    while start < end:
-                        stop = find(b"\n", start)
-                        stop = end if stop < 0 else stop
-                        try:  # noqa: SIM105 - contextlib.suppress would slow the stage down
-                            step(data[start:stop])
-                        except msgspec.DecodeError:
-                            pass
-                        start = stop + 1
-
-    def records() -> None:
-        for batch in ids:
-            for _, evidence in reader(batch):
-                if evidence.snapshot is not None:
-                    evidence.snapshot.record_rows(False)
-
-    def attachments() -> None:
-        for batch in ids:
-            for rollout_id, evidence in reader(batch):
-                build_attachment(rollout_id, evidence)
-
-    built = [[build_attachment(r, e) for r, e in reader(batch)] for batch in ids[:2]]
+    built = [[build_attachment(r, e) for r, e in _evidence_of(store, batch)] for batch in ids[:2]]
     repeat = max(1, len(ids) // max(1, len(built)))
-
-    def splices() -> None:
-        for _ in range(repeat):
-            for lines, batch in zip(batches, built, strict=False):
-                for line, attachment in zip(lines, batch, strict=False):
-                    splice_attachment(line, attachment)
-
-    def folds() -> None:  # as the merge folds: a built attachment without gaps counted as built
-        for _ in range(repeat):
-            for batch in built:
-                fold = AttachmentFold(EvidenceSummary())
-                for attachment in batch:
-                    fold.add_built_attachment(attachment)
-                fold.flush()
-
-    timed: dict[str, Callable[[], object]] = {
-        "read rollout lines": read_lines,
+    return {
+        "read rollout lines": lambda: _read_lines(rollouts, batch_size),
         "identify rollout lines (typed)": lambda: [identify_line(line) for b in batches for line in b],
         "  of which the UTF-8 check": lambda: [orjson_reads(line) for b in batches for line in b],
-        "read captures": reads,
-        "cut + UTF-8 check + decode + build records": records,
-        "  cut + decode rows (msgspec)": lambda: rows_alone(typed_decode),
-        "  UTF-8 check of captures": lambda: rows_alone(orjson_reads, whole=orjson_reads),
-        "attachments (records, metrics, gaps)": attachments,
-        "dump + splice": splices,
-        "evidence fold": folds,
+        "read captures": lambda: _reads(store, ids),
+        "cut + UTF-8 check + decode + build records": lambda: _records(store, ids),
+        "  cut + decode rows (msgspec)": lambda: _rows_alone(store, ids, typed_decode),
+        "  UTF-8 check of captures": lambda: _rows_alone(store, ids, orjson_reads, whole=orjson_reads),
+        "attachments (records, metrics, gaps)": lambda: _attachments(store, ids),
+        "dump + splice": lambda: _splices(batches, built, repeat),
+        "evidence fold": lambda: _folds(built, repeat),
         "merge": lambda: merge_loop(rollouts, captures, batch_size),
         "floor": lambda: floor(rollouts, captures),
     }
-    best = dict.fromkeys(timed, float("inf"))
-    for _ in range(3):
-        for name, run in timed.items():
-            started = time.process_time()
-            run()
-            best[name] = min(best[name], time.process_time() - started)
+
+
+def _stage_shares(best: dict[str, float]) -> dict[str, float]:
+    """The stages' own seconds: each less the stages it contains (reading captures, decoding)."""
     best["read captures (alone)"] = best["read captures"]
     for name in ("cut + UTF-8 check + decode + build records", "attachments (records, metrics, gaps)"):
         best[name] -= best["read captures"]
@@ -298,7 +306,24 @@ def stages(rollouts: Path, captures: Path, batch_size: int = 1000) -> dict[str, 
         "evidence fold",
     )
     best["batch overhead (merge less the stages)"] = best["merge"] - sum(best[name] for name in parts)
-    return {name: round(value, 3) for name, value in best.items()}
+    return best
+
+
+def stages(rollouts: Path, captures: Path, batch_size: int = 1000) -> dict[str, float]:
+    """CPU seconds of each stage of the merge, each run alone over the whole corpus.
+
+    Where the merge's time goes: the stages are what :func:`merge_loop` does, taken apart
+    (``batch overhead`` is the merge less their sum). Each stage's output is dropped per
+    batch, as the merge drops it.
+    """
+    timed = _stage_runs(rollouts, captures, batch_size)
+    best = dict.fromkeys(timed, float("inf"))
+    for _ in range(3):
+        for name, run in timed.items():
+            started = time.process_time()
+            run()
+            best[name] = min(best[name], time.process_time() - started)
+    return {name: round(value, 3) for name, value in _stage_shares(best).items()}
 
 
 def peak_rss_mb(rollouts: int, repeat: int) -> float:

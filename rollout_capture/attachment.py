@@ -17,6 +17,7 @@ from rollout_capture.claims import partition
 from rollout_capture.evidence import Evidence
 from rollout_capture.metrics import aggregate_call_dicts
 from rollout_capture.ownership import join_ownership
+from rollout_capture.snapshot import RolloutSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -87,52 +88,11 @@ def build_attachment(
         gaps.append(_gap(GAP_NO_RECORDS))
     else:
         rows, damage = snap.record_rows(include_payloads)
-        damaged = len(damage)
-        for call_index, row in rows:
-            if type(row) is BuiltCall:  # read typed: its record is built (call_record_dict's)
-                record = row.record
-                record["call_index"] = call_index
-                calls.append(record)
-                continue
-            kind = row.get("kind")
-            try:
-                if kind is None or kind == "model_call":
-                    calls.append(call_record_dict(row, call_index, include_payloads=include_payloads))
-                elif kind == "verifier_invocation":
-                    invocation = verifier_invocation_dict(row, call_index, include_payloads=include_payloads)
-                    verifiers.pop(invocation["verifier_invocation_id"], None)  # a retried verify wins
-                    verifiers[invocation["verifier_invocation_id"]] = invocation
-                else:
-                    damaged += 1  # a row kind this reader does not know: evidence it cannot use
-            except ValidationError:
-                damaged += 1
-        if damaged:
-            gaps.append(_gap(GAP_RECORDS_UNREADABLE, f"count={damaged}"))
-        if snap.incomplete:
-            gaps.append(_gap(GAP_INCOMPLETE))
-        elif not calls and not damaged:
-            gaps.append(_gap(GAP_NO_RECORDS))
-        if snap.claims:  # rare on a finished rollout: the clock is read only then
-            live, expired = partition(snap.claims, now)
-            if live:
-                gaps.append(_gap(GAP_PENDING, f"count={len(live)}"))
-            elif expired:
-                gaps.append(_gap(GAP_CLAIM_ABANDONED, f"count={len(expired)}"))
-        for hole in snap.holes:  # rows above a hole this reader may not fill are unread: pending
-            gaps.append(_gap(GAP_PENDING, f"journal hole: {hole}"))
-        if calls:
-            gaps.extend(impossible_timing_gaps(calls))
+        damaged = len(damage) + _read_rows(rows, include_payloads, calls, verifiers)
+        _snapshot_gaps(snap, calls, damaged, now, gaps)
     judged = [call for call in calls if call["verifier_invocation_id"]] if calls else []
     if verifiers:
-        by_invocation: dict[str, list[dict[str, Any]]] = {key: [] for key in verifiers}
-        for call in judged:
-            mine = by_invocation.get(call["verifier_invocation_id"])
-            if mine is not None:
-                mine.append(call)
-                if call["model_call_id"]:
-                    verifiers[call["verifier_invocation_id"]]["model_call_ids"].append(call["model_call_id"])
-        for key, invocation in verifiers.items():
-            invocation["metrics"] = aggregate_call_dicts(by_invocation[key])
+        _judge_metrics(verifiers, judged)
     attachment: dict[str, Any] = {
         "rollout_id": rollout_id,
         "metrics": aggregate_call_dicts(calls),  # every call, the judges' too: NeMo Gym's metrics
@@ -145,6 +105,74 @@ def build_attachment(
     if verifiers or judged:
         attachment[OWNERS_KEY] = metrics_by_owner(calls, judged)
     return attachment
+
+
+def _read_rows(
+    rows: list[tuple[int, Any]],
+    include_payloads: bool,
+    calls: list[dict[str, Any]],
+    verifiers: dict[str, dict[str, Any]],
+) -> int:
+    """Call records into ``calls``, verifier invocations into ``verifiers``; how many rows were unusable."""
+    damaged = 0
+    for call_index, row in rows:
+        if type(row) is BuiltCall:  # read typed: its record is built (call_record_dict's)
+            record = row.record
+            record["call_index"] = call_index
+            calls.append(record)
+            continue
+        kind = row.get("kind")
+        try:
+            if kind is None or kind == "model_call":
+                calls.append(call_record_dict(row, call_index, include_payloads=include_payloads))
+            elif kind == "verifier_invocation":
+                invocation = verifier_invocation_dict(row, call_index, include_payloads=include_payloads)
+                verifiers.pop(invocation["verifier_invocation_id"], None)  # a retried verify wins
+                verifiers[invocation["verifier_invocation_id"]] = invocation
+            else:
+                damaged += 1  # a row kind this reader does not know: evidence it cannot use
+        except ValidationError:
+            damaged += 1
+    return damaged
+
+
+def _snapshot_gaps(
+    snap: RolloutSnapshot,
+    calls: list[dict[str, Any]],
+    damaged: int,
+    now: float | None,
+    gaps: list[dict[str, str]],
+) -> None:
+    """The gaps a snapshot's evidence has: damage, the marker, no records, claims, holes, timing."""
+    if damaged:
+        gaps.append(_gap(GAP_RECORDS_UNREADABLE, f"count={damaged}"))
+    if snap.incomplete:
+        gaps.append(_gap(GAP_INCOMPLETE))
+    elif not calls and not damaged:
+        gaps.append(_gap(GAP_NO_RECORDS))
+    if snap.claims:  # rare on a finished rollout: the clock is read only then
+        live, expired = partition(snap.claims, now)
+        if live:
+            gaps.append(_gap(GAP_PENDING, f"count={len(live)}"))
+        elif expired:
+            gaps.append(_gap(GAP_CLAIM_ABANDONED, f"count={len(expired)}"))
+    for hole in snap.holes:  # rows above a hole this reader may not fill are unread: pending
+        gaps.append(_gap(GAP_PENDING, f"journal hole: {hole}"))
+    if calls:
+        gaps.extend(impossible_timing_gaps(calls))
+
+
+def _judge_metrics(verifiers: dict[str, dict[str, Any]], judged: list[dict[str, Any]]) -> None:
+    """Each verifier invocation's judge-model call ids and the metrics of those calls."""
+    by_invocation: dict[str, list[dict[str, Any]]] = {key: [] for key in verifiers}
+    for call in judged:
+        calls_of = by_invocation.get(call["verifier_invocation_id"])
+        if calls_of is not None:
+            calls_of.append(call)
+            if call["model_call_id"]:
+                verifiers[call["verifier_invocation_id"]]["model_call_ids"].append(call["model_call_id"])
+    for key, invocation in verifiers.items():
+        invocation["metrics"] = aggregate_call_dicts(by_invocation[key])
 
 
 def metrics_by_owner(calls: list[dict[str, Any]], judged: list[dict[str, Any]]) -> dict[str, Any]:

@@ -23,14 +23,14 @@ from pydantic import BaseModel, Field, computed_field
 
 from rollout_capture.attachment import ATTACHMENT_KEY, OBSERVATIONS_KEY, attach, build_attachment
 from rollout_capture.backends import ListingScope
+from rollout_capture.call_records_fast import Untyped
 from rollout_capture.evidence import EvidenceReader
 from rollout_capture.identity import rollout_id_of
+from rollout_capture.identity_fast import identify_line
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
 from rollout_capture.rollout_files import split_lines
 from rollout_capture.store import CaptureDir, CaptureStore, as_store
 from rollout_capture.summary import AttachmentFold, EvidenceSummary, observation_gap_codes
-from rollout_capture.typed_lines import identify_line
-from rollout_capture.typed_rows import Untyped
 
 logger = logging.getLogger(__name__)
 
@@ -187,9 +187,11 @@ class EnrichedBatch:
 
 
 def splice_attachment(line: bytes, attachment: dict[str, Any]) -> bytes:
-    """The line with our key appended: every other key stays byte for byte as written.
+    """Fast path of re-serializing the merged record (the reference); tests/test_batch.py proves them equal.
 
-    Only for records that do not hold the key yet; cheaper than re-serializing them.
+    The line with our key appended: every other key stays byte for byte as written
+    (``test_splice_keeps_every_original_byte``). Only for records that do not hold the key
+    yet; cheaper than re-serializing them.
     """
     end = len(line)
     while end and line[end - 1] in b" \t\r\n":
@@ -246,7 +248,7 @@ def _identify(line: bytes, number: int, problems: list[LineProblem]) -> tuple[st
     """``(rollout id, whether merging only adds our key)`` of a line, or None to pass it through.
 
     The parsed record is dropped at once: a batch holds lines, not parsed records. Most
-    lines are read by their identity keys alone (:mod:`rollout_capture.typed_lines`).
+    lines are read by their identity keys alone (:mod:`rollout_capture.identity_fast`).
     """
     try:
         return identify_line(line)

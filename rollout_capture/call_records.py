@@ -3,7 +3,7 @@
 The pydantic models are the contract. Building them is the hot path of a merge, so
 :func:`call_record_dict` builds the dumped form directly when every typed field already
 has its canonical type, and defers to pydantic otherwise: same output, same errors.
-Rows read by the typed decoder (:mod:`rollout_capture.typed_rows`) arrive as
+Rows read by the typed decoder (:mod:`rollout_capture.call_records_fast`) arrive as
 :class:`BuiltCall`, their record already built.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import orjson
@@ -114,10 +114,9 @@ def usage_stats(
 ) -> tuple[int | None, int | None, int | None, int | None, int | None, bool | None, int | None]:
     """``(in, out, reasoning, total, cache_creation, cache_hit, cached)`` from any usage shape.
 
-    Counts are never invented: only non-negative ints count, and null means unknown.
-    Anthropic's ``input_tokens`` excludes cached tokens, so cache reads and writes are
-    folded into ``tokens_in``; OpenAI usage already includes them and is left alone.
-    Written out key by key: it runs once per captured call.
+    Counts are never invented: only non-negative ints count, and null means unknown. Anthropic's
+    ``input_tokens`` excludes cached tokens, so cache reads and writes are folded into ``tokens_in``;
+    OpenAI usage already includes them and is left alone. Written out key by key: once per call.
     """
     if type(usage) is not dict and (usage is None or not isinstance(usage, Mapping)):
         return _NO_USAGE
@@ -145,8 +144,7 @@ def usage_stats(
     tokens_total = get("total_tokens")
     if type(tokens_total) is not int or tokens_total < 0:
         tokens_total = None if tokens_in is None or tokens_out is None else tokens_in + tokens_out
-    # Details groups are looked up here and only looked into when present.
-    details = get("output_tokens_details")
+    details = get("output_tokens_details")  # a details group is only looked into when present
     reasoning = None if details is None else _detail_count(details, "reasoning_tokens")
     if reasoning is None:
         details = get("completion_tokens_details")
@@ -213,68 +211,87 @@ def tool_calls_and_reasoning(response: Mapping[str, Any]) -> tuple[list[dict[str
 
 def calls_and_reasoning(output: Any, choices: Any, content: Any) -> tuple[list[dict[str, Any]], str | None]:
     """:func:`tool_calls_and_reasoning` of a response's ``output``, ``choices`` and ``content``."""
+    if isinstance(output, list):
+        return _responses_calls(output)
+    if isinstance(choices, list):
+        return _chat_calls(choices)
+    if isinstance(content, list):
+        return _messages_calls(content)
+    return [], None
+
+
+def _responses_calls(output: list[Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """Tool calls and reasoning of a Responses answer's ``output`` items."""
     calls: list[dict[str, Any]] = []
     reasoning: list[str] = []
-    if isinstance(output, list):  # Responses
-        for item in output:
-            if not isinstance(item, dict):
+    for item in output:
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type")
+        if kind == "function_call":
+            calls.append(
+                {
+                    "call_id": item.get("call_id") or item.get("id"),
+                    "name": item.get("name"),
+                    "arguments": parse_arguments(item.get("arguments")),
+                }
+            )
+        elif kind == "reasoning":
+            summaries = item.get("summary")
+            for summary in summaries if type(summaries) is list else ():  # other shapes: no items
+                text = summary.get("text") if isinstance(summary, dict) else None
+                if isinstance(text, str) and text:
+                    reasoning.append(text)
+    return calls, "\n".join(reasoning) or None
+
+
+def _chat_calls(choices: list[Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """Tool calls and reasoning of a Chat Completions answer's ``choices``."""
+    calls: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+    for choice in choices:
+        message = choice.get("message") if isinstance(choice, dict) else None
+        if not isinstance(message, dict):
+            continue
+        tool_calls = message.get("tool_calls")
+        for tool_call in tool_calls if type(tool_calls) is list else ():  # other shapes: no items
+            if not isinstance(tool_call, dict):
                 continue
-            kind = item.get("type")
-            if kind == "function_call":
-                calls.append(
-                    {
-                        "call_id": item.get("call_id") or item.get("id"),
-                        "name": item.get("name"),
-                        "arguments": parse_arguments(item.get("arguments")),
-                    }
-                )
-            elif kind == "reasoning":
-                summaries = item.get("summary")
-                for summary in summaries if type(summaries) is list else ():  # other shapes: no items
-                    text = summary.get("text") if isinstance(summary, dict) else None
-                    if isinstance(text, str) and text:
-                        reasoning.append(text)
-        return calls, "\n".join(reasoning) or None
-    if isinstance(choices, list):  # Chat Completions
-        for choice in choices:
-            message = choice.get("message") if isinstance(choice, dict) else None
-            if not isinstance(message, dict):
-                continue
-            tool_calls = message.get("tool_calls")
-            for tool_call in tool_calls if type(tool_calls) is list else ():  # other shapes: no items
-                if not isinstance(tool_call, dict):
-                    continue
-                function = tool_call.get("function")
-                if not isinstance(function, dict):
-                    function = {}
-                calls.append(
-                    {
-                        "call_id": tool_call.get("id"),
-                        "name": function.get("name"),
-                        "arguments": parse_arguments(function.get("arguments")),
-                    }
-                )
-            text = message.get("reasoning_content") or message.get("reasoning")
-            if isinstance(text, str) and text:
-                reasoning.append(text)
-        return calls, "\n".join(reasoning) or None
-    if isinstance(content, list):  # Anthropic Messages
-        for block in content:
-            if not isinstance(block, dict):
-                continue
-            kind = block.get("type")
-            if kind == "tool_use":
-                calls.append(
-                    {
-                        "call_id": block.get("id"),
-                        "name": block.get("name"),
-                        "arguments": parse_arguments(block.get("input")),
-                    }
-                )
-            elif kind in ("thinking", "redacted_thinking") and isinstance(block.get("thinking"), str):
-                reasoning.append(block["thinking"])
-        return calls, "\n".join(reasoning) or None
-    return calls, None
+            function = tool_call.get("function")
+            if not isinstance(function, dict):
+                function = {}
+            calls.append(
+                {
+                    "call_id": tool_call.get("id"),
+                    "name": function.get("name"),
+                    "arguments": parse_arguments(function.get("arguments")),
+                }
+            )
+        text = message.get("reasoning_content") or message.get("reasoning")
+        if isinstance(text, str) and text:
+            reasoning.append(text)
+    return calls, "\n".join(reasoning) or None
+
+
+def _messages_calls(content: list[Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """Tool calls and thinking of an Anthropic Messages answer's ``content`` blocks."""
+    calls: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+    for block in content:
+        if not isinstance(block, dict):
+            continue
+        kind = block.get("type")
+        if kind == "tool_use":
+            calls.append(
+                {
+                    "call_id": block.get("id"),
+                    "name": block.get("name"),
+                    "arguments": parse_arguments(block.get("input")),
+                }
+            )
+        elif kind in ("thinking", "redacted_thinking") and isinstance(block.get("thinking"), str):
+            reasoning.append(block["thinking"])
+    return calls, "\n".join(reasoning) or None
 
 
 class BuiltCall:
@@ -330,6 +347,98 @@ def _as_float(value: Any) -> tuple[Any, bool]:
     return value, False
 
 
+def _row_keys_one_by_one(row: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What ``_ROW_KEYS(row)`` gives, for a row missing some of those keys (None for each)."""
+    get = row.get
+    return (
+        get("response"),
+        get("request"),
+        get("model_call_id"),
+        get("dialect"),
+        get("error_category"),
+        get("status_code"),
+        get("started_at"),
+        get("completed_at"),
+        get("latency_ms"),
+        get("latency_ttft_ms"),
+        get("model_ref"),
+    )
+
+
+def _finish_reason(rget: Callable[[str], Any]) -> str | None:
+    """The first string among stop_reason, choices[0].finish_reason and incomplete_details.reason
+    (spec section 5), of a response's ``get``."""
+    finish = rget("stop_reason")
+    if isinstance(finish, str):
+        return finish
+    choices = rget("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        finish = choices[0].get("finish_reason")
+        if isinstance(finish, str):
+            return finish
+    details = rget("incomplete_details")
+    if isinstance(details, dict):
+        finish = details.get("reason")
+        if isinstance(finish, str):
+            return finish
+    return None
+
+
+def _fill_from_response(fields: dict[str, Any], response: Mapping[str, Any], raw_request: Any) -> None:
+    """The record's fields read from the response (and the request's model): counts, tool
+    calls and reasoning, model, id, status, finish reason."""
+    rget = response.get
+    (
+        fields["tokens_in"],
+        fields["tokens_out"],
+        fields["tokens_reasoning"],
+        fields["tokens_total"],
+        fields["cache_creation_tokens"],
+        fields["cache_hit"],
+        fields["cached_tokens"],
+    ) = usage_stats(rget("usage"))
+    if "output" in response or "choices" in response or "content" in response:
+        fields["tool_calls"], fields["reasoning_content"] = tool_calls_and_reasoning(response)
+    else:
+        fields["tool_calls"], fields["reasoning_content"] = [], None
+    model = rget("model") or (raw_request.get("model") if isinstance(raw_request, dict) else None)
+    response_id, status = rget("id"), rget("status")
+    fields["response_id"] = response_id if isinstance(response_id, str) else None
+    fields["model"] = model if isinstance(model, str) else None
+    fields["response_status"] = status if isinstance(status, str) else None
+    fields["finish_reason"] = _finish_reason(rget)
+
+
+def _as_floats(*values: Any) -> tuple[list[Any], bool]:
+    """:func:`_as_float` of each value, and whether none needed validation (rows of other types)."""
+    out, canonical = [], True
+    for value in values:
+        value, ok = _as_float(value)
+        out.append(value)
+        canonical = canonical and ok
+    return out, canonical
+
+
+def _model_ref(ref: Any) -> tuple[Any, bool]:
+    """``(model_ref as the record holds it, whether that needed no validation)`` of a row's ref."""
+    if type(ref) is dict and len(ref) == 2 and ref.get("type") == "responses_api_models":
+        name = ref.get("name")
+        if type(name) is str:
+            return {"type": "responses_api_models", "name": name}, True
+    return ref, False
+
+
+def _add_payloads(
+    fields: dict[str, Any], row: Mapping[str, Any], raw_request: Any, raw_response: Any
+) -> None:
+    """The payload fields of a record merged with payloads: objects and raw texts, else None."""
+    request_raw, response_raw = row.get("request_raw"), row.get("response_raw")
+    fields["request"] = raw_request if isinstance(raw_request, dict) else None
+    fields["response"] = raw_response if isinstance(raw_response, dict) else None
+    fields["request_raw"] = request_raw if isinstance(request_raw, str) else None
+    fields["response_raw"] = response_raw if isinstance(response_raw, str) else None
+
+
 def _raw_fields(
     row: Mapping[str, Any], call_index: int, include_payloads: bool
 ) -> tuple[dict[str, Any], bool]:
@@ -337,68 +446,20 @@ def _raw_fields(
 
     Canonical means pydantic would return every row-supplied value unchanged, so the dict
     is the dumped record as it stands. One pass over the row, one dict built at its final
-    size: this is the merge hot path.
+    size: this is the merge hot path (the full one; :mod:`call_records_fast` is its twin).
     """
-    get = row.get
     try:  # the keys every model server writes, fetched in one C call
-        (
-            raw_response,
-            raw_request,
-            call_id,
-            dialect,
-            category,
-            status_code,
-            started,
-            completed,
-            latency,
-            ttft,
-            ref,
-        ) = _ROW_KEYS(row)
+        values = _ROW_KEYS(row)
     except KeyError:
-        raw_response, raw_request, call_id, dialect, category = (
-            get("response"),
-            get("request"),
-            get("model_call_id"),
-            get("dialect"),
-            get("error_category"),
-        )
-        status_code, started, completed, latency, ttft, ref = (
-            get("status_code"),
-            get("started_at"),
-            get("completed_at"),
-            get("latency_ms"),
-            get("latency_ttft_ms"),
-            get("model_ref"),
-        )
-    response = raw_response if isinstance(raw_response, dict) else _EMPTY
-    rget = response.get
-    tokens_in, tokens_out, reasoning_tokens, tokens_total, creation, cache_hit, cached_tokens = usage_stats(
-        rget("usage")
+        values = _row_keys_one_by_one(row)
+    response, request, call_id, dialect, category, status_code, started, completed, latency, ttft, ref = (
+        values
     )
-    if "output" in response or "choices" in response or "content" in response:
-        tool_calls, reasoning = tool_calls_and_reasoning(response)
-    else:
-        tool_calls, reasoning = [], None
-    model = rget("model") or (raw_request.get("model") if isinstance(raw_request, dict) else None)
-    response_id, status, session = rget("id"), rget("status"), get("client_session_id")
-    # finish_reason: the first string among stop_reason, choices[0].finish_reason and
-    # incomplete_details.reason (spec section 5).
-    finish = rget("stop_reason")
-    if not isinstance(finish, str):
-        finish = None
-        choices = rget("choices")
-        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-            finish = choices[0].get("finish_reason")
-            if not isinstance(finish, str):
-                finish = None
-        if finish is None:
-            details = rget("incomplete_details")
-            if isinstance(details, dict):
-                finish = details.get("reason")
-                if not isinstance(finish, str):
-                    finish = None
-
-    verifier = get("verifier_invocation_id")
+    # A template's copy filled in place costs less than a literal of 25 keys (and fixes their order).
+    fields = (_FIELDS_WITH_PAYLOADS if include_payloads else _FIELDS).copy()
+    _fill_from_response(fields, response if isinstance(response, dict) else _EMPTY, request)
+    get = row.get
+    session, verifier = get("client_session_id"), get("verifier_invocation_id")
     canonical = (
         (call_id is None or type(call_id) is str)
         and (dialect is None or type(dialect) is str)
@@ -409,45 +470,19 @@ def _raw_fields(
     if not (
         type(started) is float and type(completed) is float and type(latency) is float and type(ttft) is float
     ):
-        started, ok1 = _as_float(started)
-        completed, ok2 = _as_float(completed)
-        latency, ok3 = _as_float(latency)
-        ttft, ok4 = _as_float(ttft)
-        canonical = canonical and ok1 and ok2 and ok3 and ok4
+        (started, completed, latency, ttft), typed = _as_floats(started, completed, latency, ttft)
+        canonical = canonical and typed
     if ref is not None:
-        if type(ref) is dict and len(ref) == 2 and ref.get("type") == "responses_api_models":
-            name = ref.get("name")
-            if type(name) is str:
-                ref = {"type": "responses_api_models", "name": name}
-            else:
-                canonical = False
-        else:
-            canonical = False
-
-    # Filling a copy of a template replaces values in place, which costs less than a
-    # literal inserting 25 keys (the template also fixes the field order).
-    fields = (_FIELDS_WITH_PAYLOADS if include_payloads else _FIELDS).copy()
+        ref, typed = _model_ref(ref)
+        canonical = canonical and typed
     fields["model_call_id"] = call_id
-    fields["response_id"] = response_id if isinstance(response_id, str) else None
     fields["client_session_id"] = session if isinstance(session, str) else None
     fields["call_index"] = call_index
     fields["model_ref"] = ref
-    fields["model"] = model if isinstance(model, str) else None
     fields["dialect"] = dialect
     fields["status_code"] = status_code
-    fields["response_status"] = status if isinstance(status, str) else None
-    fields["finish_reason"] = finish
     fields["started_at"] = started
     fields["completed_at"] = completed
-    fields["tokens_in"] = tokens_in
-    fields["tokens_out"] = tokens_out
-    fields["tokens_reasoning"] = reasoning_tokens
-    fields["tokens_total"] = tokens_total
-    fields["tool_calls"] = tool_calls
-    fields["reasoning_content"] = reasoning
-    fields["cache_hit"] = cache_hit
-    fields["cached_tokens"] = cached_tokens
-    fields["cache_creation_tokens"] = creation
     fields["error_category"] = category
     fields["latency_total_ms"] = latency
     fields["latency_ttft_ms"] = ttft
@@ -457,11 +492,7 @@ def _raw_fields(
         fields[_WHEN_GIVEN], typed = _as_float(hold)
         canonical = canonical and typed
     if include_payloads:
-        request_raw, response_raw = get("request_raw"), get("response_raw")
-        fields["request"] = raw_request if isinstance(raw_request, dict) else None
-        fields["response"] = raw_response if isinstance(raw_response, dict) else None
-        fields["request_raw"] = request_raw if isinstance(request_raw, str) else None
-        fields["response_raw"] = response_raw if isinstance(response_raw, str) else None
+        _add_payloads(fields, row, request, response)
     return fields, canonical
 
 
@@ -473,11 +504,12 @@ def build_model_call_record(row: Mapping[str, Any], *, call_index: int) -> Model
 def call_record_dict(
     row: Mapping[str, Any] | BuiltCall, call_index: int, *, include_payloads: bool = True
 ) -> dict[str, Any]:
-    """``build_model_call_record(row).model_dump()``, built directly when possible.
+    """Fast path of ``build_model_call_record(row).model_dump()`` (the reference); tests/test_call_records.py.
 
-    Payload fields are left out unless ``include_payloads``. Raises ``ValidationError``
-    exactly when :func:`build_model_call_record` does. A :class:`BuiltCall` (read without
-    payloads) gives its record.
+    There ``test_fast_path_equals_the_pydantic_model`` proves the two equal on any row: the
+    dumped record is built directly when possible. Payload fields are left out unless
+    ``include_payloads``. Raises ``ValidationError`` exactly when :func:`build_model_call_record`
+    does. A :class:`BuiltCall` (read without payloads) gives its record.
     """
     if isinstance(row, BuiltCall):
         built = row.record
@@ -505,10 +537,11 @@ def _str_keys(value: dict[str, Any] | None) -> bool:
 def verifier_invocation_dict(
     row: Mapping[str, Any], call_index: int, *, include_payloads: bool
 ) -> dict[str, Any]:
-    """The dumped :class:`VerifierInvocation` of one verifier row (``model_call_ids`` filled later).
+    """Fast path of the dumped :class:`VerifierInvocation` (the reference); tests/test_call_records.py.
 
-    Built directly when every field already has its canonical type (as for call records);
-    pydantic decides, and raises, otherwise.
+    There ``test_verifier_fast_path_equals_the_pydantic_model`` proves them equal. One verifier
+    row's invocation (``model_call_ids`` filled later), built directly when every field
+    already has its canonical type (as for call records); pydantic decides, and raises, otherwise.
     """
     get = row.get
     raw_request = get("request")
@@ -559,16 +592,28 @@ def verifier_invocation_dict(
             fields["response"] = response
         fields["model_call_ids"] = []
         return fields
+    return _validated_verifier_invocation(row, call_index, request, response, include_payloads)
+
+
+def _validated_verifier_invocation(
+    row: Mapping[str, Any],
+    call_index: int,
+    request: dict[str, Any] | None,
+    response: dict[str, Any] | None,
+    include_payloads: bool,
+) -> dict[str, Any]:
+    """:func:`verifier_invocation_dict` of a row not already canonical: pydantic decides (and raises)."""
+    get = row.get
     record = VerifierInvocation.model_validate(
         {
-            "verifier_invocation_id": invocation_id,
+            "verifier_invocation_id": get("verifier_invocation_id"),
             "call_index": call_index,
             "verifier_ref": get("verifier_ref"),
             "started_at": get("started_at"),
             "completed_at": get("completed_at"),
             "latency_ms": get("latency_ms"),
-            "status_code": status_code,
-            "error_category": category,
+            "status_code": get("status_code"),
+            "error_category": get("error_category"),
             "reward": get("reward"),
             "request": request,
             "response": response,

@@ -113,5 +113,26 @@ class EvidenceReader:
 
 def gather_evidence(rollout_ids: Sequence[str], stores: Sequence[CaptureStore]) -> dict[str, Evidence]:
     """Evidence for each id (parsed all at once: for small sets; batches use the reader)."""
+    if len(rollout_ids) == 1:  # the per-record API's case: no batch to prefetch
+        return {rollout_ids[0]: rollout_evidence(rollout_ids[0], stores)}
     reader = EvidenceReader(rollout_ids, stores)
     return {r: reader.evidence(r) for r in dict.fromkeys(rollout_ids)}
+
+
+def rollout_evidence(rollout_id: str, stores: Sequence[CaptureStore]) -> Evidence:
+    """Fast path of :class:`EvidenceReader` for one rollout (the reference); tests/test_evidence.py.
+
+    That test proves them equal. The reader's rule (the first store holding anything wins;
+    transient faults raised, any other marks it unreadable), each store read once, no batch set up.
+    """
+    for store in stores:
+        try:
+            snap = store.snapshot(rollout_id)
+        except Exception as exc:
+            if is_transient_storage_error(exc):
+                raise
+            logger.warning("could not read captures in %s: %s", store.url, exc)
+            return Evidence(None, unreadable=True)
+        if snap.found:
+            return Evidence(snap)
+    return Evidence(None)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_capture.attachment import attach, build_attachment
-from rollout_capture.evidence import gather_evidence
+from rollout_capture.evidence import rollout_evidence
 from rollout_capture.identity import rollout_id_of
 from rollout_capture.store import CaptureDir, as_store
 
@@ -28,5 +28,5 @@ def merge_model_call_capture_into_record(
     rollout_id = rollout_id_of(record)
     if rollout_id is None:
         return record
-    evidence = gather_evidence([rollout_id], [as_store(d) for d in capture_dirs])[rollout_id]
+    evidence = rollout_evidence(rollout_id, [as_store(d) for d in capture_dirs])
     return attach(record, build_attachment(rollout_id, evidence, include_payloads=include_payloads))

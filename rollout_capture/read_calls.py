@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rollout_capture.call_records import ModelCallRecord, build_model_call_record
-from rollout_capture.evidence import gather_evidence
+from rollout_capture.evidence import rollout_evidence
 from rollout_capture.metrics import aggregate_call_dicts
 from rollout_capture.rows import CaptureRowError
 from rollout_capture.snapshot import RolloutSnapshot
@@ -24,7 +24,7 @@ def _store_with_rows(
     rollout_id: str, capture_dirs: Sequence[CaptureDir] | CaptureDir
 ) -> RolloutSnapshot | None:
     dirs = [capture_dirs] if isinstance(capture_dirs, (CaptureStore, str, os.PathLike)) else capture_dirs
-    evidence = gather_evidence([rollout_id], [as_store(d) for d in dirs])[rollout_id]
+    evidence = rollout_evidence(rollout_id, [as_store(d) for d in dirs])
     return evidence.snapshot
 
 

@@ -13,7 +13,7 @@ import msgspec
 import orjson
 
 from rollout_capture.call_records import BuiltCall
-from rollout_capture.typed_rows import (
+from rollout_capture.call_records_fast import (
     Untyped,
     orjson_reads,
     typed_decode,
@@ -54,7 +54,7 @@ class ParsedRows:
 
     Bytes are kept as added and parsed when first asked for: :attr:`rows` reads every row
     whole (orjson); :meth:`record_rows` reads them for call records, typed when it can
-    (:mod:`rollout_capture.typed_rows`). Both give the same positions and damage.
+    (:mod:`rollout_capture.call_records_fast`). Both give the same positions and damage.
     """
 
     __slots__ = ("_damaged", "_full", "_parts")

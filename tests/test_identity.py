@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollout_capture import (
     CaptureStore,
@@ -14,6 +18,7 @@ from rollout_capture import (
     merge_model_call_capture_into_record,
     validate_rollout_id,
 )
+from rollout_capture.identity import MAX_ROLLOUT_ID_LENGTH, rollout_id_of
 
 BAD_IDS = ["../x", "a/b", ".hidden", "a\\b", "a\x00b", "ä", "", "-lead", "x\n", "a b", "..", "/abs"]
 
@@ -129,3 +134,38 @@ def test_pydantic_run_request_with_extra_keys_has_an_id() -> None:
     retried = RunRequest.model_validate({"_ng_task_index": 5, "_ng_rollout_index": 2, "_ng_attempt_index": 1})
     assert maybe_rollout_id_from_run_body(retried) == "5-2-a1"
     assert maybe_rollout_id_from_run_body(RunRequest()) is None
+
+
+indices = st.one_of(
+    st.integers(-3, 10**6),
+    st.integers(10 ** (MAX_ROLLOUT_ID_LENGTH // 2 - 2), 10 ** (MAX_ROLLOUT_ID_LENGTH // 2 + 2)),
+    st.booleans(),
+    st.floats(allow_nan=False),
+    st.sampled_from(["4", "a/..", "x"]),
+    st.none(),
+)
+
+
+def _outcome(record: Any) -> str | None:
+    try:
+        return rollout_id_of(record)
+    except ValueError:
+        return "refused"
+
+
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "_ng_task_index": indices,
+            "_ng_rollout_index": indices,
+            "_ng_attempt_index": indices,
+            "_ng_rollout_id": st.sampled_from([None, "run-1", "../x"]),
+        },
+    )
+)
+@settings(max_examples=500, deadline=None)
+def test_the_fast_derivation_of_a_dict_equals_the_general_one(record: dict[str, Any]) -> None:
+    """rollout_id_of's fast path (a dict of integer indices) against its reference, the general
+    derivation and validation (taken by any other mapping)."""
+    assert _outcome(record) == _outcome(MappingProxyType(record))

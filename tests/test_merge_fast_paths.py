@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 
 from rollout_capture.attachment import build_attachment
 from rollout_capture.call_records import BuiltCall
+from rollout_capture.call_records_fast import typed_decode
 from rollout_capture.evidence import Evidence
 from rollout_capture.rows import add_jsonl
 from rollout_capture.snapshot import RolloutSnapshot
 from rollout_capture.summary import AttachmentFold, EvidenceSummary
-from rollout_capture.typed_rows import typed_decode
-from tests.test_typed_rows import BASE, both_ways, row_lines
+from tests.test_call_records_fast import BASE, both_ways, row_lines
 
 VERIFIER = {"kind": "verifier_invocation", "verifier_invocation_id": "v-1", "status_code": 200, "reward": 1}
 

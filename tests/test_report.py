@@ -462,7 +462,7 @@ def test_a_run_of_unknown_figures_says_unknown_everywhere(
 def test_impossible_timings_are_a_gap_naming_the_call_read_either_way() -> None:
     """A negative duration or a call completed before it started is a gap naming the call, on
     the typed path and the full one alike; the page never shows it as a duration."""
-    from tests.test_typed_rows import BASE, both_ways
+    from tests.test_call_records_fast import BASE, both_ways
 
     lines = [
         orjson.dumps(BASE | {"model_call_id": "c1", "latency_ms": -5000, "latency_ttft_ms": -1.5}),

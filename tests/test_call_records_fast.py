@@ -1,4 +1,4 @@
-"""The typed path (msgspec, skipping what a record does not use) against the full path (orjson).
+"""The fast call records (:mod:`rollout_capture.call_records_fast`) against the reference (orjson).
 
 Every test reads the same capture bytes both ways and compares the attachment byte for
 byte: rows the typed path takes must give the same records, and every other row must
@@ -20,14 +20,12 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from examples.samples import DIALECTS, capture_rows, corpus_records
-from rollout_capture.attachment import ATTACHMENT_KEY, OBSERVATIONS_KEY, build_attachment
+from rollout_capture.attachment import build_attachment
 from rollout_capture.call_records import BuiltCall, call_record_dict
+from rollout_capture.call_records_fast import Untyped, typed_row
 from rollout_capture.evidence import Evidence
-from rollout_capture.identity import rollout_id_of
 from rollout_capture.rows import add_jsonl, add_object
 from rollout_capture.snapshot import RolloutSnapshot
-from rollout_capture.typed_lines import identify_line
-from rollout_capture.typed_rows import Untyped, typed_row
 from tests.conftest import CORPUS
 
 SHARED_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "nemo-gym-example-rollouts"
@@ -539,85 +537,3 @@ def test_real_rollouts_give_the_same_attachments_and_are_read_typed(corpus_dir: 
         built += typed_rows
         total += sum(orjson.loads(line).get("kind") is None for line in lines)
     assert total and built == total  # every real model call is read typed
-
-
-# ---------------------------------------------------------------- rollout lines
-
-
-def identify_whole(line: bytes) -> tuple[str, bool] | str | None:
-    """What batch._identify decides reading the whole line: the id and whether only our key is added,
-    None to pass it through, or "problem"."""
-    try:
-        record = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return "problem"
-    if type(record) is not dict:
-        return "problem"
-    try:
-        rollout_id = rollout_id_of(record)
-    except ValueError:
-        return "problem"
-    if rollout_id is None:
-        return None
-    return rollout_id, ATTACHMENT_KEY not in record and record.get(OBSERVATIONS_KEY) is None
-
-
-id_values = st.one_of(
-    st.integers(-2, 2**64 - 1),
-    st.floats(allow_nan=False, allow_infinity=False),
-    st.sampled_from(["a-1", "../x", "", "7"]),
-    values,
-)
-rollout_records = st.fixed_dictionaries(
-    {},
-    optional={
-        "_ng_rollout_id": id_values,
-        "_ng_task_index": id_values,
-        "_ng_rollout_index": id_values,
-        "_ng_attempt_index": id_values,
-        ATTACHMENT_KEY: values,
-        OBSERVATIONS_KEY: values,
-        "responses_create_params": values,
-        "reward": values,
-    },
-)
-rollout_lines = st.one_of(
-    rollout_records.map(orjson.dumps),
-    st.tuples(rollout_records.map(orjson.dumps), st.sampled_from(TRICKY)).map(
-        lambda pair: pair[0][:-1] + (b', "x": ' if len(pair[0]) > 2 else b'"x": ') + pair[1] + b"}"
-    ),
-    st.sampled_from(
-        [
-            b"",
-            b"[1]",
-            b"{",
-            b'{"_ng_task_index": 1, "_ng_rollout_index": 2, "ng_agent_observations" : null }\n',
-        ]
-    ),
-)
-
-
-def test_the_identity_keys_read_are_the_ones_identity_and_attachment_name() -> None:
-    from rollout_capture import identity
-    from rollout_capture.typed_lines import _RolloutLine
-
-    expected = {
-        identity.ROLLOUT_ID_KEY,
-        identity.TASK_INDEX_KEY,
-        identity.ROLLOUT_INDEX_KEY,
-        identity.ATTEMPT_INDEX_KEY,
-        ATTACHMENT_KEY,
-        OBSERVATIONS_KEY,
-    }
-    assert set(_RolloutLine.__annotations__) == expected
-
-
-@given(rollout_lines)
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_identify_line_decides_as_the_whole_read_or_falls_back(line: bytes) -> None:
-    expected = identify_whole(line)
-    try:
-        got = identify_line(line)
-    except Untyped:
-        return
-    assert got == expected

@@ -1,6 +1,8 @@
-"""Capture rows read by a typed decoder that skips what a call record does not use.
+"""Fast path of :func:`call_records.call_record_dict` (the reference); tests/test_call_records_fast.py.
 
-A merge without payloads needs a dozen scalars of a row and a few parts of its response
+That test proves the two equal on any row. Capture rows are read by a typed decoder that
+skips what a call record does not use. A merge without payloads needs a dozen scalars of a
+row and a few parts of its response
 (id, model, status, usage, finish reason, tool calls, reasoning), never the request's
 conversation nor the response's text. msgspec decodes just those into typed structs,
 skipping the rest unbuilt; the record is built from them. Same output as the full path
@@ -134,7 +136,7 @@ class _ModelRef(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 
 
 class _Row(msgspec.Struct, gc=False):
-    """A capture row's fields with the types a call record takes as they are."""
+    """A capture row's fields with the types a call record takes as they are (all the fast path reads)."""
 
     kind: str | None = None
     model_call_id: str | None = None
@@ -164,7 +166,7 @@ _REF_KIND = "responses_api_models"
 
 
 class Untyped(Exception):
-    """The typed path does not take this row: read it the full way."""
+    """The fast path does not take this row: read it the reference way (the full orjson path)."""
 
 
 _probe = msgspec.json.Decoder().decode
@@ -211,10 +213,11 @@ def orjson_reads(line: bytes) -> bool:
 
 
 def typed_row(line: bytes, call_index: int, *, checked: bool = False) -> BuiltCall | dict[str, Any]:
-    """The row of one capture line as the typed path reads it, or :class:`Untyped`.
+    """Fast path of ``call_record_dict(orjson.loads(line))`` (the reference); tests/test_call_records_fast.py.
 
-    A model call comes back as its built record; any other kind as the fields its reader
-    uses (a verifier row) or just its kind. ``checked``: :func:`orjson_reads` already
+    The row of one capture line as the typed path reads it, or :class:`Untyped`. A model call
+    comes back as its built record; any other kind as the fields its reader uses (a verifier
+    row) or just its kind. ``checked``: :func:`orjson_reads` already
     holds for bytes holding this line.
     """
     try:
@@ -227,7 +230,10 @@ def typed_row(line: bytes, call_index: int, *, checked: bool = False) -> BuiltCa
 
 
 def typed_of(row: _Row, call_index: int) -> BuiltCall | dict[str, Any]:
-    """:func:`typed_row` of a row already decoded (and checked)."""
+    """Fast path of :func:`call_record_dict` (the reference); tests/test_call_records_fast.py.
+
+    :func:`typed_row` of a row already decoded (and checked).
+    """
     kind = row.kind
     if kind is None or kind == "model_call":
         try:
@@ -250,14 +256,17 @@ def typed_of(row: _Row, call_index: int) -> BuiltCall | dict[str, Any]:
 
 
 # The normalization of rollout_capture.call_records over the typed parts, step for step:
-# attributes for keys, a struct's type for "is a dict". tests/test_typed_rows.py pins the
+# attributes for keys, a struct's type for "is a dict". tests/test_call_records_fast.py pins the
 # two to each other.
 
 _NO_USAGE = (None, None, None, None, None, None, None)
 
 
 def _cached_count(details: _Details) -> int | None:
-    """The first valid count among a details group's ``cached_tokens`` and ``cached_input_tokens``."""
+    """Fast path of :func:`call_records._detail_count` (the reference); tests/test_call_records_fast.py.
+
+    The first valid count among a details group's ``cached_tokens`` and ``cached_input_tokens``.
+    """
     value = details.cached_tokens
     if type(value) is int and value >= 0:
         return value
@@ -267,10 +276,19 @@ def _cached_count(details: _Details) -> int | None:
     return None
 
 
+def _reasoning_count(details: _Details) -> int | None:
+    """Fast path of ``call_records._detail_count(details, "reasoning_tokens")`` (the reference)."""
+    value = details.reasoning_tokens
+    return value if type(value) is int and value >= 0 else None
+
+
 def _usage_stats(
     usage: Any,
 ) -> tuple[int | None, int | None, int | None, int | None, int | None, bool | None, int | None]:
-    """:func:`rollout_capture.call_records.usage_stats` of a typed usage."""
+    """Fast path of :func:`call_records.usage_stats` (the reference); tests/test_call_records_fast.py.
+
+    The same counts of a typed usage, step for step.
+    """
     if type(usage) is not _Usage:
         return _NO_USAGE
     tokens_in: Any = usage.input_tokens
@@ -296,19 +314,12 @@ def _usage_stats(
     tokens_total: Any = usage.total_tokens
     if type(tokens_total) is not int or tokens_total < 0:
         tokens_total = None if tokens_in is None or tokens_out is None else tokens_in + tokens_out
-    # A details group is looked into only where there is one; _detail_count written out.
-    reasoning: Any = None
+    # A details group is looked into only where there is one.
     details: Any = usage.output_tokens_details
-    if type(details) is _Details:
-        reasoning = details.reasoning_tokens
-        if type(reasoning) is not int or reasoning < 0:
-            reasoning = None
+    reasoning: Any = _reasoning_count(details) if type(details) is _Details else None
     if reasoning is None:
         details = usage.completion_tokens_details
-        if type(details) is _Details:
-            reasoning = details.reasoning_tokens
-            if type(reasoning) is not int or reasoning < 0:
-                reasoning = None
+        reasoning = _reasoning_count(details) if type(details) is _Details else None
         if reasoning is None:
             reasoning = usage.reasoning_output_tokens
             if type(reasoning) is not int or reasoning < 0:
@@ -331,68 +342,127 @@ def _usage_stats(
 
 
 def _calls_and_reasoning(response: _Response) -> tuple[list[dict[str, Any]], str | None]:
-    """:func:`rollout_capture.call_records.calls_and_reasoning` of a typed response."""
+    """Fast path of :func:`call_records.calls_and_reasoning` (the reference); tests/test_call_records_fast.py.
+
+    Tool calls and reasoning text of a typed response, dialect by dialect as the reference.
+    """
+    output = response.output
+    if type(output) is list:
+        return _responses_calls(output)
+    choices = response.choices
+    if type(choices) is list:
+        return _chat_calls(choices)
+    content = response.content
+    if type(content) is list:
+        return _messages_calls(content)
+    return [], None
+
+
+def _responses_calls(output: list[Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """Fast path of :func:`call_records._responses_calls` (the reference) over typed items."""
     calls: list[dict[str, Any]] = []
     reasoning: list[str] = []
-    output = response.output
-    if type(output) is list:  # Responses
-        for item in output:
-            if type(item) is not _OutputItem:
+    for item in output:
+        if type(item) is not _OutputItem:
+            continue
+        kind = item.type
+        if kind == "function_call":
+            calls.append(
+                {
+                    "call_id": item.call_id or item.id,
+                    "name": item.name,
+                    "arguments": parse_arguments(item.arguments),
+                }
+            )
+        elif kind == "reasoning":
+            summaries = item.summary
+            for summary in summaries if type(summaries) is list else ():
+                text = summary.text if type(summary) is _Summary else None
+                if type(text) is str and text:
+                    reasoning.append(text)
+    return calls, "\n".join(reasoning) or None
+
+
+def _chat_calls(choices: list[Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """Fast path of :func:`call_records._chat_calls` (the reference) over typed choices."""
+    calls: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+    for choice in choices:
+        message = choice.message if type(choice) is _Choice else None
+        if type(message) is not _Message:
+            continue
+        tool_calls = message.tool_calls
+        for tool_call in tool_calls if type(tool_calls) is list else ():
+            if type(tool_call) is not _ToolCall:
                 continue
-            kind = item.type
-            if kind == "function_call":
-                calls.append(
-                    {
-                        "call_id": item.call_id or item.id,
-                        "name": item.name,
-                        "arguments": parse_arguments(item.arguments),
-                    }
-                )
-            elif kind == "reasoning":
-                summaries = item.summary
-                for summary in summaries if type(summaries) is list else ():
-                    text = summary.text if type(summary) is _Summary else None
-                    if type(text) is str and text:
-                        reasoning.append(text)
-        return calls, "\n".join(reasoning) or None
-    choices = response.choices
-    if type(choices) is list:  # Chat Completions
-        for choice in choices:
-            message = choice.message if type(choice) is _Choice else None
-            if type(message) is not _Message:
-                continue
-            tool_calls = message.tool_calls
-            for tool_call in tool_calls if type(tool_calls) is list else ():
-                if type(tool_call) is not _ToolCall:
-                    continue
-                function = tool_call.function
-                name, arguments = (
-                    (function.name, function.arguments) if type(function) is _Function else (None, None)
-                )
-                calls.append({"call_id": tool_call.id, "name": name, "arguments": parse_arguments(arguments)})
-            text = message.reasoning_content or message.reasoning
-            if type(text) is str and text:
-                reasoning.append(text)
-        return calls, "\n".join(reasoning) or None
-    content = response.content
-    if type(content) is list:  # Anthropic Messages
-        for block in content:
-            if type(block) is not _Block:
-                continue
-            kind = block.type
-            if kind == "tool_use":
-                calls.append(
-                    {"call_id": block.id, "name": block.name, "arguments": parse_arguments(block.input)}
-                )
-            elif (kind == "thinking" or kind == "redacted_thinking") and type(block.thinking) is str:
-                reasoning.append(block.thinking)
-        return calls, "\n".join(reasoning) or None
-    return calls, None
+            function = tool_call.function
+            name, arguments = (
+                (function.name, function.arguments) if type(function) is _Function else (None, None)
+            )
+            calls.append({"call_id": tool_call.id, "name": name, "arguments": parse_arguments(arguments)})
+        text = message.reasoning_content or message.reasoning
+        if type(text) is str and text:
+            reasoning.append(text)
+    return calls, "\n".join(reasoning) or None
+
+
+def _messages_calls(content: list[Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """Fast path of :func:`call_records._messages_calls` (the reference) over typed blocks."""
+    calls: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+    for block in content:
+        if type(block) is not _Block:
+            continue
+        kind = block.type
+        if kind == "tool_use":
+            calls.append({"call_id": block.id, "name": block.name, "arguments": parse_arguments(block.input)})
+        elif (kind == "thinking" or kind == "redacted_thinking") and type(block.thinking) is str:
+            reasoning.append(block.thinking)
+    return calls, "\n".join(reasoning) or None
+
+
+def _fill_from_response(fields: dict[str, Any], response: _Response, request: _Request | None) -> Any:
+    """Fast path of :func:`call_records._fill_from_response` (the reference); returns the model."""
+    (
+        fields["tokens_in"],
+        fields["tokens_out"],
+        fields["tokens_reasoning"],
+        fields["tokens_total"],
+        fields["cache_creation_tokens"],
+        fields["cache_hit"],
+        fields["cached_tokens"],
+    ) = _usage_stats(response.usage)
+    fields["tool_calls"], fields["reasoning_content"] = _calls_and_reasoning(response)
+    value = response.id
+    if type(value) is str:
+        fields["response_id"] = value
+    value = response.status
+    if type(value) is str:
+        fields["response_status"] = value
+    # finish_reason: the first string among stop_reason, choices[0].finish_reason and
+    # incomplete_details.reason (spec section 5; the reference's _finish_reason, written out).
+    finish = response.stop_reason
+    if type(finish) is not str:
+        finish = None
+        choices = response.choices
+        if type(choices) is list and choices and type(choices[0]) is _Choice:
+            finish = choices[0].finish_reason
+            if type(finish) is not str:
+                finish = None
+        if finish is None:
+            details = response.incomplete_details
+            if type(details) is _Incomplete:
+                finish = details.reason
+                if type(finish) is not str:
+                    finish = None
+    fields["finish_reason"] = finish
+    return response.model or (None if request is None else request.model)
 
 
 def typed_record(row: _Row, call_index: int) -> dict[str, Any]:
-    """``call_record_dict(row, call_index, include_payloads=False)`` of a typed row.
+    """Fast path of :func:`call_record_dict` (the reference); tests/test_call_records_fast.py proves it.
 
+    ``call_record_dict(row, call_index, include_payloads=False)`` of a typed row.
     Every typed field already has its record type, so nothing is validated here; the
     rest follows :func:`rollout_capture.call_records._raw_fields` step for step.
     """
@@ -402,40 +472,7 @@ def typed_record(row: _Row, call_index: int) -> dict[str, Any]:
         model: Any = None if request is None else request.model
         fields["tool_calls"] = []
     else:
-        (
-            fields["tokens_in"],
-            fields["tokens_out"],
-            fields["tokens_reasoning"],
-            fields["tokens_total"],
-            fields["cache_creation_tokens"],
-            fields["cache_hit"],
-            fields["cached_tokens"],
-        ) = _usage_stats(response.usage)
-        fields["tool_calls"], fields["reasoning_content"] = _calls_and_reasoning(response)
-        model = response.model or (None if request is None else request.model)
-        value = response.id
-        if type(value) is str:
-            fields["response_id"] = value
-        value = response.status
-        if type(value) is str:
-            fields["response_status"] = value
-        # finish_reason: the first string among stop_reason, choices[0].finish_reason and
-        # incomplete_details.reason (spec section 5).
-        finish = response.stop_reason
-        if type(finish) is not str:
-            finish = None
-            choices = response.choices
-            if type(choices) is list and choices and type(choices[0]) is _Choice:
-                finish = choices[0].finish_reason
-                if type(finish) is not str:
-                    finish = None
-            if finish is None:
-                details = response.incomplete_details
-                if type(details) is _Incomplete:
-                    finish = details.reason
-                    if type(finish) is not str:
-                        finish = None
-        fields["finish_reason"] = finish
+        model = _fill_from_response(fields, response, request)
     ref = row.model_ref
     session = row.client_session_id
     fields["model_call_id"] = row.model_call_id
