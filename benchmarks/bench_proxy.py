@@ -749,7 +749,7 @@ def targets_table(
                 continue  # its error is the first row
             rows.append((target, name, "not measured" if values is None else _range(values) + unit))
 
-    s3 = [n for n in names if n.startswith("s3_")]
+    s3 = [n for n in names if n.startswith(("s3_", "base_s3_"))]
     disk = [n for n in names if n.startswith(("disk_", "base_disk_"))]
     each(f"first chunk added p50 <= 5 ms @{light}", light, "added_first_chunk_p50_ms", s3 + disk)
     each(f"first chunk added p99 (no target) @{light}", light, "added_first_chunk_p99_ms", s3 + disk)
@@ -854,13 +854,14 @@ def store_main(args: argparse.Namespace) -> None:
     try:
         moto.make_bucket(STORE_BUCKET)
         upstream, upstream_url = start_upstream(args.delay_ms / 1000, args.http, args.loop)
-        for spec in layouts:
-            name = "s3_" + spec
+        checkouts = [("", ROOT)] + ([("base_", Path(args.baseline).resolve())] if args.baseline else [])
+        for (tag, checkout), spec in [(c, s) for s in layouts for c in checkouts]:
+            name = tag + "s3_" + spec
             layout, in_flight = layout_spec(spec)
             counter = CountingProxy(moto.port, args.store_latency_ms)
             started.append(counter)
             options = {"client_kwargs": {"endpoint_url": counter.endpoint}}
-            folder = "".join(c if c.isalnum() else "-" for c in spec.lower()) or "layout"
+            folder = tag + ("".join(c if c.isalnum() else "-" for c in spec.lower()) or "layout")
             capture_url = f"s3://{STORE_BUCKET}/{folder}"
             env = {
                 **os.environ,
@@ -871,14 +872,13 @@ def store_main(args: argparse.Namespace) -> None:
             }
             flags = [*extra, "--layout", layout, "--storage-options", json.dumps(options)]
             try:
-                proc, url = start_proxy(upstream_url, capture_url, flags, env=env)
+                proc, url = start_proxy(upstream_url, capture_url, flags, env=env, checkout=checkout)
             except RuntimeError as exc:
                 errors[name] = str(exc)
                 continue
             started.append(proc)
             read_options = {"client_kwargs": {"endpoint_url": moto.endpoint}}  # uncounted, unslowed
             targets[name] = Target(proc, url, capture_url, read_options, counter)
-        checkouts = [("", ROOT)] + ([("base_", Path(args.baseline).resolve())] if args.baseline else [])
         for (tag, checkout), spec in [(c, d) for d in disk_layouts for c in checkouts]:
             # jsonl+files: claim files, jsonl+log: the claims log; journal:N: N commits in flight.
             # The name is in rollout ids: no "+" nor ":".
@@ -1024,7 +1024,7 @@ def main() -> None:
         "--baseline",
         default=None,
         help="with --store: a checkout (e.g. `git archive main` unpacked) whose proxy runs each "
-        "--disk-layouts too, named base_disk_*: before and after measured in one run",
+        "--layouts and --disk-layouts too, named base_s3_* and base_disk_*: before and after in one run",
     )
     parser.add_argument(
         "--store-latency-ms", type=float, default=20.0, help="with --store: added per store request"
