@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import ROUND_HALF_EVEN, Decimal
 from typing import Any
 
 import orjson
@@ -100,13 +101,12 @@ def _str(item: Mapping[str, Any], name: str, where: str) -> str | None:
 
 
 def _ns(seconds: float | None) -> int | None:
-    """Unix seconds (the capture's clock) as OpenTelemetry's nanoseconds: whole seconds and the
-    fraction apart, so a microsecond the capture wrote stays that microsecond (``t * 1e9`` alone
-    is off by up to 128 ns at today's epoch)."""
+    """Unix seconds (the capture's clock) as OpenTelemetry's nanoseconds, from the digits the
+    capture wrote (``1780063552.839689`` is ...839689000 ns): ``t * 1e9`` in binary floating
+    point would be off by up to 128 ns at today's epoch."""
     if seconds is None:
         return None
-    whole = math.floor(seconds)
-    return whole * 1_000_000_000 + round((seconds - whole) * 1e9)
+    return int(Decimal(repr(seconds)).scaleb(9).to_integral_value(ROUND_HALF_EVEN))
 
 
 def _error_type(status_code: int | None, category: str | None, failed: bool) -> str | None:
