@@ -525,7 +525,7 @@ def test_export_streams_batches_after_an_empty_probe(corpus: Corpus, receiver: _
     assert counts.calls == sum(len(r["ng_model_call_capture"]["calls"]) for r in corpus.records.values())
     assert receiver.bodies[0] == b""  # the probe: an empty export request, before any span
     assert len(receiver.bodies) == counts.batches + 1 and counts.batches > 1
-    assert all(h.get("api_key") == SECRET for h in receiver.headers_seen)
+    assert all({k.lower(): v for k, v in h.items()}.get("api_key") == SECRET for h in receiver.headers_seen)
     assert seen[-1] == TraceProgress(counts.rollouts, counts.spans, counts.batches)
     spans = receiver.spans()
     assert len(spans) == expected and len({bytes(s.span_id) for s in spans}) == expected

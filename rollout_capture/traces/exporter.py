@@ -11,16 +11,17 @@ once, naming the endpoint (never the headers), rather than after the first batch
 
 from __future__ import annotations
 
+import http.client
 import os
 import queue
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
-
-import httpx
 
 from rollout_capture.secret_options import refuse_url_credentials
 from rollout_capture.summary import EvidenceShapeError, attachment_of, iter_enriched, no_attachment_error
@@ -121,29 +122,34 @@ def check_endpoint(endpoint: str, headers: Mapping[str, str] | None = None, time
     """
     url = traces_url(endpoint)
     shown = shown_endpoint(url)
+    request = urllib.request.Request(
+        url,
+        data=b"",
+        method="POST",
+        headers={**(headers or {}), "Content-Type": "application/x-protobuf"},
+    )
     try:
-        answer = httpx.post(
-            url,
-            content=b"",
-            headers={**(headers or {}), "Content-Type": "application/x-protobuf"},
-            timeout=timeout_s,
-        )
-    except httpx.HTTPError as exc:
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            status = int(answer.status)
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+        exc.close()
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, timeout, unresolved, not HTTP
         raise OtlpEndpointError(
             f"OTLP endpoint {shown} is unreachable ({type(exc).__name__}); nothing was sent"
         ) from None
-    if answer.status_code in (401, 403):
+    if status in (401, 403):
         raise OtlpEndpointError(
-            f"OTLP endpoint {shown} refused the credentials (HTTP {answer.status_code}); nothing was sent"
+            f"OTLP endpoint {shown} refused the credentials (HTTP {status}); nothing was sent"
         )
-    if answer.status_code in (404, 405):
+    if status in (404, 405):
         raise OtlpEndpointError(
-            f"OTLP endpoint {shown} has no OTLP/HTTP traces receiver there (HTTP {answer.status_code}); "
+            f"OTLP endpoint {shown} has no OTLP/HTTP traces receiver there (HTTP {status}); "
             f"nothing was sent (the traces path is usually {TRACES_PATH})"
         )
-    if not 200 <= answer.status_code < 300:
+    if not 200 <= status < 300:
         raise OtlpEndpointError(
-            f"OTLP endpoint {shown} answered HTTP {answer.status_code} to an empty export; nothing was sent"
+            f"OTLP endpoint {shown} answered HTTP {status} to an empty export; nothing was sent"
         )
 
 
