@@ -474,8 +474,9 @@ def test_the_modules_import_without_opentelemetry_and_say_what_to_install() -> N
 class _Receiver(http.server.ThreadingHTTPServer):
     """An OTLP/HTTP receiver on a loopback port: records each request's body and headers."""
 
-    def __init__(self, status: int = 200) -> None:
-        self.status, self.bodies, self.headers_seen = status, [], []
+    def __init__(self, status: int = 200, then: list[int] | None = None) -> None:
+        """Every answer ``status``; with ``then``, the probe's is 200 and the next ones ``then``'s."""
+        self.status, self.then, self.bodies, self.headers_seen = status, list(then or []), [], []
         receiver = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -483,7 +484,10 @@ class _Receiver(http.server.ThreadingHTTPServer):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 receiver.bodies.append(body)
                 receiver.headers_seen.append(dict(self.headers))
-                self.send_response(receiver.status)
+                status = receiver.status
+                if receiver.then and len(receiver.bodies) > 1:
+                    status = receiver.then.pop(0)
+                self.send_response(status)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -552,6 +556,26 @@ def test_a_refusing_endpoint_is_named_without_its_headers(corpus: Corpus, status
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_receiver_pushing_back_slows_the_export_down_and_a_refusal_stops_it(corpus: Corpus) -> None:
+    busy = _Receiver(then=[503, 503, 429])  # Phoenix answers 503 while its ingestion queue is full
+    try:
+        counts = export_traces(corpus.plain, busy.url)
+        assert busy.spans() and len({bytes(s.span_id) for s in busy.spans()}) == counts.spans
+    finally:
+        busy.shutdown()
+        busy.server_close()
+    refusing = _Receiver(then=[400])
+    try:
+        with pytest.raises(
+            OtlpEndpointError, match=r"refused a batch of \d+ spans \(HTTP 400\) after 0 spans"
+        ):
+            export_traces(corpus.plain, refusing.url, headers={"authorization": SECRET})
+        assert len(refusing.bodies) == 2  # the probe, the one batch: a refusal is not retried
+    finally:
+        refusing.shutdown()
+        refusing.server_close()
 
 
 def test_headers_never_show_and_urls_are_checked() -> None:

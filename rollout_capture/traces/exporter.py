@@ -15,6 +15,7 @@ import http.client
 import os
 import queue
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -30,6 +31,7 @@ from rollout_capture.traces.spans import make_resource, rollout_spans
 
 _MISSING: ImportError | None = None
 try:
+    import requests  # the OTLP/HTTP exporter's own HTTP client
     from opentelemetry.exporter.otlp.proto.http import Compression
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace import ReadableSpan
@@ -161,30 +163,57 @@ def _weight(span: ReadableSpan) -> int:
     return size
 
 
-class _Sender:
-    """One batch on the wire while the next is built: a thread and a queue of one."""
+TRANSIENT_STATUS = frozenset({429, 502, 503, 504})
+"""Answers that mean "later" (Phoenix answers 503 while its ingestion queue is full)."""
 
-    def __init__(self, exporter: OTLPSpanExporter, shown: str) -> None:
-        self.exporter, self.shown = exporter, shown
+
+class _Sender:
+    """One batch on the wire while the next is built: a thread and a queue of one.
+
+    A batch the endpoint pushes back (:data:`TRANSIENT_STATUS`, or no answer) is sent again
+    with growing pauses for up to ``patience_s``: a receiver draining its queue slows the export
+    down instead of failing it. Any other refusal fails at once.
+    """
+
+    def __init__(
+        self, exporter: OTLPSpanExporter, shown: str, last: dict[str, int | None], patience_s: float
+    ) -> None:
+        self.exporter, self.shown, self.last, self.patience_s = exporter, shown, last, patience_s
         self.pending: queue.Queue[list[ReadableSpan] | None] = queue.Queue(maxsize=1)
         self.error: OtlpEndpointError | None = None
-        self.sent_spans = self.sent_batches = 0
+        self.sent_spans = self.sent_batches = self.retries = 0
         self.thread = threading.Thread(target=self._run, name="otlp-sender", daemon=True)
         self.thread.start()
+
+    def _export(self, batch: list[ReadableSpan]) -> OtlpEndpointError | None:
+        deadline = time.monotonic() + self.patience_s
+        pause = 0.5
+        while True:
+            self.last["status"] = None
+            if self.exporter.export(batch) is SpanExportResult.SUCCESS:
+                return None
+            status = self.last["status"]
+            transient = status is None or status in TRANSIENT_STATUS
+            if not transient or time.monotonic() + pause > deadline:
+                answered = f"HTTP {status}" if status is not None else "no answer"
+                waited = f" for {self.patience_s:g} s" if transient else ""
+                return OtlpEndpointError(
+                    f"OTLP endpoint {self.shown} refused a batch of {len(batch)} spans ({answered}{waited}) "
+                    f"after {self.sent_spans} spans in {self.sent_batches} batches were accepted "
+                    "(exporting again is safe: span ids are derived, so what landed is not doubled)"
+                )
+            self.retries += 1
+            time.sleep(pause)
+            pause = min(pause * 2, 10.0)
 
     def _run(self) -> None:
         while (batch := self.pending.get()) is not None:
             if self.error is not None:
                 continue
-            if self.exporter.export(batch) is not SpanExportResult.SUCCESS:
-                self.error = OtlpEndpointError(
-                    f"OTLP endpoint {self.shown} refused or lost a batch of {len(batch)} spans after "
-                    f"{self.sent_spans} spans in {self.sent_batches} batches were accepted "
-                    "(exporting again is safe: span ids are derived, so what landed is not doubled)"
-                )
-                continue
-            self.sent_spans += len(batch)
-            self.sent_batches += 1
+            self.error = self._export(batch)
+            if self.error is None:
+                self.sent_spans += len(batch)
+                self.sent_batches += 1
 
     def send(self, batch: list[ReadableSpan]) -> None:
         if self.error is not None:
@@ -216,13 +245,15 @@ def export_traces(
     batch_bytes: int = BATCH_BYTES,
     timeout_s: float = 30.0,
     compression: bool = False,
+    patience_s: float = 300.0,
     progress: Callable[[TraceProgress], None] | None = None,
 ) -> TraceExportCounts:
     """Send every enriched rollout of the JSONL at ``path`` (a local file) to ``endpoint`` as one
     trace each; returns what was sent.
 
     ``headers`` go with every request (an API key header) and never appear in an error or a
-    log. ``project`` names Phoenix's project (``openinference.project.name``). ``progress`` is
+    log. ``project`` names Phoenix's project (``openinference.project.name``). A batch pushed
+    back (429, 502-504, no answer) is retried for up to ``patience_s``. ``progress`` is
     called after each batch the endpoint accepted. The endpoint is checked first
     (:func:`check_endpoint`): :class:`OtlpEndpointError` before anything is sent; a batch
     refused later raises it too, saying how much had landed. A malformed line raises
@@ -236,13 +267,21 @@ def export_traces(
     check_endpoint(url, hidden, timeout_s=min(timeout_s, 10.0))
     resource = make_resource(project)
     fallback_ns = os.stat(path).st_mtime_ns
+    session = requests.Session()
+    last: dict[str, int | None] = {"status": None}
+
+    def seen(answer: requests.Response, *args: Any, **kwargs: Any) -> None:
+        last["status"] = answer.status_code  # the exporter says only "failed"; the sender needs why
+
+    session.hooks["response"].append(seen)
     exporter = OTLPSpanExporter(
         endpoint=url,
         headers=dict(hidden),
         timeout=timeout_s,
         compression=Compression.Gzip if compression else Compression.NoCompression,
+        session=session,
     )
-    sender = _Sender(exporter, shown_endpoint(url))
+    sender = _Sender(exporter, shown_endpoint(url), last, patience_s)
     batch: list[ReadableSpan] = []
     weight = rollouts = calls = spans = skipped = batches = 0
     try:
