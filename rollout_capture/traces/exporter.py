@@ -98,11 +98,11 @@ class TraceExportCounts:
 def traces_url(endpoint: str) -> str:
     """The OTLP/HTTP traces URL of ``endpoint``: a base URL (``http://host:4318``) gets
     ``/v1/traces``; a URL with a path is taken as it is. Credentials in the URL are refused."""
-    refuse_url_credentials(endpoint, where="--otlp")
+    refuse_url_credentials(endpoint, where="OTLP endpoint")
     parts = urlsplit(endpoint)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ValueError(
-            f"--otlp: expected an http(s) URL of an OTLP/HTTP receiver, got {shown_endpoint(endpoint)}"
+            f"OTLP endpoint: expected an http(s) URL of an OTLP/HTTP receiver, got {shown_endpoint(endpoint)}"
         )
     if parts.path in ("", "/"):
         parts = parts._replace(path=TRACES_PATH)
