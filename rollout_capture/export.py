@@ -190,7 +190,7 @@ def _micros(call: Mapping[str, Any], name: str, where: str) -> int | None:
     return micros
 
 
-def _owners(record: Mapping[str, Any]) -> dict[str, str]:
+def call_owners(record: Mapping[str, Any]) -> dict[str, str]:
     """model_call_id -> invocation_id, from the resolved refs of ``ng_agent_observations``."""
     observations = record.get(OBSERVATIONS_KEY)
     if not isinstance(observations, Mapping):
@@ -350,7 +350,7 @@ def export_tables(
                     continue
                 enriched += 1
                 rollout_id = attachment["rollout_id"]
-                owners = _owners(record)
+                owners = call_owners(record)
                 failed = 0
                 for index, call in enumerate(attachment["calls"]):
                     row = _call_row(rollout_id, line, call, owners, f"{ATTACHMENT_KEY}.calls[{index}]")

@@ -18,8 +18,16 @@ from typing import Any
 import orjson
 
 from rollout_capture.attachment import OBSERVATIONS_KEY
-from rollout_capture.export import _owners
-from rollout_capture.summary import EvidenceShapeError, attachment_of, is_failed, model_of
+from rollout_capture.export import call_owners
+from rollout_capture.summary import (
+    EvidenceShapeError,
+    attachment_of,
+    count_field,
+    is_failed,
+    model_of,
+    number_field,
+    text_field,
+)
 from rollout_capture.traces import ids, require_otel
 from rollout_capture.traces.messages import (
     genai_json,
@@ -62,42 +70,6 @@ def make_resource(project: str | None = None) -> Resource:
 
 
 # ------------------------------------------------------------------ typed reads (unknown: None)
-
-
-def _where(where: str, name: str) -> str:
-    return f"{where}.{name}" if where else name
-
-
-def _int(item: Mapping[str, Any], name: str, where: str) -> int | None:
-    """A whole number or None; 3.7 tokens or a string is refused naming the field."""
-    value = item.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise EvidenceShapeError(f"{_where(where, name)}: expected a whole number or null, got {value!r}")
-    if isinstance(value, float):
-        if not value.is_integer():
-            raise EvidenceShapeError(f"{_where(where, name)}: expected a whole number or null, got {value!r}")
-        value = int(value)
-    if not -(2**63) <= value < 2**63:
-        raise EvidenceShapeError(f"{_where(where, name)}: {value!r} does not fit a 64-bit integer")
-    return value
-
-
-def _float(item: Mapping[str, Any], name: str, where: str) -> float | None:
-    value = item.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise EvidenceShapeError(f"{_where(where, name)}: expected a number or null, got {value!r}")
-    return float(value)
-
-
-def _str(item: Mapping[str, Any], name: str, where: str) -> str | None:
-    value = item.get(name)
-    if value is None or isinstance(value, str):
-        return value
-    raise EvidenceShapeError(f"{_where(where, name)}: expected a string or null, got {value!r}")
 
 
 def _ns(seconds: float | None) -> int | None:
@@ -144,9 +116,9 @@ class _Times:
     @classmethod
     def of(cls, item: Mapping[str, Any], where: str, latency_key: str) -> _Times:
         """``started_at`` / ``completed_at``; one of them from the other and the latency when missing."""
-        start = _ns(_float(item, "started_at", where))
-        end = _ns(_float(item, "completed_at", where))
-        latency = _float(item, latency_key, where)
+        start = _ns(number_field(item, "started_at", where))
+        end = _ns(number_field(item, "completed_at", where))
+        latency = number_field(item, latency_key, where)
         known = start is not None and end is not None
         if start is None and end is not None and latency is not None and latency >= 0:
             start = end - round(latency * 1e6)
@@ -200,7 +172,7 @@ def _invocations(record: Mapping[str, Any]) -> list[_Invocation]:
             invocation_id = item["invocation_id"]
             if invocation_id in out:
                 continue
-            name = _ref_name(item.get("agent_ref")) or _str(item, "name", f"{OBSERVATIONS_KEY}.{key}")
+            name = _ref_name(item.get("agent_ref")) or text_field(item, "name", f"{OBSERVATIONS_KEY}.{key}")
             times = _Times.of(item, f"{OBSERVATIONS_KEY}.{key}", "latency_ms")
             out[invocation_id] = _Invocation(invocation_id, name, times)
     return list(out.values())
@@ -277,12 +249,12 @@ def _call_attributes(
     call: Mapping[str, Any], where: str, owner: str | None, include_payloads: bool
 ) -> tuple[str, Attributes, Status]:
     """A call's span name, attributes (both conventions) and status."""
-    dialect = _str(call, "dialect", where)
-    model = _str(call, "model", where)
-    response_id = _str(call, "response_id", where)
-    finish = _str(call, "finish_reason", where)
-    status_code = _int(call, "status_code", where)
-    category = _str(call, "error_category", where)
+    dialect = text_field(call, "dialect", where)
+    model = text_field(call, "model", where)
+    response_id = text_field(call, "response_id", where)
+    finish = text_field(call, "finish_reason", where)
+    status_code = count_field(call, "status_code", where)
+    category = text_field(call, "error_category", where)
     request = call.get("request") if include_payloads and isinstance(call.get("request"), Mapping) else None
     asked = request.get("model") if request is not None else None
     requested = asked if isinstance(asked, str) else model
@@ -299,27 +271,27 @@ def _call_attributes(
         a["gen_ai.response.finish_reasons"] = [finish]
         a["llm.finish_reason"] = finish
     for field, genai, openinference in _TOKENS:
-        value = _int(call, field, where)
+        value = count_field(call, field, where)
         if value is not None:
             if genai is not None:
                 a[genai] = value
             a[openinference] = value
-    ttft = _float(call, "latency_ttft_ms", where)
+    ttft = number_field(call, "latency_ttft_ms", where)
     if ttft is not None and ttft >= 0:
         a["gen_ai.response.time_to_first_chunk"] = ttft / 1000
     _put(a, "http.response.status_code", status_code)
     failed = is_failed(status_code, category)
     _put(a, "error.type", _error_type(status_code, category, failed))
     # what only this project knows, under its own names
-    _put(a, "rollout_capture.call.model_call_id", _str(call, "model_call_id", where))
-    _put(a, "rollout_capture.call.index", _int(call, "call_index", where))
+    _put(a, "rollout_capture.call.model_call_id", text_field(call, "model_call_id", where))
+    _put(a, "rollout_capture.call.index", count_field(call, "call_index", where))
     _put(a, "rollout_capture.call.dialect", dialect)
     _put(a, "rollout_capture.call.model_server", _ref_name(call.get("model_ref")))
-    _put(a, "rollout_capture.call.response_status", _str(call, "response_status", where))
-    _put(a, "rollout_capture.call.latency_ms", _float(call, "latency_total_ms", where))
+    _put(a, "rollout_capture.call.response_status", text_field(call, "response_status", where))
+    _put(a, "rollout_capture.call.latency_ms", number_field(call, "latency_total_ms", where))
     _put(a, "rollout_capture.call.ttft_ms", ttft)
-    _put(a, "rollout_capture.call.capture_hold_ms", _float(call, "capture_hold_ms", where))
-    _put(a, "rollout_capture.call.verifier_invocation_id", _str(call, "verifier_invocation_id", where))
+    _put(a, "rollout_capture.call.capture_hold_ms", number_field(call, "capture_hold_ms", where))
+    _put(a, "rollout_capture.call.verifier_invocation_id", text_field(call, "verifier_invocation_id", where))
     _put(a, "rollout_capture.call.owner_invocation_id", owner)
     tool_calls = call.get("tool_calls")
     if isinstance(tool_calls, list):
@@ -364,14 +336,16 @@ def rollout_spans(
     root_id = ids.span_id(rollout_id, "rollout")
     root_ctx = _context(trace, root_id)
     calls: list[Mapping[str, Any]] = attachment["calls"]
-    owners = _owners(record)
+    owners = call_owners(record)
     invocations = _invocations(record)
     verifiers_raw = attachment.get("verifier_invocations") or []
     if not isinstance(verifiers_raw, list) or not all(isinstance(v, Mapping) for v in verifiers_raw):
         raise EvidenceShapeError("ng_model_call_capture.verifier_invocations: expected a list of objects")
     verifiers: dict[str, Mapping[str, Any]] = {}
     for index, verifier in enumerate(verifiers_raw):
-        vid = _str(verifier, "verifier_invocation_id", f"ng_model_call_capture.verifier_invocations[{index}]")
+        vid = text_field(
+            verifier, "verifier_invocation_id", f"ng_model_call_capture.verifier_invocations[{index}]"
+        )
         if vid is not None:
             verifiers.setdefault(vid, verifier)
 
@@ -427,7 +401,7 @@ def rollout_spans(
         owner = owners.get(mid) if mid else None
         name, attributes, status = _call_attributes(call, where, owner, include_payloads)
         failed_calls += status.status_code is StatusCode.ERROR
-        key = ids.call_key(mid, _int(call, "call_index", where), position)
+        key = ids.call_key(mid, count_field(call, "call_index", where), position)
         parent_key = parent_of[position]
         parent_id = root_id if parent_key is None else ids.span_id(rollout_id, *parent_key)
         fallback = known if parent_key is None else group_times[parent_key]
@@ -481,9 +455,9 @@ def rollout_spans(
     for vid, verifier in verifiers.items():
         where = "ng_model_call_capture.verifier_invocations"
         start, end = group_times[("verifier", vid)]
-        status_code = _int(verifier, "status_code", where)
-        category = _str(verifier, "error_category", where)
-        reward = _float(verifier, "reward", where)
+        status_code = count_field(verifier, "status_code", where)
+        category = text_field(verifier, "error_category", where)
+        reward = number_field(verifier, "reward", where)
         server = _ref_name(verifier.get("verifier_ref"))
         a = {"openinference.span.kind": "EVALUATOR", "rollout_capture.verifier.invocation_id": vid}
         _put(a, "rollout_capture.verifier.name", server)
@@ -491,7 +465,7 @@ def rollout_spans(
         _put(a, "rollout_capture.verifier.reward", reward)
         _put(a, "gen_ai.evaluation.score.value", reward)
         _put(a, "http.response.status_code", status_code)
-        _put(a, "rollout_capture.verifier.latency_ms", _float(verifier, "latency_ms", where))
+        _put(a, "rollout_capture.verifier.latency_ms", number_field(verifier, "latency_ms", where))
         mids = verifier.get("model_call_ids")
         if isinstance(mids, list) and all(isinstance(m, str) for m in mids):
             a["rollout_capture.verifier.model_call_ids"] = list(mids)
@@ -534,8 +508,14 @@ def rollout_spans(
     if isinstance(reward, int | float) and not isinstance(reward, bool) and math.isfinite(reward):
         root["rollout_capture.rollout.reward"] = float(reward)
     for field in ("tokens_in", "tokens_out", "tokens_total", "tokens_reasoning", "cached_tokens"):
-        _put(root, f"rollout_capture.rollout.{field}", _int(metrics, field, "ng_model_call_capture.metrics"))
-    _put(root, "rollout_capture.rollout.latency_total_ms", _float(metrics, "latency_total_ms", "metrics"))
+        _put(
+            root,
+            f"rollout_capture.rollout.{field}",
+            count_field(metrics, field, "ng_model_call_capture.metrics"),
+        )
+    _put(
+        root, "rollout_capture.rollout.latency_total_ms", number_field(metrics, "latency_total_ms", "metrics")
+    )
     codes = list(dict.fromkeys(g["code"] for g in capture_gaps))
     observed = list(dict.fromkeys(g["code"] for g in observation_gaps))
     if codes:
