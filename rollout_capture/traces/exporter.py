@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -34,6 +34,7 @@ try:
     import requests  # the OTLP/HTTP exporter's own HTTP client
     from opentelemetry.exporter.otlp.proto.http import Compression
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.sdk.trace.export import SpanExportResult
 except ImportError as exc:  # no [otel] extra: the module imports, export_traces raises TracesUnavailable
@@ -234,6 +235,87 @@ class _Sender:
         self.thread.join()
 
 
+def _open_exporter(
+    url: str, headers: OtlpHeaders, timeout_s: float, compression: bool
+) -> tuple[OTLPSpanExporter, dict[str, int | None]]:
+    """The OTLP/HTTP exporter, and where its session keeps the status of the last answer
+    (the exporter says only "failed"; the sender needs why)."""
+    session = requests.Session()
+    last: dict[str, int | None] = {"status": None}
+
+    def seen(answer: requests.Response, *args: Any, **kwargs: Any) -> None:
+        last["status"] = answer.status_code
+
+    session.hooks["response"].append(seen)
+    exporter = OTLPSpanExporter(
+        endpoint=url,
+        headers=dict(headers),
+        timeout=timeout_s,
+        compression=Compression.Gzip if compression else Compression.NoCompression,
+        session=session,
+    )
+    return exporter, last
+
+
+@dataclass(slots=True)
+class _Batches:
+    """The batch being built, handed to the sender when full, and the counts of what was sent."""
+
+    sender: _Sender
+    batch_spans: int
+    batch_bytes: int
+    progress: Callable[[TraceProgress], None] | None
+    batch: list[ReadableSpan] = field(default_factory=list)
+    weight: int = 0
+    rollouts: int = 0
+    calls: int = 0
+    spans: int = 0
+    skipped: int = 0
+    batches: int = 0
+
+    def add(self, made: list[ReadableSpan], calls: int) -> None:
+        """One rollout's spans; a batch that is full goes on the wire (and progress is told)."""
+        self.rollouts += 1
+        self.calls += calls
+        for span in made:
+            self.batch.append(span)
+            self.weight += _weight(span)
+        if len(self.batch) >= self.batch_spans or self.weight >= self.batch_bytes:
+            self.flush()
+            if self.progress is not None:
+                self.progress(TraceProgress(self.rollouts, self.sender.sent_spans, self.sender.sent_batches))
+
+    def flush(self) -> None:
+        """Send the batch being built and start the next."""
+        self.sender.send(self.batch)
+        self.spans += len(self.batch)
+        self.batches += 1
+        self.batch, self.weight = [], 0
+
+
+def _send_file(
+    path: str | Path, out: _Batches, include_payloads: bool, resource: Resource, fallback_ns: int
+) -> None:
+    """Every record of the file into ``out``, line by line; a malformed line is named by file
+    and line, a file without any attachment refused."""
+    for line, record in iter_enriched(path):
+        try:
+            attachment = attachment_of(record) if record is not None else None
+            if record is None or attachment is None:
+                out.skipped += 1
+                continue
+            made = rollout_spans(
+                record, include_payloads=include_payloads, resource=resource, fallback_time_ns=fallback_ns
+            )
+        except EvidenceShapeError as exc:
+            raise EvidenceShapeError(f"{path}:{line}: {exc}") from None
+        out.add(made, len(attachment["calls"]))
+    if not out.rollouts:
+        raise no_attachment_error(path)
+    if out.batch:
+        out.flush()
+
+
 def export_traces(
     path: str | Path,
     endpoint: str,
@@ -267,53 +349,11 @@ def export_traces(
     check_endpoint(url, hidden, timeout_s=min(timeout_s, 10.0))
     resource = make_resource(project)
     fallback_ns = os.stat(path).st_mtime_ns
-    session = requests.Session()
-    last: dict[str, int | None] = {"status": None}
-
-    def seen(answer: requests.Response, *args: Any, **kwargs: Any) -> None:
-        last["status"] = answer.status_code  # the exporter says only "failed"; the sender needs why
-
-    session.hooks["response"].append(seen)
-    exporter = OTLPSpanExporter(
-        endpoint=url,
-        headers=dict(hidden),
-        timeout=timeout_s,
-        compression=Compression.Gzip if compression else Compression.NoCompression,
-        session=session,
-    )
+    exporter, last = _open_exporter(url, hidden, timeout_s, compression)
     sender = _Sender(exporter, shown_endpoint(url), last, patience_s)
-    batch: list[ReadableSpan] = []
-    weight = rollouts = calls = spans = skipped = batches = 0
+    out = _Batches(sender, batch_spans, batch_bytes, progress)
     try:
-        for line, record in iter_enriched(path):
-            try:
-                attachment = attachment_of(record) if record is not None else None
-                if record is None or attachment is None:
-                    skipped += 1
-                    continue
-                made = rollout_spans(
-                    record, include_payloads=include_payloads, resource=resource, fallback_time_ns=fallback_ns
-                )
-            except EvidenceShapeError as exc:
-                raise EvidenceShapeError(f"{path}:{line}: {exc}") from None
-            rollouts += 1
-            calls += len(attachment["calls"])
-            for span in made:
-                batch.append(span)
-                weight += _weight(span)
-            if len(batch) >= batch_spans or weight >= batch_bytes:
-                sender.send(batch)
-                spans += len(batch)
-                batches += 1
-                batch, weight = [], 0
-                if progress is not None:
-                    progress(TraceProgress(rollouts, sender.sent_spans, sender.sent_batches))
-        if not rollouts:
-            raise no_attachment_error(path)
-        if batch:
-            sender.send(batch)
-            spans += len(batch)
-            batches += 1
+        _send_file(path, out, include_payloads, resource, fallback_ns)
     except BaseException:
         sender.abort()
         exporter.shutdown()  # type: ignore[no-untyped-call]
@@ -321,7 +361,11 @@ def export_traces(
     sender.close()
     exporter.shutdown()  # type: ignore[no-untyped-call]
     if progress is not None:
-        progress(TraceProgress(rollouts, sender.sent_spans, sender.sent_batches))
+        progress(TraceProgress(out.rollouts, sender.sent_spans, sender.sent_batches))
     return TraceExportCounts(
-        rollouts=rollouts, calls=calls, spans=spans, batches=batches, lines_skipped=skipped
+        rollouts=out.rollouts,
+        calls=out.calls,
+        spans=out.spans,
+        batches=out.batches,
+        lines_skipped=out.skipped,
     )

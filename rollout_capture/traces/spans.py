@@ -308,6 +308,263 @@ def _call_attributes(
 
 # ------------------------------------------------------------------ the trace of one record
 
+_VERIFIERS = "ng_model_call_capture.verifier_invocations"
+_GroupKey = tuple[ids.SpanKindKey, str]
+
+
+class _Trace:
+    """One record's trace while it is built: what its spans share, read once, in the order the
+    fields are checked (so a malformed record fails on the same field as ever)."""
+
+    def __init__(
+        self,
+        record: Mapping[str, Any],
+        attachment: Mapping[str, Any],
+        include_payloads: bool,
+        resource: Resource,
+        fallback_time_ns: int | None,
+    ) -> None:
+        self.record, self.attachment, self.include_payloads = record, attachment, include_payloads
+        self.rollout_id: str = attachment["rollout_id"]
+        self.resource = resource
+        self.trace = ids.trace_id(self.rollout_id)
+        self.root_ctx = _context(self.trace, ids.span_id(self.rollout_id, "rollout"))
+        self.calls: list[Mapping[str, Any]] = attachment["calls"]
+        self.owners = call_owners(record)
+        self.invocations = _invocations(record)
+        self.verifiers = self._read_verifiers()
+        self.call_times = [
+            _Times.of(call, f"ng_model_call_capture.calls[{i}]", "latency_total_ms")
+            for i, call in enumerate(self.calls)
+        ]
+        self.verifier_times = {
+            vid: _Times.of(v, _VERIFIERS, "latency_ms") for vid, v in self.verifiers.items()
+        }
+        self.known, self.times_known = self._settle_times(fallback_time_ns)
+        self.parent_of = self._parents()
+        self.group_times = self._group_times()
+        self.failed_calls = 0
+
+    def _read_verifiers(self) -> dict[str, Mapping[str, Any]]:
+        """The verifier invocations by id, first of an id wins; one that is not an object is refused."""
+        verifiers_raw = self.attachment.get("verifier_invocations") or []
+        if not isinstance(verifiers_raw, list) or not all(isinstance(v, Mapping) for v in verifiers_raw):
+            raise EvidenceShapeError(f"{_VERIFIERS}: expected a list of objects")
+        verifiers: dict[str, Mapping[str, Any]] = {}
+        for index, verifier in enumerate(verifiers_raw):
+            vid = text_field(verifier, "verifier_invocation_id", f"{_VERIFIERS}[{index}]")
+            if vid is not None:
+                verifiers.setdefault(vid, verifier)
+        return verifiers
+
+    def _settle_times(self, fallback_time_ns: int | None) -> tuple[tuple[int, int], bool]:
+        """The rollout's (start, end) over everything timed, and whether anything was; a record
+        timing nothing gets ``fallback_time_ns`` (else 0) for both."""
+        invocation_times = (i.times for i in self.invocations)
+        known = _bounds([*self.call_times, *self.verifier_times.values(), *invocation_times])
+        if known is not None:
+            return known, True
+        at = fallback_time_ns if fallback_time_ns is not None else 0
+        return (at, at), False
+
+    def _parents(self) -> list[_GroupKey | None]:
+        """Which parent each call hangs under: its verifier invocation, else the agent invocation
+        owning it, else (``None``) the root."""
+        invocation_ids = {inv.invocation_id for inv in self.invocations}
+        parent_of: list[_GroupKey | None] = []
+        for call in self.calls:
+            vid = call.get("verifier_invocation_id")
+            mid = call.get("model_call_id")
+            owner = self.owners.get(mid) if isinstance(mid, str) else None
+            if isinstance(vid, str) and vid in self.verifiers:
+                parent_of.append(("verifier", vid))
+            elif owner is not None and owner in invocation_ids:
+                parent_of.append(("agent", owner))
+            else:
+                parent_of.append(None)
+        return parent_of
+
+    def _group_time(self, key: _GroupKey, times: _Times) -> tuple[int, int]:
+        """An invocation's (start, end): its own times, else its calls' bounds, else the rollout's."""
+        members = [self.call_times[i] for i, p in enumerate(self.parent_of) if p == key]
+        bounds = (times.start, times.end) if times.known else _bounds([times, *members])
+        return _settle(
+            _Times(bounds[0], bounds[1], True) if bounds else _Times(None, None, False), self.known
+        )
+
+    def _group_times(self) -> dict[_GroupKey, tuple[int, int]]:
+        """The settled times of every agent and verifier invocation, by its parent key."""
+        group_times: dict[_GroupKey, tuple[int, int]] = {}
+        for inv in self.invocations:
+            group_times[("agent", inv.invocation_id)] = self._group_time(
+                ("agent", inv.invocation_id), inv.times
+            )
+        for vid, vtimes in self.verifier_times.items():
+            group_times[("verifier", vid)] = self._group_time(("verifier", vid), vtimes)
+        return group_times
+
+    def call_span(self, position: int, call: Mapping[str, Any]) -> ReadableSpan:
+        """The span of one call, under its parent, timed by the capture (counts a failed call)."""
+        where = f"ng_model_call_capture.calls[{position}]"
+        mid = call.get("model_call_id") if isinstance(call.get("model_call_id"), str) else None
+        owner = self.owners.get(mid) if mid else None
+        name, attributes, status = _call_attributes(call, where, owner, self.include_payloads)
+        self.failed_calls += status.status_code is StatusCode.ERROR
+        key = ids.call_key(mid, count_field(call, "call_index", where), position)
+        parent_key = self.parent_of[position]
+        parent_id = self.root_ctx.span_id if parent_key is None else ids.span_id(self.rollout_id, *parent_key)
+        fallback = self.known if parent_key is None else self.group_times[parent_key]
+        times = self.call_times[position]
+        start, end = _settle(times, fallback)
+        if not times.known:
+            attributes["rollout_capture.call.times_known"] = False
+        elif times.end is not None and times.start is not None and times.end < times.start:
+            attributes["rollout_capture.call.timing_impossible"] = True
+        return ReadableSpan(
+            name=name,
+            context=_context(self.trace, ids.span_id(self.rollout_id, "call", key)),
+            parent=_context(self.trace, parent_id),
+            resource=self.resource,
+            attributes=attributes,
+            kind=SpanKind.CLIENT,
+            status=status,
+            start_time=start,
+            end_time=end,
+            instrumentation_scope=SCOPE,
+        )
+
+    def invocation_span(self, inv: _Invocation) -> ReadableSpan:
+        """The span of one agent invocation, a child of the root."""
+        key: _GroupKey = ("agent", inv.invocation_id)
+        start, end = self.group_times[key]
+        a: Attributes = {
+            "openinference.span.kind": "AGENT",
+            "gen_ai.operation.name": "invoke_agent",
+            "gen_ai.agent.id": inv.invocation_id,
+            "rollout_capture.invocation.id": inv.invocation_id,
+            "rollout_capture.invocation.calls": sum(p == key for p in self.parent_of),
+        }
+        _put(a, "gen_ai.agent.name", inv.name)
+        if not inv.times.known:
+            a["rollout_capture.invocation.times_known"] = False
+        return ReadableSpan(
+            name=f"invoke_agent {inv.name or inv.invocation_id}",
+            context=_context(self.trace, ids.span_id(self.rollout_id, *key)),
+            parent=self.root_ctx,
+            resource=self.resource,
+            attributes=a,
+            kind=SpanKind.INTERNAL,
+            start_time=start,
+            end_time=end,
+            instrumentation_scope=SCOPE,
+        )
+
+    def verifier_span(self, vid: str, verifier: Mapping[str, Any]) -> ReadableSpan:
+        """The span of one verifier invocation (an evaluator), a child of the root."""
+        start, end = self.group_times[("verifier", vid)]
+        status_code = count_field(verifier, "status_code", _VERIFIERS)
+        category = text_field(verifier, "error_category", _VERIFIERS)
+        reward = number_field(verifier, "reward", _VERIFIERS)
+        server = _ref_name(verifier.get("verifier_ref"))
+        a: Attributes = {
+            "openinference.span.kind": "EVALUATOR",
+            "rollout_capture.verifier.invocation_id": vid,
+        }
+        _put(a, "rollout_capture.verifier.name", server)
+        _put(a, "gen_ai.evaluation.name", server)
+        _put(a, "rollout_capture.verifier.reward", reward)
+        _put(a, "gen_ai.evaluation.score.value", reward)
+        _put(a, "http.response.status_code", status_code)
+        _put(a, "rollout_capture.verifier.latency_ms", number_field(verifier, "latency_ms", _VERIFIERS))
+        mids = verifier.get("model_call_ids")
+        if isinstance(mids, list) and all(isinstance(m, str) for m in mids):
+            a["rollout_capture.verifier.model_call_ids"] = list(mids)
+        failed = is_failed(status_code, category)
+        _put(a, "error.type", _error_type(status_code, category, failed))
+        if not self.verifier_times[vid].known:
+            a["rollout_capture.verifier.times_known"] = False
+        return ReadableSpan(
+            name=f"verify {server or vid}",
+            context=_context(self.trace, ids.span_id(self.rollout_id, "verifier", vid)),
+            parent=self.root_ctx,
+            resource=self.resource,
+            attributes=a,
+            kind=SpanKind.INTERNAL,
+            status=Status(StatusCode.ERROR, category or "failed") if failed else Status(StatusCode.OK),
+            start_time=start,
+            end_time=end,
+            instrumentation_scope=SCOPE,
+        )
+
+    def _root_attributes(self, codes: list[str], observed: list[str]) -> Attributes:
+        """The rollout's figures (from the attachment's metrics) and its gap codes, on the root."""
+        metrics = self.attachment.get("metrics") or {}
+        root: Attributes = {
+            "openinference.span.kind": "CHAIN",
+            "rollout_capture.rollout.id": self.rollout_id,
+            "rollout_capture.rollout.num_calls": len(self.calls),
+            "rollout_capture.rollout.failed_calls": self.failed_calls,
+            "rollout_capture.rollout.verifier_invocations": len(self.verifiers),
+        }
+        if not self.times_known:
+            root["rollout_capture.rollout.times_known"] = False
+        reward = self.record.get("reward")
+        if isinstance(reward, int | float) and not isinstance(reward, bool) and math.isfinite(reward):
+            root["rollout_capture.rollout.reward"] = float(reward)
+        for field in ("tokens_in", "tokens_out", "tokens_total", "tokens_reasoning", "cached_tokens"):
+            value = count_field(metrics, field, "ng_model_call_capture.metrics")
+            _put(root, f"rollout_capture.rollout.{field}", value)
+        _put(
+            root,
+            "rollout_capture.rollout.latency_total_ms",
+            number_field(metrics, "latency_total_ms", "metrics"),
+        )
+        if codes:
+            root["rollout_capture.rollout.gap_codes"] = codes
+        if observed:
+            root["rollout_capture.rollout.observation_gap_codes"] = observed
+        _put(root, "gen_ai.agent.name", _ref_name(self.record.get("agent_ref")))
+        metadata: dict[str, Any] = {"rollout_id": self.rollout_id, "num_calls": len(self.calls)}
+        if "rollout_capture.rollout.reward" in root:
+            metadata["reward"] = root["rollout_capture.rollout.reward"]
+        if codes or observed:
+            metadata["gap_codes"] = codes + observed
+        root["metadata"] = orjson.dumps(metadata).decode()
+        return root
+
+    def root_span(self) -> ReadableSpan:
+        """The rollout's span, its gaps as events; built after the call spans (it counts the failed ones)."""
+        capture_gaps = _gaps(self.attachment.get("gaps"), "ng_model_call_capture.gaps")
+        observations = self.record.get(OBSERVATIONS_KEY)
+        observation_gaps = []
+        if isinstance(observations, Mapping):
+            observation_gaps = _gaps(observations.get("gaps"), f"{OBSERVATIONS_KEY}.gaps")
+        codes = list(dict.fromkeys(g["code"] for g in capture_gaps))
+        observed = list(dict.fromkeys(g["code"] for g in observation_gaps))
+        attributes = self._root_attributes(codes, observed)
+        start, end = self.known
+        events = [_gap_event(g, "capture", start) for g in capture_gaps]
+        events += [_gap_event(g, "ownership", start) for g in observation_gaps]
+        failed, calls = self.failed_calls, len(self.calls)
+        status = (
+            Status(StatusCode.ERROR, f"{failed} of {calls} calls failed")
+            if failed
+            else Status(StatusCode.UNSET)
+        )
+        return ReadableSpan(
+            name=f"rollout {self.rollout_id}",
+            context=self.root_ctx,
+            parent=None,
+            resource=self.resource,
+            attributes=attributes,
+            events=events,
+            kind=SpanKind.INTERNAL,
+            status=status,
+            start_time=start,
+            end_time=end,
+            instrumentation_scope=SCOPE,
+        )
+
 
 def rollout_spans(
     record: Mapping[str, Any],
@@ -330,228 +587,8 @@ def rollout_spans(
     attachment = attachment_of(record)
     if attachment is None:
         return []
-    rollout_id: str = attachment["rollout_id"]
-    resource = resource or make_resource()
-    trace = ids.trace_id(rollout_id)
-    root_id = ids.span_id(rollout_id, "rollout")
-    root_ctx = _context(trace, root_id)
-    calls: list[Mapping[str, Any]] = attachment["calls"]
-    owners = call_owners(record)
-    invocations = _invocations(record)
-    verifiers_raw = attachment.get("verifier_invocations") or []
-    if not isinstance(verifiers_raw, list) or not all(isinstance(v, Mapping) for v in verifiers_raw):
-        raise EvidenceShapeError("ng_model_call_capture.verifier_invocations: expected a list of objects")
-    verifiers: dict[str, Mapping[str, Any]] = {}
-    for index, verifier in enumerate(verifiers_raw):
-        vid = text_field(
-            verifier, "verifier_invocation_id", f"ng_model_call_capture.verifier_invocations[{index}]"
-        )
-        if vid is not None:
-            verifiers.setdefault(vid, verifier)
-
-    call_times = [
-        _Times.of(call, f"ng_model_call_capture.calls[{i}]", "latency_total_ms")
-        for i, call in enumerate(calls)
-    ]
-    verifier_times = {
-        vid: _Times.of(v, "ng_model_call_capture.verifier_invocations", "latency_ms")
-        for vid, v in verifiers.items()
-    }
-    known = _bounds([*call_times, *verifier_times.values(), *(i.times for i in invocations)])
-    times_known = known is not None
-    if known is None:
-        at = fallback_time_ns if fallback_time_ns is not None else 0
-        known = (at, at)
-
-    # which parent each call hangs under
-    invocation_ids = {inv.invocation_id for inv in invocations}
-    parent_of: list[tuple[ids.SpanKindKey, str] | None] = []
-    for call in calls:
-        vid = call.get("verifier_invocation_id")
-        mid = call.get("model_call_id")
-        owner = owners.get(mid) if isinstance(mid, str) else None
-        if isinstance(vid, str) and vid in verifiers:
-            parent_of.append(("verifier", vid))
-        elif owner is not None and owner in invocation_ids:
-            parent_of.append(("agent", owner))
-        else:
-            parent_of.append(None)
-
-    spans: list[ReadableSpan] = []
-    failed_calls = 0
-    child_spans: list[ReadableSpan] = []
-    # invocation spans: their own times, else their calls' bounds, else the rollout's
-    group_times: dict[tuple[ids.SpanKindKey, str], tuple[int, int]] = {}
-    for inv in invocations:
-        members = [call_times[i] for i, p in enumerate(parent_of) if p == ("agent", inv.invocation_id)]
-        bounds = (inv.times.start, inv.times.end) if inv.times.known else _bounds([inv.times, *members])
-        group_times[("agent", inv.invocation_id)] = _settle(
-            _Times(bounds[0], bounds[1], True) if bounds else _Times(None, None, False), known
-        )
-    for vid, vtimes in verifier_times.items():
-        members = [call_times[i] for i, p in enumerate(parent_of) if p == ("verifier", vid)]
-        bounds = (vtimes.start, vtimes.end) if vtimes.known else _bounds([vtimes, *members])
-        group_times[("verifier", vid)] = _settle(
-            _Times(bounds[0], bounds[1], True) if bounds else _Times(None, None, False), known
-        )
-
-    for position, call in enumerate(calls):
-        where = f"ng_model_call_capture.calls[{position}]"
-        mid = call.get("model_call_id") if isinstance(call.get("model_call_id"), str) else None
-        owner = owners.get(mid) if mid else None
-        name, attributes, status = _call_attributes(call, where, owner, include_payloads)
-        failed_calls += status.status_code is StatusCode.ERROR
-        key = ids.call_key(mid, count_field(call, "call_index", where), position)
-        parent_key = parent_of[position]
-        parent_id = root_id if parent_key is None else ids.span_id(rollout_id, *parent_key)
-        fallback = known if parent_key is None else group_times[parent_key]
-        times = call_times[position]
-        start, end = _settle(times, fallback)
-        if not times.known:
-            attributes["rollout_capture.call.times_known"] = False
-        elif times.end is not None and times.start is not None and times.end < times.start:
-            attributes["rollout_capture.call.timing_impossible"] = True
-        child_spans.append(
-            ReadableSpan(
-                name=name,
-                context=_context(trace, ids.span_id(rollout_id, "call", key)),
-                parent=_context(trace, parent_id),
-                resource=resource,
-                attributes=attributes,
-                kind=SpanKind.CLIENT,
-                status=status,
-                start_time=start,
-                end_time=end,
-                instrumentation_scope=SCOPE,
-            )
-        )
-
-    for inv in invocations:
-        start, end = group_times[("agent", inv.invocation_id)]
-        a: Attributes = {
-            "openinference.span.kind": "AGENT",
-            "gen_ai.operation.name": "invoke_agent",
-            "gen_ai.agent.id": inv.invocation_id,
-            "rollout_capture.invocation.id": inv.invocation_id,
-            "rollout_capture.invocation.calls": sum(p == ("agent", inv.invocation_id) for p in parent_of),
-        }
-        _put(a, "gen_ai.agent.name", inv.name)
-        if not inv.times.known:
-            a["rollout_capture.invocation.times_known"] = False
-        child_spans.append(
-            ReadableSpan(
-                name=f"invoke_agent {inv.name or inv.invocation_id}",
-                context=_context(trace, ids.span_id(rollout_id, "agent", inv.invocation_id)),
-                parent=root_ctx,
-                resource=resource,
-                attributes=a,
-                kind=SpanKind.INTERNAL,
-                start_time=start,
-                end_time=end,
-                instrumentation_scope=SCOPE,
-            )
-        )
-
-    for vid, verifier in verifiers.items():
-        where = "ng_model_call_capture.verifier_invocations"
-        start, end = group_times[("verifier", vid)]
-        status_code = count_field(verifier, "status_code", where)
-        category = text_field(verifier, "error_category", where)
-        reward = number_field(verifier, "reward", where)
-        server = _ref_name(verifier.get("verifier_ref"))
-        a = {"openinference.span.kind": "EVALUATOR", "rollout_capture.verifier.invocation_id": vid}
-        _put(a, "rollout_capture.verifier.name", server)
-        _put(a, "gen_ai.evaluation.name", server)
-        _put(a, "rollout_capture.verifier.reward", reward)
-        _put(a, "gen_ai.evaluation.score.value", reward)
-        _put(a, "http.response.status_code", status_code)
-        _put(a, "rollout_capture.verifier.latency_ms", number_field(verifier, "latency_ms", where))
-        mids = verifier.get("model_call_ids")
-        if isinstance(mids, list) and all(isinstance(m, str) for m in mids):
-            a["rollout_capture.verifier.model_call_ids"] = list(mids)
-        failed = is_failed(status_code, category)
-        _put(a, "error.type", _error_type(status_code, category, failed))
-        if not verifier_times[vid].known:
-            a["rollout_capture.verifier.times_known"] = False
-        child_spans.append(
-            ReadableSpan(
-                name=f"verify {server or vid}",
-                context=_context(trace, ids.span_id(rollout_id, "verifier", vid)),
-                parent=root_ctx,
-                resource=resource,
-                attributes=a,
-                kind=SpanKind.INTERNAL,
-                status=Status(StatusCode.ERROR, category or "failed") if failed else Status(StatusCode.OK),
-                start_time=start,
-                end_time=end,
-                instrumentation_scope=SCOPE,
-            )
-        )
-
-    # the root: the rollout, its figures, its gaps as events
-    metrics = attachment.get("metrics") or {}
-    capture_gaps = _gaps(attachment.get("gaps"), "ng_model_call_capture.gaps")
-    observations = record.get(OBSERVATIONS_KEY)
-    observation_gaps = []
-    if isinstance(observations, Mapping):
-        observation_gaps = _gaps(observations.get("gaps"), f"{OBSERVATIONS_KEY}.gaps")
-    root: Attributes = {
-        "openinference.span.kind": "CHAIN",
-        "rollout_capture.rollout.id": rollout_id,
-        "rollout_capture.rollout.num_calls": len(calls),
-        "rollout_capture.rollout.failed_calls": failed_calls,
-        "rollout_capture.rollout.verifier_invocations": len(verifiers),
-    }
-    if not times_known:
-        root["rollout_capture.rollout.times_known"] = False
-    reward = record.get("reward")
-    if isinstance(reward, int | float) and not isinstance(reward, bool) and math.isfinite(reward):
-        root["rollout_capture.rollout.reward"] = float(reward)
-    for field in ("tokens_in", "tokens_out", "tokens_total", "tokens_reasoning", "cached_tokens"):
-        _put(
-            root,
-            f"rollout_capture.rollout.{field}",
-            count_field(metrics, field, "ng_model_call_capture.metrics"),
-        )
-    _put(
-        root, "rollout_capture.rollout.latency_total_ms", number_field(metrics, "latency_total_ms", "metrics")
-    )
-    codes = list(dict.fromkeys(g["code"] for g in capture_gaps))
-    observed = list(dict.fromkeys(g["code"] for g in observation_gaps))
-    if codes:
-        root["rollout_capture.rollout.gap_codes"] = codes
-    if observed:
-        root["rollout_capture.rollout.observation_gap_codes"] = observed
-    agent = _ref_name(record.get("agent_ref"))
-    _put(root, "gen_ai.agent.name", agent)
-    metadata: dict[str, Any] = {"rollout_id": rollout_id, "num_calls": len(calls)}
-    if "rollout_capture.rollout.reward" in root:
-        metadata["reward"] = root["rollout_capture.rollout.reward"]
-    if codes or observed:
-        metadata["gap_codes"] = codes + observed
-    root["metadata"] = orjson.dumps(metadata).decode()
-    start, end = known
-    events = [_gap_event(g, "capture", start) for g in capture_gaps]
-    events += [_gap_event(g, "ownership", start) for g in observation_gaps]
-    root_status = (
-        Status(StatusCode.ERROR, f"{failed_calls} of {len(calls)} calls failed")
-        if failed_calls
-        else Status(StatusCode.UNSET)
-    )
-    spans.append(
-        ReadableSpan(
-            name=f"rollout {rollout_id}",
-            context=root_ctx,
-            parent=None,
-            resource=resource,
-            attributes=root,
-            events=events,
-            kind=SpanKind.INTERNAL,
-            status=root_status,
-            start_time=start,
-            end_time=end,
-            instrumentation_scope=SCOPE,
-        )
-    )
-    spans.extend(child_spans)
-    return spans
+    trace = _Trace(record, attachment, include_payloads, resource or make_resource(), fallback_time_ns)
+    children = [trace.call_span(position, call) for position, call in enumerate(trace.calls)]
+    children += [trace.invocation_span(inv) for inv in trace.invocations]
+    children += [trace.verifier_span(vid, verifier) for vid, verifier in trace.verifiers.items()]
+    return [trace.root_span(), *children]
