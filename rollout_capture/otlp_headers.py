@@ -27,9 +27,8 @@ class HeaderError(ValueError):
 def _checked(name: str, value: str, where: str) -> tuple[str, str]:
     name, value = name.strip(), value.strip()
     if not _TOKEN.match(name):
-        raise HeaderError(
-            f"{where}: a header name must be an HTTP token (letters, digits, -_.), got {name!r}"
-        )
+        # Not shown: a name that is no token may hold part of the value ("Bearer sk-...: x").
+        raise HeaderError(f"{where}: a header name must be an HTTP token (letters, digits, -_.); not shown")
     if not value:
         raise HeaderError(f"{where}: header {name!r} has an empty value")
     if any(c in value for c in "\r\n\0"):

@@ -213,6 +213,56 @@ def test_export_refuses_bad_trace_input_before_anything_is_sent(
     _unechoed(credentialed)
 
 
+def test_export_shows_a_progress_bar_on_a_terminal(receiver: OtlpReceiver, tmp_path: Path) -> None:
+    """At a TTY, a bar on stderr while the traces go (piped, nothing: the test above)."""
+    import os
+    import pty
+
+    from .support.cli import CLI
+    from .test_report import build_corpus
+
+    _, enriched = build_corpus(tmp_path / "bad")
+    primary, secondary = pty.openpty()
+    process = subprocess.Popen(
+        [*CLI, "export", str(enriched), "--otlp", receiver.url, "--otlp-header", f"api_key: {OTLP_SECRET}"],
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+        env=cli_env(COLUMNS="120"),
+    )
+    os.close(secondary)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:  # the other side closed: the process is done
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(primary)
+    text = seen.decode(errors="replace")
+    assert process.wait(120) == 0, text[-2000:]
+    assert "sending traces to" in text and "━" in text, text[-2000:]
+    assert "span(s) in 1 batch(es) to" in text and OTLP_SECRET not in text
+
+
+def test_export_sends_the_traces_of_an_output_on_s3(s3: S3, receiver: OtlpReceiver, tmp_path: Path) -> None:
+    """An S3 run's output goes through the temporary local copy, as the Parquet export reads it."""
+    from .test_report import build_corpus
+
+    _, enriched = build_corpus(tmp_path / "bad")
+    _, _, spans = _expected_spans(enriched)
+    s3.fs().put_file(str(enriched), f"{s3.bucket}/runs/r1/rollouts.enriched.jsonl")
+    url, options = (
+        s3.url("runs/r1/rollouts.enriched.jsonl"),
+        ["--storage-options", json.dumps(s3.storage_options)],
+    )
+    done = run_cli("export", url, *options, "--otlp", receiver.url, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["traces"]["spans"] == spans == len(receiver.spans())
+
+
 def test_export_without_the_otel_extra_names_it(tmp_path: Path) -> None:
     """No OpenTelemetry installed (its modules hidden): exit 2 naming the extra."""
     code = (

@@ -239,10 +239,11 @@ def _traces(
     if quiet or not sys.stderr.isatty():
         return send(None)
     from rich.console import Console
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     with Progress(
         SpinnerColumn(),
+        BarColumn(),
         TextColumn("{task.description}"),
         TimeElapsedColumn(),
         console=Console(stderr=True),
