@@ -143,3 +143,28 @@ def test_the_scheduled_job_sends_each_run_s_traces(
     assert len(receiver.spans()) == SAMPLE_SPANS
     assert all(request.headers.get("api_key") == SECRET for request in receiver.received)
     assert SECRET not in json.dumps(flow_run(state.state_details.flow_run_id).parameters, default=str)
+
+
+def test_the_enrich_command_passes_the_endpoint_and_the_block_name(
+    prefect_api: str, receiver: OtlpReceiver, block: str, tmp_path: Path
+) -> None:
+    from .support.cli import run_cli
+
+    captures = ["--capture-dir", str(SAMPLE / "captures")]
+    output = tmp_path / "out.jsonl"
+    unreachable = run_cli(
+        "enrich", str(SAMPLE / "rollouts.jsonl"), *captures, "--output", str(output),
+        "--otlp", "http://127.0.0.1:9", "--otlp-headers-block", block, api=prefect_api,
+    )  # fmt: skip
+    assert unreachable.returncode == 2, unreachable.stderr
+    assert "OTLP endpoint http://127.0.0.1:9/v1/traces is unreachable" in unreachable.stderr
+    assert not output.exists() and SECRET not in unreachable.stderr + unreachable.stdout
+    done = run_cli(
+        "enrich", str(SAMPLE / "rollouts.jsonl"), *captures, "--output", str(output),
+        "--otlp", receiver.url, "--otlp-headers-block", block, "--json", api=prefect_api,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["traces"].startswith("10 rollout(s), 14 call(s) sent as 26 span(s)")
+    assert len(receiver.spans()) == SAMPLE_SPANS
+    assert all(request.headers.get("api_key") == SECRET for request in receiver.received)
+    assert SECRET not in done.stderr + done.stdout

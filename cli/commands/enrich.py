@@ -126,6 +126,8 @@ def _show_enriched(summary: EnrichSummary, rollouts: str) -> None:
         ("rollouts with any gap", f"{stats.rollouts_with_gaps} ({100 * stats.gap_share:.1f}%)"),
         ("lines passed through", str(len(stats.problems))),
     ]
+    if summary.traces is not None:
+        rows.append(("traces", summary.traces))
     show(rows + evidence_rows(stats.evidence))
     for problem in stats.problems[:10]:
         typer.echo(f"{rollouts}:{problem.line}: {problem.reason}", err=True)
