@@ -43,6 +43,22 @@ MaxGapShareOpt = Annotated[
         help='Above this share of rollouts with a gap: end "Completed with gaps", emit gaps-exceeded.',
     ),
 ]
+OtlpFlowOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--otlp",
+        metavar="URL",
+        help="Once the output is written, send its rollouts as traces to this OTLP/HTTP endpoint.",
+    ),
+]
+OtlpHeadersBlockOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--otlp-headers-block",
+        metavar="BLOCK",
+        help="A Prefect Secret block holding the endpoint's headers (an API key; only its name is passed).",
+    ),
+]
 MaxFailedShareOpt = Annotated[
     float | None,
     typer.Option(

@@ -275,6 +275,47 @@ def publish_spool(
     return summary
 
 
+class TracesExportFailed(RuntimeError):
+    """The enriched output is written, but sending its traces failed (the message names the endpoint)."""
+
+
+def check_traces(options: EnrichOptions) -> None:
+    """At a flow's start, before any enrichment: an endpoint that would refuse the traces fails the
+    run now, naming the endpoint (never the headers), not after the whole input is enriched."""
+    if options.otlp_endpoint:
+        from rollout_capture.tasks.traces import check_traces_endpoint
+
+        check_traces_endpoint(options.otlp_endpoint, options.otlp_headers_block)
+
+
+def send_traces(
+    summary: EnrichSummary, output: Location, options: EnrichOptions
+) -> TracesExportFailed | None:
+    """Export the written output's traces when ``options`` name an endpoint; note what was sent (or
+    why not) in ``summary.traces``. A failure is returned, for the flow to end Failed with once
+    its summary is published: the output stays written."""
+    if not options.otlp_endpoint:
+        return None
+    from rollout_capture.tasks.traces import export_output_traces
+    from rollout_capture.traces.exporter import shown_endpoint, traces_url
+
+    shown = shown_endpoint(traces_url(options.otlp_endpoint))
+    try:
+        counts = export_output_traces(
+            output, options.otlp_endpoint, options.otlp_headers_block, options.include_payloads
+        )
+    except Exception as exc:
+        summary.traces = f"export to {shown} failed: {exc}"
+        return TracesExportFailed(
+            f"the enriched output {output} is written, but exporting its traces to {shown} failed: {exc}"
+        )
+    summary.traces = (
+        f"{counts.rollouts} rollout(s), {counts.calls} call(s) sent as {counts.spans} span(s) "
+        f"in {counts.batches} batch(es) to {shown}"
+    )
+    return None
+
+
 def report_enrichment(summary: EnrichSummary, options: EnrichOptions) -> State[EnrichSummary] | EnrichSummary:
     """Log what an enrichment found, publish its artifacts, emit its events; return the flow's end.
 
@@ -350,6 +391,8 @@ def enrich_rollouts(
     storage_options: StorageOptions = None,
     credentials_block: str | None = None,
     max_failed_share: Annotated[float, Field(ge=0, le=1)] | None = None,
+    otlp_endpoint: str | None = None,
+    otlp_headers_block: str | None = None,
 ) -> EnrichSummary:
     """Enrich every rollout of ``rollouts`` (any fsspec URL, ``.gz`` too) with its captured calls.
 
@@ -377,6 +420,11 @@ def enrich_rollouts(
         credentials_block: Name of a prefect-aws AwsCredentials block to read and write S3 with.
         max_failed_share: Above this share of failed calls (not 2xx, or an error category), the
             run ends "Completed with failed calls" and emits the failed-calls-exceeded event.
+        otlp_endpoint: Once the output is written, send its rollouts as traces to this OTLP/HTTP
+            endpoint (a base URL gets /v1/traces; the otel extra). Checked before enriching; a
+            failed export leaves the output written and the run Failed, naming the endpoint.
+        otlp_headers_block: Name of a Prefect Secret block holding the endpoint's headers (a dict,
+            or "Name: value" lines / "Name=value,..." pairs): never the headers themselves.
 
     Examples:
         Enrich the bundled sample (what ``make demo`` does):
@@ -401,11 +449,16 @@ def enrich_rollouts(
     started = time.perf_counter()
     try:
         captures = Location.of(capture_dir, storage_options, credentials_block)  # refused here if bad
+        check_traces(options)
         output_at = captures.at(target)
         done = enrich_to_spool(captures.at(rollouts), captures, output_at, options)
         summary = publish_spool(done, rollouts, output_at, started)
     except Exception as exc:
         emit_failed(rollouts, target, exc)
         raise
+    failed = send_traces(summary, output_at, options)
     # A named Completed state when the evidence is poor; callers still get the summary.
-    return report_enrichment(summary, options)  # type: ignore[return-value]
+    end = report_enrichment(summary, options)
+    if failed is not None:
+        raise failed
+    return end  # type: ignore[return-value]

@@ -22,7 +22,13 @@ from pydantic import BaseModel, Field
 from rollout_capture.batch import BatchStats
 from rollout_capture.enrich_options import DEFAULT_BATCH_SIZE, DEFAULT_MAX_WORKERS, EnrichOptions, Runner
 from rollout_capture.filesystem import absolute_location
-from rollout_capture.flows.enrich import enrich_to_spool, publish_spool, report_enrichment
+from rollout_capture.flows.enrich import (
+    check_traces,
+    enrich_to_spool,
+    publish_spool,
+    report_enrichment,
+    send_traces,
+)
 from rollout_capture.flows.events import emit_failed
 from rollout_capture.flows.guard import StorageOptions, guarded_flow
 from rollout_capture.flows.report import EnrichSummary, flow_run_link, publish_runs_table, show_core_logs
@@ -137,7 +143,10 @@ def enrich_run(
         finally:
             if not finished:
                 _give_back(keeper)
+        failed = send_traces(summary, output, options)
         end = report_enrichment(summary, options)
+    if failed is not None:
+        raise failed
     return end  # type: ignore[return-value]  # a named Completed state when the evidence is poor
 
 
@@ -272,6 +281,8 @@ def enrich_completed_runs(
     storage_options: StorageOptions = None,
     credentials_block: str | None = None,
     max_failed_share: Annotated[float, Field(ge=0, le=1)] | None = None,
+    otlp_endpoint: str | None = None,
+    otlp_headers_block: str | None = None,
 ) -> RunsSummary:
     """Enrich each finished run (``_SUCCESS``, no ``_ENRICHED``) under ``runs_root``, each in a subflow.
 
@@ -299,6 +310,11 @@ def enrich_completed_runs(
         credentials_block: Name of a prefect-aws AwsCredentials block to read and write S3 with.
         max_failed_share: Above this share of failed calls, a run ends "Completed with failed
             calls" and emits the failed-calls-exceeded event.
+        otlp_endpoint: Once a run's output is written, send its rollouts as traces to this OTLP/HTTP
+            endpoint (the otel extra). Checked before any run is taken; a failed export leaves
+            the output written and the run failed, naming the endpoint.
+        otlp_headers_block: Name of a Prefect Secret block holding the endpoint's headers: never
+            the headers themselves.
 
     Examples:
         Enrich every finished run under a root, once:
@@ -323,6 +339,7 @@ def enrich_completed_runs(
     show_core_logs()
     check_runner(runner, dask_address, ray_address)
     runs = Location.of(runs_root, storage_options, credentials_block)  # refused here if bad
+    check_traces(options)
     captures = runs.at(capture_dir) if capture_dir else None
     summary, ready = _sorted_runs(find_runs(runs, full_scan, recheck))
     parameters = {"runs_root": runs, "lease_s": lease_s, "capture_dir": captures, "options": options}

@@ -77,6 +77,8 @@ class EnrichSummary(BaseModel):
     stats: BatchStats = Field(default_factory=BatchStats)
     report: str | None = None
     """The HTML evidence report written beside the output (None: it could not be written)."""
+    traces: str | None = None
+    """What the trace export sent, or why it failed (None: no ``otlp_endpoint`` was given)."""
 
 
 ProgressListener = Callable[[str, int, int], None]
@@ -180,6 +182,8 @@ def _summary_markdown(summary: EnrichSummary) -> str:
     ]
     if summary.report is not None:
         lines.append(f"- evidence report: [{summary.report}]({_link(summary.report)})")
+    if summary.traces is not None:
+        lines.append(f"- traces: {summary.traces}")
     lines += ["", "## Evidence", "", evidence.to_markdown()]
     if stats.problems:
         lines += ["", f"## Lines passed through unchanged ({len(stats.problems)})", ""]

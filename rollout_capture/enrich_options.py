@@ -51,6 +51,10 @@ class EnrichOptions(BaseModel):
     """Above this share of rollouts with a gap, the run ends "Completed with gaps"."""
     max_failed_share: Annotated[float, Field(ge=0, le=1)] | None = None
     """Above this share of failed calls, the run ends "Completed with failed calls"."""
+    otlp_endpoint: str | None = None
+    """Send the output's traces to this OTLP/HTTP endpoint once it is written (the otel extra)."""
+    otlp_headers_block: str | None = None
+    """The Prefect ``Secret`` block holding that endpoint's headers: only its name is a parameter."""
 
     @classmethod
     def from_parameters(cls, parameters: Mapping[str, Any]) -> EnrichOptions:

@@ -7,7 +7,9 @@ s3fs, gcsfs and adlfs cache listings (stale reads of a capture being written) an
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import fsspec
@@ -114,3 +116,47 @@ def open_filesystem(
 def join(root: str, name: str) -> str:
     """``root/name`` for fsspec paths (always ``/``-separated)."""
     return f"{root}/{name}" if root else name
+
+
+@contextmanager
+def local_copy(
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    credentials: Mapping[str, Any] | None = None,
+) -> Iterator[str]:
+    """A local file holding ``url``: a local path as it is, a URL (an S3 run's output) copied to a
+    temporary file, removed after. Readers that want a local file (the Parquet and trace
+    exports) read a URL through it; an error naming the copy is renamed to name the URL."""
+    local = local_path(url)
+    if local is not None:
+        yield local
+        return
+    fs, remote = open_filesystem(url, storage_options, credentials=credentials)
+    with tempfile.TemporaryDirectory(prefix="rollout-capture-") as folder:
+        copy = os.path.join(folder, remote.rstrip("/").rsplit("/", 1)[-1])
+        fs.get_file(remote, copy)
+        try:
+            yield copy
+        except Exception as exc:
+            renamed = _naming(exc, copy, url)
+            if renamed is None:
+                raise
+            raise renamed.with_traceback(exc.__traceback__) from None
+
+
+def _naming(exc: Exception, copy: str, url: str) -> Exception | None:
+    """``exc`` (of the same type) naming ``url`` where it names the temporary ``copy`` of it,
+    so an error says which file the user gave; None when it does not name the copy."""
+    if isinstance(exc, OSError):
+        if exc.filename != copy:
+            return None
+        exc.filename = url
+        return exc
+    text = str(exc)
+    if copy not in text:
+        return None
+    try:
+        return type(exc)(text.replace(copy, url))
+    except Exception:  # a type not built from one message: left as it was
+        return None

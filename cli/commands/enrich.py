@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -13,6 +15,8 @@ from rollout_capture.cli.options import (
     JsonOpt,
     MaxFailedShareOpt,
     MaxGapShareOpt,
+    OtlpFlowOpt,
+    OtlpHeadersBlockOpt,
     RayAddressOpt,
     RunnerName,
     RunnerOpt,
@@ -20,7 +24,7 @@ from rollout_capture.cli.options import (
     runner_available,
     storage_options,
 )
-from rollout_capture.cli.output import Output, counts, percentiles, show
+from rollout_capture.cli.output import InputError, Output, counts, percentiles, show
 from rollout_capture.cli.prefect_env import flow_run, preflight, rollouts_and_captures
 
 if TYPE_CHECKING:
@@ -72,17 +76,18 @@ def _enrich(storage: Storage, rollouts: str, *, runner: RunnerName, out: Output,
     source, captures = rollouts_and_captures(storage, rollouts)
     from rollout_capture.flows import enrich_rollouts
 
-    summary = flow_run(
-        not out.json,
-        lambda: enrich_rollouts(
-            source.url,
-            captures.url,
-            runner=runner.value,
-            allow_empty=storage.allow_empty,
-            **captures.flow_parameters(),
-            **parameters,
-        ),
-    )
+    with _endpoint_refusals():
+        summary = flow_run(
+            not out.json,
+            lambda: enrich_rollouts(
+                source.url,
+                captures.url,
+                runner=runner.value,
+                allow_empty=storage.allow_empty,
+                **captures.flow_parameters(),
+                **parameters,
+            ),
+        )
     stats = summary.stats
     out.result(
         lambda: {
@@ -92,6 +97,20 @@ def _enrich(storage: Storage, rollouts: str, *, runner: RunnerName, out: Output,
         },
         text=lambda: _show_enriched(summary, rollouts),
     )
+
+
+@contextmanager
+def _endpoint_refusals() -> Iterator[None]:
+    """The flow's start-up check of ``--otlp`` (unreachable, refused, a bad Secret block) as bad
+    input: exit 2, nothing enriched or sent."""
+    from rollout_capture.otlp_headers import HeaderError
+    from rollout_capture.traces import TracesUnavailable
+    from rollout_capture.traces.exporter import OtlpEndpointError
+
+    try:
+        yield
+    except (OtlpEndpointError, HeaderError, TracesUnavailable) as exc:
+        raise InputError(str(exc)) from None
 
 
 def _show_enriched(summary: EnrichSummary, rollouts: str) -> None:
@@ -107,6 +126,8 @@ def _show_enriched(summary: EnrichSummary, rollouts: str) -> None:
         ("rollouts with any gap", f"{stats.rollouts_with_gaps} ({100 * stats.gap_share:.1f}%)"),
         ("lines passed through", str(len(stats.problems))),
     ]
+    if summary.traces is not None:
+        rows.append(("traces", summary.traces))
     show(rows + evidence_rows(stats.evidence))
     for problem in stats.problems[:10]:
         typer.echo(f"{rollouts}:{problem.line}: {problem.reason}", err=True)
@@ -129,6 +150,8 @@ def enrich(
     quiescence_timeout: Annotated[float, typer.Option(help="Seconds to wait for claimed writes.")] = 10.0,
     max_gap_share: MaxGapShareOpt = None,
     max_failed_share: MaxFailedShareOpt = None,
+    otlp: OtlpFlowOpt = None,
+    otlp_headers_block: OtlpHeadersBlockOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Enrich every rollout of ROLLOUTS with its captured model calls (and write its report beside it)."""
@@ -149,7 +172,15 @@ def enrich(
             strict=strict,
             max_gap_share=max_gap_share,
             max_failed_share=max_failed_share,
+            **_otlp_parameters(otlp, otlp_headers_block),
         )
+
+
+def _otlp_parameters(otlp: str | None, block: str | None) -> dict[str, Any]:
+    """The flows' trace parameters, only when given (a flow's call is otherwise as before)."""
+    if block and not otlp:
+        raise InputError("--otlp-headers-block goes with --otlp URL")
+    return {"otlp_endpoint": otlp, "otlp_headers_block": block} if otlp else {}
 
 
 def demo(
@@ -201,6 +232,8 @@ def enrich_runs(
     allow_empty: AllowEmptyOpt = False,
     max_gap_share: MaxGapShareOpt = None,
     max_failed_share: MaxFailedShareOpt = None,
+    otlp: OtlpFlowOpt = None,
+    otlp_headers_block: OtlpHeadersBlockOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Enrich every finished, not yet enriched run under RUNS_ROOT (what the schedule runs)."""
@@ -214,24 +247,27 @@ def enrich_runs(
         )
         from rollout_capture.flows import enrich_completed_runs
 
-        summary = flow_run(
-            not as_json,
-            lambda: enrich_completed_runs(
-                runs_root,
-                capture_dir=capture_dir,
-                runner=runner.value,
-                dask_address=dask_address,
-                ray_address=ray_address,
-                max_parallel_runs=max_parallel_runs,
-                lease_s=lease_s,
-                full_scan=full_scan,
-                recheck=recheck,
-                allow_empty=allow_empty,
-                max_gap_share=max_gap_share,
-                max_failed_share=max_failed_share,
-                **runs.flow_parameters(),
-            ),
-        )
+        traces = _otlp_parameters(otlp, otlp_headers_block)
+        with _endpoint_refusals():
+            summary = flow_run(
+                not as_json,
+                lambda: enrich_completed_runs(
+                    runs_root,
+                    capture_dir=capture_dir,
+                    runner=runner.value,
+                    dask_address=dask_address,
+                    ray_address=ray_address,
+                    max_parallel_runs=max_parallel_runs,
+                    lease_s=lease_s,
+                    full_scan=full_scan,
+                    recheck=recheck,
+                    allow_empty=allow_empty,
+                    max_gap_share=max_gap_share,
+                    max_failed_share=max_failed_share,
+                    **traces,
+                    **runs.flow_parameters(),
+                ),
+            )
         out.result(lambda: _runs_dumped(summary), text=lambda: _show_runs(summary))
 
 

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from rollout_capture.cli.options import JsonOpt, Storage, storage_options
 from rollout_capture.cli.output import InputError, Output
 from rollout_capture.cli.prefect_env import check_file, credentials
-from rollout_capture.filesystem import local_path
+from rollout_capture.filesystem import local_copy, local_path
 
 
 @contextmanager
@@ -26,41 +26,11 @@ def _local_input(path: str, what: str, storage: Storage) -> Iterator[str]:
             raise InputError(f"{what} is not a regular file: {local}")
         yield local
         return
-    import tempfile
-
-    from rollout_capture.filesystem import open_filesystem
-
     where = storage.at(path)
     resolved = credentials(where.credentials_block, prefect=True)
     check_file(where, resolved, what)
-    fs, remote = open_filesystem(where.url, where.storage_options, credentials=resolved)
-    with tempfile.TemporaryDirectory(prefix="rollout-capture-") as folder:
-        copy = os.path.join(folder, remote.rstrip("/").rsplit("/", 1)[-1])
-        fs.get_file(remote, copy)
-        try:
-            yield copy
-        except Exception as exc:
-            renamed = _naming(exc, copy, where.url)
-            if renamed is None:
-                raise
-            raise renamed.with_traceback(exc.__traceback__) from None
-
-
-def _naming(exc: Exception, copy: str, url: str) -> Exception | None:
-    """``exc`` (of the same type) naming ``url`` where it names the temporary ``copy`` of it,
-    so an error says which file the user gave; None when it does not name the copy."""
-    if isinstance(exc, OSError):
-        if exc.filename != copy:
-            return None
-        exc.filename = url
-        return exc
-    text = str(exc)
-    if copy not in text:
-        return None
-    try:
-        return type(exc)(text.replace(copy, url))
-    except Exception:  # a type not built from one message: left as it was
-        return None
+    with local_copy(where.url, where.storage_options, credentials=resolved) as copy:
+        yield copy
 
 
 @storage_options(captures=False)
@@ -98,6 +68,25 @@ def report(
         )
 
 
+OtlpOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--otlp",
+        metavar="URL",
+        help="Send every rollout as a trace to this OTLP/HTTP endpoint (a base URL gets /v1/traces).",
+    ),
+]
+OtlpHeaderOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--otlp-header",
+        metavar="'NAME: VALUE'",
+        help="A header for every OTLP request (an API key; repeatable; never echoed). "
+        "ROLLOUT_CAPTURE_OTLP_HEADERS=Name=value,... keeps it out of ps.",
+    ),
+]
+
+
 @storage_options(captures=False)
 def export(
     storage: Storage,
@@ -108,42 +97,169 @@ def export(
     rollouts: Annotated[
         str | None, typer.Option(help="Parquet file of the rollouts (one row per enriched rollout).")
     ] = None,
+    otlp: OtlpOpt = None,
+    otlp_header: OtlpHeaderOpt = None,
+    otlp_project: Annotated[
+        str | None, typer.Option(help="The Phoenix project the traces go to (default: Phoenix's own).")
+    ] = None,
+    include_payloads: Annotated[
+        bool, typer.Option(help="Send each call's request and response messages with its span.")
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Export an enriched file as Parquet tables of calls and rollouts (needs the export extra).
+    """Export an enriched file as Parquet tables of calls and rollouts (needs the export extra), or as
+    OpenTelemetry traces to an OTLP/HTTP endpoint such as Phoenix (needs the otel extra).
 
-    Schema: docs/export.md. Each file is written whole or not at all.
+    Schema and trace mapping: docs/export.md. Each Parquet file is written whole or not at all;
+    the endpoint is checked before anything is sent.
     """
     out = Output(json=as_json)
     with out.exits():
-        from rollout_capture.export import ExportUnavailable, export_tables
-
-        if calls is None and rollouts is None:
-            raise InputError("name --calls, --rollouts or both")
+        if calls is None and rollouts is None and otlp is None:
+            raise InputError("name --calls, --rollouts or both (or --otlp URL)")
+        if otlp is None and (otlp_header or otlp_project or include_payloads):
+            raise InputError("--otlp-header, --otlp-project and --include-payloads go with --otlp URL")
+        headers = _checked_endpoint(otlp, otlp_header or []) if otlp is not None else None
+        counts = traces = None
         with _local_input(enriched, "enriched file", storage) as path:
-            try:
-                counts = export_tables(path, calls, rollouts)
-            except ExportUnavailable as exc:
-                raise InputError(str(exc)) from None
+            if calls is not None or rollouts is not None:
+                counts = _tables(path, calls, rollouts)
+            if otlp is not None:
+                traces = _traces(path, otlp, headers, otlp_project, include_payloads, as_json)
 
         def written() -> None:
-            for name, where, n in (("call", calls, counts.calls), ("rollout", rollouts, counts.rollouts)):
-                if where is not None:
-                    typer.echo(f"wrote {where}: {n} {name} row(s)")
-            if counts.lines_skipped:
+            if counts is not None:
+                for name, where, n in (("call", calls, counts.calls), ("rollout", rollouts, counts.rollouts)):
+                    if where is not None:
+                        typer.echo(f"wrote {where}: {n} {name} row(s)")
+            if traces is not None:
                 typer.echo(
-                    f"{counts.lines_skipped} line(s) without a capture attachment skipped "
+                    f"sent {traces.rollouts} rollout(s), {traces.calls} call(s) as {traces.spans} span(s) "
+                    f"in {traces.batches} batch(es) to {_shown(otlp)}"
+                )
+            skipped = counts.lines_skipped if counts is not None else traces.lines_skipped if traces else 0
+            if skipped:
+                typer.echo(
+                    f"{skipped} line(s) without a capture attachment skipped "
                     "(not JSON and naming none, passed through by enrichment; or records without an id)",
                     err=True,
                 )
 
-        out.result(
-            {
+        value: dict[str, Any] = {}
+        if counts is not None:
+            value = {
                 "calls_file": calls,
                 "rollouts_file": rollouts,
                 "calls": counts.calls,
                 "rollouts": counts.rollouts,
                 "lines_skipped": counts.lines_skipped,
-            },
-            text=written,
-        )
+            }
+        if traces is not None:
+            value["traces"] = {
+                "endpoint": _shown(otlp),
+                "rollouts": traces.rollouts,
+                "calls": traces.calls,
+                "spans": traces.spans,
+                "batches": traces.batches,
+                "lines_skipped": traces.lines_skipped,
+            }
+        out.result(value, text=written)
+
+
+def _tables(path: str, calls: str | None, rollouts: str | None) -> Any:
+    """The Parquet export (refused as bad input without its extra)."""
+    from rollout_capture.export import ExportUnavailable, export_tables
+
+    try:
+        return export_tables(path, calls, rollouts)
+    except ExportUnavailable as exc:
+        raise InputError(str(exc)) from None
+
+
+def _shown(endpoint: str | None) -> str:
+    from rollout_capture.traces.exporter import shown_endpoint, traces_url
+
+    return shown_endpoint(traces_url(endpoint or ""))
+
+
+def _checked_endpoint(endpoint: str, cli_headers: list[str]) -> Mapping[str, str]:
+    """The headers (the variable's, then ``--otlp-header``'s) once the extra is there and the
+    endpoint took an empty export with them: every refusal is bad input, before anything is sent."""
+    import importlib.util
+
+    from rollout_capture.traces import OTEL_MISSING
+
+    for module in ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http"):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise InputError(OTEL_MISSING)
+    from rollout_capture.otlp_headers import otlp_headers
+    from rollout_capture.traces.exporter import OtlpEndpointError, check_endpoint
+
+    headers = otlp_headers(cli_headers, os.environ)
+    try:
+        check_endpoint(endpoint, headers)
+    except OtlpEndpointError as exc:
+        raise InputError(str(exc)) from None
+    return headers
+
+
+def _traces(
+    path: str,
+    endpoint: str,
+    headers: Mapping[str, str] | None,
+    project: str | None,
+    include_payloads: bool,
+    quiet: bool,
+) -> Any:
+    """The trace export, with a progress bar on stderr when it is a terminal (and not ``--json``)."""
+    import sys
+
+    from rollout_capture.traces import TracesUnavailable
+    from rollout_capture.traces.exporter import OtlpEndpointError, TraceProgress, export_traces
+
+    def send(progress: Callable[[TraceProgress], None] | None) -> Any:
+        try:
+            return export_traces(
+                path,
+                endpoint,
+                headers=headers,
+                include_payloads=include_payloads,
+                project=project,
+                progress=progress,
+            )
+        except TracesUnavailable as exc:
+            raise InputError(str(exc)) from None
+        except OtlpEndpointError as exc:
+            raise TracesNotSent(str(exc)) from None
+
+    if quiet or not sys.stderr.isatty():
+        return send(None)
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        SpinnerColumn(),
+        BarColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(f"sending traces to {_shown(endpoint)}", total=None)
+
+        def advance(done: TraceProgress) -> None:
+            bar.update(
+                task,
+                description=f"{_shown(endpoint)}: {done.rollouts} rollout(s), "
+                f"{done.spans} span(s) in {done.batches} batch(es) accepted",
+            )
+
+        return send(advance)
+
+
+class TracesNotSent(RuntimeError):
+    """The endpoint refused a batch after the check passed (exit 1: the work failed, not the input)."""

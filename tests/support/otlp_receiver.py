@@ -1,0 +1,64 @@
+"""A tiny OTLP/HTTP receiver: an HTTP server thread on a loopback port that records each POST's
+path, headers and body and answers 200 (the trace export's tests, without Phoenix)."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Received:
+    """One POST: its path, its headers (names lower-cased: HTTP's are case-blind), its body."""
+
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+class OtlpReceiver(http.server.ThreadingHTTPServer):
+    """Records every request in ``received``; ``url`` is its base URL (``/v1/traces`` is added)."""
+
+    daemon_threads = True
+
+    def __init__(self, refuse: int | None = None) -> None:
+        """Every request answered 200; with ``refuse``, a request carrying spans is answered that."""
+        self.received: list[Received] = []
+        self.refuse = refuse
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                headers = {name.lower(): value for name, value in self.headers.items()}
+                receiver.received.append(Received(self.path, headers, body))
+                self.send_response(receiver.refuse if receiver.refuse and body else 200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self.thread.start()
+
+    def spans(self) -> list[Any]:
+        """Every span received, decoded from the protobuf bodies (the probe's is empty)."""
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        out: list[Any] = []
+        for request in self.received:
+            decoded = ExportTraceServiceRequest.FromString(request.body)
+            for resource in decoded.resource_spans:
+                for scope in resource.scope_spans:
+                    out.extend(scope.spans)
+        return out
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
