@@ -18,8 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -33,7 +31,8 @@ from rollout_capture.merge import merge_model_call_capture_into_record
 from rollout_capture.store import CaptureStore
 from rollout_capture.summary import EvidenceShapeError
 
-from .conftest import ROOT, SAMPLE, wait_for
+from .conftest import ROOT, SAMPLE
+from .support.phoenix import Phoenix, phoenix_server, phoenix_spans, settled_spans
 
 pytest.importorskip("opentelemetry.sdk.trace")
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -614,86 +613,20 @@ def test_a_malformed_line_stops_the_export_naming_file_and_line(
 PROJECT = "rollout-capture-test"
 
 
-@dataclass
-class Phoenix:
-    url: str
-    otlp: str
-
-
 @pytest.fixture(scope="module")
 def phoenix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phoenix]:
     """``phoenix serve`` on free ports with its own working dir, telemetry off; stopped after."""
     pytest.importorskip("phoenix")
-    work = tmp_path_factory.mktemp("phoenix")
-    port, grpc_port = _free_port(), _free_port()
-    env = {
-        **os.environ,
-        "PHOENIX_WORKING_DIR": str(work),
-        "PHOENIX_PORT": str(port),
-        "PHOENIX_GRPC_PORT": str(grpc_port),
-        "PHOENIX_HOST": "127.0.0.1",
-        "PHOENIX_TELEMETRY_ENABLED": "false",
-    }
-    log = (work / "phoenix.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "phoenix.server.main", "serve"], env=env, stdout=log, stderr=subprocess.STDOUT
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert process.poll() is None, f"phoenix exited: {(work / 'phoenix.log').read_text()[-2000:]}"
-        try:
-            with urllib.request.urlopen(f"{url}/healthz", timeout=2) as answer:
-                return bool(answer.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
-
-    try:
-        wait_for(healthy, timeout_s=120, what="phoenix serve's /healthz", poll_s=0.5)
-        yield Phoenix(url, f"{url}/v1/traces")
-    finally:
-        process.terminate()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
-        log.close()
-
-
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=30) as answer:
-        return json.load(answer)
+    with phoenix_server(tmp_path_factory.mktemp("phoenix")) as server:
+        yield server
 
 
 def _phoenix_spans(phoenix: Phoenix, project: str = PROJECT) -> list[dict[str, Any]]:
-    """Every span of the project, through Phoenix's REST API (``/v1/projects/{project}/spans``)."""
-    spans: list[dict[str, Any]] = []
-    cursor = None
-    while True:
-        query = "limit=1000" + (f"&cursor={cursor}" if cursor else "")
-        try:
-            page = _get(f"{phoenix.url}/v1/projects/{project}/spans?{query}")
-        except urllib.error.HTTPError as exc:
-            if exc.code == 404:  # no such project yet: nothing arrived
-                return []
-            raise
-        spans.extend(page["data"])
-        cursor = page.get("next_cursor")
-        if not cursor:
-            return spans
+    return phoenix_spans(phoenix, project)
 
 
 def _settled(phoenix: Phoenix, count: int, project: str = PROJECT) -> list[dict[str, Any]]:
-    """The project's spans once ``count`` have been ingested (Phoenix inserts asynchronously)."""
-    found: list[dict[str, Any]] = []
-
-    def enough() -> bool:
-        found[:] = _phoenix_spans(phoenix, project)
-        return len(found) >= count
-
-    wait_for(enough, timeout_s=60, what=f"{count} spans in Phoenix", poll_s=0.25)
-    return found
+    return settled_spans(phoenix, count, project)
 
 
 def _micros(text: str) -> int:
