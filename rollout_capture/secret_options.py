@@ -40,8 +40,15 @@ def _looks_secret(name: object, value: Any) -> bool:
     return _SECRET_KEY_RE.search(str(name)) is not None and value not in (None, "", False)
 
 
+def _secret_query(rest: str) -> bool:
+    """Whether a URL's query names a credential (``?api_key=...``, ``&token=...``), with a value."""
+    query = rest.partition("?")[2].partition("#")[0]
+    return any(_looks_secret(name, value) for name, _, value in (p.partition("=") for p in query.split("&")))
+
+
 def url_credentials(url: str | os.PathLike[str]) -> str | None:
-    """``scheme://host`` of a URL that carries credentials (``user:password@`` or ``user@``), else None.
+    """``scheme://host`` of a URL that carries credentials (``user:password@``, ``user@``, or a
+    query parameter named like one: ``?api_key=...``), else None.
 
     Every segment of a chained URL (``simplecache::s3://...``) is looked at. A ``user:secret``
     whose secret holds a ``/`` cuts the host short (``s3://KEY:ab/cd@bucket``): a colon there that
@@ -54,7 +61,9 @@ def url_credentials(url: str | os.PathLike[str]) -> str | None:
         scheme, sep, rest = segment.partition("://")
         if not sep:
             continue
-        authority = rest.split("/", 1)[0]
+        authority = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
+        if _secret_query(rest):
+            return f"{scheme}://{authority.rpartition('@')[2]}"
         if "@" in authority:
             user, _, host = authority.rpartition("@")
             if scheme in _AZURE_SCHEMES and ":" not in user and host.endswith(_AZURE_HOSTS):

@@ -222,3 +222,28 @@ def test_finish_tells_the_server_without_a_warning(prefect_api: str, tmp_path: P
     assert done.returncode == 0 and "the server was told" in done.stdout, done.stderr
     assert (run / "_SUCCESS").exists()
     assert "Still processing" not in done.stderr and "WARNING" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        f"http://127.0.0.1:4318/v1/traces?api_key={URL_SECRET}",
+        f"http://AKIAEXAMPLE:{URL_SECRET}@127.0.0.1:4318",
+    ],
+)
+@pytest.mark.parametrize("command", ["enrich", "export"])
+def test_credentials_in_an_otlp_endpoint_exit_2_and_are_never_echoed(
+    endpoint: str, command: str, tmp_path: Path
+) -> None:
+    """In its query (``?api_key=``) or its userinfo: refused before a flow could record it."""
+    from typer.testing import CliRunner
+
+    from rollout_capture.cli.app import app
+
+    rollouts = tmp_path / "r.jsonl"
+    rollouts.write_text('{"_ng_rollout_id": "1-0"}\n')
+    args = [command, str(rollouts), "--otlp", endpoint]
+    done = CliRunner().invoke(app, args + (["--capture-dir", str(tmp_path)] if command == "enrich" else []))
+    refused_unechoed(done.exit_code, done.output)
+    assert "OTLP endpoint: credentials in the URL are not allowed" in done.output
+    assert "(http://127.0.0.1:4318)" in done.output

@@ -67,6 +67,8 @@ def test_ordinary_options_and_empty_secrets_pass() -> None:
         (f"simplecache::s3://k:{SECRET}@bucket/x", "s3://bucket"),
         (f"abfs://container:{SECRET}@account.dfs.core.windows.net/p", "abfs://account.dfs.core.windows.net"),
         (f"gs://a:{SECRET}@b@bucket/x", "gs://bucket"),
+        (f"http://127.0.0.1:4318/v1/traces?api_key={SECRET}", "http://127.0.0.1:4318"),  # a query's key
+        (f"https://host/v1/traces?project=p&Token={SECRET}#top", "https://host"),
     ],
 )
 def test_a_url_with_credentials_is_told_by_its_scheme_and_host_alone(url: str, shown: str) -> None:
@@ -84,6 +86,7 @@ def test_a_url_with_credentials_is_told_by_its_scheme_and_host_alone(url: str, s
         "/data/runs/a:b@c",
         "file:///data/x",
         "memory://caps",
+        "http://127.0.0.1:4318/v1/traces?project=p&token=",  # a query naming no secret, or none given
     ],
 )
 def test_urls_without_credentials_pass(url: str) -> None:

@@ -73,6 +73,8 @@ def evidence_rows(evidence: Any) -> list[tuple[str, str]]:
 def _enrich(storage: Storage, rollouts: str, *, runner: RunnerName, out: Output, **parameters: Any) -> None:
     """``enrich`` and ``demo``: check the input, run the flow, print the summary."""
     runner_available(runner, parameters.get("dask_address"), parameters.get("ray_address"))
+    if parameters.get("output"):
+        storage.at(parameters["output"])  # credentials in it refused before any server starts
     source, captures = rollouts_and_captures(storage, rollouts)
     from rollout_capture.flows import enrich_rollouts
 
@@ -180,6 +182,13 @@ def _otlp_parameters(otlp: str | None, block: str | None) -> dict[str, Any]:
     """The flows' trace parameters, only when given (a flow's call is otherwise as before)."""
     if block and not otlp:
         raise InputError("--otlp-headers-block goes with --otlp URL")
+    if otlp:
+        from rollout_capture.traces.exporter import traces_url
+
+        try:  # credentials in it (userinfo, ?api_key=) refused here, before a flow records it
+            traces_url(otlp)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
     return {"otlp_endpoint": otlp, "otlp_headers_block": block} if otlp else {}
 
 
