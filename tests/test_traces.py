@@ -9,14 +9,12 @@ one rollout of our own: an agent invocation owning a rate-limited call and a goo
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,12 +30,10 @@ from rollout_capture.store import CaptureStore
 from rollout_capture.summary import EvidenceShapeError
 
 from .conftest import ROOT, SAMPLE
+from .support.otlp_receiver import OtlpReceiver
 from .support.phoenix import Phoenix, phoenix_server, phoenix_spans, settled_spans
 
 pytest.importorskip("opentelemetry.sdk.trace")
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-)
 from opentelemetry.trace import StatusCode
 
 from rollout_capture.traces import ids
@@ -470,55 +466,16 @@ def test_the_modules_import_without_opentelemetry_and_say_what_to_install() -> N
 # ---------------------------------------------------------------------- the exporter, a local receiver
 
 
-class _Receiver(http.server.ThreadingHTTPServer):
-    """An OTLP/HTTP receiver on a loopback port: records each request's body and headers."""
-
-    def __init__(self, status: int = 200, then: list[int] | None = None) -> None:
-        """Every answer ``status``; with ``then``, the probe's is 200 and the next ones ``then``'s."""
-        self.status, self.then, self.bodies, self.headers_seen = status, list(then or []), [], []
-        receiver = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                receiver.bodies.append(body)
-                receiver.headers_seen.append(dict(self.headers))
-                status = receiver.status
-                if receiver.then and len(receiver.bodies) > 1:
-                    status = receiver.then.pop(0)
-                self.send_response(status)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    def spans(self) -> list[Any]:
-        out = []
-        for body in self.bodies:
-            request = ExportTraceServiceRequest.FromString(body)
-            for resource in request.resource_spans:
-                for scope in resource.scope_spans:
-                    out.extend(scope.spans)
-        return out
-
-
 @pytest.fixture
-def receiver() -> Iterator[_Receiver]:
-    server = _Receiver()
+def receiver() -> Iterator[OtlpReceiver]:
+    server = OtlpReceiver()
     try:
         yield server
     finally:
-        server.shutdown()
-        server.server_close()
+        server.stop()
 
 
-def test_export_streams_batches_after_an_empty_probe(corpus: Corpus, receiver: _Receiver) -> None:
+def test_export_streams_batches_after_an_empty_probe(corpus: Corpus, receiver: OtlpReceiver) -> None:
     seen: list[TraceProgress] = []
     counts = export_traces(
         corpus.plain, receiver.url, headers={"api_key": SECRET}, batch_spans=5, progress=seen.append
@@ -528,7 +485,10 @@ def test_export_streams_batches_after_an_empty_probe(corpus: Corpus, receiver: _
     assert counts.calls == sum(len(r["ng_model_call_capture"]["calls"]) for r in corpus.records.values())
     assert receiver.bodies[0] == b""  # the probe: an empty export request, before any span
     assert len(receiver.bodies) == counts.batches + 1 and counts.batches > 1
-    assert all({k.lower(): v for k, v in h.items()}.get("api_key") == SECRET for h in receiver.headers_seen)
+    assert all(
+        {k.lower(): v for k, v in h.items()}.get("api_key") == SECRET
+        for h in (r.headers for r in receiver.received)
+    )
     assert seen[-1] == TraceProgress(counts.rollouts, counts.spans, counts.batches)
     spans = receiver.spans()
     assert len(spans) == expected and len({bytes(s.span_id) for s in spans}) == expected
@@ -546,26 +506,26 @@ def test_an_unreachable_endpoint_fails_before_anything_is_sent(corpus: Corpus) -
     ("status", "says"), [(401, "refused the credentials"), (404, "no OTLP/HTTP traces receiver")]
 )
 def test_a_refusing_endpoint_is_named_without_its_headers(corpus: Corpus, status: int, says: str) -> None:
-    server = _Receiver(status)
+    server = OtlpReceiver(status=status)
     try:
         with pytest.raises(OtlpEndpointError, match=says) as caught:
-            export_traces(corpus.plain, server.url + "/v1/traces?token=q", headers={"x-api-key": SECRET})
+            export_traces(corpus.plain, server.url + "/v1/traces?tenant=q", headers={"x-api-key": SECRET})
         assert len(server.bodies) == 1 and server.bodies[0] == b""  # only the probe
-        assert SECRET not in str(caught.value) and "token=q" not in str(caught.value)
+        assert SECRET not in str(caught.value) and "tenant=q" not in str(caught.value)
     finally:
         server.shutdown()
         server.server_close()
 
 
 def test_a_receiver_pushing_back_slows_the_export_down_and_a_refusal_stops_it(corpus: Corpus) -> None:
-    busy = _Receiver(then=[503, 503, 429])  # Phoenix answers 503 while its ingestion queue is full
+    busy = OtlpReceiver(then=[503, 503, 429])  # Phoenix answers 503 while its ingestion queue is full
     try:
         counts = export_traces(corpus.plain, busy.url)
         assert busy.spans() and len({bytes(s.span_id) for s in busy.spans()}) == counts.spans
     finally:
         busy.shutdown()
         busy.server_close()
-    refusing = _Receiver(then=[400])
+    refusing = OtlpReceiver(then=[400])
     try:
         with pytest.raises(
             OtlpEndpointError, match=r"refused a batch of \d+ spans \(HTTP 400\) after 0 spans"
@@ -596,7 +556,7 @@ def test_headers_never_show_and_urls_are_checked() -> None:
 
 
 def test_a_malformed_line_stops_the_export_naming_file_and_line(
-    corpus: Corpus, receiver: _Receiver, tmp_path: Path
+    corpus: Corpus, receiver: OtlpReceiver, tmp_path: Path
 ) -> None:
     bad = tmp_path / "bad.enriched.jsonl"
     lines = corpus.plain.read_bytes().splitlines()

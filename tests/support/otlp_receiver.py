@@ -23,10 +23,13 @@ class OtlpReceiver(http.server.ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, refuse: int | None = None) -> None:
-        """Every request answered 200; with ``refuse``, a request carrying spans is answered that."""
+    def __init__(
+        self, refuse: int | None = None, *, status: int = 200, then: list[int] | None = None
+    ) -> None:
+        """Every request answered ``status``; with ``refuse``, a request carrying spans is answered
+        that; with ``then``, the first request (the probe) gets 200 and the next ones ``then``'s."""
         self.received: list[Received] = []
-        self.refuse = refuse
+        self.refuse, self.status, self.then = refuse, status, list(then or [])
         receiver = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -34,7 +37,7 @@ class OtlpReceiver(http.server.ThreadingHTTPServer):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 headers = {name.lower(): value for name, value in self.headers.items()}
                 receiver.received.append(Received(self.path, headers, body))
-                self.send_response(receiver.refuse if receiver.refuse and body else 200)
+                self.send_response(receiver.answer(body))
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -46,6 +49,17 @@ class OtlpReceiver(http.server.ThreadingHTTPServer):
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
         self.thread.start()
+
+    @property
+    def bodies(self) -> list[bytes]:
+        """Each request's body, in the order they came."""
+        return [request.body for request in self.received]
+
+    def answer(self, body: bytes) -> int:
+        """The status of the request just received."""
+        if self.then and len(self.received) > 1:
+            return self.then.pop(0)
+        return self.refuse if self.refuse and body else self.status
 
     def spans(self) -> list[Any]:
         """Every span received, decoded from the protobuf bodies (the probe's is empty)."""
