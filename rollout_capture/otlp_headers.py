@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any, cast
+from typing import Any
 from urllib.parse import unquote
 
 from rollout_capture.traces.exporter import OtlpHeaders
@@ -97,20 +97,3 @@ def headers_of_secret(value: Any, block: str) -> OtlpHeaders:
     raise HeaderError(
         f"{where}: expected a dict of headers or a 'Name: value' string, got a {type(value).__name__}"
     )
-
-
-def headers_from_block(block: str | None) -> OtlpHeaders:
-    """The headers held by the Prefect ``Secret`` block named ``block`` (none without a name).
-
-    Loaded where it is used (the flow, its export task): only the name travels in parameters.
-    """
-    if not block:
-        return OtlpHeaders()
-    from prefect.blocks.system import Secret
-
-    try:
-        # _sync: this also runs inside async contexts, where load() would return a coroutine.
-        secret = cast(Secret[Any], Secret.load(block, _sync=True))  # type: ignore[call-arg]
-    except ValueError as exc:
-        raise HeaderError(f"Secret block {block!r} not found ({type(exc).__name__})") from None
-    return headers_of_secret(secret.get(), block)

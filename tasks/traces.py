@@ -6,16 +6,41 @@ task runs: only the block's name is a parameter, so the UI never records a heade
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rollout_capture.filesystem import local_copy
 from rollout_capture.location import Location, LocationLike
-from rollout_capture.otlp_headers import headers_from_block
+from rollout_capture.otlp_headers import HeaderError, headers_of_secret
 from rollout_capture.tasks.credentials import credentials_for
 from rollout_capture.tasks.naming import run_name
 from rollout_capture.tasks.retry import storage_retries
-from rollout_capture.traces.exporter import TraceExportCounts, check_endpoint, export_traces, shown_endpoint
+from rollout_capture.traces.exporter import (
+    OtlpHeaders,
+    TraceExportCounts,
+    check_endpoint,
+    export_traces,
+    shown_endpoint,
+)
+
+
+def headers_from_block(block: str | None) -> OtlpHeaders:
+    """The headers held by the Prefect ``Secret`` block named ``block`` (none without a name).
+
+    Loaded where it is used (the flow, its export task): only the name travels in parameters.
+    """
+    if not block:
+        return OtlpHeaders()
+    from prefect.blocks.system import Secret
+
+    try:
+        # _sync: this also runs inside async contexts, where load() would return a coroutine.
+        secret = cast(Secret[Any], Secret.load(block, _sync=True))  # type: ignore[call-arg]
+    except ValueError as exc:
+        raise HeaderError(f"Secret block {block!r} not found ({type(exc).__name__})") from None
+    return headers_of_secret(secret.get(), block)
 
 
 def check_traces_endpoint(endpoint: str, headers_block: str | None) -> None:
