@@ -396,9 +396,8 @@ def enrich_rollouts(
 ) -> EnrichSummary:
     """Enrich every rollout of ``rollouts`` (any fsspec URL, ``.gz`` too) with its captured calls.
 
-    Output keeps line order and count, defaults to ``<input stem>.enriched.jsonl`` beside the
-    input and appears only once complete, its evidence report beside it. Lines that are not
-    rollout records pass through unchanged and are reported (``strict`` fails instead).
+    Output keeps line order and count and appears only once complete, its report beside it; lines
+    that are not rollout records pass through and are reported (``strict`` fails instead).
 
     Args:
         rollouts: The rollouts JSONL file: a path or any fsspec URL (s3://...), gzip too.
@@ -410,25 +409,18 @@ def enrich_rollouts(
         max_workers: Batches running at once.
         runner: Where batches run: threads, processes (all cores), dask or ray.
         dask_address: The Dask scheduler for runner=dask; default a local cluster.
-        ray_address: The Ray cluster for runner=ray (e.g. head:6379, ray://head:10001); default
-            RAY_ADDRESS, else a local Ray instance.
+        ray_address: The Ray cluster for runner=ray (head:6379, ray://head:10001); default RAY_ADDRESS.
         strict: Fail on a line that is not a rollout record instead of passing it through.
         allow_empty: Accept a capture dir that does not exist or holds nothing (else the run fails).
-        max_gap_share: Above this share of rollouts with a gap, the run ends "Completed with gaps"
-            and also emits the gaps-exceeded event.
+        max_gap_share: Above this share of rollouts with a gap, the run ends "Completed with gaps".
         storage_options: fsspec options for every URL, without secrets (those come from credentials_block).
         credentials_block: Name of a prefect-aws AwsCredentials block to read and write S3 with.
-        max_failed_share: Above this share of failed calls (not 2xx, or an error category), the
-            run ends "Completed with failed calls" and emits the failed-calls-exceeded event.
-        otlp_endpoint: Once the output is written, send its rollouts as traces to this OTLP/HTTP
-            endpoint (a base URL gets /v1/traces; the otel extra). Checked before enriching; a
-            failed export leaves the output written and the run Failed, naming the endpoint.
-        otlp_headers_block: Name of a Prefect Secret block holding the endpoint's headers (a dict,
-            or "Name: value" lines / "Name=value,..." pairs): never the headers themselves.
+        max_failed_share: Above this share of failed calls, the run ends "Completed with failed calls".
+        otlp_endpoint: Send the written output's rollouts as traces to this OTLP/HTTP endpoint (the
+            otel extra); checked before enriching; a failed export fails the run, output kept.
+        otlp_headers_block: Name of a Prefect Secret block holding the endpoint's headers.
 
     Examples:
-        Enrich the bundled sample (what ``make demo`` does):
-
         ```python
         from importlib.resources import files
 
@@ -439,8 +431,6 @@ def enrich_rollouts(
             str(sample / "rollouts.jsonl"), str(sample / "captures"), output="sample.enriched.jsonl"
         )
         print(summary.stats.rollouts, summary.stats.calls, summary.stats.gaps)
-        # On S3: enrich_rollouts("s3://bucket/r1/rollouts.jsonl.gz", "s3://bucket/r1/captures",
-        #                        credentials_block="rollout-capture")
         ```
     """
     options = EnrichOptions.from_parameters(locals())  # first: its locals are its parameters

@@ -287,7 +287,7 @@ def enrich_completed_runs(
     """Enrich each finished run (``_SUCCESS``, no ``_ENRICHED``) under ``runs_root``, each in a subflow.
 
     ``_ENRICHED`` is written last, so the next schedule skips the run; a lease keeps overlapping
-    schedules off a run (it lapses ``lease_s`` after a crash); one failing run does not stop the others.
+    schedules off a run (lapsing ``lease_s`` after a crash); a failing run does not stop the others.
 
     Args:
         runs_root: The folder of runs (path or fsspec URL): <root>/<run>/rollouts.jsonl, captures/, _SUCCESS.
@@ -297,28 +297,22 @@ def enrich_completed_runs(
         batch_size: Rollout lines per batch task.
         max_workers: Batches running at once, per run.
         runner: Where batches run: threads, processes (all cores), dask or ray.
-        dask_address: The Dask scheduler for every run's batches (runner=dask); default a local one per run.
-        ray_address: The Ray cluster for every run's batches (runner=ray); default RAY_ADDRESS, else local.
+        dask_address: The Dask scheduler (runner=dask); default a local one per run.
+        ray_address: The Ray cluster (runner=ray); default RAY_ADDRESS, else local.
         lease_s: Seconds a run's lease lasts without renewal; a crashed tick's run is free after it.
         max_parallel_runs: Runs enriched at once when a backlog waits.
         full_scan: List every run folder, ignoring the index of runs already enriched.
         recheck: Names of runs to look at even if the index says they are enriched.
         allow_empty: Accept a run whose capture dir does not exist or holds nothing.
-        max_gap_share: Above this share of rollouts with a gap, a run ends "Completed with gaps"
-            and also emits the gaps-exceeded event.
+        max_gap_share: Above this share of rollouts with a gap, a run ends "Completed with gaps".
         storage_options: fsspec options for every URL, without secrets (those come from credentials_block).
         credentials_block: Name of a prefect-aws AwsCredentials block to read and write S3 with.
-        max_failed_share: Above this share of failed calls, a run ends "Completed with failed
-            calls" and emits the failed-calls-exceeded event.
-        otlp_endpoint: Once a run's output is written, send its rollouts as traces to this OTLP/HTTP
-            endpoint (the otel extra). Checked before any run is taken; a failed export leaves
-            the output written and the run failed, naming the endpoint.
-        otlp_headers_block: Name of a Prefect Secret block holding the endpoint's headers: never
-            the headers themselves.
+        max_failed_share: Above this share of failed calls, a run ends "Completed with failed calls".
+        otlp_endpoint: Send each written output's rollouts as traces to this OTLP/HTTP endpoint (the
+            otel extra); checked before any run is taken; a failed export fails the run, output kept.
+        otlp_headers_block: Name of a Prefect Secret block holding the endpoint's headers.
 
     Examples:
-        Enrich every finished run under a root, once:
-
         ```python
         import shutil, tempfile
         from importlib.resources import files
@@ -329,7 +323,6 @@ def enrich_completed_runs(
         runs = Path(tempfile.mkdtemp())  # a runs root with one finished run, r1
         shutil.copytree(str(files("rollout_capture") / "sample"), runs / "r1")  # rollouts.jsonl, captures/
         (runs / "r1" / "_SUCCESS").touch()
-
         summary = enrich_completed_runs(str(runs))  # what each scheduled tick runs
         print(summary.enriched)  # ['r1']: r1/rollouts.enriched.jsonl, then r1/_ENRICHED
         print(enrich_completed_runs(str(runs)).already_enriched)  # ['r1']: the next tick skips it
