@@ -421,6 +421,8 @@ def enrich_rollouts(
         otlp_headers_block: Name of a Prefect Secret block holding the endpoint's headers.
 
     Examples:
+        Enrich the bundled sample (what ``make demo`` does):
+
         ```python
         from importlib.resources import files
 
