@@ -4,13 +4,11 @@ real processes, exit codes, summaries, messages naming the input."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 from pathlib import Path
 
 from .conftest import SAMPLE
-from .support.cli import CLI, cli_env, run_cli
+from .support.cli import cli_env, run_at_terminal, run_cli
 
 
 def test_enrich_the_sample(prefect_api: str, tmp_path: Path) -> None:
@@ -83,38 +81,16 @@ def test_a_mistyped_capture_dir_exits_2_unless_empty_is_allowed(prefect_api: str
 
 def test_a_progress_bar_on_a_terminal(prefect_api: str, tmp_path: Path) -> None:
     """At a TTY the enrichment shows a bar (rich); piped, it stays quiet (the test above)."""
-    import pty
-
-    primary, secondary = pty.openpty()
-    env = cli_env(prefect_api, COLUMNS="120")
-    process = subprocess.Popen(
-        [
-            *CLI,
-            "enrich",
-            str(SAMPLE / "rollouts.jsonl"),
-            "--capture-dir",
-            str(SAMPLE / "captures"),
-            "--output",
-            str(tmp_path / "out.jsonl"),
-        ],
-        stdin=secondary,
-        stdout=secondary,
-        stderr=secondary,
-        env=env,
+    code, text = run_at_terminal(
+        "enrich",
+        str(SAMPLE / "rollouts.jsonl"),
+        "--capture-dir",
+        str(SAMPLE / "captures"),
+        "--output",
+        str(tmp_path / "out.jsonl"),
+        env=cli_env(prefect_api, COLUMNS="120"),
     )
-    os.close(secondary)
-    seen = b""
-    while True:
-        try:
-            chunk = os.read(primary, 65536)
-        except OSError:  # the other side closed: the process is done
-            break
-        if not chunk:
-            break
-        seen += chunk
-    os.close(primary)
-    assert process.wait(120) == 0, seen.decode(errors="replace")[-2000:]
-    text = seen.decode(errors="replace")
+    assert code == 0, text[-2000:]
     assert "━" in text and "sample/rollouts.jsonl" in text  # the bar, labelled by its input
     assert "rollouts enriched" in text
 

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from .conftest import S3
-from .support.cli import cli_env, run_cli
+from .support.cli import cli_env, run_at_terminal, run_cli
 from .support.otlp_receiver import OtlpReceiver
 
 
@@ -215,34 +215,12 @@ def test_export_refuses_bad_trace_input_before_anything_is_sent(
 
 def test_export_shows_a_progress_bar_on_a_terminal(receiver: OtlpReceiver, tmp_path: Path) -> None:
     """At a TTY, a bar on stderr while the traces go (piped, nothing: the test above)."""
-    import os
-    import pty
-
-    from .support.cli import CLI
     from .test_report import build_corpus
 
     _, enriched = build_corpus(tmp_path / "bad")
-    primary, secondary = pty.openpty()
-    process = subprocess.Popen(
-        [*CLI, "export", str(enriched), "--otlp", receiver.url, "--otlp-header", f"api_key: {OTLP_SECRET}"],
-        stdin=secondary,
-        stdout=secondary,
-        stderr=secondary,
-        env=cli_env(COLUMNS="120"),
-    )
-    os.close(secondary)
-    seen = b""
-    while True:
-        try:
-            chunk = os.read(primary, 65536)
-        except OSError:  # the other side closed: the process is done
-            break
-        if not chunk:
-            break
-        seen += chunk
-    os.close(primary)
-    text = seen.decode(errors="replace")
-    assert process.wait(120) == 0, text[-2000:]
+    args = ["export", str(enriched), "--otlp", receiver.url, "--otlp-header", f"api_key: {OTLP_SECRET}"]
+    code, text = run_at_terminal(*args, env=cli_env(COLUMNS="120"))
+    assert code == 0, text[-2000:]
     assert "sending traces to" in text and "━" in text, text[-2000:]
     assert "span(s) in 1 batch(es) to" in text and OTLP_SECRET not in text
 

@@ -21,6 +21,29 @@ def cli_env(api: str | None = None, base: Mapping[str, str] | None = None, **ext
     return {**env, **extra}
 
 
+def run_at_terminal(*args: str, env: Mapping[str, str], timeout: float = 120) -> tuple[int, str]:
+    """Run the command with a pseudo-terminal as its stdin, stdout and stderr (what a person at a
+    terminal sees: progress bars); ``(exit code, everything it wrote)`` once it ends."""
+    import pty
+
+    primary, secondary = pty.openpty()
+    process = subprocess.Popen(
+        [*CLI, *args], stdin=secondary, stdout=secondary, stderr=secondary, env=dict(env)
+    )
+    os.close(secondary)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:  # the other side closed: the process is done
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(primary)
+    return process.wait(timeout), seen.decode(errors="replace")
+
+
 def run_cli(
     *args: str,
     api: str | None = None,
