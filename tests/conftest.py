@@ -39,6 +39,7 @@ os.environ.pop("AWS_PROFILE", None)
 import inspect  # noqa: E402
 import logging  # noqa: E402
 import socket  # noqa: E402
+import socketserver  # noqa: E402
 import types  # noqa: E402
 
 import pytest  # noqa: E402
@@ -228,8 +229,13 @@ STARTERS = frozenset(
         "RayTaskRunner",
         "prefect_test_harness",
         "listen",  # a raw socket server of the test's own
+        "HTTPServer",  # the standard library's (http.server, socketserver)
+        "ThreadingHTTPServer",
+        "TCPServer",
+        "ThreadingTCPServer",
         "AppRunner",  # aiohttp's server
         "start_server",  # asyncio's
+        "phoenix_server",  # `phoenix serve` in a process of its own (tests/support/phoenix.py)
     }
 )
 CLI_PROCESS = "rollout_capture.cli"  # `python -m rollout_capture.cli ...` in a subprocess
@@ -239,6 +245,12 @@ _TESTS_PACKAGE = __name__.rpartition(".")[0]
 def _is_tests_code(value: Any) -> bool:
     module = getattr(value, "__module__", None) or ""
     return isinstance(module, str) and (module == _TESTS_PACKAGE or module.startswith(_TESTS_PACKAGE + "."))
+
+
+def _is_server_class(value: Any) -> bool:
+    """A server class of the tests' own (an ``http.server`` or ``socketserver`` subclass, such as
+    tests/support/otlp_receiver.py's): making one binds and listens, whatever it is called."""
+    return inspect.isclass(value) and issubclass(value, socketserver.BaseServer)
 
 
 def _functions_of(value: Any) -> list[types.FunctionType]:
@@ -301,6 +313,8 @@ def _reaches(function: types.FunctionType, seen: dict[Any, set[str]], local: dic
             else:
                 continue
             if _is_tests_code(value):
+                if _is_server_class(value):
+                    found.add(value.__name__)
                 for inner in _functions_of(value):
                     found.update(_reaches(inner, seen, local))
     return found
@@ -333,6 +347,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         by_param = any(name in value for name in asked for value in params) or bool(asked and not params)
         if fixturenames & SERVER_FIXTURES or reached - SERVER_FIXTURES or by_param:
             item.add_marker(pytest.mark.integration)
+    for item in items:
+        marked = item.get_closest_marker("integration") is not None
+        COLLECTED[item.nodeid] = (marked, frozenset(getattr(item, "fixturenames", ())))
+
+
+COLLECTED: dict[str, tuple[bool, frozenset[str]]] = {}
+"""Every test collected, before ``-m`` deselects any: whether it is marked ``integration``, and its
+fixtures (tests/test_markers.py checks the marking in a run that leaves those tests out)."""
 
 
 # `-m "not integration"` (make test-fast) holds the marker to its word: a test left unmarked that

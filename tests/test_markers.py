@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from . import conftest
+from .support.otlp_receiver import OtlpReceiver
 from .support.servers import ThreadedServer
 
 
@@ -23,6 +24,10 @@ def _imports_one_that_does() -> None:
     from .test_markers import _calls_a_helper_that_does
 
     _calls_a_helper_that_does()
+
+
+def _starts_a_receiver() -> None:
+    OtlpReceiver().stop()  # a server class of the tests' own: found whatever its name
 
 
 def _runs_the_cli() -> list[str]:
@@ -48,6 +53,11 @@ def test_a_starter_is_found_in_the_code_and_through_the_helpers_it_calls() -> No
         assert "ThreadedServer" in reached(name), name
 
 
+def test_a_server_class_of_the_tests_own_is_a_starter_whatever_its_name() -> None:
+    """tests/support/otlp_receiver.py's receiver (an ``http.server`` subclass) listens when made."""
+    assert reached("_starts_a_receiver") == {"OtlpReceiver"}
+
+
 def test_a_cli_process_and_a_server_fixture_asked_by_name_are_found() -> None:
     assert reached("_runs_the_cli") == {conftest.CLI_PROCESS}
     assert reached("_asks_for_s3") == {"s3"}
@@ -60,8 +70,10 @@ def test_plain_code_reaches_nothing() -> None:
 def test_this_run_marked_the_tests_that_start_servers_and_not_the_others(
     request: pytest.FixtureRequest,
 ) -> None:
-    """Among the tests collected with this one: each using a server fixture is marked."""
-    for item in request.session.items:
-        if set(getattr(item, "fixturenames", ())) & conftest.SERVER_FIXTURES:
-            assert item.get_closest_marker("integration") is not None, item.nodeid
+    """Among the tests collected with this one (``-m`` deselected or not): each using a server
+    fixture is marked, and some are (in a whole-suite collection)."""
+    assert request.node.nodeid in conftest.COLLECTED
+    for nodeid, (marked, fixtures) in conftest.COLLECTED.items():
+        if fixtures & conftest.SERVER_FIXTURES:
+            assert marked, nodeid
     assert request.node.get_closest_marker("integration") is None
