@@ -352,11 +352,11 @@ async def test_a_failed_row_write_is_logged_once(
     with caplog.at_level(logging.WARNING, logger="rollout_capture"):
         answer = await post(middleware, "/ng-rollout/w-2/v1/chat/completions", {"model": "m"})
     assert answer.status_code == 200 and store.is_incomplete("w-2")
-    ours = [
-        r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("rollout_capture")
-    ]
-    (warning,) = ours  # (not asyncio's word on another test's session, collected meanwhile)
-    assert "w-2" in warning.getMessage() and warning.exc_info is not None
+    # One traceback, the store's (not asyncio's word on another test's session, collected
+    # meanwhile; nor the writer's note that a busy machine made the loop's write slow).
+    ours = [r for r in caplog.records if r.exc_info is not None and r.name.startswith("rollout_capture")]
+    (warning,) = ours
+    assert "w-2" in warning.getMessage() and warning.levelno == logging.WARNING
 
 
 @pytest.mark.parametrize(("model", "stream", "expected"), CUT_ANSWERS)
