@@ -4,16 +4,26 @@ Each test here was checked against its mutation (applied by hand, seen to fail, 
 the local append's fsync removed; a failed fsync no longer marking the rollout incomplete; a
 claim live one TTL too long; ``_ENRICHED`` written
 before the run's output is published; a ref whose ``model_call_id`` matches but whose
-``model_ref`` disagrees, accepted.
+``model_ref`` disagrees, accepted. Issue 38's audit added seven: a call cancelled while its
+journal claim is in flight on a local disk never releasing it; a claims commit holding a clear
+put without the look above its number; ``capture_hold_ms`` counted from the call's arrival; a
+negative ``latency_ttft_ms`` alone left without a gap; a deployment's trigger matching the runs
+of a sibling root (``<root>*``); ``mark_run_finished`` naming a relative run as given; 503 no
+longer retried by the trace export.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +33,11 @@ import pytest
 from rollout_capture import CaptureStore, merge_model_call_capture_into_record
 from rollout_capture.run_folders import RunsRoot
 
-from .conftest import S3, Clock, wait_for
-from .support.runs_helpers import ROW, Where
+from .conftest import S3, SAMPLE, Clock, wait_for
+from .support.otlp_receiver import OtlpReceiver
+from .support.producer_calls import body_then_silence, post_scope
+from .support.runs_helpers import ROW, Where, make_run
+from .support.scripted_upstream import ScriptedUpstream
 from .support.spawned import run_tick
 
 # ----------------------------------------------------------------------------- durability
@@ -259,3 +272,225 @@ def test_a_ref_whose_call_id_matches_but_whose_model_ref_disagrees_is_unmatched(
         "gaps"
     ]
     assert {"code": "model_call_ownership_unavailable", "detail": "capture:c0:call_index=0"} in result["gaps"]
+
+
+# ----------------------------------------------------------------------------- journal claims
+
+
+@pytest.mark.parametrize("producer", ["middleware", "proxy"])
+async def test_a_call_cancelled_while_its_journal_claim_is_in_flight_on_a_local_disk_releases_it(
+    producer: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Spec 3: on a local disk the call waits for its journal claim before it is forwarded; a
+    cancel meanwhile (the client left) must release the claim that lands after it, or the rollout
+    would wait a whole TTL for a call that is gone."""
+    from rollout_capture.producer import CaptureMiddleware
+    from rollout_capture.producer.proxy import CaptureProxy
+    from rollout_capture.producer.settings import ProxySettings
+
+    capture_dir = str(tmp_path / "caps")
+    app: Any
+    if producer == "middleware":
+        app = CaptureMiddleware(ScriptedUpstream(), capture_dir=capture_dir, layout="journal")
+    else:  # the upstream is never reached: the call is cancelled before it is forwarded
+        app = CaptureProxy(
+            ProxySettings(capture_dir=capture_dir, upstream="http://127.0.0.1:9", layout="journal")
+        )
+    store = app.writer.store
+    assert store.writes_in_place and not app.writer.claims_in_background
+    entered, gate = threading.Event(), threading.Event()
+    create = store._backend.create
+
+    def held_claim_commit(path: str, data: bytes) -> None:
+        if "/claims/" in path:  # the claims stream's commit: held until the call is cancelled
+            entered.set()
+            assert gate.wait(30)
+        create(path, data)
+
+    monkeypatch.setattr(store._backend, "create", held_claim_commit)
+
+    async def send(message: dict[str, Any]) -> None:
+        raise AssertionError(f"nothing is answered: {message}")
+
+    call = asyncio.ensure_future(
+        app(post_scope("/ng-rollout/r1/v1/chat/completions"), body_then_silence(), send)
+    )
+    try:
+        assert await asyncio.to_thread(entered.wait, 30)
+        call.cancel()
+        gate.set()  # the claim lands after the cancel
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert store.claims(["r1"]) == {}
+        assert store.read("r1") == []  # cancelled before it was forwarded: no call to record
+    finally:
+        gate.set()
+        await asyncio.to_thread(app.writer.close)
+
+
+def test_a_claims_commit_holding_a_clear_goes_above_a_dead_writers_commit(tmp_path: Path) -> None:
+    """A commit of claims alone may land in a hole (its number orders nothing); one that also
+    holds a clear may not: a dead writer's claim commit above the hole existed before the clear,
+    so the clear lands above it and the hole is filled with a tombstone (spec 2, "never below an
+    existing commit"). Below it, the clear would read as older than that claim."""
+    from rollout_capture.claims import claim_body, new_claim
+    from rollout_capture.journal import clear_entry, commit_name, decode_commit, encode_commit
+    from rollout_capture.journal.commits import claim_entry
+
+    store = CaptureStore(str(tmp_path), layout="journal")
+    backend = store._backend
+    claims = store.journal_writer_of("claims")
+    assert claims.write([claim_entry("w-0", new_claim("first", 600.0))]) == 0
+    dead = new_claim("dead", 600.0)
+    body = encode_commit("dead", "n2", [["claim", "q-0", dead.claim_id]], [claim_body(dead)], floor=1)
+    backend.create(backend.path(commit_name(2, "claims")), body)  # its commit 1 never landed
+    assert claims.write([claim_entry("w-1", new_claim("mine", 600.0)), clear_entry("q-0")]) == 3
+    hole = backend.read_many([backend.path(commit_name(1, "claims"))])[0]
+    assert hole is not None and decode_commit(1, hole).headers == []  # a tombstone, not the clear
+    assert claims.skips == 1
+
+
+# ----------------------------------------------------------------------------- call records
+
+
+async def test_an_answer_never_held_reports_a_hold_of_exactly_zero() -> None:
+    """Spec 11: ``capture_hold_ms`` is the wait from the answer's first message being ready to
+    the claim being durable; an app that answers only once the claim is durable was never held,
+    whatever the claim took."""
+    from rollout_capture.producer import CaptureMiddleware
+
+    capture_dir = f"memory://held-{uuid.uuid4().hex}"
+    store = CaptureStore(capture_dir)
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        # The claim visible, then its writer idle: the producer has taken its claim as durable.
+        await asyncio.to_thread(wait_for, lambda: store.claims(["h-0"]), 30, "the claim")
+        assert await asyncio.to_thread(middleware.writer.wait_idle, 30)
+        await asyncio.sleep(0)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": b'{"id": "x", "choices": []}'})
+
+    middleware = CaptureMiddleware(app, capture_dir=capture_dir, layout="journal")
+    assert middleware.writer.claims_in_background  # an object store: answers are held
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    try:
+        await middleware(post_scope("/ng-rollout/h-0/v1/chat/completions"), body_then_silence(), send)
+    finally:
+        await asyncio.to_thread(middleware.close)
+    (row,) = store.read("h-0")
+    assert sent[0]["status"] == 200 and row["capture_hold_ms"] == 0
+
+
+def test_a_negative_time_to_first_token_alone_is_an_impossible_timing_gap() -> None:
+    """Every other value of the call is possible: its ``latency_ttft_ms`` alone names it."""
+    from .test_call_records_fast import BASE, both_ways
+
+    line = orjson.dumps(BASE | {"model_call_id": "t1", "latency_ms": 500, "latency_ttft_ms": -1.5})
+    full, typed, _ = both_ways([line])
+    assert typed == full
+    assert orjson.loads(full).get("gaps") == [
+        {"code": "model_call_timing_impossible", "detail": "capture:t1:call_index=0: latency_ttft_ms=-1.5"}
+    ]
+
+
+# ----------------------------------------------------------------------------- finished runs
+
+
+def _trigger(runs_root: str) -> Any:
+    """The scheduled deployment's run-finished trigger, as the Prefect server evaluates it."""
+    from prefect.server.events.schemas.automations import EventTrigger
+
+    from rollout_capture.deployments.shipped import shipped_deployments
+
+    scheduled = shipped_deployments(runs_root)[0]
+    (trigger,) = scheduled.triggers
+    trigger.set_deployment_id(uuid.uuid4())
+    return EventTrigger.model_validate(trigger.as_automation().trigger.model_dump(mode="json"))
+
+
+def _finished(run: str) -> Any:
+    from prefect.server.events.schemas.events import ReceivedEvent
+    from prefect.types._datetime import now
+
+    from rollout_capture.flows.events import RUN_FINISHED, run_resource
+
+    return ReceivedEvent(id=uuid.uuid4(), event=RUN_FINISHED, resource=run_resource(run), occurred=now("UTC"))
+
+
+def test_a_deployments_trigger_matches_the_runs_under_its_root_and_no_sibling_roots(tmp_path: Path) -> None:
+    """A run under ``/runs/ab`` is not under ``/runs/a``: that deployment is not triggered."""
+    a, ab = _trigger(str(tmp_path / "a")), _trigger(str(tmp_path / "ab"))
+    under_a, under_ab = _finished(str(tmp_path / "a" / "r1")), _finished(str(tmp_path / "ab" / "r1"))
+    assert a.covers(under_a) and ab.covers(under_ab)
+    assert not a.covers(under_ab) and not ab.covers(under_a)
+    assert _trigger(f"{tmp_path / 'a'}/").covers(under_a)  # a root given with its trailing slash
+
+
+def test_a_run_finished_by_a_relative_path_triggers_its_roots_deployment(
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``mark_run_finished("runs/r/")`` from the runs' parent folder: the event the server stores
+    names the run as every worker does (absolute, no trailing slash), so the trigger of the
+    deployment registered for the absolute runs root matches it."""
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+    from prefect.events.worker import EventsWorker
+    from prefect.server.events.schemas.events import ReceivedEvent
+
+    from rollout_capture.flows.events import RUN_FINISHED, RUN_PREFIX, mark_run_finished
+
+    name = f"r-{uuid.uuid4().hex[:12]}"
+    make_run(tmp_path / "runs", name, finished=False)
+    monkeypatch.chdir(tmp_path)
+    assert mark_run_finished(f"runs/{name}/") == str(tmp_path / "runs" / name)
+
+    def stored() -> list[Any]:
+        EventsWorker.drain_all()
+        wanted = EventFilter(
+            event=EventNameFilter(name=[RUN_FINISHED]), resource=EventResourceFilter(id_prefix=[RUN_PREFIX])
+        )
+        with get_client(sync_client=True) as client:
+            return [e for e in client.read_events(filter=wanted, limit=50).events if name in e.resource.id]
+
+    (event,) = wait_for(stored, 30, "the run's finished event", poll_s=0.2)
+    received = ReceivedEvent.model_validate(event.model_dump(mode="json"))
+    assert _trigger(str(tmp_path / "runs")).covers(received), event.resource.id
+
+
+# ----------------------------------------------------------------------------- trace export
+
+
+def test_a_batch_refused_with_503_past_opentelemetrys_own_retries_is_sent_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Phoenix answers 503 while its ingestion queue is full. OpenTelemetry's exporter retries a
+    few times (here at once: ``Retry-After: 0``) and gives up; the export sends the batch again
+    for up to ``patience_s`` instead of failing, and every span lands once."""
+    from rollout_capture.traces.exporter import export_traces
+
+    captures = tmp_path / "captures"
+    shutil.copytree(SAMPLE / "captures", captures)
+    lines = [line for line in (SAMPLE / "rollouts.jsonl").read_bytes().splitlines() if line.strip()][:3]
+    enriched = tmp_path / "rollouts.enriched.jsonl"
+    merged = [merge_model_call_capture_into_record(orjson.loads(line), [captures]) for line in lines]
+    enriched.write_bytes(b"".join(orjson.dumps(record) + b"\n" for record in merged))
+    busy = OtlpReceiver(then=[503] * 7, retry_after="0")  # one more than OpenTelemetry's 6 tries
+    try:
+        with caplog.at_level(logging.ERROR, "opentelemetry"):
+            counts = export_traces(enriched, busy.url, patience_s=60)
+        assert counts.spans > 0 and len({bytes(s.span_id) for s in busy.spans()}) == counts.spans
+        assert len(busy.received) == 1 + 8  # the probe, 7 refusals of the one batch, then it landed
+        assert "max retries" in caplog.text  # OpenTelemetry gave up once: the export did not
+    finally:
+        busy.stop()

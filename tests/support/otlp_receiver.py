@@ -24,12 +24,19 @@ class OtlpReceiver(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(
-        self, refuse: int | None = None, *, status: int = 200, then: list[int] | None = None
+        self,
+        refuse: int | None = None,
+        *,
+        status: int = 200,
+        then: list[int] | None = None,
+        retry_after: str | None = None,
     ) -> None:
         """Every request answered ``status``; with ``refuse``, a request carrying spans is answered
-        that; with ``then``, the first request (the probe) gets 200 and the next ones ``then``'s."""
+        that; with ``then``, the first request (the probe) gets 200 and the next ones ``then``'s;
+        ``retry_after`` goes with every refusal as its ``Retry-After`` header."""
         self.received: list[Received] = []
         self.refuse, self.status, self.then = refuse, status, list(then or [])
+        self.retry_after = retry_after
         receiver = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -37,7 +44,10 @@ class OtlpReceiver(http.server.ThreadingHTTPServer):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 headers = {name.lower(): value for name, value in self.headers.items()}
                 receiver.received.append(Received(self.path, headers, body))
-                self.send_response(receiver.answer(body))
+                status = receiver.answer(body)
+                self.send_response(status)
+                if receiver.retry_after is not None and status >= 400:
+                    self.send_header("Retry-After", receiver.retry_after)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", "0")
                 self.end_headers()
