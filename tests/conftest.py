@@ -312,6 +312,8 @@ def _reaches(function: types.FunctionType, seen: dict[Any, set[str]], local: dic
                 value = local.get(name)
             else:
                 continue
+            if isinstance(value, list | tuple) and CLI_PROCESS in _strings(tuple(value)):
+                found.add(CLI_PROCESS)  # a command line named once (tests/support/cli.py's CLI)
             if _is_tests_code(value):
                 if _is_server_class(value):
                     found.add(value.__name__)

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from . import conftest
+from .support.cli import CLI
 from .support.otlp_receiver import OtlpReceiver
 from .support.servers import ThreadedServer
 
@@ -32,6 +33,10 @@ def _starts_a_receiver() -> None:
 
 def _runs_the_cli() -> list[str]:
     return ["python", "-m", "rollout_capture.cli", "enrich"]
+
+
+def _runs_the_cli_named_once() -> list[str]:
+    return [*CLI, "enrich"]  # the command line a module constant of the tests' helpers holds
 
 
 def _asks_for_s3(request: Any) -> Any:
@@ -60,6 +65,7 @@ def test_a_server_class_of_the_tests_own_is_a_starter_whatever_its_name() -> Non
 
 def test_a_cli_process_and_a_server_fixture_asked_by_name_are_found() -> None:
     assert reached("_runs_the_cli") == {conftest.CLI_PROCESS}
+    assert reached("_runs_the_cli_named_once") == {conftest.CLI_PROCESS}
     assert reached("_asks_for_s3") == {"s3"}
 
 
