@@ -66,6 +66,14 @@ def wait_for(
     return found
 
 
+def wait_ready(event: Any, process: Any, what: str = "the spawned process to be ready") -> None:
+    """Wait until ``process`` sets ``event``, for as long as it lives: on a loaded machine a spawned
+    process may take minutes to import, so no window decides; one that exits first fails at once,
+    naming its exit code (pytest-timeout bounds a hang)."""
+    while not event.wait(0.2):
+        assert process.is_alive(), f"{what}: it exited first, with {process.exitcode}"
+
+
 class Clock:
     """A clock the test sets: claims and leases are judged by it, so no test sleeps a TTL out."""
 

@@ -23,7 +23,7 @@ from rollout_capture.claims import Claim, new_claim
 from rollout_capture.claims_log import ClaimsLogReader, ClaimsLogWriter
 from rollout_capture.names import CLAIMS_LOG_DIR
 
-from .conftest import Clock, wait_for
+from .conftest import Clock, wait_for, wait_ready
 from .support.scripted_upstream import ScriptedUpstream
 
 ROW = {"model_call_id": "m", "status_code": 200}
@@ -197,7 +197,7 @@ def _spawn_claimer(url: str) -> tuple[Any, Any, Any, Any]:
     ready, go_on, done = context.Event(), context.Event(), context.Event()
     process = context.Process(target=_claim_then_hang, args=(url, ready, go_on, done))
     process.start()
-    assert ready.wait(60)
+    wait_ready(ready, process)
     return process, go_on, done, ready
 
 
@@ -234,7 +234,7 @@ def test_clearing_voids_a_live_writers_claims_and_later_ones_count(tmp_path: Pat
         store.clear(["k-0"])  # a fresh run never sees the old attempt's claims
         assert store.claims(["k-0"]) == {} and not store.has_any("k-0")
         go_on.set()  # the old call releases (a claim already void), then a new call claims
-        assert done.wait(60)
+        wait_ready(done, process, "the old call's release and a fresh claim")
         (fresh,) = store.live_claims("k-0")
         assert fresh.model_call_id == "fresh"
     finally:
@@ -269,7 +269,7 @@ async def test_a_live_writers_claims_are_live_whatever_the_clocks_say(
     process.start()
     store = CaptureStore(url)
     try:
-        assert ready.wait(60)
+        wait_ready(ready, process)
         clock.advance(reader_ahead_s)
         (claim,) = store.live_claims("s-0")
         assert claim.model_call_id == "skewed"
