@@ -168,11 +168,14 @@ def s3(moto_endpoint: str) -> S3:
 
 # botocore's own retries off: s3fs then gives up on a dead endpoint in about half a second,
 # so a test outage of a few seconds outlasts it and only Prefect's retries can save the run.
+# The proxy's outages refuse or cut connections (an error at once, whatever the timeouts), so the
+# timeouts are long: an answer slow on a loaded machine is no outage, and a request timed out and
+# sent again would change the counts the tests check (a 2 s read timeout did, under load).
 FAST_FAIL = {
     "config_kwargs": {
         "retries": {"max_attempts": 1, "mode": "standard"},
-        "connect_timeout": 1,
-        "read_timeout": 2,
+        "connect_timeout": 10,
+        "read_timeout": 60,
     }
 }
 

@@ -25,8 +25,9 @@ import rollout_capture
 
 from .conftest import ROOT, SAMPLE
 
-# A wheel built and installed with its dependencies from the package index: slow and networked.
-pytestmark = pytest.mark.integration
+# A wheel built and installed with its dependencies from the package index: slow and networked
+# (the first test pays for it: more than pytest's 300 s on a loaded machine, so its own bound).
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(3 * 300)]
 
 MAPPED = ("flows", "tasks", "deployments", "cli")  # repository folders shipped as rollout_capture.<name>
 TIMEOUT_S = 600

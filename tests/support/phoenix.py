@@ -58,7 +58,9 @@ def phoenix_server(work: Path) -> Iterator[Phoenix]:
             return False
 
     try:
-        wait_for(healthy, timeout_s=120, what="phoenix serve's /healthz", poll_s=0.5)
+        # As long as it lives (healthy() fails at once if it exits): its start takes minutes on a
+        # loaded machine, and pytest-timeout bounds a hang.
+        wait_for(healthy, timeout_s=3600, what="phoenix serve's /healthz", poll_s=0.5)
         yield Phoenix(url, f"{url}/v1/traces")
     finally:
         process.terminate()

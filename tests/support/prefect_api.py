@@ -25,9 +25,23 @@ from ..conftest import wait_for
 
 
 def task_runs(flow_run_id: UUID, name_prefix: str) -> list[TaskRun]:
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return [run for run in runs if run.name.startswith(name_prefix)]
+    """The flow run's task runs named ``name_prefix...``, once each is in a final state.
+
+    A task run's states reach the API as events, recorded by the server in the background: read
+    at once after the flow, a finished task can still read ``Pending`` (it did on a loaded
+    machine), so this waits for the record (the flow run's own state is written directly)."""
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all()  # sent from this process in the background
+
+    def settled() -> tuple[list[TaskRun]] | None:
+        with get_client(sync_client=True) as client:
+            only_this_run = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+            runs = client.read_task_runs(flow_run_filter=only_this_run)
+        named = [run for run in runs if run.name.startswith(name_prefix)]
+        return (named,) if all(run.state is not None and run.state.is_final() for run in named) else None
+
+    return wait_for(settled, 240, f"the {name_prefix} task runs' final states", poll_s=0.1)[0]
 
 
 def running_task_runs(name_prefix: str, since: datetime) -> list[TaskRun]:
