@@ -126,7 +126,7 @@ def wait_for(
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # only this file's: stopped with it, not left idle
 def dask_cluster(home: Home) -> Iterator[Cluster]:
     """A scheduler and two workers (each under a nanny that restarts it), as ``dask`` CLI processes."""
     from distributed import Client
@@ -161,7 +161,7 @@ def dask_cluster(home: Home) -> Iterator[Cluster]:
             stop(process)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # only this file's: stopped with it, not left idle
 def ray_cluster(home: Home) -> Iterator[Cluster]:
     """A Ray head with two CPUs, ``ray start --head --block``: stopping that process stops its cluster."""
     import psutil
