@@ -311,6 +311,19 @@ class FlowTraces:
         }
         return {key: value for key, value in given.items() if value}
 
+    def check_block(self) -> None:
+        """The headers block is on the server and holds headers (its values never shown): a
+        deployment naming a missing one would fail every tick. Needs Prefect's API."""
+        if not self.otlp_headers_block:
+            return
+        from rollout_capture.otlp_headers import HeaderError
+        from rollout_capture.tasks.traces import headers_from_block
+
+        try:
+            headers_from_block(self.otlp_headers_block)
+        except HeaderError as exc:
+            raise InputError(str(exc)) from None
+
     def probe(self, *, prefect_started: bool) -> None:
         """The endpoint takes an empty export (with the block's headers): else bad input, one line.
 

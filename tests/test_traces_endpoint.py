@@ -281,3 +281,24 @@ def test_one_huge_rollout_is_cut_to_fit_and_never_holds_up_the_others(sample: Pa
         a.key: a.value.int_value for a in cut[0].attributes if a.key == "rollout_capture.call.payload_bytes"
     }
     assert sizes["rollout_capture.call.payload_bytes"] > 24_000_000
+
+
+# ---------------------------------------------------------------------- the environment's proxy
+
+
+def test_the_environment_s_proxy_carries_the_requests_and_no_proxy_bypasses_it(
+    sample: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As OpenTelemetry's own exporter did (through requests): ``http_proxy`` is asked for the
+    endpoint's whole URL, with the proxy's credentials; ``no_proxy`` names hosts it skips."""
+    with _serving(None) as proxy:
+        monkeypatch.setenv("http_proxy", proxy.url.replace("http://", "http://user:pa%3Ass@"))
+        counts = export_traces(sample, "http://otlp.example.invalid:4318", headers=HEADERS)
+        assert counts.spans == SAMPLE_SPANS == len(proxy.spans())
+        assert {r.path for r in proxy.received} == {"http://otlp.example.invalid:4318/v1/traces"}
+        assert {r.headers["host"] for r in proxy.received} == {"otlp.example.invalid:4318"}
+        assert {r.headers["proxy-authorization"] for r in proxy.received} == {"Basic dXNlcjpwYTpzcw=="}
+        monkeypatch.setenv("no_proxy", "otlp.example.invalid")
+        with pytest.raises(OtlpEndpointError, match="unreachable"):
+            export_traces(sample, "http://otlp.example.invalid:4318")
+        assert len(proxy.received) == counts.batches + 1

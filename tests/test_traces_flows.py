@@ -262,14 +262,14 @@ def test_enrich_with_a_refused_endpoint_says_one_line_and_starts_nothing(tmp_pat
     assert done.stdout == "" and not (tmp_path / "out.jsonl").exists()
 
 
-def test_deploy_registers_the_schedule_s_traces_and_serve_checks_them(prefect_api: str) -> None:
+def test_deploy_registers_the_schedule_s_traces_and_serve_checks_them(prefect_api: str, block: str) -> None:
     from prefect.client.orchestration import get_client
 
     from .support.cli import run_cli
 
     done = run_cli(
         "deploy", "--runs-root", "/data/traced-runs", "--name", "traced-runs", "--no-automation",
-        "--otlp", "http://phoenix:6006", "--otlp-headers-block", BLOCK, "--otlp-project", "evals",
+        "--otlp", "http://phoenix:6006", "--otlp-headers-block", block, "--otlp-project", "evals",
         "--otlp-run-name", "cluster-a", api=prefect_api,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -277,7 +277,7 @@ def test_deploy_registers_the_schedule_s_traces_and_serve_checks_them(prefect_ap
         found = {d.name: d for d in client.read_deployments()}["traced-runs"]
     assert {k: v for k, v in found.parameters.items() if k.startswith("otlp")} == {
         "otlp_endpoint": "http://phoenix:6006",
-        "otlp_headers_block": BLOCK,
+        "otlp_headers_block": block,
         "otlp_project": "evals",
         "otlp_run_name": "cluster-a",
     }
@@ -285,6 +285,11 @@ def test_deploy_registers_the_schedule_s_traces_and_serve_checks_them(prefect_ap
         ("serve", ["--otlp-project", "evals"], "go with --otlp URL"),
         ("deploy", ["--otlp", f"http://h:1/?api_key={SECRET}"], "--otlp-header"),
         ("serve", ["--otlp", "http://h:1", "--otlp-run-name", "a\tb"], "control character"),
+        (
+            "deploy",
+            ["--otlp", "http://h:1", "--otlp-headers-block", "no-such-block"],
+            "'no-such-block' not found",
+        ),
     ):
         refused = run_cli(command, "--runs-root", "/data/traced-runs", *args, api=prefect_api)
         assert refused.returncode == 2 and says in refused.stderr, refused.stderr

@@ -96,6 +96,7 @@ def deploy(
     with out.exits():
         _, parameters = _scheduled(storage, runs_root, scheduled)
         parameters.update(traces.parameters())  # the schedule's traces (a Secret block's name only)
+        traces.check_block()
         from rollout_capture.deployments.register import register
 
         done = register(
@@ -150,6 +151,7 @@ def serve(
     with out.exits():
         runs, parameters = _scheduled(storage, runs_root, scheduled)
         parameters.update(traces.parameters())  # the schedule's traces (a Secret block's name only)
+        traces.check_block()
         preflight(folders=[(runs, "runs root")], prefect=False)  # served here: the root is this machine's
         from rollout_capture.deployments.serve import serve_shipped
 

@@ -5,6 +5,9 @@
   request past it (a socket timeout bounds one read, not the answer).
 - **Nothing is followed.** A redirect is an :class:`Answer` like any other, its ``Location``
   shown (scheme, host, path): the request and its headers never go to a host the user did not name.
+- **The environment's proxy is used** as OpenTelemetry's own exporter used it (``https_proxy`` /
+  ``http_proxy``, ``no_proxy``): an https endpoint through a ``CONNECT`` tunnel, an http one
+  asked of the proxy by its whole URL.
 - **Answers are read bounded**: at most :data:`MAX_ANSWER_BYTES` of a body (the rest is left
   unread and the connection dropped), a reason phrase or a message shown cut to a line, header
   values (an API key echoed back) masked in anything shown.
@@ -18,10 +21,12 @@ import socket
 import ssl
 import threading
 import time
+import urllib.request
+from base64 import b64encode
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 MAX_ANSWER_BYTES = 64 * 1024
 """Bytes of an answer's body read at most (an OTLP answer is a few bytes; an error page a few kB)."""
@@ -99,6 +104,29 @@ class _Watchdog:
         self.timer.cancel()
 
 
+@dataclass(frozen=True, slots=True)
+class _Proxy:
+    """The proxy the environment names for a URL, and its credentials as a header (if any)."""
+
+    host: str
+    port: int
+    authorization: dict[str, str]
+
+    @classmethod
+    def of(cls, scheme: str, host: str) -> _Proxy | None:
+        proxy = urllib.request.getproxies().get(scheme)
+        if not proxy or urllib.request.proxy_bypass(host):
+            return None
+        parts = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        if not parts.hostname:
+            return None
+        authorization = {}
+        if parts.username is not None:
+            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+            authorization["Proxy-Authorization"] = "Basic " + b64encode(pair).decode()
+        return cls(parts.hostname, parts.port or 8080, authorization)
+
+
 class Connection:
     """Requests to one URL over one kept-alive connection (opened again when dropped)."""
 
@@ -110,16 +138,23 @@ class Connection:
         self.host, self.port = parts.hostname, parts.port
         self.target = parts.path + (f"?{parts.query}" if parts.query else "")
         self.headers = dict(headers)
+        self.proxy = _Proxy.of(parts.scheme, parts.hostname)
+        if self.proxy is not None and not self.https:  # a plain proxy is asked for the whole URL
+            self.target = urlunsplit(parts._replace(fragment=""))
+            self.headers.update(self.proxy.authorization)
         self._connection: http.client.HTTPConnection | None = None
 
     def _open(self, timeout_s: float) -> http.client.HTTPConnection:
         if self._connection is None:
+            host, port = (self.proxy.host, self.proxy.port) if self.proxy else (self.host, self.port)
             if self.https:
                 self._connection = http.client.HTTPSConnection(
-                    self.host, self.port, timeout=timeout_s, context=ssl.create_default_context()
+                    host, port, timeout=timeout_s, context=ssl.create_default_context()
                 )
+                if self.proxy is not None:
+                    self._connection.set_tunnel(self.host, self.port, headers=self.proxy.authorization)
             else:
-                self._connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+                self._connection = http.client.HTTPConnection(host, port, timeout=timeout_s)
         return self._connection
 
     def close(self) -> None:
