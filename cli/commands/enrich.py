@@ -252,7 +252,9 @@ def enrich_runs(
         runs = storage.at(runs_root)
         captures = runs.at(capture_dir) if capture_dir else None
         preflight(
-            folders=[(runs, "runs root")], capture_dirs=[captures] if captures and not allow_empty else []
+            folders=[(runs, "runs root")],
+            capture_dirs=[captures] if captures and not allow_empty else [],
+            creates=[runs],  # leases and _ENRICHED
         )
         from rollout_capture.flows import enrich_completed_runs
 

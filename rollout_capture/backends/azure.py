@@ -1,0 +1,41 @@
+"""Azure Blob Storage (adlfs): the generic object-store backend, creating with one conditional Put Blob.
+
+A create is one Put Blob with ``If-None-Match: *`` (azure-storage-blob's ``overwrite=False``),
+made through adlfs's own service client whatever adlfs's ``pipe_file`` does with ``mode``; an
+existing blob answers 409 ``BlobAlreadyExists``, raised as ``FileExistsError``. Listings and reads
+are adlfs's. Credentials come the Azure way, from the environment adlfs reads
+(``AZURE_STORAGE_CONNECTION_STRING``, or ``AZURE_STORAGE_ACCOUNT_NAME`` with a key, a SAS token,
+a service principal or ``DefaultAzureCredential``), never from storage options.
+"""
+
+from __future__ import annotations
+
+from fsspec.asyn import sync as fsspec_sync
+
+from rollout_capture.backends.capabilities import CONDITIONAL_STORE
+from rollout_capture.backends.object_store import ObjectStoreBackend
+
+
+class AzureBackend(ObjectStoreBackend):
+    """A capture root in an Azure Blob container (``az://container/prefix``, ``abfs://``; Azurite too)."""
+
+    capabilities = CONDITIONAL_STORE
+    conditional_request = "Put Blob with If-None-Match: *"
+
+    def endpoint(self) -> str:
+        client = getattr(self.fs, "service_client", None)
+        url = getattr(client, "url", None) or getattr(self.fs, "account_url", None)
+        return str(url or f"https://{getattr(self.fs, 'account_name', '?')}.blob.core.windows.net")
+
+    def create_unproven(self, path: str, data: bytes) -> None:
+        fsspec_sync(self.fs.loop, self._put_blob_if_absent, path, data)
+
+    async def _put_blob_if_absent(self, path: str, data: bytes) -> None:
+        from azure.core.exceptions import ResourceExistsError
+
+        container, blob, _ = self.fs.split_path(path)
+        async with self.fs.service_client.get_blob_client(container=container, blob=blob) as client:
+            try:
+                await client.upload_blob(data, overwrite=False)  # one Put Blob, If-None-Match: *
+            except ResourceExistsError:
+                raise FileExistsError(path) from None
