@@ -14,12 +14,17 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# Azurite (npm), the Azure Blob server the tests start, installed once into .venv/azurite (git-ignored).
+AZURITE = $(VENV)/azurite/node_modules/.bin/azurite-blob
+$(AZURITE): | $(STAMP)
+	$(BIN)/python -m tests.support.stores install-azurite
+
 # Enrich the bundled sample on an embedded Prefect server (no server to start).
 demo: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/rollout-capture demo --output out/sample.enriched.jsonl
 
 # Two workers, a test file each at a time: a file's servers and clusters stay in one process.
-test: setup
+test: setup $(AZURITE)
 	$(BIN)/pytest -q -n 2 --dist loadfile
 
 # The unit tests alone (no server, cluster, browser or CLI process: the `integration` marker,
