@@ -101,6 +101,8 @@ def measure(
     command = [sys.executable, "-m", "rollout_capture.cli", "proxy", "--upstream", upstream, "--capture-dir",
                store.url(f"{layout}-caps"), "--port", "0", "--log-level", "error", "--layout", layout,
                *(["--storage-options", options] if options else [])]  # fmt: skip
+    quiet(proxy, for_s=0.5)
+    proxy.reset_counts()  # the bucket's creation, an earlier proxy's last requests
     proc = subprocess.Popen(
         command, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=store.process_environment()
     )

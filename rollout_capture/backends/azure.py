@@ -5,10 +5,13 @@ made through adlfs's own service client whatever adlfs's ``pipe_file`` does with
 existing blob answers 409 ``BlobAlreadyExists``, raised as ``FileExistsError``. Listings and reads
 are adlfs's. Credentials come the Azure way, from the environment adlfs reads
 (``AZURE_STORAGE_CONNECTION_STRING``, or ``AZURE_STORAGE_ACCOUNT_NAME`` with a key, a SAS token,
-a service principal or ``DefaultAzureCredential``), never from storage options.
+a service principal or ``DefaultAzureCredential``), never from storage options. Which of a
+few journal numbers exist is one List Blobs from the first (``startFrom``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from fsspec.asyn import sync as fsspec_sync
 
@@ -39,3 +42,21 @@ class AzureBackend(ObjectStoreBackend):
                 await client.upload_blob(data, overwrite=False)  # one Put Blob, If-None-Match: *
             except ResourceExistsError:
                 raise FileExistsError(path) from None
+
+    def _page_from(self, bucket: str, folder: str, first: str, limit: int) -> tuple[set[str], bool]:
+        result: tuple[set[str], bool] = fsspec_sync(
+            self.fs.loop, self._list_from, bucket, folder, first, limit
+        )
+        return result
+
+    async def _list_from(self, container: str, folder: str, first: str, limit: int) -> tuple[set[str], bool]:
+        async with self.fs.service_client.get_container_client(container) as client:
+            pages: Any = client.list_blobs(
+                name_starts_with=f"{folder}/", start_from=first, results_per_page=limit
+            ).by_page()
+            try:
+                page = await pages.__anext__()
+            except StopAsyncIteration:
+                return set(), False
+            names = {blob.name async for blob in page}
+            return names, pages.continuation_token is not None
