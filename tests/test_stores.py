@@ -30,7 +30,7 @@ from rollout_capture.run_folders import RunsRoot
 from .conftest import ROOT
 from .support.runs_helpers import make_run
 from .support.spawned import take_lease
-from .support.stores import Store
+from .support.stores import Store, stop_process
 
 WRITABLE = ["s3", "gcs", "azure"]
 CALLS = 30  # per proxy
@@ -75,12 +75,7 @@ class ProxyProcess:
         raise AssertionError(f"the proxy exited ({self.proc.wait()}) without serving: {''.join(said)}")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop_process(self.proc, grace_s=30)
 
 
 def call(base: str, n: int) -> int:

@@ -94,13 +94,18 @@ class Server:
         raise RuntimeError(f"{self.name} did not start within {_START_S:g} s: {self.log.read_text()[-2000:]}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
+
+
+def stop_process(proc: subprocess.Popen[Any], grace_s: float = 10) -> None:
+    """Ask a process of the tests' to stop (SIGTERM), kill it past ``grace_s``; reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 def _answers(url: str) -> Callable[[str], str | None]:
