@@ -5,10 +5,12 @@ is refused at startup, so it has no figure) and each object layout (journal, obj
 ``rollout-capture proxy`` process writes to the store through a counting proxy
 (tests/support/fault_proxy.py's FaultProxy: every HTTP request line counted by kind, plus a fixed
 latency per request as a network would add); one warm-up call, then ``--calls`` chat calls into
-one rollout, ``--concurrency`` at a time. Requests are counted from the warm-up's end until the
-store is quiet after the last call (the claims' releases included) and divided by the calls.
+one rollout (or round-robin over ``--rollouts``), ``--concurrency`` at a time. Requests are counted
+from the warm-up's end until the store is quiet after the last call (the claims' releases
+included) and divided by the calls.
 
-    python benchmarks/bench_stores.py [--calls 60] [--concurrency 8] [--latency-ms 5] [--json OUT]
+    python benchmarks/bench_stores.py [--calls 60] [--concurrency 8] [--rollouts 1] [--latency-ms 5]
+                                      [--json OUT]
 
 Figures are counts, not timings: they hold on a busy machine too (the journal's batching does
 depend on how many calls are in flight at once, hence ``--concurrency``).
@@ -94,7 +96,7 @@ def quiet(proxy: FaultProxy, for_s: float = 1.5, timeout_s: float = 60) -> None:
 
 
 def measure(
-    store: Store, proxy: FaultProxy, upstream: str, layout: str, calls: int, concurrency: int
+    store: Store, proxy: FaultProxy, upstream: str, layout: str, calls: int, concurrency: int, rollouts: int
 ) -> dict[str, Any]:
     """Requests a call of one proxy process writing ``layout`` to the store."""
     options = json.dumps(store.storage_options) if store.storage_options else None
@@ -125,7 +127,7 @@ def measure(
         quiet(proxy)
         proxy.reset_counts()
         with ThreadPoolExecutor(concurrency) as pool:
-            assert set(pool.map(call, range(calls))) == {200}
+            assert set(pool.map(call, range(calls), [f"{n % rollouts}-0" for n in range(calls)])) == {200}
         quiet(proxy)
         counts = proxy.reset_counts()
     finally:
@@ -146,18 +148,28 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=60)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--latency-ms", type=float, default=5.0)
+    parser.add_argument(
+        "--rollouts", type=int, default=1, help="calls spread over this many rollouts (1: all into one)"
+    )
     parser.add_argument("--stores", default="s3,gcs,azure")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
     upstream = ThreadedServer(ScriptedUpstream())
     starters = {"s3": start_moto, "gcs": start_fake_gcs, "azure": start_azurite}
-    figures: dict[str, Any] = {"calls": args.calls, "concurrency": args.concurrency, "stores": {}}
+    figures: dict[str, Any] = {
+        "calls": args.calls,
+        "concurrency": args.concurrency,
+        "rollouts": args.rollouts,
+        "stores": {},
+    }
     for kind in args.stores.split(","):
         server, endpoint = starters[kind](tempfile.mkdtemp(prefix=f"bench-{kind}-") if kind != "s3" else "")
         try:
             store, proxy = counted_store(kind, endpoint, args.latency_ms / 1000)
             for layout in LAYOUTS:
-                result = measure(store, proxy, upstream.url, layout, args.calls, args.concurrency)
+                result = measure(
+                    store, proxy, upstream.url, layout, args.calls, args.concurrency, args.rollouts
+                )
                 figures["stores"].setdefault(kind, {})[layout] = result
                 startup = result["startup_requests"]
                 print(f"{kind:6} {layout:8} per call: {result['per_call']}  startup: {startup}")
