@@ -44,12 +44,13 @@ typecheck: setup
 	for e in rollout_capture/* flows tasks deployments cli; do ln -s ../../../$$e build/typecheck/rollout_capture/; done
 	$(BIN)/mypy
 
-bench: setup
+bench: setup $(AZURITE)
 	$(BIN)/python benchmarks/bench_merge.py
 	$(BIN)/python benchmarks/bench_flow.py
 	$(BIN)/python benchmarks/bench_s3.py
 	$(BIN)/python benchmarks/bench_proxy.py
 	$(BIN)/python benchmarks/bench_runs.py
+	$(BIN)/python benchmarks/bench_stores.py
 
 # Register the shipped deployments on the server PREFECT_API_URL names (the pool is created if missing):
 #   make deploy RUNS_ROOT=/data/runs   (or s3://bucket/runs, with DEPLOY_ARGS="--credentials-block NAME")

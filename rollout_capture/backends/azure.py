@@ -6,11 +6,15 @@ existing blob answers 409 ``BlobAlreadyExists``, raised as ``FileExistsError``. 
 are adlfs's. Credentials come the Azure way, from the environment adlfs reads
 (``AZURE_STORAGE_CONNECTION_STRING``, or ``AZURE_STORAGE_ACCOUNT_NAME`` with a key, a SAS token,
 a service principal or ``DefaultAzureCredential``), never from storage options. Which of a
-few journal numbers exist is one List Blobs from the first (``startFrom``).
+few journal numbers exist is one List Blobs from the first (``startFrom``); a file is removed by
+one Delete Blob (adlfs's ``rm`` looks at each first).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 from fsspec.asyn import sync as fsspec_sync
@@ -60,3 +64,20 @@ class AzureBackend(ObjectStoreBackend):
                 return set(), False
             names = {blob.name async for blob in page}
             return names, pages.continuation_token is not None
+
+    def remove(self, paths: Sequence[str]) -> None:
+        if paths:
+            fsspec_sync(self.fs.loop, self._delete_blobs, list(paths))
+
+    async def _delete_blobs(self, paths: list[str]) -> None:
+        from azure.core.exceptions import ResourceNotFoundError
+
+        gate = asyncio.Semaphore(self.concurrency)
+
+        async def one(path: str) -> None:
+            container, blob, _ = self.fs.split_path(path)
+            async with gate, self.fs.service_client.get_blob_client(container=container, blob=blob) as client:
+                with contextlib.suppress(ResourceNotFoundError):  # absent ones are fine
+                    await client.delete_blob()
+
+        await asyncio.gather(*(one(path) for path in paths))
