@@ -41,10 +41,18 @@ from rollout_capture.backends import (
     open_backend,
     proof,
 )
+from rollout_capture.backends.capabilities import CONDITIONAL_STORE
 from rollout_capture.backends.object_store import ProcessLocalBackend
 from rollout_capture.claims import Claim, claim_body, new_claim
 from rollout_capture.config import check_capture_url
-from rollout_capture.filesystem import absolute_location, is_local, local_path, open_filesystem, url_scheme
+from rollout_capture.filesystem import (
+    MissingExtraError,
+    absolute_location,
+    is_local,
+    local_path,
+    open_filesystem,
+    url_scheme,
+)
 from rollout_capture.layouts import Layout
 from rollout_capture.names import claim_name, jsonl_name, marker_name, object_name
 from rollout_capture.worker_pool import sees_capture_root
@@ -589,3 +597,54 @@ def test_the_callers_of_the_seam_ask_it_alike(tmp_path: Path, monkeypatch: pytes
         check_capture_url("caps")
     with pytest.raises(ValueError, match="unknown storage scheme 'nope'"):
         check_capture_url("nope://caps")
+
+
+# ---------------------------------------------------------------------- put-if-absent, proven
+
+
+class _Overwriting(ObjectStoreBackend):
+    """A store taking a conditional create and ignoring its condition (as rclone serve s3 does), on memory."""
+
+    capabilities = CONDITIONAL_STORE
+    conditional_request = "a create that must fail when the file exists"
+    creates = 0
+
+    def create_unproven(self, path: str, data: bytes) -> None:
+        type(self).creates += 1
+        self.fs.pipe_file(path, data)  # the condition ignored: replaces
+
+
+def test_a_store_that_takes_a_second_create_is_refused_once_and_for_all() -> None:
+    proof.forget_proofs()
+    fs = fsspec.filesystem("memory")
+    backend = _Overwriting(fs, f"/overwriting-{uuid.uuid4().hex}")
+    with pytest.raises(UnsafeStoreError, match="accepted a second create of one object") as refused:
+        backend.create(backend.path("r-1.capture/000000000000.json"), b"{}")
+    assert f"capture store memory://{backend.root} cannot be written" in str(refused.value)
+    assert "(endpoint memory)" in str(refused.value) and "write to AWS S3, MinIO" in str(refused.value)
+    assert not fs.exists(backend.root) or fs.find(backend.root) == []  # the probe removed, the row never sent
+    assert _Overwriting.creates == 2
+    with pytest.raises(UnsafeStoreError):  # learnt once: no request again in this process
+        _Overwriting(fs, f"{backend.root}/other").create(backend.path("x.json"), b"{}")
+    assert _Overwriting.creates == 2
+    assert backend.read_many([backend.path("nothing.json")]) == [None]  # reading it is fine
+
+
+def test_a_store_whose_filesystem_is_missing_names_its_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    def not_installed(*args: Any, **kwargs: Any) -> Any:
+        raise ImportError("Install adlfs to access Azure Datalake Gen2 and Azure Blob Storage")
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", not_installed)
+    with pytest.raises(MissingExtraError, match=r"az:// needs the azure extra .*'rollout-capture\[azure\]'"):
+        open_filesystem("az://container/caps")
+    with pytest.raises(MissingExtraError, match=r"'rollout-capture\[gcs\]'"):
+        open_filesystem("gs://bucket/caps")
+
+
+def test_azure_credentials_never_travel_in_storage_options() -> None:
+    for secret in (
+        {"connection_string": "DefaultEndpointsProtocol=https;AccountKey=x"},
+        {"account_key": "x"},
+    ):
+        with pytest.raises(ValueError, match="looks like a secret"):
+            open_filesystem("az://container/caps", secret)
