@@ -298,7 +298,9 @@ class ObjectStoreBackend(Backend):
         """One listing page from the first name, where the store lists from a name (``_page_from``)
         and the paths share a folder: the names that sort among them come back in one page, and
         what the page did not reach is asked one by one. Otherwise every path is read at once."""
-        if len(paths) < 2 or type(self)._page_from is ObjectStoreBackend._page_from:
+        if len(paths) < 2:
+            return [self.exists(path) for path in paths]  # one request (a HEAD where the store has one)
+        if type(self)._page_from is ObjectStoreBackend._page_from:
             return [body is not None for body in self.read_many(paths)]  # at once, not one by one
         split = [self.fs.split_path(path)[:2] for path in paths]  # (bucket, key): stores that list by key
         keys = [key for _, key in split]
