@@ -14,12 +14,17 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# Azurite (npm), the Azure Blob server the tests start, installed once into .venv/azurite (git-ignored).
+AZURITE = $(VENV)/azurite/node_modules/.bin/azurite-blob
+$(AZURITE): | $(STAMP)
+	$(BIN)/python -m tests.support.stores install-azurite
+
 # Enrich the bundled sample on an embedded Prefect server (no server to start).
 demo: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/rollout-capture demo --output out/sample.enriched.jsonl
 
 # Two workers, a test file each at a time: a file's servers and clusters stay in one process.
-test: setup
+test: setup $(AZURITE)
 	$(BIN)/pytest -q -n 2 --dist loadfile
 
 # The unit tests alone (no server, cluster, browser or CLI process: the `integration` marker,
@@ -39,12 +44,13 @@ typecheck: setup
 	for e in rollout_capture/* flows tasks deployments cli; do ln -s ../../../$$e build/typecheck/rollout_capture/; done
 	$(BIN)/mypy
 
-bench: setup
+bench: setup $(AZURITE)
 	$(BIN)/python benchmarks/bench_merge.py
 	$(BIN)/python benchmarks/bench_flow.py
 	$(BIN)/python benchmarks/bench_s3.py
 	$(BIN)/python benchmarks/bench_proxy.py
 	$(BIN)/python benchmarks/bench_runs.py
+	$(BIN)/python benchmarks/bench_stores.py
 
 # Register the shipped deployments on the server PREFECT_API_URL names (the pool is created if missing):
 #   make deploy RUNS_ROOT=/data/runs   (or s3://bucket/runs, with DEPLOY_ARGS="--credentials-block NAME")

@@ -254,7 +254,9 @@ def enrich_runs(
         captures = runs.at(capture_dir) if capture_dir else None
         traces.probe(prefect_started=False)
         preflight(
-            folders=[(runs, "runs root")], capture_dirs=[captures] if captures and not allow_empty else []
+            folders=[(runs, "runs root")],
+            capture_dirs=[captures] if captures and not allow_empty else [],
+            creates=[runs],  # leases and _ENRICHED
         )
         traces.probe(prefect_started=True)
         from rollout_capture.flows import enrich_completed_runs
