@@ -142,7 +142,8 @@ def test_nemo_gym_07_execution_facts_are_carried_and_null_stays_null() -> None:
         record["upstream_status_code"],
         record["local_response_reason"],
     ) == (True, "local", None, "context_length_exceeded")
-    upstream = call_record_dict({**responses_row(), "response_source": "upstream", "upstream_status_code": 429}, 0)
+    forwarded = {**responses_row(), "response_source": "upstream", "upstream_status_code": 429}
+    upstream = call_record_dict(forwarded, 0)
     assert (upstream["response_source"], upstream["upstream_status_code"]) == ("upstream", 429)
     plain = call_record_dict(responses_row(), 0)  # rows of older producers: all four null, never dropped
     assert [plain[k] for k in SPEC_FIELDS[10:14]] == [None] * 4

@@ -138,7 +138,11 @@ def test_who_answered_each_call_is_exported_and_unknown_stays_null(tmp_path: Pat
     from rollout_capture.export import export_tables
 
     facts = [
-        {"upstream_attempted": True, "response_source": "local", "local_response_reason": "context_length_exceeded"},
+        {
+            "upstream_attempted": True,
+            "response_source": "local",
+            "local_response_reason": "context_length_exceeded",
+        },
         {"upstream_attempted": True, "response_source": "upstream", "upstream_status_code": 429},
         {},
     ]
