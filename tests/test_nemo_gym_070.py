@@ -1,0 +1,386 @@
+"""The released NeMo Gym 0.7.0 itself, record for record, both ways (issue 34).
+
+Run by ``make test-nemo-gym`` (and so by ``.ci/run``): it builds a Python 3.13 venv holding the
+``nemo-gym==0.7.0`` wheel beside rollout-capture and names its interpreter in ``NEMO_GYM_PYTHON``;
+without it these tests are skipped. NeMo Gym runs as processes of its own
+(tests/support/nemo_gym_side.py), one scenario is driven through each producer, and each capture
+dir is read by NeMo Gym's merge and by ours:
+
+- A: NeMo Gym 0.7.0's producer (``install_model_call_capture`` on its model servers) writes; its
+  merge and ours must give the same records, field by field.
+- B: our middleware (on the very same model-server app) and our proxy write; NeMo Gym's merge and
+  ours must give the same records. And what ours write reads in NeMo Gym as what its own producer
+  wrote for the same scenario (item 4).
+
+The only differences allowed are the fields the contract names as ours (``DOCUMENTED``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from rollout_capture import merge_model_call_capture_into_record
+from rollout_capture.producer import CaptureMiddleware
+from rollout_capture.producer.proxy import CaptureProxy
+from rollout_capture.producer.settings import ProxySettings
+
+from .conftest import wait_for
+from .support.nemo_gym_side import passthrough_app
+from .support.scripted_upstream import ScriptedUpstream
+from .support.servers import ThreadedServer
+
+NG_PYTHON = os.environ.get("NEMO_GYM_PYTHON")
+SIDE = Path(__file__).resolve().parent / "support" / "nemo_gym_side.py"
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not NG_PYTHON, reason="NeMo Gym 0.7.0's own tier: run by `make test-nemo-gym`"),
+]
+
+DOCUMENTED_CALL_FIELDS = frozenset({"verifier_invocation_id", "capture_hold_ms"})
+"""Call-record fields ours adds (contract section 5, extensions)."""
+DOCUMENTED_ATTACHMENT_KEYS = frozenset({"verifier_invocations", "metrics_by_owner"})
+"""Attachment keys ours adds (contract section 7, extensions), only where there are verifier calls."""
+
+# ---------------------------------------------------------------- the scenario
+
+PATHS = {"chat": "v1/chat/completions", "responses": "v1/responses", "messages": "v1/messages"}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def body(dialect: str, model: str, stream: bool, usage: bool = False) -> dict[str, Any]:
+    if dialect == "chat":
+        sent: dict[str, Any] = {"model": model, "messages": ASK, "stream": stream}
+        if usage:
+            sent["stream_options"] = {"include_usage": True}
+        return sent
+    if dialect == "responses":
+        return {"model": model, "input": "What is the weather in Paris?", "stream": stream}
+    return {"model": model, "max_tokens": 64, "messages": ASK, "stream": stream}
+
+
+# (rollout id, step): ("call", server, dialect, model, stream[, usage]), ("leave", server, dialect),
+# ("verify", invocation id, judge calls). Two model servers: policy and judge.
+SCENARIO: list[tuple[str, tuple[Any, ...]]] = [
+    *[("0-0", ("call", "policy", d, "scripted", False)) for d in ("chat", "responses", "messages")],
+    *[("1-0", ("call", "policy", d, "scripted", True)) for d in ("chat", "responses", "messages")],
+    ("2-0", ("call", "policy", "chat", "scripted", True, True)),
+    ("2-0", ("call", "policy", "chat", "scripted-429", False)),
+    ("2-0", ("call", "policy", "chat", "scripted-500", False)),
+    ("3-0", ("call", "policy", "chat", "scripted-cut", True)),
+    ("3-0", ("call", "policy", "responses", "scripted-cut", True)),
+    ("4-0", ("call", "policy", "chat", "scripted", False)),
+    ("4-0", ("leave", "policy", "chat")),
+    ("5-0", ("call", "policy", "chat", "scripted-tools-only", True, True)),
+    ("5-0", ("call", "policy", "chat", "scripted-stream-error", True, True)),
+    ("5-0", ("call", "policy", "messages", "scripted-stream-error", True)),
+    *[("6-0-a1", ("call", "policy", "chat", "scripted", False)) for _ in range(2)],
+    ("explicit-7", ("call", "policy", "responses", "scripted", False)),
+    ("explicit-7", ("call", "policy", "messages", "scripted", True)),
+    ("8-0", ("call", "policy", "chat", "scripted", False)),
+    ("8-0", ("verify", "v-8-0", [("chat", "scripted")])),
+    ("9-0", ("call", "policy", "responses", "scripted", True)),
+    ("9-0", ("verify", "v-9-0-a", [("chat", "scripted"), ("messages", "scripted")])),
+    ("9-0", ("verify", "v-9-0-b", [("responses", "scripted")])),
+    ("10-0", ("call", "policy", "chat", "scripted", False)),
+    ("12-0", ("call", "policy", "messages", "scripted", False)),
+    ("13-0", ("call", "policy", "messages", "scripted-429", False)),
+    ("13-0", ("call", "policy", "responses", "scripted-500", False)),
+    ("14-0", ("call", "judge", "chat", "scripted", False)),
+    *[("15-0", ("call", "policy", "chat", "scripted", False)) for _ in range(6)],
+    ("16-0", ("call", "policy", "responses", "scripted", True)),
+    ("16-0", ("call", "policy", "messages", "scripted", True)),
+    *[("17-0", ("call", "policy", d, "scripted", False)) for d in ("messages", "chat", "responses")],
+    *[("17-0", ("call", "judge", d, "scripted", True)) for d in ("chat", "responses")],
+    *[("18-0", ("call", "policy", "chat", "scripted", s, s)) for s in (False, True, False)],
+]
+DAMAGED = {"10-0": [b'{"torn": ', b"[1, 2]"]}
+INCOMPLETE = ["12-0"]
+
+
+def records() -> list[dict[str, Any]]:
+    """The rollout records the scenario's captures are merged into (one without any call, one
+    without an id, an attempt, an explicit id)."""
+    out: list[dict[str, Any]] = []
+    for task in range(19):
+        if task == 7:
+            out.append({"_ng_rollout_id": "explicit-7", "_ng_task_index": 7, "_ng_rollout_index": 0})
+            continue
+        record: dict[str, Any] = {"_ng_task_index": task, "_ng_rollout_index": 0, "reward": task % 2}
+        if task == 6:
+            record["_ng_attempt_index"] = 1
+        out.append(record)
+    out.append({"reward": 0.0, "response": {"output": []}})  # no id: left as it is
+    return out
+
+
+class Producers:
+    """Where the scenario's calls go: the policy and judge model servers, the verifier."""
+
+    def __init__(self, policy: str, judge: str, verifier: str, capture_dir: Path, upstream: ScriptedUpstream):
+        self.urls = {"policy": policy, "judge": judge}
+        self.verifier = verifier
+        self.capture_dir = capture_dir
+        self.upstream = upstream
+
+
+def drive(producers: Producers) -> None:
+    """Every step of the scenario, in order, through ``producers``; then the damage."""
+    with httpx.Client(timeout=60) as http:
+        for rollout, step in SCENARIO:
+            if step[0] == "call":
+                _, server, dialect, model, stream, *usage = step
+                _call(
+                    http, producers.urls[server], rollout, dialect, body(dialect, model, stream, bool(usage))
+                )
+            elif step[0] == "leave":
+                _leave(http, producers, rollout, step[1], step[2])
+            else:
+                _, invocation, judged = step
+                header = {"X-Rollout-Capture-Verifier-Invocation-Id": invocation}
+                verify = http.post(
+                    f"{producers.verifier}/ng-rollout/{rollout}/verify", json={}, headers=header
+                )
+                assert verify.status_code == 200
+                for dialect, model in judged:
+                    _call(
+                        http, producers.urls["judge"], rollout, dialect, body(dialect, model, False), header
+                    )
+    for rollout, lines in DAMAGED.items():
+        with open(producers.capture_dir / f"{rollout}.capture.jsonl", "ab") as capture:
+            capture.write(b"".join(line + b"\n" for line in lines))
+    for rollout in INCOMPLETE:
+        (producers.capture_dir / f"{rollout}.capture.incomplete").touch()
+
+
+def _call(
+    http: httpx.Client, base: str, rollout: str, dialect: str, sent: dict[str, Any], headers: Any = None
+) -> None:
+    url = f"{base}/ng-rollout/{rollout}/{PATHS[dialect]}"
+    with http.stream("POST", url, json=sent, headers=headers) as answer:
+        answer.read()
+
+
+def _leave(http: httpx.Client, producers: Producers, rollout: str, server: str, dialect: str) -> None:
+    """A client that reads the first event of a stream, then goes away; the upstream waits at its
+    gate meanwhile, and goes on once the producer has written the call's row."""
+    capture = producers.capture_dir / f"{rollout}.capture.jsonl"
+    before = len(capture.read_bytes().splitlines()) if capture.exists() else 0
+    url = f"{producers.urls[server]}/ng-rollout/{rollout}/{PATHS[dialect]}"
+    with http.stream("POST", url, json=body(dialect, "scripted-gated-leave", True, True)) as answer:
+        assert next(answer.iter_raw()).startswith(b"data: ")
+    wait_for(lambda: capture.exists() and len(capture.read_bytes().splitlines()) > before, 30, "the row")
+    producers.upstream.gate("leave").set()
+
+
+# ---------------------------------------------------------------- the producers
+
+
+def verifier_app(capture_dir: Path | None) -> Any:
+    """A resources server's verify: a reward (the judge calls follow, made by the driver)."""
+
+    async def verify(request: Request) -> JSONResponse:
+        return JSONResponse({**(await request.json()), "reward": 1.0})
+
+    app = Starlette(routes=[Route("/verify", verify, methods=["POST"])])
+    if capture_dir is None:  # NeMo Gym records no verify call: the prefix is only stripped
+        app.add_middleware(CaptureMiddleware, enabled=False)
+    else:
+        app.add_middleware(CaptureMiddleware, capture_dir=str(capture_dir), server_name="verifier")
+    return app
+
+
+class NeMoGymServers:
+    """NeMo Gym 0.7.0's model servers with its own capture, in a Python 3.13 process."""
+
+    def __init__(self, upstream: str, capture_dir: Path, names: list[str]) -> None:
+        assert NG_PYTHON is not None
+        self.process = subprocess.Popen(
+            [
+                NG_PYTHON,
+                str(SIDE),
+                "serve",
+                "--upstream",
+                upstream,
+                "--capture-dir",
+                str(capture_dir),
+                *names,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        assert line, "NeMo Gym's servers did not start"
+        self.urls = {name: f"http://127.0.0.1:{port}" for name, port in json.loads(line)["ports"].items()}
+
+    def stop(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(30)
+
+
+def produce(kind: str, root: Path) -> Path:
+    """Run the scenario through one producer (``nemo-gym``, ``middleware`` or ``proxy``) into a
+    capture dir of its own; its upstream is a fresh scripted server."""
+    capture_dir = root / kind
+    capture_dir.mkdir(parents=True)
+    upstream_app = ScriptedUpstream()
+    upstream = ThreadedServer(upstream_app)
+    stops: list[Callable[[], None]] = [upstream.stop]
+    try:
+        if kind == "nemo-gym":
+            gym = NeMoGymServers(upstream.url, capture_dir, ["policy", "judge"])
+            stops.append(gym.stop)
+            urls = gym.urls
+            verifier = ThreadedServer(verifier_app(None))
+        elif kind == "middleware":
+            urls = {}
+            for name in ("policy", "judge"):
+                app = passthrough_app(upstream.url)
+                app.add_middleware(CaptureMiddleware, capture_dir=str(capture_dir), server_name=name)
+                served = ThreadedServer(app)
+                stops.append(served.stop)
+                urls[name] = served.url
+            verifier = ThreadedServer(verifier_app(capture_dir))
+        else:
+            urls = {}
+            for name in ("policy", "judge"):
+                proxy = CaptureProxy(
+                    ProxySettings(upstream=upstream.url, capture_dir=str(capture_dir), server_name=name)
+                )
+                served = ThreadedServer(proxy)
+                stops.append(served.stop)
+                urls[name] = served.url
+            verifier = ThreadedServer(verifier_app(capture_dir))
+        stops.append(verifier.stop)
+        drive(Producers(urls["policy"], urls["judge"], verifier.url, capture_dir, upstream_app))
+    finally:
+        upstream_app.gate("leave").set()
+        for stop in reversed(stops):
+            stop()
+    return capture_dir
+
+
+def nemo_gym_merge(capture_dir: Path, root: Path, *, payloads: bool = True) -> list[dict[str, Any]]:
+    """NeMo Gym 0.7.0's own merge of every record, in its Python 3.13 process."""
+    assert NG_PYTHON is not None
+    given, out = root / f"{capture_dir.name}.records.jsonl", root / f"{capture_dir.name}.nemo-gym.jsonl"
+    given.write_text("".join(json.dumps(r) + "\n" for r in records()))
+    command = [NG_PYTHON, str(SIDE), "merge", "--records", str(given), "--out", str(out), str(capture_dir)]
+    subprocess.run([*command, *(["--payloads"] if payloads else [])], check=True, timeout=120)
+    meta, *merged = (json.loads(line) for line in out.read_text().splitlines())
+    assert meta["nemo_gym"] == "0.7.0" and meta["python"].startswith("3.13.")
+    return merged
+
+
+def our_merge(capture_dir: Path, *, payloads: bool = True) -> list[dict[str, Any]]:
+    return [
+        merge_model_call_capture_into_record(r, [capture_dir], include_payloads=payloads) for r in records()
+    ]
+
+
+# ---------------------------------------------------------------- comparing
+
+
+class Tally:
+    """What a comparison counted: records, calls, calls equal field by field, and each difference."""
+
+    def __init__(self) -> None:
+        self.records = self.calls = self.equal = 0
+        self.differences: list[str] = []
+
+    def __str__(self) -> str:
+        return f"{self.records} records, {self.calls} calls, {self.equal} equal"
+
+
+def compare(theirs: list[dict[str, Any]], ours: list[dict[str, Any]], tally: Tally) -> None:
+    """Every record field by field; ours may only add the documented fields."""
+    assert len(theirs) == len(ours)
+    for index, (gym, mine) in enumerate(zip(theirs, ours, strict=True)):
+        tally.records += 1
+        where = f"record {index}"
+        gym, mine = dict(gym), dict(mine)
+        gym_capture, my_capture = (
+            gym.pop("ng_model_call_capture", None),
+            mine.pop("ng_model_call_capture", None),
+        )
+        _same(gym, mine, where, tally.differences)
+        if gym_capture is None or my_capture is None:
+            if gym_capture is not my_capture:
+                tally.differences.append(f"{where}: attached by one merge only")
+            continue
+        for key in set(my_capture) - set(gym_capture):
+            if key not in DOCUMENTED_ATTACHMENT_KEYS:
+                tally.differences.append(f"{where}: ours adds {key}")
+        gym_calls, my_calls = gym_capture.pop("calls"), my_capture.pop("calls")
+        _same(
+            gym_capture, {k: my_capture[k] for k in gym_capture if k in my_capture}, where, tally.differences
+        )
+        if len(gym_calls) != len(my_calls):
+            tally.differences.append(f"{where}: {len(gym_calls)} calls against our {len(my_calls)}")
+            continue
+        for n, (gym_call, my_call) in enumerate(zip(gym_calls, my_calls, strict=True)):
+            tally.calls += 1
+            found: list[str] = []
+            for key in set(my_call) - set(gym_call):
+                if key not in DOCUMENTED_CALL_FIELDS:
+                    found.append(f"{where} call {n}: ours adds {key}")
+            _same(gym_call, {k: my_call.get(k, "<missing>") for k in gym_call}, f"{where} call {n}", found)
+            tally.equal += not found
+            tally.differences += found
+
+
+def _same(theirs: Any, ours: Any, where: str, found: list[str]) -> None:
+    """Equal values of equal types (a float is not an int, 11.03 is not 11.030000000000001)."""
+    if isinstance(theirs, dict) and isinstance(ours, dict):
+        for key in sorted(set(theirs) | set(ours)):
+            _same(theirs.get(key, "<missing>"), ours.get(key, "<missing>"), f"{where}.{key}", found)
+    elif isinstance(theirs, list) and isinstance(ours, list) and len(theirs) == len(ours):
+        for n, (a, b) in enumerate(zip(theirs, ours, strict=True)):
+            _same(a, b, f"{where}[{n}]", found)
+    elif type(theirs) is not type(ours) or theirs != ours:
+        found.append(f"{where}: NeMo Gym {theirs!r}, ours {ours!r}")
+
+
+@pytest.fixture(scope="module")
+def captures(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    root = tmp_path_factory.mktemp("nemo-gym-070")
+    yield {kind: produce(kind, root) for kind in ("nemo-gym", "middleware", "proxy")}
+
+
+def report(name: str, tally: Tally) -> None:
+    """One line in the test's output for the closing note."""
+    print(f"\n[nemo-gym 0.7.0] {name}: {tally}", file=sys.stderr)
+
+
+def test_a_nemo_gyms_captures_read_the_same_in_ours(captures: dict[str, Path], tmp_path: Path) -> None:
+    tally = Tally()
+    compare(nemo_gym_merge(captures["nemo-gym"], tmp_path), our_merge(captures["nemo-gym"]), tally)
+    report("A: 0.7.0's producer, its merge vs ours", tally)
+    assert tally.differences == [] and tally.calls >= 47 and tally.records >= 18
+    assert tally.equal == tally.calls
+
+
+@pytest.mark.parametrize("producer", ["middleware", "proxy"])
+def test_b_our_captures_read_the_same_in_nemo_gym(
+    captures: dict[str, Path], tmp_path: Path, producer: str
+) -> None:
+    tally = Tally()
+    compare(nemo_gym_merge(captures[producer], tmp_path), our_merge(captures[producer]), tally)
+    report(f"B: our {producer}, NeMo Gym's merge vs ours", tally)
+    assert tally.differences == [] and tally.calls >= 47 and tally.records >= 18
+    assert tally.equal == tally.calls
