@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed-stamp
 
-.PHONY: setup demo test test-fast lint typecheck bench sample deploy serve clean docs
+.PHONY: setup demo test test-fast test-nemo-gym lint typecheck bench sample deploy serve clean docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,27 @@ test: setup
 # tests/conftest.py), the protocol simulations on 200 of their 1,500 seeds. Under 90 s on 2 cores.
 test-fast: setup
 	ROLLOUT_CAPTURE_SIM_SEEDS=200 $(BIN)/pytest -q -n 2 -m "not integration"
+
+# The released NeMo Gym itself beside ours (tests/test_nemo_gym_070.py): a Python 3.13 venv with the
+# pinned nemo-gym wheel (it declares Python >= 3.13.14; 3.13.0 runs it) and rollout-capture installed
+# beside it, kept in build/ per version (pip's cache between builds), then the tier on it.
+NEMO_GYM_VERSION ?= 0.7.0
+PYTHON313 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python) python3.13)
+NG_VENV  = build/nemo-gym-$(NEMO_GYM_VERSION)
+NG_STAMP = $(NG_VENV)/.installed-stamp
+
+$(NG_STAMP):
+	rm -rf $(NG_VENV)
+	$(PYTHON313) -m venv $(NG_VENV)
+	$(NG_VENV)/bin/pip install -q --ignore-requires-python nemo-gym==$(NEMO_GYM_VERSION)
+	touch $(NG_STAMP)
+
+$(NG_VENV)/.rollout-capture-stamp: $(NG_STAMP) pyproject.toml
+	$(NG_VENV)/bin/pip install -q -e '.[proxy]'
+	touch $@
+
+test-nemo-gym: setup $(NG_VENV)/.rollout-capture-stamp
+	NEMO_GYM_PYTHON=$(abspath $(NG_VENV))/bin/python $(BIN)/pytest -q -p no:cacheprovider tests/test_nemo_gym_070.py
 
 # What CI (.ci/run) and the pre-commit hooks check: ruff, the format, and mypy --strict.
 lint: setup

@@ -11,6 +11,10 @@ dir is read by NeMo Gym's merge and by ours:
 - B: our middleware (on the very same model-server app) and our proxy write; NeMo Gym's merge and
   ours must give the same records. And what ours write reads in NeMo Gym as what its own producer
   wrote for the same scenario (item 4).
+- C: NeMo Gym's own rollout collection, end to end: its ``simple_agent``, its vLLM model server in
+  front of the scripted upstream, its example resources server, with model-call capture on. Its
+  rollouts come back with ``ng_model_call_capture``; without it, ``rollout-capture enrich`` (run
+  from the same Python 3.13 environment, installed beside nemo-gym) must attach the same.
 
 The only differences allowed are the fields the contract names as ours (``DOCUMENTED``).
 """
@@ -323,6 +327,7 @@ def compare(theirs: list[dict[str, Any]], ours: list[dict[str, Any]], tally: Tal
             if gym_capture is not my_capture:
                 tally.differences.append(f"{where}: attached by one merge only")
             continue
+        gym_capture, my_capture = dict(gym_capture), dict(my_capture)  # the records stay as they came
         for key in set(my_capture) - set(gym_capture):
             if key not in DOCUMENTED_ATTACHMENT_KEYS:
                 tally.differences.append(f"{where}: ours adds {key}")
@@ -384,3 +389,101 @@ def test_b_our_captures_read_the_same_in_nemo_gym(
     report(f"B: our {producer}, NeMo Gym's merge vs ours", tally)
     assert tally.differences == [] and tally.calls >= 47 and tally.records >= 18
     assert tally.equal == tally.calls
+
+
+# ---------------------------------------------------------------- C: NeMo Gym's rollout collection
+
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "description": ""}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+    "type": "function",
+    "description": "",
+}
+
+
+def weather_rows() -> list[dict[str, Any]]:
+    """Rows as NeMo Gym's example weather dataset holds them; the last one's prompt is past the
+    model's context (the scripted upstream answers 400 as vLLM does, NeMo Gym's server itself)."""
+    asks = ["what's it like in sf?", "going out in sf tn", "humidity in sf", "scripted-context-overflow " * 3]
+    return [
+        {
+            "responses_create_params": {
+                "input": [
+                    {"content": "You are a helpful personal assistant.", "role": "developer"},
+                    {"content": ask, "role": "user"},
+                ],
+                "tools": [WEATHER_TOOL],
+            }
+        }
+        for ask in asks
+    ]
+
+
+def test_c_nemo_gyms_rollout_collection_re_enriched_by_ours(tmp_path: Path) -> None:
+    assert NG_PYTHON is not None
+    capture_dir, work = tmp_path / "captures", tmp_path / "work"
+    capture_dir.mkdir()
+    work.mkdir()
+    given, collected = tmp_path / "rows.jsonl", tmp_path / "rollouts.jsonl"
+    given.write_text("".join(json.dumps(row) + "\n" for row in weather_rows()))
+    upstream = ThreadedServer(ScriptedUpstream())
+    try:
+        command = [
+            NG_PYTHON,
+            str(SIDE),
+            "collect",
+            "--upstream",
+            upstream.url,
+            "--capture-dir",
+            str(capture_dir),
+        ]
+        command += ["--workdir", str(work), "--input", str(given), "--output", str(collected)]
+        subprocess.run(command, check=True, timeout=600, cwd=tmp_path, stdout=subprocess.DEVNULL)
+    finally:
+        upstream.stop()
+    gym_records = [json.loads(line) for line in collected.read_text().splitlines()]
+    assert len(gym_records) == len(weather_rows())
+    attached = [record.pop("ng_model_call_capture") for record in gym_records]
+    stripped, enriched = tmp_path / "stripped.jsonl", tmp_path / "stripped.enriched.jsonl"
+    stripped.write_text("".join(json.dumps(r) + "\n" for r in gym_records))
+    ours_cli = Path(NG_PYTHON).parent / "rollout-capture"  # installed beside nemo-gym, in its Python
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    env.pop("PREFECT_API_URL", None)
+    done = subprocess.run(
+        [
+            str(ours_cli),
+            "enrich",
+            str(stripped),
+            "--capture-dir",
+            str(capture_dir),
+            "--output",
+            str(enriched),
+        ],
+        env=env,
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    ours = [json.loads(line) for line in enriched.read_text().splitlines()]
+    theirs = [
+        {**record, "ng_model_call_capture": capture}
+        for record, capture in zip(gym_records, attached, strict=True)
+    ]
+    tally = Tally()
+    compare(theirs, ours, tally)
+    report("C: NeMo Gym's rollout collection, what it attached vs `rollout-capture enrich`", tally)
+    assert tally.differences == [] and tally.equal == tally.calls >= 7
+    calls = [call for capture in attached for call in capture["calls"]]
+    local = [c for c in calls if c["response_source"] == "local"]  # NeMo Gym's own answer, kept
+    assert local and {c["local_response_reason"] for c in local} == {"context_length_exceeded"}

@@ -108,6 +108,133 @@ def _merge(args: argparse.Namespace) -> None:
             out.write(json.dumps(merged) + "\n")
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+AGENT = "weather_simple_agent"
+
+
+def _gym_config(upstream: str, capture_dir: str, max_steps: int) -> dict[str, Any]:
+    """NeMo Gym's config of a run: its vLLM model server in front of ``upstream``, its example
+    weather resources server, its ``simple_agent``; model-call capture on."""
+    host = {"host": "127.0.0.1"}
+    return {
+        "observability_enabled": True,
+        "model_call_capture_dir": capture_dir,
+        "head_server": {**host, "port": _free_port()},
+        "policy_model": {
+            "responses_api_models": {
+                "vllm_model": {
+                    **host,
+                    "port": _free_port(),
+                    "entrypoint": "app.py",
+                    "base_url": upstream.rstrip("/") + "/v1",
+                    "api_key": "scripted-key",
+                    "model": "scripted",
+                    "return_token_id_information": False,
+                    "uses_reasoning_parser": True,
+                }
+            }
+        },
+        "weather": {
+            "resources_servers": {
+                "example_single_tool_call": {
+                    **host,
+                    "port": _free_port(),
+                    "entrypoint": "app.py",
+                    "domain": "agent",
+                }
+            }
+        },
+        AGENT: {
+            "responses_api_agents": {
+                "simple_agent": {
+                    **host,
+                    "port": _free_port(),
+                    "entrypoint": "app.py",
+                    "resources_server": {"type": "resources_servers", "name": "weather"},
+                    "model_server": {"type": "responses_api_models", "name": "policy_model"},
+                    "max_steps": max_steps,
+                }
+            }
+        },
+    }
+
+
+def _collect(args: argparse.Namespace) -> None:
+    """NeMo Gym's own rollout collection (what ``gym eval run --no-serve`` runs) against its servers,
+    each started as ``gym env start`` starts it (its ``app.py`` given the resolved config in the
+    environment), in this venv rather than a uv venv each, and without Ray: none of them uses it."""
+    import os
+    import subprocess
+    import time
+
+    import yaml
+    from omegaconf import OmegaConf
+
+    work = Path(args.workdir)
+    config_path = work / "gym.yaml"
+    config_path.write_text(yaml.safe_dump(_gym_config(args.upstream, args.capture_dir, args.max_steps)))
+    sys.argv = [sys.argv[0], f"+config_paths=[{config_path}]"]
+    from nemo_gym.global_config import get_global_config_dict
+    from nemo_gym.rollout_collection import RolloutCollectionConfig, RolloutCollectionHelper
+
+    resolved = get_global_config_dict()
+    text = OmegaConf.to_yaml(resolved)
+    site = Path(__import__("nemo_gym").__file__).resolve().parent.parent
+    started = time.monotonic()
+    processes: list[subprocess.Popen[bytes]] = []
+    ports: list[int] = []
+    # Every server the resolved config names (the environment server NeMo Gym adds for an agent
+    # configured without one too), as RunHelper.start finds and starts them.
+    for name, section in resolved.items():
+        kinds = section.items() if OmegaConf.is_dict(section) else []
+        for kind, servers in kinds:
+            for server, settings in servers.items() if OmegaConf.is_dict(servers) else []:
+                if not OmegaConf.is_dict(settings) or "entrypoint" not in settings:
+                    continue
+                env = {**os.environ, "NEMO_GYM_CONFIG_DICT": text, "NEMO_GYM_CONFIG_PATH": name}
+                log = open(work / f"{name}.log", "wb")  # noqa: SIM115 - open for the process's life
+                processes.append(
+                    subprocess.Popen(
+                        [sys.executable, settings["entrypoint"]],
+                        cwd=site / kind / server,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+                ports.append(int(settings["port"]))
+    try:
+        for port in ports:
+            while True:
+                assert all(p.poll() is None for p in processes), f"a NeMo Gym server exited: see {work}"
+                assert time.monotonic() - started < 120, f"NeMo Gym's servers did not start: see {work}"
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=1):
+                        break
+                except OSError:
+                    time.sleep(0.1)
+        os.environ["NEMO_GYM_CONFIG_DICT"] = text
+        config = RolloutCollectionConfig(
+            agent_name=AGENT,
+            input_jsonl_fpath=args.input,
+            output_jsonl_fpath=args.output,
+            num_samples_in_parallel=args.parallel,
+            disable_aggregation=True,
+            disable_health_check=True,
+        )
+        asyncio.run(RolloutCollectionHelper().run_from_config(config))
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     commands = parser.add_subparsers(dest="command", required=True)
@@ -120,8 +247,16 @@ def main() -> None:
     merge.add_argument("--out", required=True)
     merge.add_argument("--payloads", action="store_true")
     merge.add_argument("capture_dir", nargs="+")
+    collect = commands.add_parser("collect")
+    collect.add_argument("--upstream", required=True)
+    collect.add_argument("--capture-dir", required=True)
+    collect.add_argument("--workdir", required=True)
+    collect.add_argument("--input", required=True)
+    collect.add_argument("--output", required=True)
+    collect.add_argument("--max-steps", type=int, default=2)
+    collect.add_argument("--parallel", type=int, default=4)
     args = parser.parse_args()
-    {"serve": _serve, "merge": _merge}[args.command](args)
+    {"serve": _serve, "merge": _merge, "collect": _collect}[args.command](args)
 
 
 if __name__ == "__main__":
