@@ -29,24 +29,25 @@ test-fast: setup
 
 # The released NeMo Gym itself beside ours (tests/test_nemo_gym_070.py): a Python 3.13 venv with the
 # pinned nemo-gym wheel (it declares Python >= 3.13.14; 3.13.0 runs it) and rollout-capture installed
-# beside it, kept in build/ per version (pip's cache between builds), then the tier on it.
+# beside it, kept in build/ per version, then the tier on it. uv installs it (and caches what it
+# downloads): pip took minutes for its 1.4 GB.
 NEMO_GYM_VERSION ?= 0.7.0
 PYTHON313 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python) python3.13)
 NG_VENV  = build/nemo-gym-$(NEMO_GYM_VERSION)
 NG_STAMP = $(NG_VENV)/.installed-stamp
 
-$(NG_STAMP):
+$(NG_STAMP): $(STAMP)
 	rm -rf $(NG_VENV)
-	$(PYTHON313) -m venv $(NG_VENV)
-	$(NG_VENV)/bin/pip install -q --ignore-requires-python nemo-gym==$(NEMO_GYM_VERSION)
+	$(BIN)/uv venv -q --python $(PYTHON313) $(NG_VENV)
+	$(BIN)/uv pip install -q --python $(NG_VENV)/bin/python --python-version 3.13.14 nemo-gym==$(NEMO_GYM_VERSION)
 	touch $(NG_STAMP)
 
 $(NG_VENV)/.rollout-capture-stamp: $(NG_STAMP) pyproject.toml
-	$(NG_VENV)/bin/pip install -q -e '.[proxy]'
+	$(BIN)/uv pip install -q --python $(NG_VENV)/bin/python -e '.[proxy]'
 	touch $@
 
 test-nemo-gym: setup $(NG_VENV)/.rollout-capture-stamp
-	NEMO_GYM_PYTHON=$(abspath $(NG_VENV))/bin/python $(BIN)/pytest -q -p no:cacheprovider tests/test_nemo_gym_070.py
+	NEMO_GYM_PYTHON=$(abspath $(NG_VENV))/bin/python $(BIN)/pytest -q -n 2 --dist loadgroup tests/test_nemo_gym_070.py
 
 # What CI (.ci/run) and the pre-commit hooks check: ruff, the format, and mypy --strict.
 lint: setup

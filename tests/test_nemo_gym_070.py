@@ -372,6 +372,7 @@ def report(name: str, tally: Tally) -> None:
     print(f"\n[nemo-gym 0.7.0] {name}: {tally}", file=sys.stderr)
 
 
+@pytest.mark.xdist_group("producers")
 def test_a_nemo_gyms_captures_read_the_same_in_ours(captures: dict[str, Path], tmp_path: Path) -> None:
     tally = Tally()
     compare(nemo_gym_merge(captures["nemo-gym"], tmp_path), our_merge(captures["nemo-gym"]), tally)
@@ -380,6 +381,7 @@ def test_a_nemo_gyms_captures_read_the_same_in_ours(captures: dict[str, Path], t
     assert tally.equal == tally.calls
 
 
+@pytest.mark.xdist_group("producers")
 @pytest.mark.parametrize("producer", ["middleware", "proxy"])
 def test_b_our_captures_read_the_same_in_nemo_gym(
     captures: dict[str, Path], tmp_path: Path, producer: str
@@ -425,6 +427,7 @@ def weather_rows() -> list[dict[str, Any]]:
     ]
 
 
+@pytest.mark.xdist_group("collection")  # beside A and B: two workers
 def test_c_nemo_gyms_rollout_collection_re_enriched_by_ours(tmp_path: Path) -> None:
     assert NG_PYTHON is not None
     capture_dir, work = tmp_path / "captures", tmp_path / "work"

@@ -164,10 +164,24 @@ def _gym_config(upstream: str, capture_dir: str, max_steps: int) -> dict[str, An
     }
 
 
+_LEGACY_AGENT_WITHOUT_RAY = (
+    "from environment_servers.legacy_agent.app import LegacyAgentEnvironmentServer as Server\n"
+    "Server.ray_enabled = False\n"
+    "Server.run_webserver()\n"
+)
+"""NeMo Gym's environment server for an agent configured without one, as its ``app.py`` runs it,
+declaring ``ray_enabled = False``: it uses no Ray, and NeMo Gym says a future release defaults it so;
+undeclared, it starts a local Ray cluster (a dashboard, a dozen processes, over 30 s on a busy
+machine, where Ray's own start-up deadline fails it)."""
+
+
 def _collect(args: argparse.Namespace) -> None:
     """NeMo Gym's own rollout collection (what ``gym eval run --no-serve`` runs) against its servers,
     each started as ``gym env start`` starts it (its ``app.py`` given the resolved config in the
-    environment), in this venv rather than a uv venv each, and without Ray: none of them uses it."""
+    environment), in this venv rather than a uv venv each. The collector, the model, agent and
+    resources servers use no Ray, nor does the environment server NeMo Gym adds for an agent
+    configured without one (``legacy_agent``), run with ``ray_enabled = False`` declared
+    (:data:`_LEGACY_AGENT_WITHOUT_RAY`): no Ray cluster is started."""
     import os
     import subprocess
     import time
@@ -198,9 +212,12 @@ def _collect(args: argparse.Namespace) -> None:
                     continue
                 env = {**os.environ, "NEMO_GYM_CONFIG_DICT": text, "NEMO_GYM_CONFIG_PATH": name}
                 log = open(work / f"{name}.log", "wb")  # noqa: SIM115 - open for the process's life
+                command = [sys.executable, settings["entrypoint"]]
+                if (kind, server) == ("environment_servers", "legacy_agent"):
+                    command = [sys.executable, "-c", _LEGACY_AGENT_WITHOUT_RAY]
                 processes.append(
                     subprocess.Popen(
-                        [sys.executable, settings["entrypoint"]],
+                        command,
                         cwd=site / kind / server,
                         env=env,
                         stdout=log,
@@ -212,7 +229,7 @@ def _collect(args: argparse.Namespace) -> None:
         for port in ports:
             while True:
                 assert all(p.poll() is None for p in processes), f"a NeMo Gym server exited: see {work}"
-                assert time.monotonic() - started < 120, f"NeMo Gym's servers did not start: see {work}"
+                assert time.monotonic() - started < 300, f"NeMo Gym's servers did not start: see {work}"
                 try:
                     with socket.create_connection(("127.0.0.1", port), timeout=1):
                         break
