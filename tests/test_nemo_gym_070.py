@@ -282,6 +282,7 @@ def produce(kind: str, root: Path) -> Path:
 def nemo_gym_merge(capture_dir: Path, root: Path, *, payloads: bool = True) -> list[dict[str, Any]]:
     """NeMo Gym 0.7.0's own merge of every record, in its Python 3.13 process."""
     assert NG_PYTHON is not None
+    root.mkdir(parents=True, exist_ok=True)
     given, out = root / f"{capture_dir.name}.records.jsonl", root / f"{capture_dir.name}.nemo-gym.jsonl"
     given.write_text("".join(json.dumps(r) + "\n" for r in records()))
     command = [NG_PYTHON, str(SIDE), "merge", "--records", str(given), "--out", str(out), str(capture_dir)]
@@ -490,3 +491,149 @@ def test_c_nemo_gyms_rollout_collection_re_enriched_by_ours(tmp_path: Path) -> N
     calls = [call for capture in attached for call in capture["calls"]]
     local = [c for c in calls if c["response_source"] == "local"]  # NeMo Gym's own answer, kept
     assert local and {c["local_response_reason"] for c in local} == {"context_length_exceeded"}
+
+
+TIMING = frozenset({"model_call_id", "started_at", "completed_at", "latency_total_ms", "latency_ttft_ms"})
+"""What differs from one run to the next whoever records it."""
+
+
+def calls_of(rollout: str) -> list[tuple[str, str, bool, bool]]:
+    """The scenario's calls of one rollout, in order: ``(dialect, model, stream, usage asked)``."""
+    out: list[tuple[str, str, bool, bool]] = []
+    for rollout_id, step in SCENARIO:
+        if rollout_id != rollout:
+            continue
+        if step[0] == "call":
+            _, _, dialect, model, stream, *usage = step
+            out.append((dialect, model, stream, bool(usage)))
+        elif step[0] == "leave":
+            out.append((step[2], "scripted-gated-leave", True, True))
+        else:
+            out += [(dialect, model, False, False) for dialect, model in step[2]]
+    return out
+
+
+def _asks_usage(call: tuple[str, str, bool, bool]) -> bool:
+    return call[0] == "chat" and call[2] and not call[3]
+
+
+# Each difference of ours from NeMo Gym's producer, and which calls it is allowed in (contract 11).
+DOCUMENTED_PRODUCER_DIFFERENCES: list[tuple[str, str, Callable[[tuple[str, str, bool, bool], str], bool]]] = [
+    (
+        "the proxy says who answered each call (upstream_attempted, response_source, upstream_status_code)",
+        r"\.(upstream_attempted|response_source|upstream_status_code)$",
+        lambda call, producer: producer == "proxy",
+    ),
+    (
+        "a chat stream whose client did not ask for usage is asked for it: its tokens are known",
+        r"\.(tokens_in|tokens_out|tokens_reasoning|tokens_total|cache_hit|cached_tokens|response\.usage)$",
+        lambda call, producer: _asks_usage(call),
+    ),
+    (
+        "a stream asked for usage is another stream: cut at its half, it holds more",
+        r"\.response\.choices\[0\]\.message\.content$",
+        lambda call, producer: _asks_usage(call) and call[1] == "scripted-cut",
+    ),
+    (
+        "a stream's raw text is not kept beside its rebuilt response (only when it cannot be rebuilt)",
+        r"\.response_raw$",
+        lambda call, producer: call[2],
+    ),
+    (
+        "an Anthropic stream keeps what NeMo Gym's rebuild drops (a thinking signature, stop_sequence)",
+        r"\.response\.(content\[\d+\]\.signature|stop_sequence|stop_reason)$",
+        lambda call, producer: call[0] == "messages" and call[2],
+    ),
+    (
+        "a Responses stream cut short keeps the items done before the cut (NeMo Gym: the last snapshot)",
+        r"\.(reasoning_content|tool_calls|response\.output)$",
+        lambda call, producer: call[0] == "responses" and call[1] == "scripted-cut",
+    ),
+]
+"""Where what ours writes reads otherwise than NeMo Gym's producer wrote it, in NeMo Gym's merge."""
+
+
+def _without_timing(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for record in records:
+        capture = record.get("ng_model_call_capture")
+        if capture is not None:
+            metrics = {k: v for k, v in capture["metrics"].items() if k != "latency_total_ms"}
+            calls = [{k: v for k, v in call.items() if k not in TIMING} for call in capture["calls"]]
+            record = {**record, "ng_model_call_capture": {**capture, "metrics": metrics, "calls": calls}}
+        out.append(record)
+    return out
+
+
+def undocumented(differences: list[str], producer: str) -> tuple[list[str], dict[str, int]]:
+    """The differences no documented one explains, and how many each explains. A rollout's metrics
+    differ exactly when one of its calls does by a documented field (its sums follow)."""
+    import re
+
+    ids = [rollout_id_of_record(r) for r in records()]
+    left: list[str] = []
+    used: dict[str, int] = {}
+    for line in differences:
+        path = line.split(": NeMo Gym ")[0]
+        found = re.match(r"record (\d+)( call (\d+))?\.(.*)$", path)
+        assert found, line
+        rollout = ids[int(found.group(1))]
+        field = found.group(4)
+        if found.group(2) is None:  # the rollout's metrics: a sum of a documented difference
+            ok = field.startswith("metrics.") and field != "metrics.num_calls"
+            ok = (
+                ok
+                and any(_asks_usage(c) for c in calls_of(rollout))
+                and not field.endswith("latency_total_ms")
+            )
+            if ok:
+                used["metrics follow their calls"] = used.get("metrics follow their calls", 0) + 1
+            else:
+                left.append(line)
+            continue
+        call = calls_of(rollout)[int(found.group(3))]
+        for reason, pattern, applies in DOCUMENTED_PRODUCER_DIFFERENCES:
+            if re.search(pattern, "." + field) and applies(call, producer):
+                used[reason] = used.get(reason, 0) + 1
+                break
+        else:
+            left.append(line)
+    return left, used
+
+
+def rollout_id_of_record(record: dict[str, Any]) -> str | None:
+    if "_ng_rollout_id" in record:
+        return str(record["_ng_rollout_id"])
+    if "_ng_task_index" not in record:
+        return None
+    suffix = f"-a{record['_ng_attempt_index']}" if record.get("_ng_attempt_index") else ""
+    return f"{record['_ng_task_index']}-{record['_ng_rollout_index']}{suffix}"
+
+
+@pytest.mark.xdist_group("producers")
+@pytest.mark.parametrize("producer", ["middleware", "proxy"])
+def test_b_ours_read_in_nemo_gym_as_its_own_producers_captures(
+    captures: dict[str, Path], tmp_path: Path, producer: str
+) -> None:
+    """Item 4: the same scenario recorded by NeMo Gym 0.7.0's producer and by ours, both read by
+    NeMo Gym's merge: the same calls, counts, categories and tool calls (a client that left
+    mid-stream, a chat stream of tool calls alone, ``event:error``), but for timings, ids and the
+    differences the contract names and says why (``DOCUMENTED_PRODUCER_DIFFERENCES``)."""
+    theirs = _without_timing(nemo_gym_merge(captures["nemo-gym"], tmp_path))
+    ours = _without_timing(nemo_gym_merge(captures[producer], tmp_path / producer))
+    tally = Tally()
+    compare(theirs, ours, tally)
+    left, used = undocumented(tally.differences, producer)
+    report(f"item 4: NeMo Gym's producer vs our {producer}, both read by NeMo Gym", tally)
+    for reason, count in used.items():
+        print(f"    documented ({count}): {reason}", file=sys.stderr)
+    assert left == []
+    assert tally.records >= 18 and tally.calls >= 47
+    for theirs_record, ours_record in zip(theirs, ours, strict=True):  # the counts NeMo Gym reads
+        mine, gym = ours_record.get("ng_model_call_capture"), theirs_record.get("ng_model_call_capture")
+        assert (mine or {}).get("metrics", {}).get("num_calls") == (gym or {}).get("metrics", {}).get(
+            "num_calls"
+        )
+        assert [c["error_category"] for c in (mine or {}).get("calls", [])] == [
+            c["error_category"] for c in (gym or {}).get("calls", [])
+        ]
