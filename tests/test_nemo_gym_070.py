@@ -50,6 +50,7 @@ NG_PYTHON = os.environ.get("NEMO_GYM_PYTHON")
 SIDE = Path(__file__).resolve().parent / "support" / "nemo_gym_side.py"
 pytestmark = [
     pytest.mark.integration,
+    pytest.mark.timeout(1800),  # NeMo Gym's servers and imports start slowly on a busy machine
     pytest.mark.skipif(not NG_PYTHON, reason="NeMo Gym 0.7.0's own tier: run by `make test-nemo-gym`"),
 ]
 
@@ -279,16 +280,22 @@ def produce(kind: str, root: Path) -> Path:
     return capture_dir
 
 
-def nemo_gym_merge(capture_dir: Path, root: Path, *, payloads: bool = True) -> list[dict[str, Any]]:
-    """NeMo Gym 0.7.0's own merge of every record, in its Python 3.13 process."""
+def nemo_gym_merge(
+    captures: dict[str, Path], root: Path, *, payloads: bool = True
+) -> dict[str, list[dict[str, Any]]]:
+    """NeMo Gym 0.7.0's own merge of every record, of each capture dir, in one Python 3.13 process."""
     assert NG_PYTHON is not None
-    root.mkdir(parents=True, exist_ok=True)
-    given, out = root / f"{capture_dir.name}.records.jsonl", root / f"{capture_dir.name}.nemo-gym.jsonl"
+    given = root / "records.jsonl"
     given.write_text("".join(json.dumps(r) + "\n" for r in records()))
-    command = [NG_PYTHON, str(SIDE), "merge", "--records", str(given), "--out", str(out), str(capture_dir)]
-    subprocess.run([*command, *(["--payloads"] if payloads else [])], check=True, timeout=120)
-    meta, *merged = (json.loads(line) for line in out.read_text().splitlines())
-    assert meta["nemo_gym"] == "0.7.0" and meta["python"].startswith("3.13.")
+    outs = {kind: root / f"{kind}.nemo-gym.jsonl" for kind in captures}
+    command = [NG_PYTHON, str(SIDE), "merge", "--records", str(given)]
+    command += [f"{captures[kind]}={outs[kind]}" for kind in captures]
+    subprocess.run([*command, *(["--payloads"] if payloads else [])], check=True, timeout=900)
+    merged = {}
+    for kind, out in outs.items():
+        meta, *lines = (json.loads(line) for line in out.read_text().splitlines())
+        assert meta["nemo_gym"] == "0.7.0" and meta["python"].startswith("3.13.")
+        merged[kind] = lines
     return merged
 
 
@@ -368,15 +375,23 @@ def captures(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Pat
     yield {kind: produce(kind, root) for kind in ("nemo-gym", "middleware", "proxy")}
 
 
+@pytest.fixture(scope="module")
+def gym_merged(captures: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Each capture dir as NeMo Gym 0.7.0's merge reads it."""
+    return nemo_gym_merge(captures, tmp_path_factory.mktemp("nemo-gym-merged"))
+
+
 def report(name: str, tally: Tally) -> None:
     """One line in the test's output for the closing note."""
     print(f"\n[nemo-gym 0.7.0] {name}: {tally}", file=sys.stderr)
 
 
 @pytest.mark.xdist_group("producers")
-def test_a_nemo_gyms_captures_read_the_same_in_ours(captures: dict[str, Path], tmp_path: Path) -> None:
+def test_a_nemo_gyms_captures_read_the_same_in_ours(
+    captures: dict[str, Path], gym_merged: dict[str, Any]
+) -> None:
     tally = Tally()
-    compare(nemo_gym_merge(captures["nemo-gym"], tmp_path), our_merge(captures["nemo-gym"]), tally)
+    compare(gym_merged["nemo-gym"], our_merge(captures["nemo-gym"]), tally)
     report("A: 0.7.0's producer, its merge vs ours", tally)
     assert tally.differences == [] and tally.calls >= 47 and tally.records >= 18
     assert tally.equal == tally.calls
@@ -385,10 +400,10 @@ def test_a_nemo_gyms_captures_read_the_same_in_ours(captures: dict[str, Path], t
 @pytest.mark.xdist_group("producers")
 @pytest.mark.parametrize("producer", ["middleware", "proxy"])
 def test_b_our_captures_read_the_same_in_nemo_gym(
-    captures: dict[str, Path], tmp_path: Path, producer: str
+    captures: dict[str, Path], gym_merged: dict[str, Any], producer: str
 ) -> None:
     tally = Tally()
-    compare(nemo_gym_merge(captures[producer], tmp_path), our_merge(captures[producer]), tally)
+    compare(gym_merged[producer], our_merge(captures[producer]), tally)
     report(f"B: our {producer}, NeMo Gym's merge vs ours", tally)
     assert tally.differences == [] and tally.calls >= 47 and tally.records >= 18
     assert tally.equal == tally.calls
@@ -448,7 +463,7 @@ def test_c_nemo_gyms_rollout_collection_re_enriched_by_ours(tmp_path: Path) -> N
             str(capture_dir),
         ]
         command += ["--workdir", str(work), "--input", str(given), "--output", str(collected)]
-        subprocess.run(command, check=True, timeout=600, cwd=tmp_path, stdout=subprocess.DEVNULL)
+        subprocess.run(command, check=True, timeout=1200, cwd=tmp_path, stdout=subprocess.DEVNULL)
     finally:
         upstream.stop()
     gym_records = [json.loads(line) for line in collected.read_text().splitlines()]
@@ -613,14 +628,14 @@ def rollout_id_of_record(record: dict[str, Any]) -> str | None:
 @pytest.mark.xdist_group("producers")
 @pytest.mark.parametrize("producer", ["middleware", "proxy"])
 def test_b_ours_read_in_nemo_gym_as_its_own_producers_captures(
-    captures: dict[str, Path], tmp_path: Path, producer: str
+    gym_merged: dict[str, Any], producer: str
 ) -> None:
     """Item 4: the same scenario recorded by NeMo Gym 0.7.0's producer and by ours, both read by
     NeMo Gym's merge: the same calls, counts, categories and tool calls (a client that left
     mid-stream, a chat stream of tool calls alone, ``event:error``), but for timings, ids and the
     differences the contract names and says why (``DOCUMENTED_PRODUCER_DIFFERENCES``)."""
-    theirs = _without_timing(nemo_gym_merge(captures["nemo-gym"], tmp_path))
-    ours = _without_timing(nemo_gym_merge(captures[producer], tmp_path / producer))
+    theirs = _without_timing(gym_merged["nemo-gym"])
+    ours = _without_timing(gym_merged[producer])
     tally = Tally()
     compare(theirs, ours, tally)
     left, used = undocumented(tally.differences, producer)

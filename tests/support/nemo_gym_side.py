@@ -5,7 +5,9 @@
   0.7's own ``install_model_call_capture`` on it), one per name, on loopback ports; prints
   ``{"ports": {name: port}}`` and serves until its standard input closes.
 - ``merge``: NeMo Gym 0.7's own ``merge_model_call_capture_into_record`` on every record of a
-  JSONL file, written to another (with ``sys.version`` and ``nemo_gym.__version__`` first).
+  JSONL file, for each capture dir given, written to a file each (``sys.version`` and
+  ``nemo_gym.__version__`` first).
+- ``collect``: NeMo Gym's own rollout collection against its servers (see :func:`_collect`).
 
 :func:`passthrough_app` is the model server's app itself, imported by the test too, so that our
 middleware is mounted on the very same app NeMo Gym's capture is.
@@ -99,13 +101,16 @@ def _merge(args: argparse.Namespace) -> None:
     import nemo_gym
     from nemo_gym.base_responses_api_model import merge_model_call_capture_into_record
 
-    dirs = [Path(d) for d in args.capture_dir]
-    with open(args.records, "rb") as source, open(args.out, "w") as out:
-        out.write(json.dumps({"python": sys.version, "nemo_gym": nemo_gym.__version__}) + "\n")
-        for line in source:
-            record = json.loads(line)
-            merged = merge_model_call_capture_into_record(record, dirs, include_payloads=args.payloads)
-            out.write(json.dumps(merged) + "\n")
+    given = Path(args.records).read_text().splitlines()
+    for pair in args.merges:  # CAPTURE_DIR=OUT: one process for all (its imports take seconds)
+        capture_dir, _, target = pair.partition("=")
+        with open(target, "w") as out:
+            out.write(json.dumps({"python": sys.version, "nemo_gym": nemo_gym.__version__}) + "\n")
+            for line in given:
+                merged = merge_model_call_capture_into_record(
+                    json.loads(line), [Path(capture_dir)], include_payloads=args.payloads
+                )
+                out.write(json.dumps(merged) + "\n")
 
 
 def _free_port() -> int:
@@ -229,7 +234,7 @@ def _collect(args: argparse.Namespace) -> None:
         for port in ports:
             while True:
                 assert all(p.poll() is None for p in processes), f"a NeMo Gym server exited: see {work}"
-                assert time.monotonic() - started < 300, f"NeMo Gym's servers did not start: see {work}"
+                assert time.monotonic() - started < 900, f"NeMo Gym's servers did not start: see {work}"
                 try:
                     with socket.create_connection(("127.0.0.1", port), timeout=1):
                         break
@@ -263,7 +268,7 @@ def main() -> None:
     merge.add_argument("--records", required=True)
     merge.add_argument("--out", required=True)
     merge.add_argument("--payloads", action="store_true")
-    merge.add_argument("capture_dir", nargs="+")
+    merge.add_argument("merges", nargs="+", metavar="CAPTURE_DIR=OUT")
     collect = commands.add_parser("collect")
     collect.add_argument("--upstream", required=True)
     collect.add_argument("--capture-dir", required=True)
