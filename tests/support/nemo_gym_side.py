@@ -266,7 +266,6 @@ def main() -> None:
     serve.add_argument("names", nargs="+")
     merge = commands.add_parser("merge")
     merge.add_argument("--records", required=True)
-    merge.add_argument("--out", required=True)
     merge.add_argument("--payloads", action="store_true")
     merge.add_argument("merges", nargs="+", metavar="CAPTURE_DIR=OUT")
     collect = commands.add_parser("collect")
