@@ -246,6 +246,7 @@ def _collect(args: argparse.Namespace) -> None:
             input_jsonl_fpath=args.input,
             output_jsonl_fpath=args.output,
             num_samples_in_parallel=args.parallel,
+            num_repeats=args.repeats,
             disable_aggregation=True,
             disable_health_check=True,
         )
@@ -276,6 +277,7 @@ def main() -> None:
     collect.add_argument("--output", required=True)
     collect.add_argument("--max-steps", type=int, default=2)
     collect.add_argument("--parallel", type=int, default=4)
+    collect.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     {"serve": _serve, "merge": _merge, "collect": _collect}[args.command](args)
 
