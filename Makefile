@@ -36,7 +36,7 @@ PYTHON313 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python) py
 NG_VENV  = build/nemo-gym-$(NEMO_GYM_VERSION)
 NG_STAMP = $(NG_VENV)/.installed-stamp
 
-$(NG_STAMP): $(STAMP)
+$(NG_STAMP): | $(STAMP)
 	rm -rf $(NG_VENV)
 	$(BIN)/uv venv -q --python $(PYTHON313) $(NG_VENV)
 	$(BIN)/uv pip install -q --python $(NG_VENV)/bin/python --python-version 3.13.14 nemo-gym==$(NEMO_GYM_VERSION)
