@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed-stamp
 
-.PHONY: setup demo test test-fast lint typecheck bench sample deploy serve clean docs
+.PHONY: setup demo test test-fast test-nemo-gym lint typecheck bench sample deploy serve clean docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,28 @@ test: setup $(AZURITE)
 # tests/conftest.py), the protocol simulations on 200 of their 1,500 seeds. Under 90 s on 2 cores.
 test-fast: setup
 	ROLLOUT_CAPTURE_SIM_SEEDS=200 $(BIN)/pytest -q -n 2 -m "not integration"
+
+# The released NeMo Gym itself beside ours (tests/test_nemo_gym_070.py): a Python 3.13 venv with the
+# pinned nemo-gym wheel (it declares Python >= 3.13.14; 3.13.0 runs it) and rollout-capture installed
+# beside it, kept in build/ per version, then the tier on it. uv installs it (and caches what it
+# downloads): pip took minutes for its 1.4 GB.
+NEMO_GYM_VERSION ?= 0.7.0
+PYTHON313 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python) python3.13)
+NG_VENV  = build/nemo-gym-$(NEMO_GYM_VERSION)
+NG_STAMP = $(NG_VENV)/.installed-stamp
+
+$(NG_STAMP): | $(STAMP)
+	rm -rf $(NG_VENV)
+	$(BIN)/uv venv -q --python $(PYTHON313) $(NG_VENV)
+	$(BIN)/uv pip install -q --python $(NG_VENV)/bin/python --python-version 3.13.14 nemo-gym==$(NEMO_GYM_VERSION)
+	touch $(NG_STAMP)
+
+$(NG_VENV)/.rollout-capture-stamp: $(NG_STAMP) pyproject.toml
+	$(BIN)/uv pip install -q --python $(NG_VENV)/bin/python -e '.[proxy]'
+	touch $@
+
+test-nemo-gym: setup $(NG_VENV)/.rollout-capture-stamp
+	NEMO_GYM_PYTHON=$(abspath $(NG_VENV))/bin/python $(BIN)/pytest -q -n 2 --dist loadgroup tests/test_nemo_gym_070.py
 
 # What CI (.ci/run) and the pre-commit hooks check: ruff, the format, and mypy --strict.
 lint: setup
