@@ -9,7 +9,7 @@ STAMP   = $(VENV)/.installed-stamp
 # the package and the tests again (measured: 5.5 of a collection's 11 s of CPU).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup demo test test-fast test-stress lint typecheck bench sample deploy serve clean docs
+.PHONY: setup demo test test-fast test-stress test-nemo-gym lint typecheck bench sample deploy serve clean docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# Azurite (npm), the Azure Blob server the tests start, installed once into .venv/azurite (git-ignored).
+AZURITE = $(VENV)/azurite/node_modules/.bin/azurite-blob
+$(AZURITE): | $(STAMP)
+	$(BIN)/python -m tests.support.stores install-azurite
+
 # Enrich the bundled sample on an embedded Prefect server (no server to start).
 demo: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/rollout-capture demo --output out/sample.enriched.jsonl
@@ -27,7 +32,7 @@ demo: setup
 # seed here; a test left unmarked that starts a server fails), then the `integration` tests, a
 # file at a time per worker so a file's servers and clusters stay in one process, the slowest
 # files first (tests/conftest.py SLOWEST_FIRST). Both passes run; either failing fails the target.
-test: setup
+test: setup $(AZURITE)
 	status=0; \
 	$(BIN)/pytest -q -n 2 -m "not integration" || status=1; \
 	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m integration || status=1; \
@@ -43,6 +48,28 @@ test-fast: setup
 test-stress: setup
 	$(BIN)/python -m tests.support.cpu_hog $(MAKE) --no-print-directory test
 
+# The released NeMo Gym itself beside ours (tests/test_nemo_gym_070.py): a Python 3.13 venv with the
+# pinned nemo-gym wheel (it declares Python >= 3.13.14; 3.13.0 runs it) and rollout-capture installed
+# beside it, kept in build/ per version, then the tier on it. uv installs it (and caches what it
+# downloads): pip took minutes for its 1.4 GB.
+NEMO_GYM_VERSION ?= 0.7.0
+PYTHON313 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python) python3.13)
+NG_VENV  = build/nemo-gym-$(NEMO_GYM_VERSION)
+NG_STAMP = $(NG_VENV)/.installed-stamp
+
+$(NG_STAMP): | $(STAMP)
+	rm -rf $(NG_VENV)
+	$(BIN)/uv venv -q --python $(PYTHON313) $(NG_VENV)
+	$(BIN)/uv pip install -q --python $(NG_VENV)/bin/python --python-version 3.13.14 nemo-gym==$(NEMO_GYM_VERSION)
+	touch $(NG_STAMP)
+
+$(NG_VENV)/.rollout-capture-stamp: $(NG_STAMP) pyproject.toml
+	$(BIN)/uv pip install -q --python $(NG_VENV)/bin/python -e '.[proxy]'
+	touch $@
+
+test-nemo-gym: setup $(NG_VENV)/.rollout-capture-stamp
+	NEMO_GYM_PYTHON=$(abspath $(NG_VENV))/bin/python $(BIN)/pytest -q -n 2 --dist loadgroup tests/test_nemo_gym_070.py
+
 # What CI (.ci/run) and the pre-commit hooks check: ruff, the format, and mypy --strict.
 lint: setup
 	$(BIN)/ruff check .
@@ -55,12 +82,13 @@ typecheck: setup
 	for e in rollout_capture/* flows tasks deployments cli; do ln -s ../../../$$e build/typecheck/rollout_capture/; done
 	$(BIN)/mypy
 
-bench: setup
+bench: setup $(AZURITE)
 	$(BIN)/python benchmarks/bench_merge.py
 	$(BIN)/python benchmarks/bench_flow.py
 	$(BIN)/python benchmarks/bench_s3.py
 	$(BIN)/python benchmarks/bench_proxy.py
 	$(BIN)/python benchmarks/bench_runs.py
+	$(BIN)/python benchmarks/bench_stores.py
 
 # Register the shipped deployments on the server PREFECT_API_URL names (the pool is created if missing):
 #   make deploy RUNS_ROOT=/data/runs   (or s3://bucket/runs, with DEPLOY_ARGS="--credentials-block NAME")

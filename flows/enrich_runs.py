@@ -143,11 +143,21 @@ def enrich_run(
         finally:
             if not finished:
                 _give_back(keeper)
-        failed = send_traces(summary, output, options)
+        failed = send_traces(summary, output, options, traces_run(options, run, output))
         end = report_enrichment(summary, options)
     if failed is not None:
         raise failed
     return end  # type: ignore[return-value]  # a named Completed state when the evidence is poor
+
+
+def traces_run(options: EnrichOptions, run: RunFolder, output: Location) -> str | None:
+    """The run a run folder's traces are (docs/contract.md 13): ``<otlp_run_name>/<folder>``
+    when the root's runs are named, else its output's location; None when no traces go."""
+    if not options.otlp_endpoint:
+        return None
+    from rollout_capture.traces.runs import folder_run
+
+    return folder_run(options.otlp_run_name, run.name, output.url)
 
 
 def _enriched_marker(summary: EnrichSummary, stats: BatchStats) -> dict[str, Any]:
@@ -283,6 +293,8 @@ def enrich_completed_runs(
     max_failed_share: Annotated[float, Field(ge=0, le=1)] | None = None,
     otlp_endpoint: str | None = None,
     otlp_headers_block: str | None = None,
+    otlp_project: str | None = None,
+    otlp_run_name: str | None = None,
 ) -> RunsSummary:
     """Enrich each finished run (``_SUCCESS``, no ``_ENRICHED``) under ``runs_root``, each in a subflow.
 
@@ -311,6 +323,8 @@ def enrich_completed_runs(
         otlp_endpoint: Send each written output's rollouts as traces to this OTLP/HTTP endpoint (the
             otel extra); checked before any run is taken; a failed export fails the run, output kept.
         otlp_headers_block: Name of a Prefect Secret block holding the endpoint's headers.
+        otlp_project: The project every run's traces land in; default the runs root's folder name.
+        otlp_run_name: Names the root's runs <otlp_run_name>/<run folder>; default each output's location.
 
     Examples:
         ```python
@@ -332,6 +346,7 @@ def enrich_completed_runs(
     show_core_logs()
     check_runner(runner, dask_address, ray_address)
     runs = Location.of(runs_root, storage_options, credentials_block)  # refused here if bad
+    options = _with_traces_project(options, runs_root)
     check_traces(options)
     captures = runs.at(capture_dir) if capture_dir else None
     summary, ready = _sorted_runs(find_runs(runs, full_scan, recheck))
@@ -342,6 +357,15 @@ def enrich_completed_runs(
     if summary.failed:
         raise RunsFailed(f"{len(summary.failed)} run(s) failed: {summary.failed}")
     return summary
+
+
+def _with_traces_project(options: EnrichOptions, runs_root: str) -> EnrichOptions:
+    """Every run of one root in one project: the one named, else the root folder's name."""
+    if not options.otlp_endpoint or options.otlp_project:
+        return options
+    from rollout_capture.traces.runs import runs_project
+
+    return options.model_copy(update={"otlp_project": runs_project(runs_root)})
 
 
 def _publish_tick(summary: RunsSummary, runs_root: str, runs: Location) -> None:
