@@ -15,7 +15,6 @@ longer retried by the trace export.
 from __future__ import annotations
 
 import asyncio
-import logging
 import multiprocessing
 import os
 import shutil
@@ -471,12 +470,11 @@ def test_a_run_finished_by_a_relative_path_triggers_its_roots_deployment(
 # ----------------------------------------------------------------------------- trace export
 
 
-def test_a_batch_refused_with_503_past_opentelemetrys_own_retries_is_sent_again(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Phoenix answers 503 while its ingestion queue is full. OpenTelemetry's exporter retries a
-    few times (here at once: ``Retry-After: 0``) and gives up; the export sends the batch again
-    for up to ``patience_s`` instead of failing, and every span lands once."""
+def test_a_batch_refused_with_503_again_and_again_is_sent_again_within_patience(tmp_path: Path) -> None:
+    """Phoenix answers 503 while its ingestion queue is full. The export sends the batch again
+    (here at once: ``Retry-After: 0``) for up to ``patience_s`` instead of failing, however many
+    times it is refused (seven: more than OpenTelemetry's own exporter, once used, tried), and
+    every span lands once."""
     from rollout_capture.traces.exporter import export_traces
 
     captures = tmp_path / "captures"
@@ -485,12 +483,10 @@ def test_a_batch_refused_with_503_past_opentelemetrys_own_retries_is_sent_again(
     enriched = tmp_path / "rollouts.enriched.jsonl"
     merged = [merge_model_call_capture_into_record(orjson.loads(line), [captures]) for line in lines]
     enriched.write_bytes(b"".join(orjson.dumps(record) + b"\n" for record in merged))
-    busy = OtlpReceiver(then=[503] * 7, retry_after="0")  # one more than OpenTelemetry's 6 tries
+    busy = OtlpReceiver(then=[503] * 7, retry_after="0")
     try:
-        with caplog.at_level(logging.ERROR, "opentelemetry"):
-            counts = export_traces(enriched, busy.url, patience_s=60)
+        counts = export_traces(enriched, busy.url, patience_s=60)
         assert counts.spans > 0 and len({bytes(s.span_id) for s in busy.spans()}) == counts.spans
         assert len(busy.received) == 1 + 8  # the probe, 7 refusals of the one batch, then it landed
-        assert "max retries" in caplog.text  # OpenTelemetry gave up once: the export did not
     finally:
         busy.stop()
