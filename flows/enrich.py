@@ -97,7 +97,7 @@ def count_orphans(
     if listed is None:
         logger.info("orphan captures not counted: %s was listed rollout by rollout", captures)
         return
-    stats.evidence.set_orphans(listed, duplicates.ids)
+    duplicates.set_orphans(stats.evidence, listed)
     if stats.evidence.orphan_captures:
         logger.warning(
             "%d capture(s) under %s match no rollout of the input (first: %s)",
@@ -239,6 +239,7 @@ def enrich_to_spool(
         raise
     finally:
         end_scope(scope.key)
+        filler.duplicates.close()
         remove_staged(staged)
         if parts_dir is not None:
             shutil.rmtree(parts_dir, ignore_errors=True)
