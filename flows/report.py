@@ -225,9 +225,24 @@ def shares_exceeded(
     """Whether the gap share and the failed-call share are past their thresholds: strictly
     above, so a share equal to its threshold (``max_gap_share=0`` and a clean run) is not poor.
     The one decision behind the state's name, the reasons, the WARNING and the events."""
-    gaps = max_gap_share is not None and stats.gap_share > max_gap_share
-    failed = max_failed_share is not None and stats.evidence.failed_share > max_failed_share
+    return _exceeded(stats.gap_share, stats.evidence.failed_share, max_gap_share, max_failed_share)
+
+
+def _exceeded(
+    gap_share: float, failed_share: float, max_gap_share: float | None, max_failed_share: float | None
+) -> tuple[bool, bool]:
+    gaps = max_gap_share is not None and gap_share > max_gap_share
+    failed = max_failed_share is not None and failed_share > max_failed_share
     return gaps, failed
+
+
+def poor_state_name(
+    gap_share: float, failed_share: float, max_gap_share: float | None, max_failed_share: float | None
+) -> str | None:
+    """The named ``Completed`` state these shares earn ("Completed with gaps"), None when not poor:
+    :func:`final_state`'s name, from the figures an ``_ENRICHED`` marker keeps."""
+    exceeded = _exceeded(gap_share, failed_share, max_gap_share, max_failed_share)
+    return POOR_STATE_NAMES.get(exceeded)
 
 
 def poor_evidence(
@@ -276,28 +291,53 @@ def final_state(
     return state
 
 
-def flow_run_link(flow_run_id: UUID | None) -> str:
-    """Where a flow run's page is: the UI's URL when one is known, else its path in the UI."""
-    if flow_run_id is None:
+def task_run_link(task_run_id: UUID | None) -> str:
+    """Where a task run's page is: the UI's URL when one is known, else its path in the UI."""
+    if task_run_id is None:
         return "-"
-    return url_for("flow-run", obj_id=flow_run_id) or f"/runs/flow-run/{flow_run_id}"
+    return url_for("task-run", obj_id=task_run_id) or f"/runs/task-run/{task_run_id}"
 
 
-def publish_runs_table(key_source: str, rows: list[dict[str, str | int | float]]) -> None:
-    """The scheduled tick's own artifacts: one table row per run it tried, and the same with links."""
-    key = artifact_key("enriched-runs", key_source)
-    create_table_artifact(table=rows, key=key, description=f"Runs under {key_source} this tick tried")
-    lines = [
-        "| run | status | rollouts | calls | gap share | failed calls | flow run |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for row in rows:
-        link = str(row["flow_run"])
-        shown = f"[{row.get('flow_run_name') or row['run']!s}]({link})" if link != "-" else "-"
-        lines.append(
-            f"| {row['run']} | {row['status']} | {row['rollouts']} | {row['calls']} | {row['gap_share']} "
-            f"| {row['failed_calls']} | {shown} |"
-        )
+MAX_LISTED_RUNS = 100
+"""Runs the tick's markdown names (those needing a look); its table lists every run."""
+_ROUTINE = {"enriched", "already_enriched"}
+
+
+def _cell_text(value: object, limit: int = 300) -> str:
+    """A value as one markdown table cell: no pipes, no line breaks, not too long."""
+    text = " ".join(str(value).split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def publish_runs_table(key_source: str, rows: list[dict[str, str | int | float]], headline: str) -> None:
+    """The scheduled tick's artifacts: a table row per run it tried (status, counts, its batch, why
+    it failed), and a summary naming the runs that need a look (failed, lost, busy, poor evidence)
+    with links to their batches' task runs, where their logs are."""
+    create_table_artifact(
+        table=rows,
+        key=artifact_key("enriched-runs", key_source),
+        description=f"Runs under {key_source} this tick tried: {headline}",
+    )
+    notable = [row for row in rows if row["status"] not in _ROUTINE]
+    lines = [f"# Runs under `{key_source}`", "", f"{len(rows)} run(s) tried: {headline}.", ""]
+    if notable:
+        lines += [
+            f"## Runs needing a look ({len(notable)})",
+            "",
+            "| run | status | rollouts | calls | gap share | failed calls | batch | error |",
+            "| --- | --- | ---: | ---: | ---: | ---: | --- | --- |",
+        ]
+        for row in notable[:MAX_LISTED_RUNS]:
+            link = str(row["batch"])
+            batch = f"[logs]({link})" if link != "-" else "-"
+            lines.append(
+                f"| {_cell_text(row['run'])} | {row['status']} | {row['rollouts']} | {row['calls']} "
+                f"| {row['gap_share']} | {row['failed_calls']} | {batch} | {_cell_text(row['error'])} |"
+            )
+        if len(notable) > MAX_LISTED_RUNS:
+            lines.append(f"\n... and {len(notable) - MAX_LISTED_RUNS} more (the table lists every run)")
+    else:
+        lines.append("Every run enriched with nothing poor to note.")
     create_markdown_artifact(
         markdown="\n".join(lines) + "\n", key=artifact_key("enriched-runs-links", key_source)
     )

@@ -89,3 +89,12 @@ def events(name: str, resource_id: str) -> list[Any]:
 def wait_for_events(name: str, resource_id: str, timeout_s: float = 30.0) -> list[Any]:
     """Events of one name about one resource, once the server has stored at least one."""
     return wait_for(lambda: events(name, resource_id), timeout_s, f"a {name} event about {resource_id}", 0.2)
+
+
+def flow_runs_under(parent: UUID) -> list[FlowRun]:
+    """The subflow runs of a flow run."""
+    from prefect.client.schemas.filters import FlowRunFilterParentFlowRunId
+
+    only_children = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent]))
+    with get_client(sync_client=True) as client:
+        return list(client.read_flow_runs(flow_run_filter=only_children))
