@@ -156,3 +156,30 @@ def test_two_ticks_at_once_enrich_each_run_once(prefect_api: str, tmp_path: Path
     for name in names:
         assert len((root / name / "rollouts.enriched.jsonl").read_bytes().splitlines()) == 3
         assert not [p for p in (root / name).iterdir() if p.name.startswith("_ENRICHING")]
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_run_of_many_batches_runs_them_as_tasks_inside_its_batch(tmp_path: Path) -> None:
+    """A run longer than ``batch_size`` lines gets its batches as tasks (the runner's, retried
+    alone); a shorter one beside it in the same batch of runs is merged in the batch's task."""
+    root = tmp_path / "runs"
+    make_run(root, "long", finished=True, rollouts=5)
+    make_run(root, "short", finished=True, rollouts=2)
+
+    state = enrich_completed_runs(str(root), batch_size=2, max_parallel_runs=1, return_state=True)
+
+    summary: RunsSummary = state.result()
+    assert summary.enriched == ["long", "short"]
+    (batch,) = _batches(state.state_details.flow_run_id)
+    merges = task_runs(state.state_details.flow_run_id, "merge_batch")
+    assert sorted(m.name for m in merges) == [
+        "merge_batch lines 1-2",
+        "merge_batch lines 3-4",
+        "merge_batch lines 5-5",
+    ]  # the long run's alone
+    for name, count in (("long", 5), ("short", 2)):
+        out = [orjson.loads(x) for x in (root / name / "rollouts.enriched.jsonl").read_bytes().splitlines()]
+        assert [r["ng_model_call_capture"]["metrics"]["num_calls"] for r in out] == [1] * count
+        marker = orjson.loads((root / name / "_ENRICHED").read_bytes())
+        assert marker["stats"]["rollouts"] == count and marker["batches"] == (3 if name == "long" else 1)
+    assert summary.outcomes["long"].rollouts == 5 and summary.outcomes["long"].task_run_id == batch.id
