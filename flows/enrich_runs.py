@@ -35,7 +35,7 @@ from rollout_capture.location import Location
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
 from rollout_capture.run_folders import DEFAULT_LEASE_S, RunFolder, new_owner
 from rollout_capture.secret_options import shown_url
-from rollout_capture.tasks.run_folders import find_runs, remember_enriched
+from rollout_capture.tasks.run_folders import MAX_NAMED_RUNS, find_runs, remember_enriched
 
 __all__ = ["RunOutcome", "RunStatus", "RunsFailed", "RunsSummary", "enrich_completed_runs"]
 
@@ -194,7 +194,10 @@ def enrich_completed_runs(
     _publish_tick(summary, runs_root, runs)
     get_run_logger().info("%s", summary.tally())
     if summary.failed:
-        raise RunsFailed(f"{len(summary.failed)} run(s) failed: {summary.failed}")
+        first = dict(list(summary.failed.items())[:MAX_NAMED_RUNS])
+        more = len(summary.failed) - len(first)
+        tail = f" and {more} more (the tick's table lists them)" if more > 0 else ""
+        raise RunsFailed(f"{len(summary.failed)} run(s) failed: {first}{tail}")
     return summary
 
 

@@ -339,5 +339,7 @@ def publish_runs_table(key_source: str, rows: list[dict[str, str | int | float]]
     else:
         lines.append("Every run enriched with nothing poor to note.")
     create_markdown_artifact(
-        markdown="\n".join(lines) + "\n", key=artifact_key("enriched-runs-links", key_source)
+        markdown="\n".join(lines) + "\n",
+        key=artifact_key("enriched-runs-links", key_source),
+        description=f"Runs under {key_source} needing a look: {len(notable)} of {len(rows)}",
     )

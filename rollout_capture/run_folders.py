@@ -262,9 +262,9 @@ class RunsRoot:
             if linked:
                 refused[name] = f"{', '.join(linked)}: {_LINKED}"
                 continue
-            enriched = ENRICHED in names
-            size = None if enriched else rollouts.size
-            runs.append(self._run(name, finished=SUCCESS in names, enriched=enriched, size=size))
+            done = ENRICHED in names
+            size = None if done else rollouts.size
+            runs.append(self._run(name, finished=SUCCESS in names, enriched=done, size=size))
         runs.sort(key=lambda run: run.name)
         for name, why in sorted(refused.items()):
             logger.warning("%s/%s is left alone: %s", self.url, name, why)
