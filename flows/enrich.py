@@ -329,7 +329,7 @@ def report_enrichment(
 
     Poor evidence (a share past one of ``options``' thresholds) is logged as a WARNING and ends the run in a
     named ``Completed`` state ("Completed with gaps"); otherwise the summary itself is returned.
-    ``artifacts=False``: no artifacts of its own (a run of a scheduled tick is a row of the tick's table);
+    ``artifacts=False``: no artifacts of its own (a run of a scheduled tick is a row of its batch's table);
     ``name`` starts its log line (the run's, among the others of its batch).
     """
     logger = get_run_logger()

@@ -3,7 +3,8 @@
 The ready runs are cut into batches (``runs_per_batch`` at most, fewer when few runs wait, so
 that ``max_parallel_runs`` batches share them), each batch one task run that enriches its runs
 in turn, each under its own lease (:mod:`rollout_capture.flows.run_batch`). What Prefect is asked
-is per batch; the tick's table artifact lists every run it tried, its batch, and why it failed.
+is per batch: a task run, and a table artifact listing its runs (status, counts, why one failed).
+The tick's summary artifact names the runs needing a look and links every batch.
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ from rollout_capture.filesystem import absolute_location
 from rollout_capture.flows.enrich import check_traces
 from rollout_capture.flows.guard import StorageOptions, guarded_flow
 from rollout_capture.flows.report import (
+    Row,
     advance_progress,
-    publish_runs_table,
+    needs_a_look,
+    publish_tick_summary,
     show_core_logs,
     start_progress,
     task_run_link,
 )
-from rollout_capture.flows.run_batch import RunOutcome, RunsJob, RunStatus, enrich_runs_batch
+from rollout_capture.flows.run_batch import RunOutcome, RunsJob, RunStatus, enrich_runs_batch, outcome_row
 from rollout_capture.flows.runners import check_runner
 from rollout_capture.location import Location
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
@@ -78,32 +81,34 @@ class RunsFailed(RuntimeError):
     """Some runs could not be enriched; the others were."""
 
 
-def _figure(value: int | None) -> str | int:
-    return "-" if value is None else value
+def needing_a_look(summary: RunsSummary) -> list[Row]:
+    """The rows of the runs the tick's summary names (failed, lost, busy, poor), with their batch's link."""
+    rows = [
+        {**outcome_row(name, o), "batch": task_run_link(o.task_run_id)}
+        for name, o in summary.outcomes.items()
+    ]
+    return [row for row in rows if needs_a_look(row)]
 
 
-def runs_rows(summary: RunsSummary) -> list[dict[str, str | int | float]]:
-    """One row per run the tick tried: its status, counts, its batch's task run, and why it failed."""
-    rows: list[dict[str, str | int | float]] = []
+def batch_rows(summary: RunsSummary) -> list[Row]:
+    """One row per batch of the tick: its runs, how many were enriched or need a look, its task run."""
+    batches: dict[str, Row] = {}
     for name, outcome in summary.outcomes.items():
-        status: str = outcome.status
-        if outcome.state_name and outcome.state_name != "Completed":
-            status = f"{status} ({outcome.state_name})"
-        share = outcome.gap_share
-        rows.append(
+        label = outcome.batch or "-"
+        row = batches.setdefault(
+            label,
             {
-                "run": name,
-                "status": status,
-                "rollouts": _figure(outcome.rollouts),
-                "calls": _figure(outcome.calls),
-                "gap_share": "-" if share is None else f"{share:.1%}",
-                "failed_calls": _figure(outcome.failed_calls),
-                "seconds": "-" if outcome.seconds is None else round(outcome.seconds, 2),
-                "batch": task_run_link(outcome.task_run_id),
-                "error": outcome.error or "",
-            }
+                "batch": label,
+                "runs": 0,
+                "enriched": 0,
+                "notable": 0,
+                "link": task_run_link(outcome.task_run_id),
+            },
         )
-    return rows
+        row["runs"] = int(row["runs"] or 0) + 1
+        row["enriched"] = int(row["enriched"] or 0) + (outcome.status == "enriched")
+        row["notable"] = int(row["notable"] or 0) + needs_a_look(outcome_row(name, outcome))
+    return list(batches.values())
 
 
 def enrich_runs_name() -> str:
@@ -139,7 +144,8 @@ def enrich_completed_runs(
 
     ``_ENRICHED`` is written last, so the next schedule skips the run; a lease keeps overlapping
     schedules off a run (lapsing ``lease_s`` after a crash); a failing run does not stop the others.
-    The tick's table artifact lists every run it tried; each run's events are its own.
+    Each batch's table artifact lists its runs, the tick's summary those needing a look; each run's
+    events are its own.
 
     Args:
         runs_root: The folder of runs (path or fsspec URL): <root>/<run>/rollouts.jsonl, captures/, _SUCCESS.
@@ -196,15 +202,15 @@ def enrich_completed_runs(
     if summary.failed:
         first = dict(list(summary.failed.items())[:MAX_NAMED_RUNS])
         more = len(summary.failed) - len(first)
-        tail = f" and {more} more (the tick's table lists them)" if more > 0 else ""
+        tail = f" and {more} more (their batches' tables list them)" if more > 0 else ""
         raise RunsFailed(f"{len(summary.failed)} run(s) failed: {first}{tail}")
     return summary
 
 
 def _publish_tick(summary: RunsSummary, runs_root: str, runs: Location) -> None:
-    """What a tick leaves behind: its runs table (in the UI) and the root's index of enriched runs."""
+    """What a tick leaves behind: its summary (in the UI) and the root's index of enriched runs."""
     if summary.outcomes:
-        publish_runs_table(runs_root, runs_rows(summary), summary.tally())
+        publish_tick_summary(runs_root, summary.tally(), needing_a_look(summary), batch_rows(summary))
     if summary.enriched:
         remember_enriched(runs, summary.enriched)
 

@@ -299,8 +299,9 @@ def task_run_link(task_run_id: UUID | None) -> str:
 
 
 MAX_LISTED_RUNS = 100
-"""Runs the tick's markdown names (those needing a look); its table lists every run."""
+"""Runs (and batches) a tick's summary names; each batch's table lists every one of its runs."""
 _ROUTINE = {"enriched", "already_enriched"}
+Row = dict[str, str | int | float | None]
 
 
 def _cell_text(value: object, limit: int = 300) -> str:
@@ -309,37 +310,68 @@ def _cell_text(value: object, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def publish_runs_table(key_source: str, rows: list[dict[str, str | int | float]], headline: str) -> None:
-    """The scheduled tick's artifacts: a table row per run it tried (status, counts, its batch, why
-    it failed), and a summary naming the runs that need a look (failed, lost, busy, poor evidence)
-    with links to their batches' task runs, where their logs are."""
-    create_table_artifact(
-        table=rows,
-        key=artifact_key("enriched-runs", key_source),
-        description=f"Runs under {key_source} this tick tried: {headline}",
-    )
-    notable = [row for row in rows if row["status"] not in _ROUTINE]
-    lines = [f"# Runs under `{key_source}`", "", f"{len(rows)} run(s) tried: {headline}.", ""]
+def publish_batch_table(label: str, rows: list[Row], headline: str) -> None:
+    """A batch of runs' table, filed under its task run: a row per run (status, counts, seconds,
+    why it failed). Unkeyed: a tick has a table per batch, each small enough to show at once."""
+    create_table_artifact(table=rows, description=f"{label}: {headline}")
+
+
+def needs_a_look(row: Row) -> bool:
+    """A run the tick's summary names: failed, lost, busy, or enriched with poor evidence."""
+    return row["status"] not in _ROUTINE
+
+
+def publish_tick_summary(key_source: str, headline: str, notable: list[Row], batches: list[Row]) -> None:
+    """The scheduled tick's summary (keyed by its root, so ticks make a history): what it did, the
+    runs needing a look (failed, lost, busy, poor evidence) and every batch, each with a link to
+    its task run, where its table and its logs are."""
+    tried = sum(int(batch["runs"] or 0) for batch in batches)
+    lines = [
+        f"# Runs under `{key_source}`",
+        "",
+        f"{tried} run(s) tried in {len(batches)} batch(es): {headline}.",
+    ]
     if notable:
         lines += [
+            "",
             f"## Runs needing a look ({len(notable)})",
             "",
             "| run | status | rollouts | calls | gap share | failed calls | batch | error |",
             "| --- | --- | ---: | ---: | ---: | ---: | --- | --- |",
         ]
-        for row in notable[:MAX_LISTED_RUNS]:
-            link = str(row["batch"])
-            batch = f"[logs]({link})" if link != "-" else "-"
-            lines.append(
-                f"| {_cell_text(row['run'])} | {row['status']} | {row['rollouts']} | {row['calls']} "
-                f"| {row['gap_share']} | {row['failed_calls']} | {batch} | {_cell_text(row['error'])} |"
-            )
+        columns = ("status", "rollouts", "calls", "gap_share", "failed_calls")
+        lines += [
+            f"| {_cell_text(row['run'])} | {' | '.join(_figure(row[c]) for c in columns)} "
+            f"| {_linked('logs', row['batch'])} | {_cell_text(row['error'] or '')} |"
+            for row in notable[:MAX_LISTED_RUNS]
+        ]
         if len(notable) > MAX_LISTED_RUNS:
-            lines.append(f"\n... and {len(notable) - MAX_LISTED_RUNS} more (the table lists every run)")
-    else:
-        lines.append("Every run enriched with nothing poor to note.")
+            lines.append(f"\n... and {len(notable) - MAX_LISTED_RUNS} more (in their batches' tables)")
+    if batches:
+        lines += [
+            "",
+            f"## Batches ({len(batches)})",
+            "",
+            "| batch | runs | enriched | needing a look | table and logs |",
+            "| --- | ---: | ---: | ---: | --- |",
+        ]
+        lines += [
+            f"| {_cell_text(row['batch'])} | {row['runs']} | {row['enriched']} | {row['notable']} "
+            f"| {_linked('task run', row['link'])} |"
+            for row in batches[:MAX_LISTED_RUNS]
+        ]
+        if len(batches) > MAX_LISTED_RUNS:
+            lines.append(f"\n... and {len(batches) - MAX_LISTED_RUNS} more batches")
     create_markdown_artifact(
         markdown="\n".join(lines) + "\n",
-        key=artifact_key("enriched-runs-links", key_source),
-        description=f"Runs under {key_source} needing a look: {len(notable)} of {len(rows)}",
+        key=artifact_key("enriched-runs", key_source),
+        description=f"Runs under {key_source}: {headline}",
     )
+
+
+def _figure(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _linked(text: str, link: object) -> str:
+    return f"[{text}]({link})" if link and link != "-" else "-"

@@ -38,7 +38,7 @@ from rollout_capture.flows.enrich import (
     send_traces,
 )
 from rollout_capture.flows.events import emit_failed
-from rollout_capture.flows.report import EnrichSummary, poor_state_name
+from rollout_capture.flows.report import EnrichSummary, Row, poor_state_name, publish_batch_table
 from rollout_capture.location import Location
 from rollout_capture.rollout_files import (
     LineRange,
@@ -73,7 +73,7 @@ class RunsJob(BaseModel):
 
 
 class RunOutcome(BaseModel):
-    """What became of one run a tick tried to take: a row of the tick's table.
+    """What became of one run a tick tried to take: a row of its batch's table.
 
     The counts are those ``_ENRICHED`` records (``evidence``: its evidence digest), so an
     outcome stays a few hundred bytes however many runs a tick enriches.
@@ -84,7 +84,9 @@ class RunOutcome(BaseModel):
     state_name: str | None = None
     """"Completed", or what was poor ("Completed with gaps"), as a run's own flow run ended before."""
     task_run_id: UUID | None = None
-    """The batch's task run: the run's logs are there."""
+    """The batch's task run: the run's row of its table and its logs are there."""
+    batch: str | None = None
+    """The batch's name (its first and last run)."""
     rollouts: int | None = None
     calls: int | None = None
     rollouts_with_gaps: int | None = None
@@ -127,6 +129,24 @@ class RunOutcome(BaseModel):
             report=marker.get("report"),
             evidence=evidence,
         )
+
+
+def outcome_row(name: str, outcome: RunOutcome) -> Row:
+    """A run's row of its batch's table: status (and what was poor), counts, seconds, why it failed."""
+    status: str = outcome.status
+    if outcome.state_name and outcome.state_name != "Completed":
+        status = f"{status} ({outcome.state_name})"
+    share = outcome.gap_share
+    return {
+        "run": name,
+        "status": status,
+        "rollouts": outcome.rollouts,
+        "calls": outcome.calls,
+        "gap_share": None if share is None else f"{share:.1%}",
+        "failed_calls": outcome.failed_calls,
+        "seconds": None if outcome.seconds is None else round(outcome.seconds, 2),
+        "error": outcome.error,
+    }
 
 
 class RunsToRetry(RuntimeError):
@@ -320,7 +340,7 @@ def enrich_runs_batch(runs: list[RunFolder], label: str, owner: str, job: RunsJo
     outcomes = []
     for run in runs:
         outcome = enrich_one_run(root, run, owner, job)
-        outcome.task_run_id = task_run_id
+        outcome.task_run_id, outcome.batch = task_run_id, label
         outcomes.append(outcome)
     faults = {run.name: o for run, o in zip(runs, outcomes, strict=True) if o._fault is not None}
     for run, outcome in zip(runs, outcomes, strict=True):  # final failures: automations hear of them
@@ -336,5 +356,9 @@ def enrich_runs_batch(runs: list[RunFolder], label: str, owner: str, job: RunsJo
             f"(its finished runs skipped): {', '.join(f'{n}: {o.error}' for n, o in faults.items())}"
         ) from next(iter(faults.values()))._fault
     done = sum(o.status == "enriched" for o in outcomes)
-    logger.info("%s: %d of %d run(s) enriched", label, done, len(runs))
+    headline = f"{done} of {len(runs)} run(s) enriched"
+    publish_batch_table(
+        label, [outcome_row(run.name, o) for run, o in zip(runs, outcomes, strict=True)], headline
+    )
+    logger.info("%s: %s", label, headline)
     return outcomes

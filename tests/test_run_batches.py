@@ -16,11 +16,19 @@ from rollout_capture import CaptureStore
 from rollout_capture.flows import enrich_completed_runs
 from rollout_capture.flows.enrich_runs import RunsFailed, RunsSummary
 from rollout_capture.flows.events import COMPLETED, FAILED, RESOURCE_PREFIX
-from rollout_capture.flows.report import artifact_key
+from rollout_capture.flows.report import artifact_key, task_run_link
 from rollout_capture.run_folders import RunsRoot
 
 from .conftest import S3, wait_for
-from .support.prefect_api import artifacts, events, logs, state_history, task_runs, wait_for_events
+from .support.prefect_api import (
+    artifacts,
+    events,
+    logs,
+    run_rows,
+    state_history,
+    task_runs,
+    wait_for_events,
+)
 from .support.runs_helpers import make_run
 from .support.spawned import run_tick_reporting
 
@@ -54,16 +62,18 @@ def test_a_failed_run_fails_neither_its_neighbours_nor_its_batch(tmp_path: Path)
     leases = [orjson.loads(p.read_bytes()) for p in broken.iterdir() if p.name.startswith("_ENRICHING")]
     assert leases and all(lease["released"] for lease in leases)  # given back: the next tick takes it
 
-    filed = {a.key: a for a in artifacts(state.state_details.flow_run_id) if a.key}
-    rows = orjson.loads(filed[artifact_key("enriched-runs", str(root))].data)
-    assert [(row["run"], row["status"]) for row in rows] == [
+    rows = run_rows(state.state_details.flow_run_id)  # the batch's table: each run, and why one failed
+    assert [(name, rows[name]["status"]) for name in ("a", "broken", "c")] == [
         ("a", "enriched"),
         ("broken", "failed"),
         ("c", "enriched"),
     ]
-    assert rows[1]["error"].startswith("FileNotFoundError: capture dir") and str(batch.id) in rows[1]["batch"]
-    links = filed[artifact_key("enriched-runs-links", str(root))].data
-    assert "| broken | failed |" in links and "capture dir" in links and "| a |" not in links
+    assert rows["broken"]["error"].startswith("FileNotFoundError: capture dir") and rows["a"]["error"] is None
+    assert rows["broken"]["task_run_id"] == batch.id
+    filed = {a.key: a for a in artifacts(state.state_details.flow_run_id) if a.key}
+    tick = filed[artifact_key("enriched-runs", str(root))].data  # the tick's summary names it
+    assert "| broken | failed |" in tick and "capture dir" in tick and "| a | enriched" not in tick
+    assert f"[logs]({task_run_link(batch.id)})" in tick
     (failed,) = wait_for_events(FAILED, RESOURCE_PREFIX + str(broken / "rollouts.enriched.jsonl"))
     assert failed.payload["error"] == "FileNotFoundError"
     for name in ("a", "c"):

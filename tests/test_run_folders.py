@@ -21,7 +21,7 @@ from rollout_capture.flows.report import artifact_key
 from rollout_capture.run_folders import BEATS_PER_LEASE, Lease, RunsRoot
 
 from .conftest import S3, Clock, wait_for
-from .support.prefect_api import artifacts, flow_runs_under, task_runs
+from .support.prefect_api import artifacts, flow_runs_under, run_rows, task_runs
 from .support.runs_helpers import ROW, Where, make_run
 from .support.spawned import run_tick, take_lease
 
@@ -157,10 +157,13 @@ def test_backlog_drains_in_parallel_batches_each_run_under_its_own_lease(tmp_pat
     assert {summary.outcomes[n].task_run_id for n in names} == {b.id for b in batches}
     assert all(b.state is not None and b.state.is_completed() and b.run_count == 1 for b in batches)
     assert not flow_runs_under(parent)  # no subflow per run
-    filed = {a.key: a for a in artifacts(parent) if a.key}
-    rows = orjson.loads(filed[artifact_key("enriched-runs", str(root))].data)
-    assert [(r["run"], r["status"], r["rollouts"]) for r in rows] == [(n, "enriched", 3) for n in names]
-    assert not any(key.startswith("enrichment-") for key in filed)  # the table, not artifacts per run
+    rows = run_rows(parent)  # each batch's table, filed under its task run
+    assert [(rows[n]["status"], rows[n]["rollouts"]) for n in names] == [("enriched", 3)] * 3
+    assert {rows[n]["task_run_id"] for n in names} == {b.id for b in batches}
+    filed = [a for a in artifacts(parent) if a.type != "progress"]
+    assert len(filed) == 3  # the two batches' tables and the tick's summary: nothing per run
+    summary_md = next(a.data for a in filed if a.key == artifact_key("enriched-runs", str(root)))
+    assert "3 run(s) tried in 2 batch(es): enriched 3 run(s)" in summary_md
     spans = [(b.start_time, b.end_time) for b in batches]
     assert spans[0][0] is not None and spans[1][0] is not None
     assert max(s for s, _ in spans) < min(e for _, e in spans if e is not None)  # the batches overlapped

@@ -98,3 +98,16 @@ def flow_runs_under(parent: UUID) -> list[FlowRun]:
     only_children = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent]))
     with get_client(sync_client=True) as client:
         return list(client.read_flow_runs(flow_run_filter=only_children))
+
+
+def run_rows(flow_run_id: UUID) -> dict[str, dict[str, Any]]:
+    """Every run's row of the tables a tick's batches filed (under their task runs), by run, with
+    the batch's task run id beside it (``task_run_id``)."""
+    import orjson
+
+    rows = {}
+    for artifact in artifacts(flow_run_id):
+        if artifact.type == "table" and artifact.task_run_id is not None:
+            for row in orjson.loads(artifact.data):
+                rows[row["run"]] = {**row, "task_run_id": artifact.task_run_id}
+    return rows
