@@ -106,9 +106,14 @@ def child(kind: str, target: str, captures: str, output: str) -> None:
     started = time.perf_counter()
     if kind == "runs":
         state = enrich_completed_runs(target, return_state=True)
-        summary = state.result()
-        result: dict[str, Any] = {"enriched": len(summary.enriched), "failed": len(summary.failed)}
-        result["flow_run_id"] = str(state.state_details.flow_run_id)
+        result: dict[str, Any] = {"flow_run_id": str(state.state_details.flow_run_id)}
+        if state.is_completed():
+            summary = state.result()
+            result.update(enriched=len(summary.enriched), failed=len(summary.failed))
+        else:  # some runs failed (the code before fails runs on the server's 503s under load)
+            failed = re.match(r".*?(\d+) run\(s\) failed", state.message or "")
+            result.update(enriched=None, failed=int(failed.group(1)) if failed else None)
+            result["error"] = (state.message or "")[:500]
     else:
         state = enrich_rollouts(target, captures, output=output, return_state=True)
         result = {
@@ -247,6 +252,7 @@ def pair(
         "enrich_one_file_api_calls": single["api_calls"],
         "enrich_runs_s": tick["seconds"],
         "runs_failed": tick["failed"],
+        "tick_error": tick.get("error"),
         "runs_per_s": round(runs / tick["seconds"], 2),
         "api_calls_per_run": round(tick["api_calls"] / runs, 2),
         "events_per_run": round(sum(tick["events"].values()) / runs, 2),
