@@ -264,7 +264,10 @@ def _enrich_ready(
             index = futures[future]
             found[index] = _outcomes(future, batches[index])
             done += weight(batches[index])
-            advance_progress(progress, f"{source} ({len(ready)} runs)", done, total)
+            try:
+                advance_progress(progress, f"{source} ({len(ready)} runs)", done, total)
+            except Exception as exc:  # shown progress; the batches go on whatever the API says
+                get_run_logger().warning("progress not updated: %s", exc)
     for index, batch in enumerate(batches):  # in the runs' order, whichever batch ended first
         for run, outcome in zip(batch, found[index], strict=True):
             summary.record_outcome(run.name, outcome)

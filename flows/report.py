@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from uuid import UUID
 
+from prefect import get_run_logger
 from prefect.artifacts import (
     create_link_artifact,
     create_markdown_artifact,
@@ -312,8 +313,12 @@ def _cell_text(value: object, limit: int = 300) -> str:
 
 def publish_batch_table(label: str, rows: list[Row], headline: str) -> None:
     """A batch of runs' table, filed under its task run: a row per run (status, counts, seconds,
-    why it failed). Unkeyed: a tick has a table per batch, each small enough to show at once."""
-    create_table_artifact(table=rows, description=f"{label}: {headline}")
+    why it failed). Unkeyed: a tick has a table per batch, each small enough to show at once.
+    Its runs are enriched already: an API that refuses the table (a busy server's 503) is logged."""
+    try:
+        create_table_artifact(table=rows, description=f"{label}: {headline}")
+    except Exception as exc:
+        get_run_logger().warning("%s: its table artifact was not published: %s", label, exc)
 
 
 def needs_a_look(row: Row) -> bool:
