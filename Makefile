@@ -45,6 +45,7 @@ bench: setup
 	$(BIN)/python benchmarks/bench_s3.py
 	$(BIN)/python benchmarks/bench_proxy.py
 	$(BIN)/python benchmarks/bench_runs.py
+	$(BIN)/python benchmarks/bench_backlog.py
 
 # Register the shipped deployments on the server PREFECT_API_URL names (the pool is created if missing):
 #   make deploy RUNS_ROOT=/data/runs   (or s3://bucket/runs, with DEPLOY_ARGS="--credentials-block NAME")
