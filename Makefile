@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed-stamp
 
-.PHONY: setup demo test test-fast lint typecheck bench sample deploy serve clean docs
+.PHONY: setup demo test test-fast test-nemo-gym lint typecheck bench sample deploy serve clean docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,18 +14,45 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# Azurite (npm), the Azure Blob server the tests start, installed once into .venv/azurite (git-ignored).
+AZURITE = $(VENV)/azurite/node_modules/.bin/azurite-blob
+$(AZURITE): | $(STAMP)
+	$(BIN)/python -m tests.support.stores install-azurite
+
 # Enrich the bundled sample on an embedded Prefect server (no server to start).
 demo: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/rollout-capture demo --output out/sample.enriched.jsonl
 
 # Two workers, a test file each at a time: a file's servers and clusters stay in one process.
-test: setup
+test: setup $(AZURITE)
 	$(BIN)/pytest -q -n 2 --dist loadfile
 
 # The unit tests alone (no server, cluster, browser or CLI process: the `integration` marker,
 # tests/conftest.py), the protocol simulations on 200 of their 1,500 seeds. Under 90 s on 2 cores.
 test-fast: setup
 	ROLLOUT_CAPTURE_SIM_SEEDS=200 $(BIN)/pytest -q -n 2 -m "not integration"
+
+# The released NeMo Gym itself beside ours (tests/test_nemo_gym_070.py): a Python 3.13 venv with the
+# pinned nemo-gym wheel (it declares Python >= 3.13.14; 3.13.0 runs it) and rollout-capture installed
+# beside it, kept in build/ per version, then the tier on it. uv installs it (and caches what it
+# downloads): pip took minutes for its 1.4 GB.
+NEMO_GYM_VERSION ?= 0.7.0
+PYTHON313 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python) python3.13)
+NG_VENV  = build/nemo-gym-$(NEMO_GYM_VERSION)
+NG_STAMP = $(NG_VENV)/.installed-stamp
+
+$(NG_STAMP): | $(STAMP)
+	rm -rf $(NG_VENV)
+	$(BIN)/uv venv -q --python $(PYTHON313) $(NG_VENV)
+	$(BIN)/uv pip install -q --python $(NG_VENV)/bin/python --python-version 3.13.14 nemo-gym==$(NEMO_GYM_VERSION)
+	touch $(NG_STAMP)
+
+$(NG_VENV)/.rollout-capture-stamp: $(NG_STAMP) pyproject.toml
+	$(BIN)/uv pip install -q --python $(NG_VENV)/bin/python -e '.[proxy]'
+	touch $@
+
+test-nemo-gym: setup $(NG_VENV)/.rollout-capture-stamp
+	NEMO_GYM_PYTHON=$(abspath $(NG_VENV))/bin/python $(BIN)/pytest -q -n 2 --dist loadgroup tests/test_nemo_gym_070.py
 
 # What CI (.ci/run) and the pre-commit hooks check: ruff, the format, and mypy --strict.
 lint: setup
@@ -39,13 +66,14 @@ typecheck: setup
 	for e in rollout_capture/* flows tasks deployments cli; do ln -s ../../../$$e build/typecheck/rollout_capture/; done
 	$(BIN)/mypy
 
-bench: setup
+bench: setup $(AZURITE)
 	$(BIN)/python benchmarks/bench_merge.py
 	$(BIN)/python benchmarks/bench_flow.py
 	$(BIN)/python benchmarks/bench_s3.py
 	$(BIN)/python benchmarks/bench_proxy.py
 	$(BIN)/python benchmarks/bench_runs.py
 	$(BIN)/python benchmarks/bench_backlog.py
+	$(BIN)/python benchmarks/bench_stores.py
 
 # Register the shipped deployments on the server PREFECT_API_URL names (the pool is created if missing):
 #   make deploy RUNS_ROOT=/data/runs   (or s3://bucket/runs, with DEPLOY_ARGS="--credentials-block NAME")

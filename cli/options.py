@@ -59,6 +59,22 @@ OtlpHeadersBlockOpt = Annotated[
         help="A Prefect Secret block holding the endpoint's headers (an API key; only its name is passed).",
     ),
 ]
+OtlpProjectOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--otlp-project",
+        metavar="NAME",
+        help="The project the traces land in (Phoenix's; default its own, for enrich-runs the root's name).",
+    ),
+]
+OtlpRunNameOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--otlp-run-name",
+        metavar="NAME",
+        help="Names the run in its trace ids (default: the output's location); enrich-runs: NAME/<run>.",
+    ),
+]
 MaxFailedShareOpt = Annotated[
     float | None,
     typer.Option(
@@ -232,22 +248,121 @@ SCHEDULED_OPTIONS: dict[str, tuple[Any, Any]] = {
 """The fields of :class:`Scheduled` as options: (annotation, default), declared once for both commands."""
 
 
-def scheduled_options(command: Command) -> Command:
-    """Give a command the scheduled flow's options as one ``scheduled`` argument (before ``--json``)."""
-    declared, kept = _keyword_only(command, "scheduled")
+def _grouped_options(
+    command: Command, argument: str, options: dict[str, tuple[Any, Any]], group: Callable[..., Any]
+) -> Command:
+    """Give ``command`` the ``options`` (name: (annotation, default)), before ``--json``, handed to
+    it as one ``argument``: ``group`` made of them (a dataclass whose fields are their names)."""
+    declared, kept = _keyword_only(command, argument)
     added = [
         Parameter(name, Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
-        for name, (annotation, default) in SCHEDULED_OPTIONS.items()
+        for name, (annotation, default) in options.items()
     ]
     _before_json(kept, added)
 
     @functools.wraps(command)
     def run(**given: Any) -> None:
-        scheduled = Scheduled(**{name: given.pop(name) for name in SCHEDULED_OPTIONS})
-        command(scheduled=scheduled, **given)
+        grouped = group(**{name: given.pop(name) for name in options})
+        command(**{argument: grouped}, **given)
 
     run.__signature__ = declared.replace(parameters=kept)  # type: ignore[attr-defined]
     return run
+
+
+def scheduled_options(command: Command) -> Command:
+    """Give a command the scheduled flow's options as one ``scheduled`` argument (before ``--json``)."""
+    return _grouped_options(command, "scheduled", SCHEDULED_OPTIONS, Scheduled)
+
+
+@dataclass(frozen=True)
+class FlowTraces:
+    """The flows' trace options as typed (``--otlp``, ``--otlp-headers-block``, ``--otlp-project``,
+    ``--otlp-run-name``): declared once for ``enrich``, ``enrich-runs``, ``deploy`` and ``serve``."""
+
+    otlp: str | None = None
+    otlp_headers_block: str | None = None
+    otlp_project: str | None = None
+    otlp_run_name: str | None = None
+
+    def parameters(self) -> dict[str, Any]:
+        """The flows' trace parameters, only those given (a flow's call is otherwise as before);
+        checked here, before a flow or a deployment records them: the URL (credentials in it
+        refused), the names, the options that need ``--otlp``."""
+        if not self.otlp:
+            if self.otlp_headers_block or self.otlp_project or self.otlp_run_name:
+                raise InputError(
+                    "--otlp-headers-block, --otlp-project and --otlp-run-name go with --otlp URL"
+                )
+            return {}
+        from rollout_capture.traces.exporter import traces_url
+        from rollout_capture.traces.runs import check_name
+
+        try:
+            traces_url(self.otlp)
+            check_name(self.otlp_project, "--otlp-project")
+            check_name(self.otlp_run_name, "--otlp-run-name")
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+        given = {
+            "otlp_endpoint": self.otlp,
+            "otlp_headers_block": self.otlp_headers_block,
+            "otlp_project": self.otlp_project,
+            "otlp_run_name": self.otlp_run_name,
+        }
+        return {key: value for key, value in given.items() if value}
+
+    def check_block(self) -> None:
+        """The headers block is on the server and holds headers (its values never shown): a
+        deployment naming a missing one would fail every tick. Needs Prefect's API."""
+        if not self.otlp_headers_block:
+            return
+        from rollout_capture.otlp_headers import HeaderError
+        from rollout_capture.tasks.traces import headers_from_block
+
+        try:
+            headers_from_block(self.otlp_headers_block)
+        except HeaderError as exc:
+            raise InputError(str(exc)) from None
+
+    def probe(self, *, prefect_started: bool) -> None:
+        """The endpoint takes an empty export (with the block's headers): else bad input, one line.
+
+        Without a headers block it is asked before Prefect starts (call with
+        ``prefect_started=False``); a block lives in Prefect's API, so then only once it is up.
+        """
+        if not self.otlp or bool(self.otlp_headers_block) != prefect_started:
+            return
+        from rollout_capture.otlp_headers import HeaderError
+        from rollout_capture.traces.exporter import OtlpEndpointError
+
+        try:
+            if self.otlp_headers_block:
+                from rollout_capture.tasks.traces import headers_from_block
+
+                headers = headers_from_block(self.otlp_headers_block)
+            else:
+                from rollout_capture.traces.exporter import OtlpHeaders
+
+                headers = OtlpHeaders()
+            from rollout_capture.traces.exporter import check_endpoint
+
+            check_endpoint(self.otlp, headers)
+        except (OtlpEndpointError, HeaderError) as exc:
+            raise InputError(str(exc)) from None
+
+
+TRACES_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "otlp": (OtlpFlowOpt, None),
+    "otlp_headers_block": (OtlpHeadersBlockOpt, None),
+    "otlp_project": (OtlpProjectOpt, None),
+    "otlp_run_name": (OtlpRunNameOpt, None),
+}
+"""The fields of :class:`FlowTraces` as options: (annotation, default), declared once for every command."""
+
+
+def traces_options(command: Command) -> Command:
+    """Give a command the flows' trace options as one ``traces`` argument (before ``--json``)."""
+    return _grouped_options(command, "traces", TRACES_OPTIONS, FlowTraces)
 
 
 def _bounds(field: str, metadata: Sequence[Any]) -> dict[str, Any]:

@@ -125,6 +125,7 @@ def preflight(
     files: Sequence[tuple[Location, str]] = (),
     capture_dirs: Sequence[Location] = (),
     folders: Sequence[tuple[Location, str]] = (),
+    creates: Sequence[Location] = (),
     prefect: bool = True,
 ) -> None:
     """Check every input before any Prefect server starts, with the credentials the flow will use.
@@ -132,8 +133,10 @@ def preflight(
     ``files``: (location, what) that must be regular files; ``capture_dirs``: capture roots that
     must be there (a folder on disk, a key under an object prefix); ``folders``: (location, what)
     roots that must exist where folders exist apart from their contents (a disk; an object prefix
-    with nothing under it is fine). Only a credentials block needs Prefect (its API holds the
-    block): then the server is started first, and the block's absence is bad input too.
+    with nothing under it is fine); ``creates``: roots the flow will create files in put-if-absent
+    (leases, ``_ENRICHED``), whose store must be proven to refuse a second create. Only a credentials
+    block needs Prefect (its API holds the block): then the server is started first, and the
+    block's absence is bad input too.
     """
     from rollout_capture.backends import open_backend
     from rollout_capture.faults import missing_capture_dir
@@ -151,6 +154,8 @@ def preflight(
         found = backend.root_found()  # one LIST: on an object store, the credentials proved here
         if backend.folders_exist and not found:
             raise InputError(f"{what} not found: {where}")
+    for where in creates:  # a store ignoring put-if-absent: refused (exit 2) before anything is written
+        open_backend(where.url, where.storage_options, credentials=resolved).require_put_if_absent()
     if prefect and not block:
         start_prefect()
 

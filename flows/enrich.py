@@ -291,15 +291,18 @@ def check_traces(options: EnrichOptions) -> None:
     if options.otlp_endpoint:
         from rollout_capture.tasks.traces import check_traces_endpoint
 
-        check_traces_endpoint(options.otlp_endpoint, options.otlp_headers_block)
+        check_traces_endpoint(
+            options.otlp_endpoint, options.otlp_headers_block, options.otlp_project, options.otlp_run_name
+        )
 
 
 def send_traces(
-    summary: EnrichSummary, output: Location, options: EnrichOptions
+    summary: EnrichSummary, output: Location, options: EnrichOptions, run: str | None = None
 ) -> TracesExportFailed | None:
-    """Export the written output's traces when ``options`` name an endpoint; note what was sent (or
-    why not) in ``summary.traces``. A failure is returned, for the flow to end Failed with once
-    its summary is published: the output stays written."""
+    """Export the written output's traces when ``options`` name an endpoint, as the run ``run``
+    (default ``options.otlp_run_name``, else the output's location); note what was sent, where
+    (project, run), or why not, in ``summary.traces``. A failure is returned, for the flow to end
+    Failed with once its summary is published: the output stays written."""
     if not options.otlp_endpoint:
         return None
     from rollout_capture.tasks.traces import export_output_traces
@@ -308,17 +311,19 @@ def send_traces(
     shown = shown_endpoint(traces_url(options.otlp_endpoint))
     try:
         counts = export_output_traces(
-            output, options.otlp_endpoint, options.otlp_headers_block, options.include_payloads
+            output,
+            options.otlp_endpoint,
+            options.otlp_headers_block,
+            options.include_payloads,
+            options.otlp_project,
+            run or options.otlp_run_name,
         )
     except Exception as exc:
         summary.traces = f"export to {shown} failed: {exc}"
         return TracesExportFailed(
             f"the enriched output {output} is written, but exporting its traces to {shown} failed: {exc}"
         )
-    summary.traces = (
-        f"{counts.rollouts} rollout(s), {counts.calls} call(s) sent as {counts.spans} span(s) "
-        f"in {counts.batches} batch(es) to {shown}"
-    )
+    summary.traces = counts.sent(options.otlp_endpoint)
     return None
 
 
@@ -405,6 +410,8 @@ def enrich_rollouts(
     max_failed_share: Annotated[float, Field(ge=0, le=1)] | None = None,
     otlp_endpoint: str | None = None,
     otlp_headers_block: str | None = None,
+    otlp_project: str | None = None,
+    otlp_run_name: str | None = None,
 ) -> EnrichSummary:
     """Enrich every rollout of ``rollouts`` (any fsspec URL, ``.gz`` too) with its captured calls.
 
@@ -431,6 +438,8 @@ def enrich_rollouts(
         otlp_endpoint: Send the written output's rollouts as traces to this OTLP/HTTP endpoint (the
             otel extra); checked before enriching; a failed export fails the run, output kept.
         otlp_headers_block: Name of a Prefect Secret block holding the endpoint's headers.
+        otlp_project: The project the traces land in (Phoenix's); default the endpoint's own.
+        otlp_run_name: Names the run in its trace ids; default the output's absolute location.
 
     Examples:
         Enrich the bundled sample (what ``make demo`` does):

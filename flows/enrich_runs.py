@@ -139,6 +139,8 @@ def enrich_completed_runs(
     max_failed_share: Annotated[float, Field(ge=0, le=1)] | None = None,
     otlp_endpoint: str | None = None,
     otlp_headers_block: str | None = None,
+    otlp_project: str | None = None,
+    otlp_run_name: str | None = None,
 ) -> RunsSummary:
     """Enrich each finished run (``_SUCCESS``, no ``_ENRICHED``) under ``runs_root``, in batches of runs.
 
@@ -170,6 +172,8 @@ def enrich_completed_runs(
         otlp_endpoint: Send each written output's rollouts as traces to this OTLP/HTTP endpoint (the
             otel extra); checked before any run is taken; a failed export fails the run, output kept.
         otlp_headers_block: Name of a Prefect Secret block holding the endpoint's headers.
+        otlp_project: The project every run's traces land in; default the runs root's folder name.
+        otlp_run_name: Names the root's runs <otlp_run_name>/<run folder>; default each output's location.
 
     Examples:
         ```python
@@ -191,6 +195,7 @@ def enrich_completed_runs(
     show_core_logs()
     check_runner(runner, dask_address, ray_address)
     runs = Location.of(runs_root, storage_options, credentials_block)  # refused here if bad
+    options = _with_traces_project(options, runs_root)
     check_traces(options)
     captures = runs.at(capture_dir) if capture_dir else None
     summary, ready = _sorted_runs(find_runs(runs, full_scan, recheck))
@@ -205,6 +210,15 @@ def enrich_completed_runs(
         tail = f" and {more} more (their batches' tables list them)" if more > 0 else ""
         raise RunsFailed(f"{len(summary.failed)} run(s) failed: {first}{tail}")
     return summary
+
+
+def _with_traces_project(options: EnrichOptions, runs_root: str) -> EnrichOptions:
+    """Every run of one root in one project: the one named, else the root folder's name."""
+    if not options.otlp_endpoint or options.otlp_project:
+        return options
+    from rollout_capture.traces.runs import runs_project
+
+    return options.model_copy(update={"otlp_project": runs_project(runs_root)})
 
 
 def _publish_tick(summary: RunsSummary, runs_root: str, runs: Location) -> None:

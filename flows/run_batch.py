@@ -299,7 +299,8 @@ def enrich_one_run(root: RunsRoot, run: RunFolder, owner: str, job: RunsJob) -> 
         finally:
             if not finished:
                 _give_back(keeper)
-    failed = send_traces(summary, job.runs_root.at(run.output), job.options)
+    output = job.runs_root.at(run.output)
+    failed = send_traces(summary, output, job.options, traces_run(job.options, run, output))
     end = report_enrichment(summary, job.options, artifacts=False, name=run.name)
     outcome = RunOutcome.of_marker({**marker, "traces": summary.traces}, job.options)
     outcome.state_name = end.name if isinstance(end, State) else "Completed"
@@ -307,6 +308,16 @@ def enrich_one_run(root: RunsRoot, run: RunFolder, owner: str, job: RunsJob) -> 
         logger.error("run %s failed: %s", run.name, failed)
         outcome.status, outcome.error = "failed", f"{type(failed).__name__}: {failed}"
     return outcome
+
+
+def traces_run(options: EnrichOptions, run: RunFolder, output: Location) -> str | None:
+    """The run a run folder's traces are (docs/contract.md 13): ``<otlp_run_name>/<folder>``
+    when the root's runs are named, else its output's location; None when no traces go."""
+    if not options.otlp_endpoint:
+        return None
+    from rollout_capture.traces.runs import folder_run
+
+    return folder_run(options.otlp_run_name, run.name, output.url)
 
 
 def _last_try() -> bool:

@@ -48,6 +48,10 @@ class ModelCallRecord(BaseModel):
     status_code: int | None = None
     response_status: str | None = None
     finish_reason: str | None = None
+    upstream_attempted: bool | None = None
+    response_source: Literal["upstream", "local"] | None = None
+    upstream_status_code: int | None = None
+    local_response_reason: str | None = None
     started_at: float | None = None
     completed_at: float | None = None
     tokens_in: int | None = None
@@ -365,6 +369,24 @@ def _row_keys_one_by_one(row: Mapping[str, Any]) -> tuple[Any, ...]:
     )
 
 
+_SOURCES = ("upstream", "local")
+
+
+def _execution(get: Callable[[str], Any]) -> tuple[Any, Any, Any, Any, bool]:
+    """A row's ``(upstream_attempted, response_source, upstream_status_code, local_response_reason)``
+    as written (NeMo Gym 0.7's model servers write them; null when absent), and whether each
+    already has its record type."""
+    attempted, source = get("upstream_attempted"), get("response_source")
+    status, reason = get("upstream_status_code"), get("local_response_reason")
+    canonical = (
+        (attempted is None or type(attempted) is bool)
+        and (source is None or (type(source) is str and source in _SOURCES))
+        and (status is None or type(status) is int)
+        and (reason is None or type(reason) is str)
+    )
+    return attempted, source, status, reason, canonical
+
+
 def _finish_reason(rget: Callable[[str], Any]) -> str | None:
     """The first string among stop_reason, choices[0].finish_reason and incomplete_details.reason
     (spec section 5), of a response's ``get``."""
@@ -487,6 +509,14 @@ def _raw_fields(
     fields["latency_total_ms"] = latency
     fields["latency_ttft_ms"] = ttft
     fields["verifier_invocation_id"] = verifier
+    (
+        fields["upstream_attempted"],
+        fields["response_source"],
+        fields["upstream_status_code"],
+        fields["local_response_reason"],
+        typed,
+    ) = _execution(get)
+    canonical = canonical and typed
     hold = get(_WHEN_GIVEN)
     if hold is not None:
         fields[_WHEN_GIVEN], typed = _as_float(hold)

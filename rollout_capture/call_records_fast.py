@@ -150,6 +150,10 @@ class _Row(msgspec.Struct, gc=False):
     latency_ms: float | None = None
     latency_ttft_ms: float | None = None
     capture_hold_ms: float | None = None
+    upstream_attempted: bool | None = None
+    response_source: Literal["upstream", "local"] | None = None
+    upstream_status_code: Int | None = None
+    local_response_reason: str | None = None
     model_ref: _ModelRef | None = None
     request: _Request | None = None
     response: _Response | None = None
@@ -491,6 +495,12 @@ def typed_record(row: _Row, call_index: int) -> dict[str, Any]:
     fields["latency_total_ms"] = row.latency_ms
     fields["latency_ttft_ms"] = row.latency_ttft_ms
     fields["verifier_invocation_id"] = row.verifier_invocation_id
+    if row.upstream_attempted is not None or row.response_source is not None:  # NeMo Gym 0.7's servers
+        fields["upstream_attempted"] = row.upstream_attempted
+        fields["response_source"] = row.response_source
+    if row.upstream_status_code is not None or row.local_response_reason is not None:
+        fields["upstream_status_code"] = row.upstream_status_code
+        fields["local_response_reason"] = row.local_response_reason
     if row.capture_hold_ms is not None:  # only when the row carries it, as the full path
         fields["capture_hold_ms"] = row.capture_hold_ms
     return fields

@@ -55,6 +55,10 @@ class EnrichOptions(BaseModel):
     """Send the output's traces to this OTLP/HTTP endpoint once it is written (the otel extra)."""
     otlp_headers_block: str | None = None
     """The Prefect ``Secret`` block holding that endpoint's headers: only its name is a parameter."""
+    otlp_project: str | None = None
+    """The project the traces land in (Phoenix's ``openinference.project.name``)."""
+    otlp_run_name: str | None = None
+    """What names the run in its trace ids (default: the output's location; see docs/contract.md 13)."""
 
     @classmethod
     def from_parameters(cls, parameters: Mapping[str, Any]) -> EnrichOptions:

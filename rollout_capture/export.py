@@ -26,6 +26,12 @@ finish_reason              string                 the response's stop / finish r
 started_at, completed_at   timestamp[us, UTC]     when the call started and ended
 latency_ms                 float64                forward to last byte (``latency_total_ms``)
 ttft_ms                    float64                forward to first byte (``latency_ttft_ms``)
+upstream_attempted         bool                   whether the model server called its upstream (NeMo
+                                                  Gym 0.7's servers, our proxy); null: not said
+response_source            string                 ``upstream`` | ``local`` (who made the answer)
+upstream_status_code       int32                  the upstream's HTTP status, when it answered
+local_response_reason      string                 why a server answered itself (``context_length_
+                                                  exceeded``, ``upstream_unreachable``, ...)
 tokens_in, tokens_out,     int64                  usage as the call reported it; null: unknown
 tokens_reasoning,
 tokens_total,
@@ -137,6 +143,10 @@ def calls_schema() -> Any:
             pa.field("completed_at", ts),
             pa.field("latency_ms", pa.float64()),
             pa.field("ttft_ms", pa.float64()),
+            pa.field("upstream_attempted", pa.bool_()),
+            pa.field("response_source", pa.string()),
+            pa.field("upstream_status_code", pa.int32()),
+            pa.field("local_response_reason", pa.string()),
             pa.field("tokens_in", pa.int64()),
             pa.field("tokens_out", pa.int64()),
             pa.field("tokens_reasoning", pa.int64()),
@@ -251,6 +261,14 @@ class _Table:
             self.temp.unlink(missing_ok=True)
 
 
+def _bool_field(call: Mapping[str, Any], name: str, where: str) -> bool | None:
+    """A call's true/false field, or null (unknown stays null); anything else refused naming it."""
+    value = call.get(name)
+    if value is None or isinstance(value, bool):
+        return value
+    raise EvidenceShapeError(f"{where}.{name}: expected true, false or null, got {value!r}")
+
+
 def _call_row(
     rollout_id: str, line: int, call: Mapping[str, Any], owners: Mapping[str, str], where: str
 ) -> dict[str, Any]:
@@ -280,6 +298,10 @@ def _call_row(
         "completed_at": _micros(call, "completed_at", where),
         "latency_ms": number_field(call, "latency_total_ms", where),
         "ttft_ms": number_field(call, "latency_ttft_ms", where),
+        "upstream_attempted": _bool_field(call, "upstream_attempted", where),
+        "response_source": text_field(call, "response_source", where),
+        "upstream_status_code": count_field(call, "upstream_status_code", where, bits=32),
+        "local_response_reason": text_field(call, "local_response_reason", where),
         "tokens_in": count_field(call, "tokens_in", where),
         "tokens_out": count_field(call, "tokens_out", where),
         "tokens_reasoning": count_field(call, "tokens_reasoning", where),

@@ -1,7 +1,8 @@
 """URL to filesystem, with the defaults object stores need to be read correctly and fast.
 
 s3fs, gcsfs and adlfs cache listings (stale reads of a capture being written) and botocore pools only
-10 connections (concurrent reads queue behind them); both are fixed here, once.
+10 connections (concurrent reads queue behind them); both are fixed here, once. A store whose
+filesystem is an extra of ours (``gs://``: gcsfs, ``az://``: adlfs) names that extra when missing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ _S3_PROTOCOLS = {"s3", "s3a"}
 # Object stores whose fsspec filesystem caches listings (a stale listing misses new rows,
 # leases and markers): S3 and the others that keep a dircache.
 _LISTING_CACHES = _S3_PROTOCOLS | {"gs", "gcs", "az", "abfs", "abfss", "adl"}
+# The extra that installs each store's filesystem (s3fs is a dependency of the core).
+_EXTRAS = {"gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
+
+
+class MissingExtraError(ValueError):
+    """A URL whose filesystem is not installed: names the extra that installs it."""
 
 
 def protocol_of(fs: fsspec.AbstractFileSystem) -> str:
@@ -109,7 +116,16 @@ def open_filesystem(
         options[name] = (
             {**current, **value} if isinstance(current, dict) and isinstance(value, dict) else value
         )
-    fs, root = fsspec.core.url_to_fs(text, **options)
+    try:
+        fs, root = fsspec.core.url_to_fs(text, **options)
+    except ImportError as exc:
+        scheme = url_scheme(text) or ""
+        if scheme not in _EXTRAS:
+            raise
+        extra = _EXTRAS[scheme]
+        raise MissingExtraError(
+            f"{scheme}:// needs the {extra} extra ({exc}): pip install 'rollout-capture[{extra}]'"
+        ) from None
     return fs, root.rstrip("/")
 
 

@@ -1,13 +1,17 @@
 """Per-rollout metrics over call records (spec section 6).
 
 Sums only over calls that report a value, and null when none does: null means unknown,
-never zero, so a rollout whose server sent no usage is not counted as free.
+never zero, so a rollout whose server sent no usage is not counted as free. Latencies are
+summed as NeMo Gym's ``sum()`` sums them on Python >= 3.12 (compensated), whatever the
+interpreter: :mod:`rollout_capture.summation`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from rollout_capture.summation import exact_sum
 
 METRIC_FIELDS = (
     "tokens_in",
@@ -24,7 +28,8 @@ def aggregate_call_dicts(calls: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
 
     One local per field instead of a loop over :data:`METRIC_FIELDS`: it runs per call.
     """
-    tokens_in = tokens_out = tokens_reasoning = tokens_total = cached_tokens = latency = None
+    tokens_in = tokens_out = tokens_reasoning = tokens_total = cached_tokens = None
+    latencies: list[Any] = []
     count = 0
     for call in calls:
         count += 1
@@ -45,13 +50,13 @@ def aggregate_call_dicts(calls: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
             cached_tokens = value if cached_tokens is None else cached_tokens + value
         value = call["latency_total_ms"]
         if value is not None:
-            latency = value if latency is None else latency + value
+            latencies.append(value)  # floats: summed at the end, compensated as NeMo Gym's sum()
     return {
         "tokens_in": tokens_in,
         "tokens_out": tokens_out,
         "tokens_reasoning": tokens_reasoning,
         "tokens_total": tokens_total,
         "cached_tokens": cached_tokens,
-        "latency_total_ms": latency,
+        "latency_total_ms": exact_sum(latencies) if latencies else None,
         "num_calls": count,
     }

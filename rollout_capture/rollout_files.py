@@ -35,7 +35,8 @@ from fsspec.compression import compr
 from fsspec.utils import infer_compression
 from pydantic import BaseModel
 
-from rollout_capture.filesystem import is_local, open_filesystem
+from rollout_capture.backends import capabilities_of
+from rollout_capture.filesystem import open_filesystem
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ def default_output(source: str) -> str:
 
 
 def _is_plain_local(fs: fsspec.AbstractFileSystem, path: str) -> bool:
-    return is_local(fs) and not path.endswith(_COMPRESSED)
+    return capabilities_of(fs).local and not path.endswith(_COMPRESSED)
 
 
 def stage_rollouts(
@@ -139,7 +140,7 @@ def stage_rollouts(
     fs, path = open_filesystem(source, storage_options, credentials=credentials)
     if not fs.exists(path):
         raise FileNotFoundError(f"rollouts file not found: {source}")
-    if is_local(fs):
+    if capabilities_of(fs).local:
         _refuse_irregular_input(path, source)
     if _is_plain_local(fs, path):
         return StagedRollouts(source=source, path=path, size=os.path.getsize(path), temporary=False)
@@ -412,7 +413,7 @@ def refuse_unsafe_output(target: str, storage_options: Mapping[str, Any] | None 
     writing through it would lead out of the folder: neither is what anyone asked for.
     """
     fs, path = open_filesystem(target, storage_options)
-    if not is_local(fs):
+    if not capabilities_of(fs).local:
         return
     try:
         info = os.lstat(path)
@@ -460,7 +461,7 @@ class OutputSpool:
         self.storage_options = dict(storage_options or {})
         refuse_unsafe_output(target, self.storage_options)
         fs, path = open_filesystem(target, self.storage_options)
-        self.local = is_local(fs)
+        self.local = capabilities_of(fs).local
         if self.local:  # beside the target, so publishing is a rename on one filesystem
             folder = os.path.dirname(path) or "."
             os.makedirs(folder, exist_ok=True)
@@ -528,7 +529,7 @@ def publish(
     """
     fs, path = open_filesystem(target, storage_options, credentials=credentials)
     size = os.path.getsize(spool_path)
-    if is_local(fs):
+    if capabilities_of(fs).local:
         refuse_unsafe_output(target, storage_options)
         os.replace(spool_path, path)
         return size

@@ -26,6 +26,7 @@ SECRET_KEY_WORDS = (
     "access[-_]?key",
     "account[-_]?key",
     "sas",
+    "connection[-_]?str",  # Azure's connection string carries the account key
     "^key$",
 )
 """Patterns of option names that hold credentials (matched in any case, at any depth)."""
@@ -113,7 +114,8 @@ def _refuse_in(value: Any, path: str) -> None:
             if _looks_secret(name, item):
                 raise ValueError(
                     f"{inner} looks like a secret; pass credentials through the environment "
-                    "(AWS_* variables, a profile or a role) or a Prefect block instead"
+                    "(AWS_* or AZURE_STORAGE_* variables, GOOGLE_APPLICATION_CREDENTIALS, a profile, a role) "
+                    "or a Prefect block instead"
                 )
             _refuse_in(item, inner)
     elif isinstance(value, list | tuple):

@@ -21,7 +21,14 @@ from typing import Any, TypeVar
 import orjson
 
 from rollout_capture import names
-from rollout_capture.backends import Backend, ListingScope, ReadBatch, open_backend
+from rollout_capture.backends import (
+    Backend,
+    Capabilities,
+    ListingScope,
+    ReadBatch,
+    UnsafeStoreError,
+    open_backend,
+)
 from rollout_capture.claims import DEFAULT_CLAIM_TTL_S, Claim, new_claim, partition
 from rollout_capture.claims_log import ClaimsLogWriter
 from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY
@@ -330,21 +337,35 @@ class CaptureStore:
         """Raise naming what is missing unless several writers may share this store (producers' startup)."""
         self._backend.refuse_unsafe_writes()
 
-    def prove_writable(self) -> None:
-        """Create and remove a probe object under the root (producers' startup), so a root that
-        cannot be written (no such bucket, read-only) is refused before a call is served unrecorded.
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this store can do (local or not, its put-if-absent, its listings), learnt when it opened."""
+        return self._backend.capabilities
 
-        Raises :class:`UnwritableRootError` (a ``ValueError``) naming the root and what the store said.
+    def prove_writable(self) -> None:
+        """Create a probe object under the root, create it again, remove it (producers' startup):
+        a root that cannot be written (no such bucket, read-only) is refused before a call is served
+        unrecorded, and so is a store that takes the second create (no put-if-absent: rows would be
+        lost), before anything of the caller's is written.
+
+        Raises :class:`UnwritableRootError` (a ``ValueError``) naming the root and what the store
+        said, or ``UnsafeStoreError`` naming the store, its endpoint and the request it ignored.
         """
         path = self._backend.path(probe_name())
         try:
-            self._backend.create(path, b"")
-            self._backend.remove([path])
+            self._backend.prove_put_if_absent(path)
+        except UnsafeStoreError:
+            raise
         except Exception as exc:
             raise UnwritableRootError(
                 f"capture root {self.url} cannot be written ({type(exc).__name__}: {exc}); "
                 "nothing would be recorded"
             ) from None
+
+    def require_put_if_absent(self) -> None:
+        """Raise ``UnsafeStoreError`` unless this store refuses a second create of one object
+        (proven once per store and process): what a flow asks before its first write to a root."""
+        self._backend.require_put_if_absent()
 
     def root_found(self) -> bool:
         """Whether the capture root is there: a folder on a local disk, any key on an object store."""

@@ -78,6 +78,7 @@ def find_runs(
         ```
     """
     root = runs_root_at(runs_root)
+    root.backend.require_put_if_absent()  # leases and _ENRICHED rest on it: refused before any run is taken
     if root.backend.folders_exist and not root.backend.root_found():
         # A mistyped or unmounted root would otherwise read as "0 runs", green every tick.
         raise FileNotFoundError(f"runs root {runs_root} does not exist")

@@ -22,8 +22,8 @@ from rollout_capture.traces.exporter import (
     TraceExportCounts,
     check_endpoint,
     export_traces,
-    shown_endpoint,
 )
+from rollout_capture.traces.runs import check_name, output_run
 
 
 def headers_from_block(block: str | None) -> OtlpHeaders:
@@ -43,9 +43,14 @@ def headers_from_block(block: str | None) -> OtlpHeaders:
     return headers_of_secret(secret.get(), block)
 
 
-def check_traces_endpoint(endpoint: str, headers_block: str | None) -> None:
+def check_traces_endpoint(
+    endpoint: str, headers_block: str | None, project: str | None = None, run: str | None = None
+) -> None:
     """Fail fast, at a flow's start, when the endpoint would not take the traces (its check, with
-    the block's headers): :class:`~rollout_capture.traces.exporter.OtlpEndpointError` naming it."""
+    the block's headers): :class:`~rollout_capture.traces.exporter.OtlpEndpointError` naming it;
+    a malformed project or run name: ``ValueError`` naming the parameter."""
+    check_name(project, "otlp_project")
+    check_name(run, "otlp_run_name")
     check_endpoint(endpoint, headers_from_block(headers_block))
 
 
@@ -60,9 +65,12 @@ def export_output_traces(
     endpoint: str,
     headers_block: str | None = None,
     include_payloads: bool = False,
+    project: str | None = None,
+    run: str | None = None,
 ) -> TraceExportCounts:
     """Send every rollout of the written ``output`` as a trace to ``endpoint`` (an output at a URL
-    is read through a temporary local copy, as the CLI's ``export`` reads it).
+    is read through a temporary local copy, as the CLI's ``export`` reads it), into Phoenix's
+    ``project``, as the run ``run`` (default: the output's own location, never the copy's).
 
     Examples:
         ```python
@@ -79,13 +87,15 @@ def export_output_traces(
         credentials_for(where) as credentials,
         local_copy(where.url, where.storage_options, credentials=credentials) as path,
     ):
-        counts = export_traces(path, endpoint, headers=headers, include_payloads=include_payloads)
-    get_run_logger().info(
-        "sent %d rollout(s), %d call(s) as %d span(s) in %d batch(es) to %s",
-        counts.rollouts,
-        counts.calls,
-        counts.spans,
-        counts.batches,
-        shown_endpoint(endpoint),
-    )
+        counts = export_traces(
+            path,
+            endpoint,
+            headers=headers,
+            include_payloads=include_payloads,
+            project=project,
+            run=run or output_run(where.url),
+        )
+    get_run_logger().info("sent %s", counts.sent(endpoint))
+    for note in counts.notes():
+        get_run_logger().warning("traces of %s: %s", where, note)
     return counts

@@ -35,9 +35,19 @@ for _name, _value in {
 }.items():
     os.environ[_name] = _value
 os.environ.pop("AWS_PROFILE", None)
+# GCS and Azure reach only the emulators the tests start: google-auth never probes the GCE metadata
+# server, gcsfs never asks the storage-control API (no emulator has it) for a bucket's layout, and
+# nobody's own credentials are read.
+os.environ["NO_GCE_CHECK"] = "true"
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+for _name in ("GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST", "AZURE_STORAGE_CONNECTION_STRING"):
+    os.environ.pop(_name, None)
+os.environ["CLOUDSDK_CONFIG"] = tempfile.mkdtemp(prefix="rollout-capture-gcloud-")
 
+import contextlib  # noqa: E402
 import inspect  # noqa: E402
 import logging  # noqa: E402
+import shutil  # noqa: E402
 import socket  # noqa: E402
 import types  # noqa: E402
 
@@ -121,6 +131,75 @@ def moto_endpoint() -> Iterator[str]:
         yield f"http://{host}:{port}"
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def fake_gcs_endpoint() -> Iterator[str]:
+    """fake-gcs-server on 127.0.0.1 for the whole session; ``STORAGE_EMULATOR_HOST`` names it."""
+    from .support.stores import session_folder, start_fake_gcs
+
+    with _session_server(start_fake_gcs, session_folder("gcs"), "STORAGE_EMULATOR_HOST", str) as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="session")
+def azurite_endpoint() -> Iterator[str]:
+    """Azurite's blob service on 127.0.0.1 for the whole session; ``AZURE_STORAGE_CONNECTION_STRING``
+    names it (the development account Azurite publishes)."""
+    from .support.stores import azurite_connection_string, session_folder, start_azurite
+
+    with _session_server(
+        start_azurite, session_folder("azurite"), "AZURE_STORAGE_CONNECTION_STRING", azurite_connection_string
+    ) as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="session")
+def rclone_endpoint() -> Iterator[str]:
+    """``rclone serve s3`` over a temporary folder on 127.0.0.1, for the whole session."""
+    from .support.stores import session_folder, start_rclone
+
+    with _session_server(start_rclone, session_folder("rclone"), None, str) as endpoint:
+        yield endpoint
+
+
+@contextlib.contextmanager
+def _session_server(
+    start: Callable[[str], tuple[Any, str]], folder: str, variable: str | None, value: Callable[[str], str]
+) -> Iterator[str]:
+    """A server started in ``folder``, the environment ``variable`` set to reach it while it runs."""
+    server, endpoint = start(folder)
+    if variable is not None:
+        os.environ[variable] = value(endpoint)
+    try:
+        yield endpoint
+    finally:
+        if variable is not None:
+            os.environ.pop(variable, None)
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+STORE_ENDPOINTS = {"s3": "moto_endpoint", "gcs": "fake_gcs_endpoint", "azure": "azurite_endpoint"}
+STORE_VARIABLES = {"gcs": "STORAGE_EMULATOR_HOST", "azure": "AZURE_STORAGE_CONNECTION_STRING"}
+
+
+@pytest.fixture
+def store(request: pytest.FixtureRequest) -> Any:
+    """A fresh bucket on the real server of the store the test is parametrized with (``indirect``):
+    ``s3`` (moto), ``gcs`` (fake-gcs-server), ``azure`` (Azurite) or ``rclone`` (``rclone serve s3``)."""
+    return open_store(request, request.param)
+
+
+def open_store(request: pytest.FixtureRequest, kind: str) -> Any:
+    """A fresh bucket on the session's server of ``kind`` (started on first use)."""
+    from .support.stores import Store
+
+    endpoint: str = request.getfixturevalue("rclone_endpoint" if kind == "rclone" else STORE_ENDPOINTS[kind])
+    if kind == "s3":
+        request.getfixturevalue("s3")  # moto reset for this test, as the s3 fixture does
+    variable = STORE_VARIABLES.get(kind)
+    return Store(kind, endpoint, {variable: os.environ[variable]} if variable else {}).create_bucket()
 
 
 class S3:
@@ -216,12 +295,26 @@ def pytest_addoption(parser: Any) -> None:
 # process of its own. Marked here at collection, from what the test reaches (its fixtures, and the
 # code of the test and of the tests' helpers it calls), so a test moved to another file stays marked.
 SERVER_FIXTURES = frozenset(
-    {"moto_endpoint", "s3", "flaky_s3", "prefect_api", "scripted_upstream", "dask_cluster", "ray_cluster"}
+    {
+        *(
+            "moto_endpoint",
+            "s3",
+            "flaky_s3",
+            "prefect_api",
+            "scripted_upstream",
+            "dask_cluster",
+            "ray_cluster",
+        ),
+        *("fake_gcs_endpoint", "azurite_endpoint", "rclone_endpoint", "store"),
+    }
 )
 STARTERS = frozenset(
     {
         "ThreadedServer",  # uvicorn on a loopback port (tests/support/servers.py)
         "ThreadedMotoServer",
+        "start_fake_gcs",  # the stores' servers (tests/support/stores.py)
+        "start_azurite",
+        "start_rclone",
         "FaultProxy",  # a TCP proxy in front of the S3 endpoint
         "LocalCluster",
         "DaskTaskRunner",

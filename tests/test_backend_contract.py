@@ -1,7 +1,8 @@
 """The ``Backend`` contract, run against every backend (fsspec's ``tests/abstract`` idea).
 
 One suite, one parametrized fixture: the local disk in each row layout (JSONL and objects),
-fsspec's ``memory://`` and S3 (moto's server). Each test talks to the interface of
+fsspec's ``memory://``, S3 (moto's server), GCS (fake-gcs-server) and Azure Blob (Azurite), each a
+real server the tests start (``tests/support/stores.py``). Each test talks to the interface of
 :class:`rollout_capture.backends.base.Backend` only, so a backend added to the protocol table
 passes it or shows which promise it breaks; ``test_store.py`` tests the store above it.
 """
@@ -27,26 +28,45 @@ from rollout_capture.backends import (
     BACKENDS,
     DEFAULT_BACKEND,
     PROCESS_LOCAL_PROTOCOLS,
+    AzureBackend,
     Backend,
+    GCSBackend,
     ListingScope,
     ObjectStoreBackend,
     PosixBackend,
     S3Backend,
     UnsafeStoreError,
     backend_class,
+    capabilities_of,
     open_backend,
+    proof,
 )
-from rollout_capture.backends.object_store import AtomicCreateBackend, ProcessLocalBackend
+from rollout_capture.backends.capabilities import CONDITIONAL_STORE
+from rollout_capture.backends.object_store import ProcessLocalBackend
 from rollout_capture.claims import Claim, claim_body, new_claim
 from rollout_capture.config import check_capture_url
-from rollout_capture.filesystem import absolute_location, is_local, local_path, open_filesystem, url_scheme
+from rollout_capture.filesystem import (
+    MissingExtraError,
+    absolute_location,
+    is_local,
+    local_path,
+    open_filesystem,
+    url_scheme,
+)
 from rollout_capture.layouts import Layout
 from rollout_capture.names import claim_name, jsonl_name, marker_name, object_name
 from rollout_capture.worker_pool import sees_capture_root
 
-from .conftest import S3
+from .conftest import S3, open_store
 
-KINDS = ["local", "local-objects", "memory", "s3"]
+SERVED = ["gcs", "azure"]  # stores whose servers the suite starts (marked: `make test-fast` leaves them)
+KINDS = [
+    "local",
+    "local-objects",
+    "memory",
+    "s3",
+    *(pytest.param(k, marks=pytest.mark.integration) for k in SERVED),
+]
 
 
 @dataclass
@@ -86,9 +106,12 @@ def subject(request: pytest.FixtureRequest, tmp_path: Path) -> Subject:
         url = str(tmp_path / "caps")
     elif kind == "memory":
         url = f"memory://caps-{uuid.uuid4().hex}"
-    else:
+    elif kind == "s3":
         s3: S3 = request.getfixturevalue("s3")
         url, options = s3.url("caps"), s3.storage_options
+    else:
+        served = open_store(request, kind)
+        url, options = served.url("caps"), served.storage_options
     layout: Layout = "jsonl" if kind == "local" else "objects"
     return Subject(kind, url, options, open_backend(url, options), layout)
 
@@ -115,15 +138,18 @@ EXPECTED: dict[str, tuple[type[Backend], dict[str, object]]] = {
     ),
 }
 EXPECTED["local-objects"] = EXPECTED["local"]
+EXPECTED["gcs"] = (GCSBackend, EXPECTED["s3"][1])
+EXPECTED["azure"] = (AzureBackend, EXPECTED["s3"][1])
 
 
 def test_the_protocol_table_picks_the_class_and_its_promises(subject: Subject) -> None:
     cls, attributes = EXPECTED[subject.kind]
     assert type(subject.backend) is cls
     assert {name: getattr(subject.backend, name) for name in attributes} == attributes
-    # one decision of local-or-not: the filesystem's answer and the backend chosen agree
+    # one decision of local-or-not: the filesystem's answer, the backend chosen and its capabilities agree
     assert is_local(subject.url) is isinstance(subject.backend, PosixBackend)
-    assert subject.backend.writes_in_place is is_local(subject.url)
+    assert subject.backend.writes_in_place is is_local(subject.url) is subject.backend.capabilities.local
+    assert capabilities_of(subject.url) == subject.backend.capabilities  # asked of a URL: the same answer
 
 
 def test_path_names_a_file_under_the_root(subject: Subject) -> None:
@@ -463,6 +489,22 @@ def test_clear_rollouts_deletes_everything_of_them_and_nothing_else(subject: Sub
 
 def test_every_backend_of_the_suite_may_be_shared_by_writers(subject: Subject) -> None:
     assert subject.backend.refuse_unsafe_writes() is None
+    assert subject.backend.capabilities.writable and subject.backend.capabilities.consistent_listing
+
+
+def test_put_if_absent_is_proven_before_the_first_create_and_leaves_nothing(subject: Subject) -> None:
+    """A store creating by a conditional request is proven to refuse a second create once, by its
+    first create in the process: the probe is gone after, the create landed."""
+    proof.forget_proofs()
+    b = subject.backend
+    key = b.store_key()
+    b.create(b.path("p-1.capture/000000000000.json"), b"{}")
+    assert (key in proof._outcomes) is b.capabilities.proven_before_use
+    if b.capabilities.proven_before_use:
+        assert proof._outcomes[key] is None  # proven: a dictionary lookup from now on
+        assert subject.again().store_key() == key  # another root object on the store: the same store
+    (top,) = b.list_names([b.root])
+    assert sorted(top) == ["p-1.capture"]  # the probe left nothing behind
 
 
 # ---------------------------------------------------------------------- the table itself
@@ -474,9 +516,14 @@ def test_the_table_covers_each_protocol_and_defaults_to_the_generic_store() -> N
     assert backend_class(fsspec.filesystem("s3", anon=True, skip_instance_cache=True)) is S3Backend
     dirfs = fsspec.filesystem("dir", path=f"/dirfs-{uuid.uuid4().hex}", target_protocol="memory")
     assert backend_class(dirfs) is DEFAULT_BACKEND is ObjectStoreBackend
-    assert BACKENDS["gs"] is BACKENDS["gcs"] is AtomicCreateBackend
-    assert {"s3", "s3a", "gs", "gcs"} == ATOMIC_CREATE_PROTOCOLS
+    assert BACKENDS["gs"] is BACKENDS["gcs"] is GCSBackend
+    assert BACKENDS["az"] is BACKENDS["abfs"] is BACKENDS["abfss"] is AzureBackend
+    assert {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"} == ATOMIC_CREATE_PROTOCOLS
     assert {"memory"} == PROCESS_LOCAL_PROTOCOLS
+    assert (
+        capabilities_of("dir://caps") == DEFAULT_BACKEND.capabilities
+        and not capabilities_of("sftp://h/c").writable
+    )
 
 
 def test_the_default_backend_reads_but_refuses_every_unsafe_write() -> None:
@@ -494,9 +541,16 @@ def test_the_default_backend_reads_but_refuses_every_unsafe_write() -> None:
 
 def test_s3_requests_are_its_own_and_the_generic_store_names_no_store() -> None:
     """S3's hooks live on S3Backend; the generic class speaks fsspec only (the seam's split)."""
-    hooks = {"_listed_files", "_list_names_of", "_read_kwargs", "atomic_create"}
+    hooks = {
+        "_listed_files",
+        "_list_names_of",
+        "_read_kwargs",
+        "capabilities",
+        "conditional_request",
+        "endpoint",
+    }
     assert {name for name in hooks if name in vars(S3Backend)} == hooks
-    assert ObjectStoreBackend._read_kwargs == {} and not ObjectStoreBackend.atomic_create
+    assert ObjectStoreBackend._read_kwargs == {} and not ObjectStoreBackend.capabilities.writable
     source = inspect.getsource(ObjectStoreBackend)
     assert [word for word in ("_s3", "is_s3", "_iterdir", "s3fs", "max_concurrency") if word in source] == []
 
@@ -543,3 +597,54 @@ def test_the_callers_of_the_seam_ask_it_alike(tmp_path: Path, monkeypatch: pytes
         check_capture_url("caps")
     with pytest.raises(ValueError, match="unknown storage scheme 'nope'"):
         check_capture_url("nope://caps")
+
+
+# ---------------------------------------------------------------------- put-if-absent, proven
+
+
+class _Overwriting(ObjectStoreBackend):
+    """A store taking a conditional create and ignoring its condition (as rclone serve s3 does), on memory."""
+
+    capabilities = CONDITIONAL_STORE
+    conditional_request = "a create that must fail when the file exists"
+    creates = 0
+
+    def create_unproven(self, path: str, data: bytes) -> None:
+        type(self).creates += 1
+        self.fs.pipe_file(path, data)  # the condition ignored: replaces
+
+
+def test_a_store_that_takes_a_second_create_is_refused_once_and_for_all() -> None:
+    proof.forget_proofs()
+    fs = fsspec.filesystem("memory")
+    backend = _Overwriting(fs, f"/overwriting-{uuid.uuid4().hex}")
+    with pytest.raises(UnsafeStoreError, match="accepted a second create of one object") as refused:
+        backend.create(backend.path("r-1.capture/000000000000.json"), b"{}")
+    assert f"capture store memory://{backend.root} cannot be written" in str(refused.value)
+    assert "(endpoint memory)" in str(refused.value) and "write to AWS S3, MinIO" in str(refused.value)
+    assert not fs.exists(backend.root) or fs.find(backend.root) == []  # the probe removed, the row never sent
+    assert _Overwriting.creates == 2
+    with pytest.raises(UnsafeStoreError):  # learnt once: no request again in this process
+        _Overwriting(fs, f"{backend.root}/other").create(backend.path("x.json"), b"{}")
+    assert _Overwriting.creates == 2
+    assert backend.read_many([backend.path("nothing.json")]) == [None]  # reading it is fine
+
+
+def test_a_store_whose_filesystem_is_missing_names_its_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    def not_installed(*args: Any, **kwargs: Any) -> Any:
+        raise ImportError("Install adlfs to access Azure Datalake Gen2 and Azure Blob Storage")
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", not_installed)
+    with pytest.raises(MissingExtraError, match=r"az:// needs the azure extra .*'rollout-capture\[azure\]'"):
+        open_filesystem("az://container/caps")
+    with pytest.raises(MissingExtraError, match=r"'rollout-capture\[gcs\]'"):
+        open_filesystem("gs://bucket/caps")
+
+
+def test_azure_credentials_never_travel_in_storage_options() -> None:
+    for secret in (
+        {"connection_string": "DefaultEndpointsProtocol=https;AccountKey=x"},
+        {"account_key": "x"},
+    ):
+        with pytest.raises(ValueError, match="looks like a secret"):
+            open_filesystem("az://container/caps", secret)

@@ -19,7 +19,8 @@ from rollout_capture.call_records import (
 
 SPEC_FIELDS = [
     "model_call_id", "response_id", "client_session_id", "call_index", "model_ref", "model", "dialect",
-    "status_code", "response_status", "finish_reason", "started_at", "completed_at", "tokens_in",
+    "status_code", "response_status", "finish_reason", "upstream_attempted", "response_source",
+    "upstream_status_code", "local_response_reason", "started_at", "completed_at", "tokens_in",
     "tokens_out", "tokens_reasoning", "tokens_total", "request", "response", "request_raw", "response_raw",
     "tool_calls", "reasoning_content", "cache_hit", "cached_tokens", "cache_creation_tokens",
     "error_category", "latency_total_ms", "latency_ttft_ms", "verifier_invocation_id",
@@ -78,6 +79,10 @@ def test_responses_row_golden() -> None:
         "status_code": 200,
         "response_status": "incomplete",
         "finish_reason": "max_output_tokens",
+        "upstream_attempted": None,
+        "response_source": None,
+        "upstream_status_code": None,
+        "local_response_reason": None,
         "started_at": 100.0,
         "completed_at": 101.5,
         "tokens_in": 100,
@@ -116,6 +121,34 @@ def test_the_capture_hold_is_carried_only_where_the_row_has_it() -> None:
     assert list(held) == [*SPEC_FIELDS, "capture_hold_ms"]
     slow = call_record_dict({**row, "capture_hold_ms": 118, "started_at": "100"}, 0)  # pydantic's way
     assert slow["capture_hold_ms"] == 118.0 and list(slow) == list(held)
+
+
+def test_nemo_gym_07_execution_facts_are_carried_and_null_stays_null() -> None:
+    """NeMo Gym 0.7's model servers write whether the upstream was tried and who answered; its
+    records carry them (null when a row has none): ours too, in its place (issue 34)."""
+    local = {
+        **responses_row(),
+        "upstream_attempted": True,
+        "response_source": "local",
+        "upstream_status_code": None,
+        "local_response_reason": "context_length_exceeded",
+        "error_category": "context_length_exceeded",
+    }
+    record = call_record_dict(local, 0)
+    assert list(record) == SPEC_FIELDS
+    assert (
+        record["upstream_attempted"],
+        record["response_source"],
+        record["upstream_status_code"],
+        record["local_response_reason"],
+    ) == (True, "local", None, "context_length_exceeded")
+    forwarded = {**responses_row(), "response_source": "upstream", "upstream_status_code": 429}
+    upstream = call_record_dict(forwarded, 0)
+    assert (upstream["response_source"], upstream["upstream_status_code"]) == ("upstream", 429)
+    plain = call_record_dict(responses_row(), 0)  # rows of older producers: all four null, never dropped
+    assert [plain[k] for k in SPEC_FIELDS[10:14]] == [None] * 4
+    with pytest.raises(ValidationError):  # NeMo Gym's Literal: another source is a damaged row
+        call_record_dict({**responses_row(), "response_source": "cache"}, 0)
 
 
 def test_chat_row_golden() -> None:
@@ -378,6 +411,10 @@ rows = st.fixed_dictionaries(
         "client_session_id": json_values,
         "verifier_invocation_id": json_values,
         "capture_hold_ms": json_values,
+        "upstream_attempted": st.one_of(json_values, st.booleans()),
+        "response_source": st.one_of(json_values, st.sampled_from(["upstream", "local"])),
+        "upstream_status_code": json_values,
+        "local_response_reason": json_values,
         "request_raw": json_values,
         "response_raw": json_values,
         "request": st.one_of(json_values, st.fixed_dictionaries({}, optional={"model": json_values})),

@@ -240,6 +240,11 @@ model_call_rows = st.fixed_dictionaries(
         "client_session_id": strings,
         "verifier_invocation_id": strings,
         "capture_hold_ms": numbers,
+        # NeMo Gym 0.7's execution facts (issue 34)
+        "upstream_attempted": maybe(st.one_of(st.none(), st.booleans())),
+        "response_source": maybe(st.sampled_from([None, "upstream", "local", "other"])),
+        "upstream_status_code": maybe(st.one_of(st.none(), st.integers(100, 599))),
+        "local_response_reason": strings,
         "request": maybe(st.fixed_dictionaries({}, optional={"model": strings, "input": values})),
         "response": response,
         "request_raw": values,

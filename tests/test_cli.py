@@ -247,3 +247,4 @@ def test_credentials_in_an_otlp_endpoint_exit_2_and_are_never_echoed(
     refused_unechoed(done.exit_code, done.output)
     assert "OTLP endpoint: credentials in the URL are not allowed" in done.output
     assert "(http://127.0.0.1:4318)" in done.output
+    assert "--otlp-header" in done.output and "ROLLOUT_CAPTURE_OTLP_HEADERS" in done.output  # what to use

@@ -154,12 +154,15 @@ def test_export_sends_every_rollout_as_a_trace_with_the_headers_never_echoed(
     assert len(receiver.spans()) == spans and spans > rollouts + calls - 1
     assert f"sent {rollouts} rollout(s), {calls} call(s) as {spans} span(s) in 1 batch(es)" in done.stdout
     assert f"to {receiver.url}/v1/traces" in done.stdout
+    assert f"project: (the default); run: {enriched}" in done.stdout  # the run: the file's own location
     assert "\x1b[" not in done.stderr  # no progress bar: stderr is not a terminal
     for request in receiver.received:
         assert request.path == "/v1/traces"
         assert request.headers["api_key"] == OTLP_SECRET and request.headers["x-env-key"] == ENV_SECRET
 
-    as_json = run_cli(*args, "--otlp-project", "p1", "--include-payloads", "--json", env=env)
+    as_json = run_cli(
+        *args, "--otlp-project", "p1", "--otlp-run-name", "exp 7", "--include-payloads", "--json", env=env
+    )
     assert as_json.returncode == 0, as_json.stderr
     _unechoed(as_json)
     traces = json.loads(as_json.stdout)["traces"]
@@ -170,6 +173,10 @@ def test_export_sends_every_rollout_as_a_trace_with_the_headers_never_echoed(
         "spans": spans,
         "batches": 1,
         "lines_skipped": traces["lines_skipped"],
+        "project": "p1",
+        "run": "exp 7",
+        "calls_cut": 0,
+        "rejected_spans": 0,
     }
 
 
@@ -239,6 +246,7 @@ def test_export_sends_the_traces_of_an_output_on_s3(s3: S3, receiver: OtlpReceiv
     done = run_cli("export", url, *options, "--otlp", receiver.url, "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["traces"]["spans"] == spans == len(receiver.spans())
+    assert json.loads(done.stdout)["traces"]["run"] == url  # the output's URL, never the local copy's
 
 
 def test_export_without_the_otel_extra_names_it(tmp_path: Path) -> None:

@@ -131,6 +131,36 @@ def test_completed_at_is_the_calls_own_end(corpus: tuple[Path, Path], tmp_path: 
     assert all(seconds > 0 for seconds in took.values())
 
 
+def test_who_answered_each_call_is_exported_and_unknown_stays_null(tmp_path: Path) -> None:
+    """NeMo Gym 0.7's execution facts (issue 34): a local answer, a forwarded one, and a call of a
+    producer that says neither, whose four columns stay null, never false or 0."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    from rollout_capture.export import export_tables
+
+    facts = [
+        {
+            "upstream_attempted": True,
+            "response_source": "local",
+            "local_response_reason": "context_length_exceeded",
+        },
+        {"upstream_attempted": True, "response_source": "upstream", "upstream_status_code": 429},
+        {},
+    ]
+    calls = [{"call_index": i, "status_code": 200, **fact} for i, fact in enumerate(facts)]
+    enriched = tmp_path / "e.jsonl"
+    enriched.write_bytes(
+        orjson.dumps({"ng_model_call_capture": {"rollout_id": "x", "metrics": {}, "calls": calls}}) + b"\n"
+    )
+    export_tables(enriched, tmp_path / "calls.parquet")
+    names = ("upstream_attempted", "response_source", "upstream_status_code", "local_response_reason")
+    got = [tuple(r[n] for n in names) for r in pq.read_table(tmp_path / "calls.parquet").to_pylist()]
+    assert got == [
+        (True, "local", None, "context_length_exceeded"),
+        (True, "upstream", 429, None),
+        (None, None, None, None),
+    ]
+
+
 def _line(call: dict[str, Any]) -> bytes:
     """A line carrying one call, as any writer may put it (json: integers of any size)."""
     attachment = {"rollout_id": "x", "metrics": {}, "calls": [call]}
@@ -145,10 +175,14 @@ MALFORMED = {
     "fractional tokens": (_line({"tokens_out": 3.7}), r"calls\[0\]\.tokens_out: expected a whole number"),
     "huge status": (_line({"status_code": 2**40}), r"calls\[0\]\.status_code: .* does not fit a 32-bit"),
     "time past the column": (_line({"started_at": 1e300}), r"calls\[0\]\.started_at: .* is not a time"),
+    "attempted not a flag": (
+        _line({"upstream_attempted": "yes"}),
+        r"calls\[0\]\.upstream_attempted: expected true, false or null",
+    ),
 }
 
 
-EXPORT_ONLY = {"huge status", "time past the column"}
+EXPORT_ONLY = {"huge status", "time past the column", "attempted not a flag"}
 """Fields the report does not read (a status of 2^40 is a status class; no time is shown)."""
 
 

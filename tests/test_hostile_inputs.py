@@ -25,8 +25,7 @@ import orjson
 import pytest
 
 from rollout_capture import CaptureStore, rollout_files
-from rollout_capture.backends import open_backend
-from rollout_capture.backends.object_store import UnsafeStoreError
+from rollout_capture.backends import UnsafeStoreError, open_backend
 from rollout_capture.batch import DuplicateIds, enrich_blob
 from rollout_capture.rollout_files import (
     LEGACY_TEMP_STALE_S,

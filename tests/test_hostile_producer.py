@@ -131,7 +131,7 @@ def test_a_request_body_cut_after_the_cap_is_cancelled_by_the_middleware(middlew
         small.server.stop()
 
 
-def test_a_client_that_leaves_mid_answer_after_a_body_past_the_cap_leaves_a_cancelled_row(
+def test_a_client_that_leaves_mid_answer_after_a_body_past_the_cap_leaves_a_truncated_row(
     scripted_upstream: tuple[str, Any], tmp_path: Path
 ) -> None:
     url, app = scripted_upstream
@@ -154,7 +154,7 @@ def test_a_client_that_leaves_mid_answer_after_a_body_past_the_cap_leaves_a_canc
             chunks = answer.iter_raw()  # held: a discarded iterator closes the connection at once
             assert next(chunks).startswith(b"data: ")
         (row,) = proxy.wait_rows("left-1")  # the client is gone, the upstream still at its gate
-        assert (row["status_code"], row["error_category"]) == (200, "cancelled")
+        assert (row["status_code"], row["error_category"]) == (200, "stream_truncated")  # NeMo Gym's rule
         assert row["request_truncated"] is True
     finally:
         app.gate("left-1").set()
@@ -287,6 +287,11 @@ def test_an_unknown_upstream_status_is_a_502_naming_it_and_recorded_by_the_proxy
             assert passed.status_code == 502 and "999" in passed.json()["error"]["message"]
         (row,) = served.rows("odd-p")
         assert (row["status_code"], row["error_category"]) == (999, "upstream_error")
+        assert (row["response_source"], row["upstream_status_code"], row["local_response_reason"]) == (
+            "local",  # the client got the proxy's 502, not the upstream's 999
+            999,
+            "upstream_invalid_status",
+        )
         assert row["response"] == orjson.loads(ODD_BODY)
         assert served.store.claims(["odd-p"]) == {}
     finally:

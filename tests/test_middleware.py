@@ -160,6 +160,37 @@ async def test_add_middleware_with_arguments_and_from_the_environment(
     assert row["response"]["usage"] == CHAT["usage"]
 
 
+async def test_what_a_nemo_gym_model_server_says_of_its_upstream_is_recorded(tmp_path: Path) -> None:
+    """NeMo Gym 0.7's model servers say who answered in ``request.state.nemo_gym_model_execution``
+    (its vLLM server answering a prompt past the context itself): under our middleware the row
+    carries those four facts, and that local answer's category, as NeMo Gym's capture writes it."""
+
+    async def local_answer(request: Request) -> JSONResponse:
+        request.state.nemo_gym_model_execution = {
+            "upstream_attempted": True,
+            "response_source": "local",
+            "upstream_status_code": None,
+            "local_response_reason": "context_length_exceeded",
+        }
+        return JSONResponse({**CHAT, "choices": [{**CHAT["choices"][0], "finish_reason": "length"}]})
+
+    app = Starlette(routes=[Route("/v1/chat/completions", local_answer, methods=["POST"])])
+    app.add_middleware(CaptureMiddleware, capture_dir=str(tmp_path))
+    assert (await post(app, "/ng-rollout/ctx-1/v1/chat/completions", {"model": "m"})).status_code == 200
+    plain = starlette_app()
+    plain.add_middleware(CaptureMiddleware, capture_dir=str(tmp_path))
+    assert (await post(plain, "/ng-rollout/ctx-2/v1/chat/completions", {"model": "m"})).status_code == 200
+    (row,) = CaptureStore(tmp_path).read("ctx-1")
+    assert (row["upstream_attempted"], row["response_source"], row["local_response_reason"]) == (
+        True,
+        "local",
+        "context_length_exceeded",
+    )
+    assert (row["status_code"], row["error_category"]) == (200, "context_length_exceeded")
+    (row,) = CaptureStore(tmp_path).read("ctx-2")  # an app that says nothing: nothing is said
+    assert "response_source" not in row and row["error_category"] is None
+
+
 async def test_a_middleware_that_cannot_write_its_capture_root_fails_the_apps_startup(
     flaky_s3: tuple[S3, Any], tmp_path: Path
 ) -> None:
@@ -210,8 +241,10 @@ async def test_an_app_that_fails_leaves_an_exception_row(tmp_path: Path) -> None
     assert (row["status_code"], row["error_category"], row["response"]) == (None, "exception", None)
 
 
-async def test_a_client_that_leaves_mid_stream_leaves_a_cancelled_row(tmp_path: Path) -> None:
-    """A streaming app that stops when its client disconnects, as model servers do."""
+async def test_a_client_that_leaves_mid_stream_leaves_a_truncated_row(tmp_path: Path) -> None:
+    """A streaming app that stops when its client disconnects, as model servers do: its stream
+    ended without its terminal event, which NeMo Gym's capture reads ``stream_truncated`` (issue
+    34); an app cancelled instead (NeMo Gym's servers cancel on a disconnect) is ``cancelled``."""
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         await receive()
@@ -266,7 +299,7 @@ async def test_a_client_that_leaves_mid_stream_leaves_a_cancelled_row(tmp_path: 
     scope = post_scope(path)
     await middleware(scope, receive, send)
     (row,) = CaptureStore(tmp_path).read("g-1")
-    assert (row["status_code"], row["error_category"]) == (200, "cancelled")
+    assert (row["status_code"], row["error_category"]) == (200, "stream_truncated")
     assert row["response"]["choices"][0]["message"]["content"].startswith("0 1 ")
     assert not any(m.get("more_body") is False for m in sent)
 

@@ -4,6 +4,7 @@ classification, settings and the row an exchange makes."""
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import orjson
 import pytest
@@ -360,3 +361,64 @@ def test_a_malformed_event_is_forwarded_as_it_came_and_never_fails_the_call(
     relay = StreamRelay(dialect)  # type: ignore[arg-type]
     forwarded = b"".join(relay.feed(event) for event in stream) + relay.finish()
     assert forwarded == b"".join(stream)
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None, **top: Any) -> bytes:
+    body = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", **top}
+    body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+def test_a_chat_stream_of_tool_calls_alone_reassembles_as_nemo_gym_does() -> None:
+    """NeMo Gym's rebuild (issue 34): ``content`` null when the stream said no text (OpenAI's first
+    delta carries ``content: ""``), no ``created`` nor ``usage: null`` of our own making."""
+    call = {"index": 0, "id": "call_9", "type": "function", "function": {"name": "f", "arguments": ""}}
+    events = [
+        _chunk({"role": "assistant", "content": "", "refusal": None}),
+        _chunk({"tool_calls": [call]}),
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a": '}}]}),
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}),
+        _chunk({}, "tool_calls"),
+        b"data: [DONE]\n\n",
+    ]
+    relay = StreamRelay("chat")
+    for event in events:
+        relay.feed(event)
+    assert relay.complete
+    assert relay.response() == {
+        "object": "chat.completion",
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_9",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": '{"a": 1}'},
+                        }
+                    ],
+                },
+                "finish_reason": "tool_calls",
+            }
+        ],
+        "id": "c1",
+    }
+
+
+@pytest.mark.parametrize(
+    "event", [b'event:error\ndata:{"error":"boom"}\n\n', b'event: error\ndata: {"message": "boom"}\n\n']
+)
+def test_an_error_event_ends_a_chat_stream_as_an_upstream_error(event: bytes) -> None:
+    """NeMo Gym's own producer test (test_stream_error_events_are_terminal): ``event:error``, no
+    space after the colon, in a chat stream, is the stream's error."""
+    relay = StreamRelay("chat")
+    relay.feed(_chunk({"role": "assistant", "content": "par"}))
+    relay.feed(event)
+    assert str(relay.assembler.error) == "upstream_error"
+    done = StreamRelay("chat")
+    done.feed(b"data:[DONE]\n\n")
+    assert done.complete

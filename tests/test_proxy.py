@@ -170,6 +170,8 @@ def test_an_unreachable_upstream_is_a_502_and_a_slow_one_a_504(proxy: Proxy, tmp
         (row,) = dead.rows("down-1")
         assert (row["status_code"], row["error_category"], row["response"]) == (None, "connection", None)
         assert row["request"]["model"] == "scripted"
+        # Who answered (NeMo Gym 0.7's facts, issue 34): the proxy itself, having tried the upstream.
+        assert [row[k] for k in FACTS] == [True, "local", None, "upstream_connection_error"]
     finally:
         dead.server.stop()
     with httpx.Client(base_url=proxy.url, timeout=30) as client:
@@ -177,6 +179,14 @@ def test_an_unreachable_upstream_is_a_502_and_a_slow_one_a_504(proxy: Proxy, tmp
     assert answer.status_code == 504 and answer.json()["error"]["type"] == "upstream_timeout"
     (row,) = proxy.rows("slow-1")
     assert (row["status_code"], row["error_category"]) == (None, "timeout")
+    assert [row[k] for k in FACTS] == [True, "local", None, "upstream_timeout"]
+    with pytest.raises(openai.RateLimitError):  # an error the upstream answered is the upstream's
+        openai_client(proxy.url, "busy-1").chat.completions.create(model="scripted-429", messages=[])
+    (row,) = proxy.rows("busy-1")
+    assert [row[k] for k in FACTS] == [True, "upstream", 429, None]
+
+
+FACTS = ("upstream_attempted", "response_source", "upstream_status_code", "local_response_reason")
 
 
 class socketless_port:
@@ -262,7 +272,8 @@ def test_a_client_that_leaves_mid_stream_still_leaves_its_row(
             assert patient.rows("gone-1") == [] and patient.store.live_claims("gone-1")
         (row,) = patient.wait_rows("gone-1")
         upstream_app.gate("gone-1").set()
-        assert (row["status_code"], row["error_category"]) == (200, "cancelled")
+        # The stream ended here without its terminal event: NeMo Gym's rule reads it so (issue 34).
+        assert (row["status_code"], row["error_category"]) == (200, "stream_truncated")
         assert row["response"]["id"] == CHAT["id"]  # what had arrived
         wait_for(lambda: patient.store.claims(["gone-1"]) == {})  # released just after the row lands
     finally:

@@ -156,6 +156,7 @@ def test_a_retried_object_write_that_had_landed_is_recognised_by_its_nonce(flaky
     reads back carries this write's nonce, so the row is neither duplicated nor moved to seq 1."""
     via, proxy = flaky_s3
     store = CaptureStore(via.url("caps"), storage_options=via.storage_options)
+    store.require_put_if_absent()  # the store's proof (once a process) before the counted write
     proxy.lose_answer_on(b"PUT /" + via.bucket.encode() + b"/caps/1-0.capture/000000000000.json")
     proxy.reset_counts()
     store.record("1-0", {"model_call_id": "a"})

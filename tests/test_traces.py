@@ -1,7 +1,9 @@
-"""Every rollout as an OpenTelemetry trace (issue 30): the mapping of an enriched record to its
-spans (ids, both conventions, nesting, gaps, payloads, unknowns), the OTLP/HTTP exporter against
-a local receiver, and, marked ``phoenix``, a real Phoenix read back through its REST API and
-its trace page screenshotted in headless Chromium.
+"""Every rollout as an OpenTelemetry trace (issues 30, 35): the mapping of an enriched record to its
+spans (ids scoped to a project and a run, both conventions, nesting, gaps, payloads cut to a
+budget, unknowns), the OTLP/HTTP exporter against a local receiver, and, marked ``phoenix``, a real
+Phoenix read back through its REST API (two runs with the same rollout ids landing side by side)
+and its trace page screenshotted in headless Chromium. The exporter against endpoints that
+misbehave (redirects, trickles, huge answers) is tests/test_traces_endpoint.py.
 
 The corpus is the bundled sample enriched by the real merge (with and without payloads), plus
 one rollout of our own: an agent invocation owning a rate-limited call and a good one.
@@ -45,6 +47,9 @@ from rollout_capture.traces.exporter import (
     export_traces,
     traces_url,
 )
+from rollout_capture.traces.ids import RunScope
+from rollout_capture.traces.payloads import cut_text, payload_attributes, text_bytes, water_level
+from rollout_capture.traces.runs import check_name, folder_run, output_run, runs_project
 from rollout_capture.traces.spans import rollout_spans
 
 SECRET = "sk-test-0123456789-never-shown"
@@ -204,6 +209,44 @@ def test_ids_are_deterministic_distinct_and_never_zero(monkeypatch: pytest.Monke
         ids.span_id("r-1", "tool")  # type: ignore[arg-type]
     monkeypatch.setattr(ids, "_digest", lambda *parts: bytes(32))
     assert ids.trace_id("r-1") == 1 and ids.span_id("r-1", "rollout") == 1
+
+
+def test_ids_tell_runs_and_projects_apart_and_stay_the_same_for_one_run() -> None:
+    """NeMo Gym's rollout ids repeat in every run: the run and the project are part of every id."""
+    a, b = RunScope("p", "/runs/a/rollouts.enriched.jsonl"), RunScope("p", "/runs/b/rollouts.enriched.jsonl")
+    elsewhere = RunScope("q", a.run)
+    assert ids.trace_id("0-0", a) == ids.trace_id("0-0", RunScope("p", a.run))  # one run: stable
+    assert len({ids.trace_id("0-0", s) for s in (a, b, elsewhere, ids.NO_SCOPE)}) == 4
+    assert len({ids.span_id("0-0", "call", "c0", s) for s in (a, b, elsewhere, ids.NO_SCOPE)}) == 4
+    # the parts are kept apart: moving a character from the run to the project changes the id
+    assert ids.trace_id("x", RunScope("ab", "c")) != ids.trace_id("x", RunScope("a", "bc"))
+
+
+def test_what_names_a_run_and_its_project() -> None:
+    assert output_run("out/x.enriched.jsonl") == os.path.abspath("out/x.enriched.jsonl")
+    assert output_run("file:///data/r1/x.jsonl") == output_run("/data/r1/x.jsonl") == "/data/r1/x.jsonl"
+    assert output_run("s3://bucket/runs/r1/x.jsonl?versionId=3") == "s3://bucket/runs/r1/x.jsonl"
+    assert folder_run(None, "r1", "s3://b/runs/r1/rollouts.enriched.jsonl") == (
+        "s3://b/runs/r1/rollouts.enriched.jsonl"
+    )
+    assert folder_run("nightly", "r1", "/x/r1/rollouts.enriched.jsonl") == "nightly/r1"
+    assert runs_project("/data/nemo-runs/") == "nemo-runs" and runs_project("s3://bucket") == "bucket"
+    assert runs_project("s3://bucket/team/runs") == "runs" and runs_project("/") == "rollout-capture"
+    assert check_name(None, "x") is None and check_name("run 7", "x") == "run 7"
+    for bad, says in (("", "blank"), ("a\0b", "control character"), ("a\nb", "control"), ("x" * 513, "512")):
+        with pytest.raises(ValueError, match=says):
+            check_name(bad, "--otlp-run-name")
+
+
+def test_the_root_span_names_its_run(corpus: Corpus) -> None:
+    scope = RunScope("proj", "/runs/r7/rollouts.enriched.jsonl")
+    root, *children = rollout_spans(corpus.records["1-0"], scope=scope)
+    assert root.attributes["rollout_capture.run.name"] == scope.run
+    assert json.loads(root.attributes["metadata"])["run"] == scope.run
+    assert root.resource.attributes["openinference.project.name"] == "proj"
+    assert {s.context.trace_id for s in [root, *children]} == {ids.trace_id("1-0", scope)}
+    assert root.context.span_id == ids.span_id("1-0", "rollout", "", scope)
+    assert "rollout_capture.run.name" not in rollout_spans(corpus.records["1-0"])[0].attributes
 
 
 def test_the_same_record_gives_the_same_spans(corpus: Corpus) -> None:
@@ -429,7 +472,13 @@ def test_payloads_only_when_asked_under_the_message_attributes(corpus: Corpus) -
         "id": "call_1",
         "arguments": '{"q": "x"}',
     }
-    assert json.loads(a["input.value"])["model"] == "model-x" and a["input.mime_type"] == "application/json"
+    assert a["input.value"] == "find x" and a["input.mime_type"] == "text/plain"  # the newest turn
+    assert json.loads(a["llm.invocation_parameters"]) == {"model": "model-x"}
+    assert (
+        json.loads(a["output.value"])["id"] == "chatcmpl-err-ok"
+        and a["output.mime_type"] == "application/json"
+    )
+    assert "rollout_capture.call.payload_cut" not in a
 
 
 @pytest.mark.parametrize("rollout_id", ["0-0", "6-0", "3-0"])  # responses, messages, chat
@@ -442,6 +491,106 @@ def test_payloads_of_every_dialect_read_as_messages(corpus: Corpus, rollout_id: 
     assert a["llm.output_messages.0.message.role"] == "assistant"
     assert json.loads(a["gen_ai.output.messages"])[0]["role"] == "assistant"
     assert "output.value" in a
+
+
+def _huge_call(context_bytes: int) -> dict[str, Any]:
+    """A chat call whose early turn holds ``context_bytes`` of text, then a short newest turn."""
+    return {
+        "model_call_id": "huge",
+        "dialect": "chat",
+        "request": {
+            "model": "m",
+            "temperature": 0.2,
+            "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {}}}],
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "é" + "x" * (context_bytes - 2)},  # not ASCII: bytes, not chars
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "and now?"},
+            ],
+        },
+        "response": {
+            "choices": [{"message": {"role": "assistant", "content": "done"}, "finish_reason": "stop"}]
+        },
+    }
+
+
+def _payload_bytes(attributes: dict[str, Any]) -> int:
+    return sum(text_bytes(v) for k, v in attributes.items() if isinstance(v, str))
+
+
+def test_a_payload_s_text_goes_about_twice_not_three_times() -> None:
+    """The context (every earlier turn) once per convention; ``input.value`` is the newest turn."""
+    size = 1_000_000
+    a = payload_attributes(_huge_call(size), "chat", "stop")
+    assert size * 2 <= _payload_bytes(a) < size * 2.05
+    assert a["input.value"] == "and now?"
+    assert a["llm.input_messages.1.message.content"].startswith("éxxx")
+    assert json.loads(a["gen_ai.input.messages"])[1]["parts"][0]["content"].endswith("xxx")
+    assert json.loads(a["llm.tools.0.tool.json_schema"])["function"]["name"] == "lookup"
+    assert json.loads(a["llm.invocation_parameters"]) == {"model": "m", "temperature": 0.2}
+
+
+def test_a_payload_over_its_budget_is_cut_and_says_so() -> None:
+    """Past the budget the longest texts are cut to one length, each ending in a note; short ones
+    (roles, the newest turn, the output) stay whole and every JSON attribute still parses."""
+    budget = 200_000
+    a = payload_attributes(_huge_call(3_000_000), "chat", "stop", budget)
+    assert a["rollout_capture.call.payload_cut"] is True
+    assert a["rollout_capture.call.payload_bytes"] > 6_000_000
+    assert _payload_bytes(a) <= budget
+    cut = a["llm.input_messages.1.message.content"]
+    assert cut.startswith("éxxx") and cut.endswith("characters]") and "rollout-capture cut" in cut
+    assert json.loads(a["gen_ai.input.messages"])[1]["parts"][0]["content"] == cut
+    assert a["input.value"] == "and now?" and a["llm.output_messages.0.message.content"] == "done"
+    assert a["llm.input_messages.0.message.content"] == "be brief"
+    assert water_level([5, 10, 100], 60) == 45 and water_level([5, 10], 60) == 10
+    assert cut_text("abc", 3) == "abc" and cut_text("a" * 500, 200).startswith("a" * 104 + "…[")
+
+
+def test_the_exporter_counts_the_calls_it_cut(corpus: Corpus, tmp_path: Path, receiver: OtlpReceiver) -> None:
+    record = orjson.loads(orjson.dumps(corpus.records[ERR_ID]))
+    record["ng_model_call_capture"]["calls"][1]["request"]["messages"][0]["content"] = "x" * 400_000
+    path = tmp_path / "big.enriched.jsonl"
+    path.write_bytes(orjson.dumps(record) + b"\n")
+    counts = export_traces(path, receiver.url, include_payloads=True, payload_budget=100_000)
+    assert counts.calls_cut == 1 and "payloads of 1 call(s) cut" in counts.sent(receiver.url)
+    (cut,) = [
+        s for s in receiver.spans() if any(a.key == "rollout_capture.call.payload_cut" for a in s.attributes)
+    ]
+    assert sum(len(a.value.string_value) for a in cut.attributes) < 110_000
+
+
+def test_who_answered_a_call_is_on_its_span_when_the_record_says(corpus: Corpus) -> None:
+    """The call record's upstream_attempted, response_source, upstream_status_code and
+    local_response_reason (null when unknown: then absent), read from records that carry them."""
+    record = orjson.loads(orjson.dumps(corpus.records[ERR_ID]))
+    limited, answered = record["ng_model_call_capture"]["calls"]
+    limited.update(
+        upstream_attempted=False,
+        response_source="local",
+        upstream_status_code=None,
+        local_response_reason="capture_unavailable",
+    )
+    answered.update(upstream_attempted=True, response_source="upstream", upstream_status_code=200)
+    calls = {
+        s.attributes["rollout_capture.call.model_call_id"]: s.attributes
+        for s in rollout_spans(record)
+        if s.attributes["openinference.span.kind"] == "LLM"
+    }
+    local, upstream = calls[limited["model_call_id"]], calls[answered["model_call_id"]]
+    assert local["rollout_capture.call.upstream_attempted"] is False
+    assert local["rollout_capture.call.response_source"] == "local"
+    assert local["rollout_capture.call.local_response_reason"] == "capture_unavailable"
+    assert "rollout_capture.call.upstream_status_code" not in local
+    assert upstream["rollout_capture.call.upstream_attempted"] is True
+    assert upstream["rollout_capture.call.upstream_status_code"] == 200
+    assert "rollout_capture.call.local_response_reason" not in upstream
+    before = rollout_spans(corpus.records[ERR_ID])  # records from before the fields: none of them
+    assert not [k for span in before for k in span.attributes if "upstream" in k or "response_source" in k]
+    answered["upstream_attempted"] = "yes"
+    with pytest.raises(EvidenceShapeError, match=r"calls\[1\]\.upstream_attempted"):
+        rollout_spans(record)
 
 
 def test_a_malformed_attachment_is_refused_naming_the_field(corpus: Corpus) -> None:
@@ -492,7 +641,11 @@ def test_export_streams_batches_after_an_empty_probe(corpus: Corpus, receiver: O
     assert seen[-1] == TraceProgress(counts.rollouts, counts.spans, counts.batches)
     spans = receiver.spans()
     assert len(spans) == expected and len({bytes(s.span_id) for s in spans}) == expected
-    assert {int.from_bytes(s.trace_id, "big") for s in spans} == {ids.trace_id(r) for r in corpus.records}
+    run = RunScope("", str(corpus.plain))  # the run: the file's own location
+    assert counts.run == run.run and counts.project is None
+    assert {int.from_bytes(s.trace_id, "big") for s in spans} == {
+        ids.trace_id(r, run) for r in corpus.records
+    }
 
 
 def test_an_unreachable_endpoint_fails_before_anything_is_sent(corpus: Corpus) -> None:
@@ -528,7 +681,8 @@ def test_a_receiver_pushing_back_slows_the_export_down_and_a_refusal_stops_it(co
     refusing = OtlpReceiver(then=[400])
     try:
         with pytest.raises(
-            OtlpEndpointError, match=r"refused a batch of \d+ spans \(HTTP 400\) after 0 spans"
+            OtlpEndpointError,
+            match=r"refused a batch of \d+ spans \(HTTP 400 Bad Request; [\d,]+ bytes\) after 0",
         ):
             export_traces(corpus.plain, refusing.url, headers={"authorization": SECRET})
         assert len(refusing.bodies) == 2  # the probe, the one batch: a refusal is not retried
@@ -589,6 +743,21 @@ def _settled(phoenix: Phoenix, count: int, project: str = PROJECT) -> list[dict[
     return settled_spans(phoenix, count, project)
 
 
+def _scope(corpus: Corpus) -> RunScope:
+    """The run the module's Phoenix export is: the payloads file's own location, in PROJECT."""
+    return RunScope(PROJECT, str(corpus.payloads))
+
+
+def _after_all_sent_landed(phoenix: Phoenix, tmp_path: Path, corpus: Corpus) -> None:
+    """Once a sentinel run sent after everything else is stored, so is everything sent before it:
+    Phoenix ingests spans in the order their requests were accepted, whatever their project."""
+    sentinel = tmp_path / f"sentinel-{time.monotonic_ns()}.jsonl"
+    sentinel.write_bytes(orjson.dumps(corpus.records["8-0"]) + b"\n")  # one root span
+    project = f"sentinel-{sentinel.stem}"
+    counts = export_traces(sentinel, phoenix.url, project=project)
+    _settled(phoenix, counts.spans, project)
+
+
 def _micros(text: str) -> int:
     moment = datetime.fromisoformat(text)
     return (int(moment.timestamp()) * 1_000_000) + moment.microsecond
@@ -610,8 +779,10 @@ def test_phoenix_holds_the_spans_with_the_enriched_file_s_tokens_and_times(
     by_span = {s["context"]["span_id"]: s for s in exported}
     for rollout_id, record in corpus.records.items():
         attachment = record["ng_model_call_capture"]
-        trace = f"{ids.trace_id(rollout_id):032x}"
-        root = by_span[f"{ids.span_id(rollout_id, 'rollout'):016x}"]
+        scope = _scope(corpus)
+        trace = f"{ids.trace_id(rollout_id, scope):032x}"
+        root = by_span[f"{ids.span_id(rollout_id, 'rollout', '', scope):016x}"]
+        assert root["attributes"]["rollout_capture.run.name"] == scope.run
         assert root["context"]["trace_id"] == trace and root["parent_id"] is None
         assert root["span_kind"] == "CHAIN"
         assert root["attributes"]["rollout_capture.rollout.id"] == rollout_id
@@ -623,7 +794,7 @@ def test_phoenix_holds_the_spans_with_the_enriched_file_s_tokens_and_times(
         ]
         for position, call in enumerate(attachment["calls"]):
             key = ids.call_key(call["model_call_id"], call["call_index"], position)
-            span = by_span[f"{ids.span_id(rollout_id, 'call', key):016x}"]
+            span = by_span[f"{ids.span_id(rollout_id, 'call', key, scope):016x}"]
             a = span["attributes"]
             assert span["context"]["trace_id"] == trace and span["span_kind"] == "LLM"
             assert _micros(span["start_time"]) == round(call["started_at"] * 1e6)
@@ -647,7 +818,7 @@ def test_phoenix_holds_the_spans_with_the_enriched_file_s_tokens_and_times(
                 assert json.loads(a["output.value"]) == call["response"]
             if call["response"] and (call["response"].get("choices") or call["response"].get("output")):
                 assert a["llm.output_messages.0.message.role"] == "assistant"
-    err = [s for s in exported if s["context"]["trace_id"] == f"{ids.trace_id(ERR_ID):032x}"]
+    err = [s for s in exported if s["context"]["trace_id"] == f"{ids.trace_id(ERR_ID, _scope(corpus)):032x}"]
     agent = next(s for s in err if s["span_kind"] == "AGENT")
     assert {s["parent_id"] for s in err if s["span_kind"] == "LLM"} == {agent["context"]["span_id"]}
     verifier = next(s for s in exported if s["span_kind"] == "EVALUATOR")
@@ -661,20 +832,83 @@ def test_exporting_again_does_not_double_a_trace_in_phoenix(
     phoenix: Phoenix, corpus: Corpus, exported: list[dict[str, Any]], tmp_path: Path
 ) -> None:
     """Phoenix keys spans by span id and keeps the first it stored (insert, on conflict do
-    nothing): a second export adds nothing, and a re-enriched record re-exported leaves the
-    stored span as it was (to replace it in Phoenix, delete the trace first)."""
+    nothing): a second export adds nothing, and a re-enriched record re-exported as the same run
+    (its name given) leaves the stored span as it was (to replace it, delete the trace first)."""
     export_traces(corpus.payloads, phoenix.url, project=PROJECT, include_payloads=True)
     changed = tmp_path / "re-enriched.jsonl"
     record = orjson.loads(orjson.dumps(corpus.records[ERR_ID]))
     record["reward"] = 0.75
     changed.write_bytes(orjson.dumps(record) + b"\n")
-    export_traces(changed, phoenix.url, project=PROJECT)
-    time.sleep(3)  # what would have been added has landed by now (ingestion takes well under a second)
+    export_traces(changed, phoenix.url, project=PROJECT, run=str(corpus.payloads))
+    _after_all_sent_landed(phoenix, tmp_path, corpus)
     again = _phoenix_spans(phoenix)
     assert len(again) == len(exported)
     assert sorted(s["context"]["span_id"] for s in again) == sorted(s["context"]["span_id"] for s in exported)
-    root = next(s for s in again if s["context"]["span_id"] == f"{ids.span_id(ERR_ID, 'rollout'):016x}")
+    root_id = f"{ids.span_id(ERR_ID, 'rollout', '', _scope(corpus)):016x}"
+    root = next(s for s in again if s["context"]["span_id"] == root_id)
     assert root["attributes"]["rollout_capture.rollout.reward"] == 0.5  # the first export's
+
+
+def _records(path: Path) -> dict[str, dict[str, Any]]:
+    """The records of an enriched file that carry an attachment, by rollout id."""
+    out = {}
+    for line in path.read_bytes().splitlines():
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "ng_model_call_capture" in record:
+            out[record["ng_model_call_capture"]["rollout_id"]] = record
+    return out
+
+
+@pytest.mark.integration
+@pytest.mark.phoenix
+def test_two_runs_with_the_same_rollout_ids_land_side_by_side_in_one_project(
+    phoenix: Phoenix, corpus: Corpus, tmp_path: Path
+) -> None:
+    """Run B repeats run A's rollout ids with other rewards and one call fewer: exported one after
+    the other into one project, each rollout of each run is a trace of its own (its run's reward,
+    its run's spans), and exporting either again changes nothing."""
+    project = "two-runs"
+    run_a, run_b = tmp_path / "a" / "rollouts.enriched.jsonl", tmp_path / "b" / "rollouts.enriched.jsonl"
+    run_a.parent.mkdir()
+    run_b.parent.mkdir()
+    shutil.copyfile(corpus.plain, run_a)
+    lines = []
+    for line in corpus.plain.read_bytes().splitlines():
+        record = orjson.loads(line) if line.startswith(b"{") else None
+        if isinstance(record, dict) and "ng_model_call_capture" in record:
+            record["reward"] = 100 + len(lines)
+            if record["ng_model_call_capture"]["rollout_id"] == ERR_ID:
+                del record["ng_model_call_capture"]["calls"][1]
+            line = orjson.dumps(record)
+        lines.append(line)
+    run_b.write_bytes(b"\n".join(lines) + b"\n")
+    sent = [export_traces(path, phoenix.url, project=project) for path in (run_a, run_b)]
+    assert sent[0].run == str(run_a) and sent[1].run == str(run_b)
+    total = sum(counts.spans for counts in sent)
+    stored = _settled(phoenix, total, project)
+    assert len(stored) == total
+    traces: dict[str, list[dict[str, Any]]] = {}
+    for span in stored:
+        traces.setdefault(span["context"]["trace_id"], []).append(span)
+    for path in (run_a, run_b):
+        scope = RunScope(project, str(path))
+        for rollout_id, record in _records(path).items():
+            trace = traces[f"{ids.trace_id(rollout_id, scope):032x}"]
+            (root,) = [span for span in trace if span["parent_id"] is None]
+            assert root["attributes"]["rollout_capture.run.name"] == str(path)
+            assert root["attributes"].get("rollout_capture.rollout.reward") == record.get("reward")
+            assert len(trace) == len(rollout_spans(record, scope=scope))
+    assert (
+        len(traces[f"{ids.trace_id(ERR_ID, RunScope(project, str(run_b))):032x}"]) == 3
+    )  # root, agent, call
+    for path in (run_b, run_a):
+        export_traces(path, phoenix.url, project=project)
+    _after_all_sent_landed(phoenix, tmp_path, corpus)
+    again = _phoenix_spans(phoenix, project)
+    assert sorted(s["context"]["span_id"] for s in again) == sorted(s["context"]["span_id"] for s in stored)
 
 
 @pytest.mark.integration
@@ -692,7 +926,7 @@ CHROMIUM = shutil.which("chromium")
 @pytest.mark.phoenix
 @pytest.mark.skipif(CHROMIUM is None, reason="needs chromium")
 def test_the_trace_page_of_a_rollout_renders_in_headless_chromium(
-    phoenix: Phoenix, exported: list[dict[str, Any]], tmp_path: Path
+    phoenix: Phoenix, corpus: Corpus, exported: list[dict[str, Any]], tmp_path: Path
 ) -> None:
     """Phoenix's own trace page for the rollout with an agent invocation and a failed call;
     the first screenshot is also kept as out/phoenix-trace.png (the issue's closing note)."""
@@ -714,7 +948,7 @@ def test_the_trace_page_of_a_rollout_renders_in_headless_chromium(
             "--virtual-time-budget=20000",
             "--run-all-compositor-stages-before-draw",
             f"--screenshot={shot}",
-            f"{phoenix.url}/redirects/traces/{ids.trace_id(ERR_ID):032x}",
+            f"{phoenix.url}/redirects/traces/{ids.trace_id(ERR_ID, _scope(corpus)):032x}",
         ],
         capture_output=True,
         text=True,

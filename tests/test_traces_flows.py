@@ -1,7 +1,9 @@
-"""The enrichment flows sending their output's traces (issue 30): ``otlp_endpoint`` and the
+"""The enrichment flows sending their output's traces (issues 30, 35): ``otlp_endpoint`` and the
 ``Secret`` block of its headers, on a real Prefect API and a local OTLP receiver. The headers
 arrive; the UI's recorded parameters hold only the block's name; a bad endpoint fails the run
-before anything is enriched; a refused export leaves the output written and the run Failed."""
+before anything is enriched; a refused export leaves the output written and the run Failed. Each
+run is its own traces (named by its output, or as asked), a runs root's all in one project;
+``enrich``, ``enrich-runs``, ``deploy`` and ``serve`` take the project and the run's name."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -168,3 +171,126 @@ def test_the_enrich_command_passes_the_endpoint_and_the_block_name(
     assert len(receiver.spans()) == SAMPLE_SPANS
     assert all(request.headers.get("api_key") == SECRET for request in receiver.received)
     assert SECRET not in done.stderr + done.stdout
+
+
+def _roots(receiver: OtlpReceiver) -> list[dict[str, Any]]:
+    """The root spans received, their attributes as a dict (strings and ints)."""
+    roots = []
+    for span in receiver.spans():
+        if not span.parent_span_id:
+            values = {a.key: a.value.string_value or a.value.int_value for a in span.attributes}
+            roots.append({"trace_id": bytes(span.trace_id).hex(), **values})
+    return roots
+
+
+def test_each_run_of_a_root_is_its_own_trace_and_the_root_one_project(
+    receiver: OtlpReceiver, tmp_path: Path
+) -> None:
+    """Two runs with the same rollout ids (copies of the sample): twenty traces, not ten; every
+    run's root span names its run (its output's location); all in the runs root's project,
+    which each run's summary names."""
+    from rollout_capture.flows import enrich_completed_runs
+
+    runs = tmp_path / "nightly-runs"
+    for name in ("r1", "r2"):
+        shutil.copytree(SAMPLE, runs / name)
+        (runs / name / "_SUCCESS").touch()
+    state = enrich_completed_runs(str(runs), otlp_endpoint=receiver.url, return_state=True)
+    assert state.is_completed(), state.message
+    summary = state.result()
+    roots = _roots(receiver)
+    assert len(roots) == 20 and len({root["trace_id"] for root in roots}) == 20
+    outputs = {str(runs / name / "rollouts.enriched.jsonl") for name in ("r1", "r2")}
+    assert {root["rollout_capture.run.name"] for root in roots} == outputs
+    assert {(r["openinference.project.name"], r["service.name"]) for r in receiver.resources()} == {
+        ("nightly-runs", "rollout-capture")
+    }
+    for name in ("r1", "r2"):
+        traces = summary.outcomes[name].summary.traces
+        assert "(project nightly-runs, run " in traces and str(runs / name) in traces
+
+
+def test_the_root_s_runs_can_be_named_and_put_in_a_project(receiver: OtlpReceiver, tmp_path: Path) -> None:
+    from rollout_capture.flows import enrich_completed_runs
+
+    runs = tmp_path / "runs"
+    shutil.copytree(SAMPLE, runs / "r1")
+    (runs / "r1" / "_SUCCESS").touch()
+    state = enrich_completed_runs(
+        str(runs),
+        otlp_endpoint=receiver.url,
+        otlp_project="team-evals",
+        otlp_run_name="nightly",
+        return_state=True,
+    )
+    assert state.is_completed(), state.message
+    assert {root["rollout_capture.run.name"] for root in _roots(receiver)} == {"nightly/r1"}
+    assert {r["openinference.project.name"] for r in receiver.resources()} == {"team-evals"}
+    run = flow_run(state.state_details.flow_run_id)
+    assert run.parameters["otlp_project"] == "team-evals" and run.parameters["otlp_run_name"] == "nightly"
+
+
+def test_enrich_names_its_project_and_run(prefect_api: str, receiver: OtlpReceiver, tmp_path: Path) -> None:
+    from .support.cli import run_cli
+
+    output = tmp_path / "out.jsonl"
+    done = run_cli(
+        "enrich", str(SAMPLE / "rollouts.jsonl"), "--capture-dir", str(SAMPLE / "captures"),
+        "--output", str(output), "--otlp", receiver.url, "--otlp-project", "p1", "--otlp-run-name",
+        "exp-7", "--json", api=prefect_api,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "(project p1, run exp-7)" in json.loads(done.stdout)["traces"]
+    assert {root["rollout_capture.run.name"] for root in _roots(receiver)} == {"exp-7"}
+    assert {r["openinference.project.name"] for r in receiver.resources()} == {"p1"}
+
+
+def test_enrich_with_a_refused_endpoint_says_one_line_and_starts_nothing(tmp_path: Path) -> None:
+    """No block to load: the endpoint is asked before any Prefect server starts; exit 2 with one
+    ``error:`` line, no Prefect ERROR line, no EventsWorker warning."""
+    from .support.cli import cli_env, run_cli
+
+    env = cli_env(PREFECT_HOME=str(tmp_path / "home"))
+    env.pop("PREFECT_API_URL", None)
+    done = run_cli(
+        "enrich", str(SAMPLE / "rollouts.jsonl"), "--capture-dir", str(SAMPLE / "captures"),
+        "--output", str(tmp_path / "out.jsonl"), "--otlp", "http://127.0.0.1:1", env=env,
+    )  # fmt: skip
+    assert done.returncode == 2
+    refused = "OTLP endpoint http://127.0.0.1:1/v1/traces is unreachable (connection refused)"
+    assert done.stderr.splitlines() == [f"error: {refused}; nothing was sent"]
+    assert done.stdout == "" and not (tmp_path / "out.jsonl").exists()
+
+
+def test_deploy_registers_the_schedule_s_traces_and_serve_checks_them(prefect_api: str, block: str) -> None:
+    from prefect.client.orchestration import get_client
+
+    from .support.cli import run_cli
+
+    done = run_cli(
+        "deploy", "--runs-root", "/data/traced-runs", "--name", "traced-runs", "--no-automation",
+        "--otlp", "http://phoenix:6006", "--otlp-headers-block", block, "--otlp-project", "evals",
+        "--otlp-run-name", "cluster-a", api=prefect_api,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    with get_client(sync_client=True) as client:
+        found = {d.name: d for d in client.read_deployments()}["traced-runs"]
+    assert {k: v for k, v in found.parameters.items() if k.startswith("otlp")} == {
+        "otlp_endpoint": "http://phoenix:6006",
+        "otlp_headers_block": block,
+        "otlp_project": "evals",
+        "otlp_run_name": "cluster-a",
+    }
+    for command, args, says in (
+        ("serve", ["--otlp-project", "evals"], "go with --otlp URL"),
+        ("deploy", ["--otlp", f"http://h:1/?api_key={SECRET}"], "--otlp-header"),
+        ("serve", ["--otlp", "http://h:1", "--otlp-run-name", "a\tb"], "control character"),
+        (
+            "deploy",
+            ["--otlp", "http://h:1", "--otlp-headers-block", "no-such-block"],
+            "'no-such-block' not found",
+        ),
+    ):
+        refused = run_cli(command, "--runs-root", "/data/traced-runs", *args, api=prefect_api)
+        assert refused.returncode == 2 and says in refused.stderr, refused.stderr
+        assert SECRET not in refused.stderr + refused.stdout

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -26,6 +27,7 @@ from rollout_capture.metrics import METRIC_FIELDS
 from rollout_capture.producer import CaptureMiddleware, current_verifier_call
 from rollout_capture.producer.proxy import CaptureProxy
 from rollout_capture.producer.settings import ProxySettings
+from rollout_capture.summation import exact_sum
 
 from .support.producer_calls import API_KEY, sdk_call
 from .support.scripted_upstream import CHAT
@@ -92,7 +94,7 @@ def merged(root: Path, task: int, rollout: int) -> dict[str, Any]:
 
 def sums(calls: list[dict[str, Any]], field: str) -> Any:
     values = [c[field] for c in calls if c[field] is not None]
-    return sum(values) if values else None
+    return exact_sum(values) if values else None  # NeMo Gym's sum(), on any Python (issue 34)
 
 
 def test_a_verify_call_and_its_judge_are_recorded_and_told_apart(deployment: Deployment) -> None:
@@ -139,6 +141,13 @@ def test_a_verify_call_and_its_judge_are_recorded_and_told_apart(deployment: Dep
     for field in ("tokens_in", "tokens_out", "tokens_total"):
         assert owners["policy"][field] + owners["verifiers"][field] == metrics[field]
 
+    # NeMo Gym's reader counts every line of the JSONL file as a model call: the verify call's row
+    # is not one of them (an object row beside it, which ours reads), so it counts 3 calls as we do.
+    lines = (deployment.root / "2-1.capture.jsonl").read_bytes().splitlines()
+    assert len(lines) == 3 and not any(b'"kind"' in line for line in lines)
+    (apart,) = (deployment.root / "2-1.capture").iterdir()
+    assert orjson.loads(apart.read_bytes())["kind"] == "verifier_invocation"
+
 
 def test_a_verify_call_under_the_prefix_keeps_its_id_and_a_failed_one_is_recorded(
     deployment: Deployment,
@@ -181,3 +190,22 @@ def test_a_verify_call_naming_no_rollout_is_forwarded_uncaptured(deployment: Dep
     assert answer.json() == {"response": {"id": "r"}, "reward": 0.0}  # the body reached it whole
     assert deployment.headers_seen == [None]
     assert not deployment.root.exists() or list(deployment.root.iterdir()) == []
+
+
+def test_verifier_rows_an_older_producer_wrote_into_the_jsonl_file_still_read(tmp_path: Path) -> None:
+    """Captures written before issue 34 hold the verify call's row among the model calls' lines:
+    ours still reads it as the verifier invocation, and its judge call as the judge's."""
+    judge = {"model_call_id": "j1", "dialect": "chat", "verifier_invocation_id": "v1", "response": CHAT}
+    verify = {
+        "kind": "verifier_invocation",
+        "verifier_invocation_id": "v1",
+        "reward": 0.5,
+        "status_code": 200,
+    }
+    policy = {"model_call_id": "p1", "dialect": "chat", "response": CHAT}
+    lines = b"".join(orjson.dumps(row) + b"\n" for row in (policy, judge, verify))
+    (tmp_path / "4-0.capture.jsonl").write_bytes(lines)
+    capture = merged(tmp_path, 4, 0)
+    assert [c["model_call_id"] for c in capture["calls"]] == ["p1", "j1"] and "gaps" not in capture
+    (invocation,) = capture["verifier_invocations"]
+    assert (invocation["reward"], invocation["model_call_ids"]) == (0.5, ["j1"])

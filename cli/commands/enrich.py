@@ -12,17 +12,17 @@ import typer
 from rollout_capture.cli.options import (
     AllowEmptyOpt,
     DaskAddressOpt,
+    FlowTraces,
     JsonOpt,
     MaxFailedShareOpt,
     MaxGapShareOpt,
-    OtlpFlowOpt,
-    OtlpHeadersBlockOpt,
     RayAddressOpt,
     RunnerName,
     RunnerOpt,
     Storage,
     runner_available,
     storage_options,
+    traces_options,
 )
 from rollout_capture.cli.output import InputError, Output, counts, percentiles, show
 from rollout_capture.cli.prefect_env import flow_run, preflight, rollouts_and_captures
@@ -70,12 +70,24 @@ def evidence_rows(evidence: Any) -> list[tuple[str, str]]:
     return rows
 
 
-def _enrich(storage: Storage, rollouts: str, *, runner: RunnerName, out: Output, **parameters: Any) -> None:
+def _enrich(
+    storage: Storage,
+    rollouts: str,
+    *,
+    runner: RunnerName,
+    out: Output,
+    traces: FlowTraces | None = None,
+    **parameters: Any,
+) -> None:
     """``enrich`` and ``demo``: check the input, run the flow, print the summary."""
+    traces = traces or FlowTraces()
+    parameters.update(traces.parameters())
     runner_available(runner, parameters.get("dask_address"), parameters.get("ray_address"))
     if parameters.get("output"):
         storage.at(parameters["output"])  # credentials in it refused before any server starts
+    traces.probe(prefect_started=False)
     source, captures = rollouts_and_captures(storage, rollouts)
+    traces.probe(prefect_started=True)
     from rollout_capture.flows import enrich_rollouts
 
     with _endpoint_refusals():
@@ -136,6 +148,7 @@ def _show_enriched(summary: EnrichSummary, rollouts: str) -> None:
 
 
 @storage_options()
+@traces_options
 def enrich(
     storage: Storage,
     rollouts: Annotated[str, typer.Argument(help="Rollouts JSONL (any fsspec URL, .gz too).")],
@@ -152,9 +165,9 @@ def enrich(
     quiescence_timeout: Annotated[float, typer.Option(help="Seconds to wait for claimed writes.")] = 10.0,
     max_gap_share: MaxGapShareOpt = None,
     max_failed_share: MaxFailedShareOpt = None,
-    otlp: OtlpFlowOpt = None,
-    otlp_headers_block: OtlpHeadersBlockOpt = None,
     as_json: JsonOpt = False,
+    *,
+    traces: FlowTraces,
 ) -> None:
     """Enrich every rollout of ROLLOUTS with its captured model calls (and write its report beside it)."""
     out = Output(json=as_json)
@@ -174,22 +187,8 @@ def enrich(
             strict=strict,
             max_gap_share=max_gap_share,
             max_failed_share=max_failed_share,
-            **_otlp_parameters(otlp, otlp_headers_block),
+            traces=traces,
         )
-
-
-def _otlp_parameters(otlp: str | None, block: str | None) -> dict[str, Any]:
-    """The flows' trace parameters, only when given (a flow's call is otherwise as before)."""
-    if block and not otlp:
-        raise InputError("--otlp-headers-block goes with --otlp URL")
-    if otlp:
-        from rollout_capture.traces.exporter import traces_url
-
-        try:  # credentials in it (userinfo, ?api_key=) refused here, before a flow records it
-            traces_url(otlp)
-        except ValueError as exc:
-            raise InputError(str(exc)) from None
-    return {"otlp_endpoint": otlp, "otlp_headers_block": block} if otlp else {}
 
 
 def demo(
@@ -215,6 +214,7 @@ def demo(
 
 
 @storage_options(captures=False)
+@traces_options
 def enrich_runs(
     storage: Storage,
     runs_root: Annotated[
@@ -241,22 +241,26 @@ def enrich_runs(
     allow_empty: AllowEmptyOpt = False,
     max_gap_share: MaxGapShareOpt = None,
     max_failed_share: MaxFailedShareOpt = None,
-    otlp: OtlpFlowOpt = None,
-    otlp_headers_block: OtlpHeadersBlockOpt = None,
     as_json: JsonOpt = False,
+    *,
+    traces: FlowTraces,
 ) -> None:
     """Enrich every finished, not yet enriched run under RUNS_ROOT (what the schedule runs)."""
     out = Output(json=as_json)
     with out.exits():
+        parameters = traces.parameters()
         runner_available(runner, dask_address, ray_address)
         runs = storage.at(runs_root)
         captures = runs.at(capture_dir) if capture_dir else None
+        traces.probe(prefect_started=False)
         preflight(
-            folders=[(runs, "runs root")], capture_dirs=[captures] if captures and not allow_empty else []
+            folders=[(runs, "runs root")],
+            capture_dirs=[captures] if captures and not allow_empty else [],
+            creates=[runs],  # leases and _ENRICHED
         )
+        traces.probe(prefect_started=True)
         from rollout_capture.flows import enrich_completed_runs
 
-        traces = _otlp_parameters(otlp, otlp_headers_block)
         with _endpoint_refusals():
             summary = flow_run(
                 not as_json,
@@ -273,7 +277,7 @@ def enrich_runs(
                     allow_empty=allow_empty,
                     max_gap_share=max_gap_share,
                     max_failed_share=max_failed_share,
-                    **traces,
+                    **parameters,
                     **runs.flow_parameters(),
                 ),
             )

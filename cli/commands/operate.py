@@ -9,12 +9,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from rollout_capture.cli.options import (
+    FlowTraces,
     JsonOpt,
     Scheduled,
     Storage,
     addresses_match,
     scheduled_options,
     storage_options,
+    traces_options,
 )
 from rollout_capture.cli.output import InputError, Output, show
 from rollout_capture.cli.prefect_env import api_url, block_exists, credentials, prefect_env, preflight
@@ -61,9 +63,11 @@ def _scheduled(
 
 @storage_options(captures=False)
 @scheduled_options
+@traces_options
 def deploy(
     storage: Storage,
     scheduled: Scheduled,
+    traces: FlowTraces,
     runs_root: Annotated[
         str,
         typer.Option(help="Runs root the schedule enriches, as the workers see it: absolute path or URL."),
@@ -91,6 +95,8 @@ def deploy(
     out = Output(json=as_json)
     with out.exits():
         _, parameters = _scheduled(storage, runs_root, scheduled)
+        parameters.update(traces.parameters())  # the schedule's traces (a Secret block's name only)
+        traces.check_block()
         from rollout_capture.deployments.register import register
 
         done = register(
@@ -115,9 +121,11 @@ def deploy(
 
 @storage_options(captures=False)
 @scheduled_options
+@traces_options
 def serve(
     storage: Storage,
     scheduled: Scheduled,
+    traces: FlowTraces,
     runs_root: Annotated[
         str | None,
         typer.Option(
@@ -142,6 +150,8 @@ def serve(
     out = Output(json=as_json)
     with out.exits():
         runs, parameters = _scheduled(storage, runs_root, scheduled)
+        parameters.update(traces.parameters())  # the schedule's traces (a Secret block's name only)
+        traces.check_block()
         preflight(folders=[(runs, "runs root")], prefect=False)  # served here: the root is this machine's
         from rollout_capture.deployments.serve import serve_shipped
 

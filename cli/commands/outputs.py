@@ -102,6 +102,12 @@ def export(
     otlp_project: Annotated[
         str | None, typer.Option(help="The Phoenix project the traces go to (default: Phoenix's own).")
     ] = None,
+    otlp_run_name: Annotated[
+        str | None,
+        typer.Option(
+            metavar="NAME", help="Names the run in its trace ids (default: the enriched file's location)."
+        ),
+    ] = None,
     include_payloads: Annotated[
         bool, typer.Option(help="Send each call's request and response messages with its span.")
     ] = False,
@@ -117,15 +123,18 @@ def export(
     with out.exits():
         if calls is None and rollouts is None and otlp is None:
             raise InputError("name --calls, --rollouts or both (or --otlp URL)")
-        if otlp is None and (otlp_header or otlp_project or include_payloads):
-            raise InputError("--otlp-header, --otlp-project and --include-payloads go with --otlp URL")
+        if otlp is None and (otlp_header or otlp_project or otlp_run_name or include_payloads):
+            raise InputError(
+                "--otlp-header, --otlp-project, --otlp-run-name and --include-payloads go with --otlp URL"
+            )
+        run = _run_named(enriched, otlp_project, otlp_run_name) if otlp is not None else ""
         headers = _checked_endpoint(otlp, otlp_header or []) if otlp is not None else None
         counts = traces = None
         with _local_input(enriched, "enriched file", storage) as path:
             if calls is not None or rollouts is not None:
                 counts = _tables(path, calls, rollouts)
             if otlp is not None:
-                traces = _traces(path, otlp, headers, otlp_project, include_payloads, as_json)
+                traces = _traces(path, otlp, headers, (otlp_project, run), include_payloads, as_json)
 
         def written() -> None:
             if counts is not None:
@@ -137,6 +146,9 @@ def export(
                     f"sent {traces.rollouts} rollout(s), {traces.calls} call(s) as {traces.spans} span(s) "
                     f"in {traces.batches} batch(es) to {_shown(otlp)}"
                 )
+                typer.echo(f"project: {traces.project or '(the default)'}; run: {traces.run}")
+                for note in traces.notes():
+                    typer.echo(note, err=True)
             skipped = counts.lines_skipped if counts is not None else traces.lines_skipped if traces else 0
             if skipped:
                 typer.echo(
@@ -162,6 +174,10 @@ def export(
                 "spans": traces.spans,
                 "batches": traces.batches,
                 "lines_skipped": traces.lines_skipped,
+                "project": traces.project,
+                "run": traces.run,
+                "calls_cut": traces.calls_cut,
+                "rejected_spans": traces.rejected_spans,
             }
         out.result(value, text=written)
 
@@ -180,6 +196,18 @@ def _shown(endpoint: str | None) -> str:
     from rollout_capture.traces.exporter import shown_endpoint, traces_url
 
     return shown_endpoint(traces_url(endpoint or ""))
+
+
+def _run_named(enriched: str, project: str | None, run_name: str | None) -> str:
+    """The run the traces are (docs/contract.md 13): ``--otlp-run-name``, else the enriched file's
+    own location (a copy's never); names checked before anything is read or sent."""
+    from rollout_capture.traces.runs import check_name, output_run
+
+    try:
+        check_name(project, "--otlp-project")
+        return check_name(run_name, "--otlp-run-name") or output_run(enriched)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
 
 
 def _checked_endpoint(endpoint: str, cli_headers: list[str]) -> Mapping[str, str]:
@@ -211,7 +239,7 @@ def _traces(
     path: str,
     endpoint: str,
     headers: Mapping[str, str] | None,
-    project: str | None,
+    where: tuple[str | None, str],
     include_payloads: bool,
     quiet: bool,
 ) -> Any:
@@ -228,7 +256,8 @@ def _traces(
                 endpoint,
                 headers=headers,
                 include_payloads=include_payloads,
-                project=project,
+                project=where[0],
+                run=where[1],
                 progress=progress,
             )
         except TracesUnavailable as exc:

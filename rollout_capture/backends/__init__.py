@@ -2,7 +2,7 @@
 
 :func:`open_backend` is the only place that looks at which filesystem a URL resolved to; the
 protocol table (:data:`BACKENDS`, in :mod:`rollout_capture.backends.registry`) says which
-backend class serves it.
+backend class serves it, and so what the store can do (:func:`capabilities_of`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from rollout_capture.backends.azure import AzureBackend
 from rollout_capture.backends.base import Backend, ListingScope, Named, ReadBatch
-from rollout_capture.backends.object_store import ObjectStoreBackend, UnsafeStoreError
+from rollout_capture.backends.capabilities import Capabilities, PutIfAbsent, UnsafeStoreError
+from rollout_capture.backends.gcs import GCSBackend
+from rollout_capture.backends.object_store import ObjectStoreBackend
 from rollout_capture.backends.posix import PosixBackend
 from rollout_capture.backends.registry import (
     ATOMIC_CREATE_PROTOCOLS,
@@ -20,6 +23,7 @@ from rollout_capture.backends.registry import (
     DEFAULT_BACKEND,
     PROCESS_LOCAL_PROTOCOLS,
     backend_class,
+    capabilities_of,
 )
 from rollout_capture.backends.s3 import S3Backend
 from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY, open_filesystem
@@ -29,15 +33,20 @@ __all__ = [
     "BACKENDS",
     "DEFAULT_BACKEND",
     "PROCESS_LOCAL_PROTOCOLS",
+    "AzureBackend",
     "Backend",
+    "Capabilities",
+    "GCSBackend",
     "ListingScope",
     "Named",
     "ObjectStoreBackend",
     "PosixBackend",
+    "PutIfAbsent",
     "ReadBatch",
     "S3Backend",
     "UnsafeStoreError",
     "backend_class",
+    "capabilities_of",
     "open_backend",
 ]
 

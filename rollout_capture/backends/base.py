@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import errno
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
+from rollout_capture.backends import proof
+from rollout_capture.backends.capabilities import Capabilities
 from rollout_capture.claims import Claim
 from rollout_capture.identity import validate_rollout_id
 from rollout_capture.names import Entry, RolloutListing, claims_dir, group_entries, objects_dir
@@ -92,6 +94,10 @@ class Backend(ABC):
     """Byte-level access to one capture root; paths are full, as the filesystem names them."""
 
     root: str
+    capabilities: ClassVar[Capabilities]
+    """What the store can do (local or not, its put-if-absent, its listings): the class's to say."""
+    conditional_request: ClassVar[str] = ""
+    """The request creating only if absent, as a refusal names it (``PutObject with If-None-Match: *``)."""
     default_layout: Layout
     """The row layout writers use here unless told otherwise (``jsonl`` or ``objects``)."""
     supports_append: bool
@@ -180,12 +186,37 @@ class Backend(ABC):
         return [None for _ in paths]
 
     def refuse_unsafe_writes(self) -> None:
-        """Raise a ``ValueError`` naming what is missing unless several writers may share this store.
+        """Raise :class:`~rollout_capture.backends.capabilities.UnsafeStoreError` naming what is missing
+        unless the backend has a put-if-absent at all (no request made: a producer asks it first)."""
+        if not self.capabilities.writable:
+            raise proof.no_put_if_absent(self)
 
-        A producer calls it when it opens the store, so an unsafe store is refused at startup
-        rather than at its first row. A local disk (flock, link-based create) is always safe.
-        """
-        return None
+    def require_put_if_absent(self) -> None:
+        """Return once this store is known to refuse a second create of one object, else raise
+        ``UnsafeStoreError``: proven once per store and process where a server's condition could be
+        ignored (:mod:`rollout_capture.backends.proof`). Every :meth:`create` asks it first."""
+        proof.require_put_if_absent(self)
+
+    def prove_put_if_absent(self, path: str) -> None:
+        """Create ``path``, create it again (refused, or the store is), remove it: a producer's
+        startup probe, proving the root writable and its put-if-absent kept at once."""
+        proof.prove_put_if_absent(self, path)
+
+    def create_unproven(self, path: str, data: bytes) -> None:
+        """:meth:`create` without asking :meth:`require_put_if_absent` first (the proof's own creates)."""
+        self.create(path, data)
+
+    def store_url(self) -> str:
+        """The root as a user names it (``s3://bucket/prefix``, or a local path)."""
+        return self.root
+
+    def endpoint(self) -> str:
+        """Where the store's requests go, as an error names it (a URL, or this machine)."""
+        return "this machine"
+
+    def store_key(self) -> Hashable:
+        """What makes two roots one store (an endpoint and a bucket): proven once per process."""
+        return (type(self).__name__, self.endpoint(), self.root.split("/", 1)[0])
 
     def root_found(self) -> bool:
         """Whether the root is there at all: a folder on a disk, at least one key on a store.

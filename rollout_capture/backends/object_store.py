@@ -2,8 +2,8 @@
 
 :class:`ObjectStoreBackend` is generic: it speaks fsspec's interface only. What a store does
 better or differently is a subclass overriding its hooks (``_listed_files``, ``_list_names_of``,
-``_read_kwargs``, ``atomic_create``, ``process_local``), picked by protocol in
-:mod:`rollout_capture.backends.registry` (S3 in :mod:`rollout_capture.backends.s3`).
+``_read_kwargs``, ``create_unproven``, ``endpoint``) and declaring its ``capabilities``, picked by
+protocol in :mod:`rollout_capture.backends.registry` (S3, GCS and Azure in modules of their own).
 
 Object stores answer per request, with a first-byte latency of tens of milliseconds, so
 this backend lists flat (1,000 keys a page, sizes included, never a HEAD) when that is
@@ -11,10 +11,12 @@ quicker than listing each rollout, reads every file of a batch concurrently, and
 batches of one job share a single listing of the root.
 
 Writers need put-if-absent (a row object, a lease, must never replace another writer's):
-stores marked ``atomic_create`` (S3, GCS) do it in one conditional request; a ``process_local``
-one (fsspec's in-memory filesystem) is one process's, so a lock does it there. Any other store
-(Azure, SFTP, ...) reads fine but is refused for writing, naming what it lacks: its emulation
-(look, then write) would let two hosts both win.
+stores whose ``capabilities`` say ``conditional-request`` (S3, GCS, Azure) do it in one conditional
+request, proven honoured once per store and process before it is relied on
+(:mod:`rollout_capture.backends.proof`); a ``process-lock`` one (fsspec's in-memory filesystem) is
+one process's, so a lock does it there. Any other store (SFTP, ``dir://``...) reads fine but is
+refused for writing, naming what it lacks: its emulation (look, then write) would let two hosts
+both win.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import fsspec
 from fsspec.asyn import sync as fsspec_sync
 
 from rollout_capture.backends.base import Backend, ListedReadBatch, ListingScope, Named, ReadBatch
+from rollout_capture.backends.capabilities import ONE_PROCESS, READ_ONLY_STORE, Capabilities
 from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY, join, protocol_of
 from rollout_capture.identity import validate_rollout_id
 from rollout_capture.names import JOURNAL_DIR, Entry, RolloutListing, group_entries, objects_dir
@@ -48,10 +51,6 @@ _FLAT_MIN_IDS = 32
 _SCOPES_KEPT = 4  # jobs whose listing is kept at once
 
 _memory_create_lock = threading.Lock()
-
-
-class UnsafeStoreError(ValueError):
-    """A store that cannot create a file only if it is absent, asked to do so: refused, never emulated."""
 
 
 def mtime_of(info: dict[str, Any]) -> float | None:
@@ -112,11 +111,7 @@ class ObjectStoreBackend(Backend):
     default_layout: Layout = "objects"
     supports_append = False  # no object store appends safely (emulated appends lose rows)
     trust_mtime = True  # modification times come from the store's clock
-    atomic_create: ClassVar[bool] = False
-    """Whether the filesystem's ``pipe_file(mode="create")`` is one conditional request (safe for
-    many writers on many hosts)."""
-    process_local: ClassVar[bool] = False
-    """Whether the store lives in one process, so creating under a lock is atomic (memory://)."""
+    capabilities: ClassVar[Capabilities] = READ_ONLY_STORE  # fsspec alone offers no put-if-absent
     _read_kwargs: ClassVar[Mapping[str, Any]] = {}
     """Keyword arguments of every ``cat_file`` (a store's own tuning)."""
 
@@ -300,7 +295,35 @@ class ObjectStoreBackend(Backend):
         return bool(self.fs.exists(path))
 
     def existing(self, paths: Sequence[str]) -> list[bool]:
-        return [body is not None for body in self.read_many(paths)]  # at once, not one by one
+        """One listing page from the first name, where the store lists from a name (``_page_from``)
+        and the paths share a folder: the names that sort among them come back in one page, and
+        what the page did not reach is asked one by one. Otherwise every path is read at once."""
+        if len(paths) < 2:
+            return [self.exists(path) for path in paths]  # one request (a HEAD where the store has one)
+        if type(self)._page_from is ObjectStoreBackend._page_from:
+            return [body is not None for body in self.read_many(paths)]  # at once, not one by one
+        split = [self.fs.split_path(path)[:2] for path in paths]  # (bucket, key): stores that list by key
+        keys = [key for _, key in split]
+        folder = keys[0].rpartition("/")[0]
+        if (
+            not folder
+            or any(b != split[0][0] or k.rpartition("/")[0] != folder for b, k in split)
+            or (page := self._page_from(split[0][0], folder, min(keys), len(keys) + 8)) is None
+        ):
+            return [body is not None for body in self.read_many(paths)]  # at once, not one by one
+        found, truncated = page
+        reached = max(found, default="")
+        if truncated and reached < max(keys):  # the page stopped short of the last
+            return [
+                key in found or (key > reached and self.exists(path))
+                for key, path in zip(keys, paths, strict=True)
+            ]
+        return [key in found for key in keys]
+
+    def _page_from(self, bucket: str, folder: str, first: str, limit: int) -> tuple[set[str], bool] | None:
+        """A hook: the keys of one listing page of ``folder/`` from the key ``first`` (inclusive) on,
+        at most ``limit``, and whether more follow; ``None`` where the store cannot list from a name."""
+        return None
 
     def modified(self, paths: Sequence[str]) -> list[float | None]:
         out: list[float | None] = []
@@ -334,23 +357,23 @@ class ObjectStoreBackend(Backend):
 
     @property
     def writable(self) -> bool:
-        """Whether several writers may share this store: it creates atomically, or lives in one process."""
-        return self.atomic_create or self.process_local
+        """Whether several writers may share this store: it has a put-if-absent of some kind."""
+        return self.capabilities.writable
 
-    def refuse_unsafe_writes(self) -> None:
-        """Raise :class:`UnsafeStoreError` naming the store and what it lacks, unless it is writable."""
-        if not self.writable:
-            protocol = protocol_of(self.fs)
-            raise UnsafeStoreError(
-                f"capture store {protocol}://{self.root} cannot be written: {protocol} has no atomic "
-                "create-if-absent (conditional put) in fsspec, so two writers (rows, leases) could "
-                "replace each other's files; write captures to a local disk, s3:// or gs:// "
-                "(reading this store is fine)"
-            )
+    def store_url(self) -> str:
+        return f"{protocol_of(self.fs)}://{self.root}"
+
+    def endpoint(self) -> str:
+        return protocol_of(self.fs)
 
     def create(self, path: str, data: bytes) -> None:
-        if self.atomic_create:
-            self.fs.pipe_file(path, data, mode="create")  # one conditional request (If-None-Match: *)
+        self.require_put_if_absent()  # proven once per store and process; refused if not kept
+        self.create_unproven(path, data)
+
+    def create_unproven(self, path: str, data: bytes) -> None:
+        """One conditional request (``pipe_file(mode="create")``), or under a lock in one process."""
+        if self.capabilities.put_if_absent == "conditional-request":
+            self.fs.pipe_file(path, data, mode="create")
             return
         self.refuse_unsafe_writes()
         with _memory_create_lock:  # process-local filesystems (memory): exclusive under one lock
@@ -372,15 +395,8 @@ class ObjectStoreBackend(Backend):
                     self.fs.rm_file(path)
 
 
-class AtomicCreateBackend(ObjectStoreBackend):
-    """A generic object store whose fsspec filesystem creates only if absent in one request
-    (gcsfs: ``ifGenerationMatch=0``), so many writers on many hosts may share it."""
-
-    atomic_create = True
-
-
 class ProcessLocalBackend(ObjectStoreBackend):
     """A store that lives in one process (fsspec's ``memory://``): put-if-absent under a lock is
     atomic there, so it is writable (tests, one-process tools), though never shared by hosts."""
 
-    process_local = True
+    capabilities = ONE_PROCESS

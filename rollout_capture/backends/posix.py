@@ -27,6 +27,7 @@ from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
 from rollout_capture.backends.base import Backend, ListingScope, Named, ReadBatch, nothing_to_finish
+from rollout_capture.backends.capabilities import LOCAL_DISK
 from rollout_capture.backends.posix_files import (
     APPEND_FLAGS,
     FOLDER_FLAGS,
@@ -86,6 +87,7 @@ class PosixBackend(NoFollowRoot, Backend):
     trust_mtime = False  # a local file's mtime is the writer's own clock
     writes_in_place = True
     folders_exist = True
+    capabilities = LOCAL_DISK  # link-based create: the OS keeps put-if-absent
 
     def __init__(self, root: str) -> None:
         self.root = root

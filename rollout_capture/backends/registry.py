@@ -2,37 +2,49 @@
 picks a filesystem class by protocol. A store missing from it gets the generic object-store
 backend, which reads anything fsspec reads and refuses writes it cannot make safe.
 
-Adding a store with requests of its own (Azure's conditional puts, say) is a subclass of
-:class:`~rollout_capture.backends.object_store.ObjectStoreBackend` and a line here.
+Adding a store with requests of its own is a subclass of
+:class:`~rollout_capture.backends.object_store.ObjectStoreBackend` and a line here. What a
+store can do (:class:`~rollout_capture.backends.capabilities.Capabilities`) is its class's to say:
+:func:`capabilities_of` answers for a URL or an opened filesystem, without a request.
 """
 
 from __future__ import annotations
 
+import os
+
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from rollout_capture.backends.azure import AzureBackend
 from rollout_capture.backends.base import Backend
-from rollout_capture.backends.object_store import AtomicCreateBackend, ObjectStoreBackend, ProcessLocalBackend
+from rollout_capture.backends.capabilities import Capabilities
+from rollout_capture.backends.gcs import GCSBackend
+from rollout_capture.backends.object_store import ObjectStoreBackend, ProcessLocalBackend
 from rollout_capture.backends.posix import PosixBackend
 from rollout_capture.backends.s3 import S3Backend
-from rollout_capture.filesystem import is_local, protocols_of
+from rollout_capture.filesystem import is_local, protocols_of, url_scheme
 
 BACKENDS: dict[str, type[Backend]] = {
     **dict.fromkeys(LocalFileSystem.protocol, PosixBackend),  # file, local
     "s3": S3Backend,
     "s3a": S3Backend,
-    "gs": AtomicCreateBackend,  # gcsfs creates with ifGenerationMatch=0: one conditional request
-    "gcs": AtomicCreateBackend,
+    "gs": GCSBackend,  # gcsfs creates with ifGenerationMatch=0: one conditional request
+    "gcs": GCSBackend,
+    "az": AzureBackend,  # Put Blob with If-None-Match: *
+    "abfs": AzureBackend,
+    "abfss": AzureBackend,
     "memory": ProcessLocalBackend,
 }
 """fsspec protocol -> the backend class for a capture root on it."""
 
 DEFAULT_BACKEND: type[Backend] = ObjectStoreBackend
-"""The backend of any protocol not in :data:`BACKENDS` (Azure, SFTP, ``dir://``...): read-only."""
+"""The backend of any protocol not in :data:`BACKENDS` (SFTP, ``dir://``...): read-only."""
 
-ATOMIC_CREATE_PROTOCOLS = frozenset(p for p, c in BACKENDS.items() if getattr(c, "atomic_create", False))
-"""Stores whose fsspec filesystem creates a file only if absent in one request (safe for many writers)."""
-PROCESS_LOCAL_PROTOCOLS = frozenset(p for p, c in BACKENDS.items() if getattr(c, "process_local", False))
+ATOMIC_CREATE_PROTOCOLS = frozenset(
+    p for p, c in BACKENDS.items() if c.capabilities.put_if_absent == "conditional-request"
+)
+"""Stores that create a file only if absent in one conditional request (proven before relied on)."""
+PROCESS_LOCAL_PROTOCOLS = frozenset(p for p, c in BACKENDS.items() if not c.capabilities.shared_by_hosts)
 """Stores that live in one process: creating under a lock is atomic there (tests, one-process tools)."""
 
 
@@ -45,3 +57,14 @@ def backend_class(fs: fsspec.AbstractFileSystem) -> type[Backend]:
         if protocol in BACKENDS:
             return BACKENDS[protocol]
     return DEFAULT_BACKEND
+
+
+def capabilities_of(where: str | os.PathLike[str] | fsspec.AbstractFileSystem) -> Capabilities:
+    """What the store at a path or URL (or behind an opened filesystem) can do: its backend class's
+    answer, found by protocol as :func:`backend_class` finds it, with no request and no import."""
+    if isinstance(where, fsspec.AbstractFileSystem):
+        return backend_class(where).capabilities
+    if is_local(where):
+        return PosixBackend.capabilities
+    scheme = url_scheme(where) or "file"
+    return BACKENDS.get(scheme, DEFAULT_BACKEND).capabilities

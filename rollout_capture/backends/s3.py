@@ -10,20 +10,36 @@ read would send first (``max_concurrency=1``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping, Sequence
+import os
+from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from fsspec.asyn import sync as fsspec_sync
 
 from rollout_capture.backends.base import Named
+from rollout_capture.backends.capabilities import CONDITIONAL_STORE
 from rollout_capture.backends.object_store import ListingTooLarge, ObjectStoreBackend, mtime_of, named_entries
 
 
 class S3Backend(ObjectStoreBackend):
     """A capture root in an S3 bucket (or any S3-compatible endpoint: MinIO, moto...)."""
 
-    atomic_create = True  # PutObject If-None-Match: *
+    capabilities = CONDITIONAL_STORE  # AWS, MinIO, moto keep it; rclone's serve s3 does not (proven)
+    conditional_request = "PutObject with If-None-Match: *"
     _read_kwargs: ClassVar[Mapping[str, Any]] = {"max_concurrency": 1}  # one GET, no HEAD first
+
+    def _configured_endpoint(self) -> str | None:
+        """The endpoint the options or botocore's environment variables name; None: AWS's own."""
+        options = getattr(self.fs, "endpoint_url", None) or (self.fs.client_kwargs or {}).get("endpoint_url")
+        return options or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+    def endpoint(self) -> str:
+        client = getattr(self.fs, "_s3", None)  # connected: the client's own
+        connected = getattr(getattr(client, "meta", None), "endpoint_url", None)
+        return str(self._configured_endpoint() or connected or "AWS S3 (the region's default endpoint)")
+
+    def store_key(self) -> Hashable:
+        return (type(self).__name__, self._configured_endpoint(), self.root.split("/", 1)[0])
 
     def _head(self, path: str) -> dict[str, Any] | None:
         """One HEAD of a file; None when it is not there. (s3fs's ``exists``/``info`` list the
@@ -42,36 +58,17 @@ class S3Backend(ObjectStoreBackend):
     def exists(self, path: str) -> bool:
         return self._head(path) is not None
 
-    def existing(self, paths: Sequence[str]) -> list[bool]:
-        """One ``ListObjectsV2`` from just before the first name, where the paths share a folder
-        (S3 lists keys in order, consistently): the names that sort among them come back in one
-        page; what the page did not reach is asked by HEAD."""
-        split = [self.fs.split_path(path) for path in paths]
-        keys = [key for _, key, _ in split]
-        folder = keys[0].rpartition("/")[0] if keys else ""
-        if (
-            len(paths) < 2
-            or not folder
-            or any(b != split[0][0] or k.rpartition("/")[0] != folder for b, k, _ in split)
-        ):
-            return [self.exists(path) for path in paths]
+    def _page_from(self, bucket: str, folder: str, first: str, limit: int) -> tuple[set[str], bool]:
         listed: dict[str, Any] = fsspec_sync(
             self.fs.loop,
             self.fs._call_s3,
             "list_objects_v2",
-            Bucket=split[0][0],
+            Bucket=bucket,
             Prefix=f"{folder}/",
-            StartAfter=min(keys)[:-1],  # sorts just before the first name, and nothing else does
-            MaxKeys=len(keys) + 8,
+            StartAfter=first[:-1],  # sorts just before the first name, and nothing else does
+            MaxKeys=limit,
         )
-        found = {item["Key"] for item in listed.get("Contents", [])}
-        reached = max(found, default="")
-        if listed.get("IsTruncated") and reached < max(keys):  # the page stopped short of the last
-            return [
-                key in found or (key > reached and self.exists(path))
-                for key, path in zip(keys, paths, strict=True)
-            ]
-        return [key in found for key in keys]
+        return {item["Key"] for item in listed.get("Contents", [])}, bool(listed.get("IsTruncated"))
 
     def modified(self, paths: Sequence[str]) -> list[float | None]:
         return [None if (head := self._head(path)) is None else mtime_of(head) for path in paths]

@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 MODEL_REF_TYPE = "responses_api_models"
 _ASK_USAGE = b'{"stream_options":{"include_usage":true},'
 _RAW_STREAM_KEEP = 64 * 1024  # raw stream bytes kept for a row whose stream could not be read
+_EXECUTION_KEYS = ("upstream_attempted", "response_source", "upstream_status_code", "local_response_reason")
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""A model server's local answer to a prompt past the context (NeMo Gym's vLLM server): the
+row's ``error_category`` too, as NeMo Gym writes it."""
 
 
 def _decode(body: bytes) -> str:
@@ -90,6 +94,10 @@ class Exchange:
         self._claim_settled: float | None = None  # when the claim written meanwhile was durable
         self._raw_too = False  # an answer an exception carried: its body kept as text besides
         self._answer: HeldAnswer | None = None  # the client's side, when it waits for the claim
+        # Who answered (NeMo Gym 0.7's execution facts, spec 5): said by the proxy, which knows,
+        # or by the app under the middleware (NeMo Gym's request state); None: not said.
+        self.execution: dict[str, Any] | None = None
+        self._app_state: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ request
 
@@ -135,6 +143,9 @@ class Exchange:
     def response_started(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
         """The upstream answered with a status and headers."""
         self.status_code = status
+        if self.execution is not None and self.execution["response_source"] is None:
+            self.execution["response_source"] = "upstream"
+            self.execution["upstream_status_code"] = status
         if _is_event_stream(headers):
             self.relay = StreamRelay(
                 self.dialect,
@@ -183,6 +194,43 @@ class Exchange:
             self.fault = category
         if self._ended is None:
             self._ended = time.perf_counter()
+
+    def forwarded_upstream(self) -> None:
+        """The proxy sends this call to its upstream: it will say who answered (spec 5, 11)."""
+        self.execution = {
+            "upstream_attempted": True,
+            "response_source": None,
+            "upstream_status_code": None,
+            "local_response_reason": None,
+        }
+
+    def answered_locally(self, reason: str) -> None:
+        """The producer answers the client itself (an upstream unreachable, silent, or answering a
+        status no server can send): ``reason`` is the kind of its error answer."""
+        if self.execution is not None:
+            self.execution["response_source"] = "local"
+            self.execution["local_response_reason"] = reason
+
+    def app_says(self, state: dict[str, Any]) -> None:
+        """The app under the middleware may say who answered, as NeMo Gym's model servers say it
+        (``request.state.nemo_gym_model_execution``, in the scope's ``state``): read when the row
+        is made, its four facts as they are."""
+        self._app_state = state
+
+    def _app_execution(self) -> None:
+        facts = self._app_state.get("nemo_gym_model_execution") if self._app_state is not None else None
+        if isinstance(facts, dict):
+            self.execution = {key: facts.get(key) for key in _EXECUTION_KEYS}
+
+    def client_left(self) -> None:
+        """The client went away before the answer was complete, and the call is stopped. A stream
+        whose answer had begun ends here without its terminal event: NeMo Gym's rule (the stream's
+        own end decides) reads it ``stream_truncated`` (or its error status); a call with no answer
+        begun, or a plain body, is ``cancelled``."""
+        if self.relay is not None and self.status_code is not None:
+            self.broke_off()
+        else:
+            self.failed(ErrorCategory.CANCELLED)
 
     def broke_off(self, *, timed_out: bool = False) -> None:
         """The upstream's answer stopped before its end (dropped, fell silent, or the app raised or
@@ -369,6 +417,11 @@ class Exchange:
             "request": self.request,
             "response": response,
         }
+        self._app_execution()
+        if self.execution is not None:
+            row.update(self.execution)
+            if self.execution.get("local_response_reason") == CONTEXT_LENGTH_EXCEEDED:
+                row["error_category"] = CONTEXT_LENGTH_EXCEEDED  # NeMo Gym's rule for this answer
         if self.request_raw is not None:
             row["request_raw"] = self.request_raw
         if response_raw is not None:

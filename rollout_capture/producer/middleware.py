@@ -179,6 +179,7 @@ class CaptureMiddleware:
         scope["headers"] = replace_header(headers, b"accept-encoding", b"identity")
         await exchange.claim(writer)
         relay = _Relay(exchange, writer, receive, send, forward, whole)
+        exchange.app_says(scope.setdefault("state", {}))  # where NeMo Gym's servers say who answered
         try:
             exchange.forwarding()
             await self.app(scope, relay.receive, relay.send)
@@ -193,9 +194,10 @@ class CaptureMiddleware:
                 exchange.server_failed(exc)
             raise
         finally:
-            if relay.client_gone and not exchange.finished:
-                exchange.failed(ErrorCategory.CANCELLED)
-            await exchange.close(writer)  # an app that returned early: its answer broke off
+            # An app that returned early (its client gone or not): its answer broke off, and how it
+            # ended decides, as NeMo Gym's capture decides (a stream without its end is
+            # stream_truncated); an app cancelled or failing on a gone client is cancelled (above).
+            await exchange.close(writer)
             await exchange.answer_settled()  # what it sent before goes to the client
             if relay.refused is not None and not relay.answered and not relay.client_gone:
                 await relay.refuse()

@@ -90,7 +90,7 @@ async def _watch_client(
         pass
     if exchange.finished:
         return False
-    exchange.failed(ErrorCategory.CANCELLED)
+    exchange.client_left()
     call.cancel()
     return True
 
@@ -286,6 +286,7 @@ class CaptureProxy:
         """One upstream exchange; the caller writes the row of one that does not end normally."""
         try:
             exchange.forwarding()
+            exchange.forwarded_upstream()
             try:
                 response = await self._send(scope, found, content, captured=True)
             except (UpstreamError, ClientLeft) as exc:  # httpx hands the body's own ClientLeft back
@@ -298,6 +299,7 @@ class CaptureProxy:
                     return
                 assert isinstance(exc, UpstreamError)
                 exchange.failed(ErrorCategory.TIMEOUT if exc.timed_out else ErrorCategory.CONNECTION)
+                exchange.answered_locally(_error_kind(exc))
                 await exchange.write_row(self.writer)  # before the client's last byte
                 await _send_upstream_error(send, exc)
                 return
@@ -306,7 +308,8 @@ class CaptureProxy:
             finally:
                 await response.aclose()
         except asyncio.CancelledError:
-            exchange.failed(ErrorCategory.CANCELLED)
+            if not exchange.broken:  # a stream its client cut keeps its own end (client_left)
+                exchange.failed(ErrorCategory.CANCELLED)
             raise
         except UpstreamBroken:
             raise
@@ -352,6 +355,7 @@ class CaptureProxy:
             response.status,
             exchange.rollout_id,
         )
+        exchange.answered_locally(INVALID_STATUS_KIND)
         read = 0
         try:
             async for chunk in response.chunks():
@@ -370,11 +374,17 @@ class CaptureProxy:
         await send_json_error(send, 502, invalid_status_message(response.status), INVALID_STATUS_KIND)
 
 
+def _error_kind(exc: UpstreamError) -> str:
+    """The ``type`` of the error the proxy answers for an upstream it could not get an answer from
+    (also the row's ``local_response_reason``)."""
+    return "upstream_timeout" if exc.timed_out else "upstream_connection_error"
+
+
 async def _send_upstream_error(send: Send, exc: UpstreamError) -> None:
     if exc.timed_out:
-        await send_json_error(send, 504, f"upstream timed out: {exc.kind}", "upstream_timeout")
+        await send_json_error(send, 504, f"upstream timed out: {exc.kind}", _error_kind(exc))
     else:
-        await send_json_error(send, 502, f"upstream unreachable: {exc.kind}", "upstream_connection_error")
+        await send_json_error(send, 502, f"upstream unreachable: {exc.kind}", _error_kind(exc))
 
 
 class ClientLeft(Exception):

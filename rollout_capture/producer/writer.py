@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from rollout_capture.filesystem import is_local
+from rollout_capture.backends import capabilities_of
 from rollout_capture.journal import in_flight_setting
 from rollout_capture.layouts import ClaimsMode, producer_layout
 from rollout_capture.producer.settings import ProducerSettings
@@ -414,7 +414,7 @@ def writer_for(settings: ProducerSettings) -> CaptureWriter:
     where a request per call is what a run costs (spec 2); claims go to this process's claims
     log on a local disk unless told ``files`` (spec 3).
     """
-    local = is_local(settings.root)
+    local = capabilities_of(settings.root).local
     layout = producer_layout(settings.layout, local=local)
     if layout == "journal":
         in_flight_setting()  # a malformed ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT refused at startup, not per call
@@ -423,5 +423,5 @@ def writer_for(settings: ProducerSettings) -> CaptureWriter:
         settings.root, storage_options=settings.storage_options, layout=layout, claims=claims
     )
     store.refuse_unsafe_writes()  # at startup, not as a logged failure at every call
-    store.prove_writable()  # a root that cannot be written is refused before any call is served
+    store.prove_writable()  # unwritable, or no put-if-absent: refused before any call is served
     return CaptureWriter(store, claim_ttl_s=settings.claim_ttl_s, io_threads=settings.io_threads)

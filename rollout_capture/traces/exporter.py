@@ -1,42 +1,57 @@
-"""Stream an enriched JSONL file to an OTLP/HTTP (protobuf) traces endpoint, in bounded batches.
+"""Stream an enriched JSONL file to an OTLP/HTTP (protobuf) traces endpoint, in bounded requests.
 
 The file is read line by line the way the Parquet export reads it
 (:func:`rollout_capture.summary.iter_enriched`), each record mapped to its trace
-(:func:`.spans.rollout_spans`) and the spans sent in batches of at most ``batch_spans`` spans
-(or about ``batch_bytes`` of payload text), one batch on the wire while the next is built: memory
-stays flat whatever the file's size. Before anything is sent the endpoint is probed with an
-empty export request, so an unreachable endpoint, a wrong path or refused credentials fail at
-once, naming the endpoint (never the headers), rather than after the first batch.
+(:func:`.spans.rollout_spans`, its ids scoped to the project and the run: :mod:`.runs`) and the
+spans sent in batches of at most ``batch_spans`` spans or about ``batch_bytes`` bytes, one batch on
+the wire while the next is built: memory stays flat whatever the file's size. A rollout's spans
+may go in several requests (spans, not rollouts, fill a batch), and each call's payloads are cut
+to a budget (:mod:`.payloads`), so one huge rollout is sent like the others and never holds them up.
+
+Before anything is sent the endpoint is probed with an empty export request, so an unreachable
+endpoint, a wrong path, a redirect or refused credentials fail at once, naming the endpoint
+(never the headers), rather than after the first batch. Every request is bounded whole by a
+deadline and never follows a redirect (:mod:`.transport`).
 """
 
 from __future__ import annotations
 
-import http.client
+import gzip
 import os
 import queue
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from rollout_capture.secret_options import refuse_url_credentials
+import orjson
+
+from rollout_capture import __version__
+from rollout_capture.secret_options import url_credentials
 from rollout_capture.summary import EvidenceShapeError, attachment_of, iter_enriched, no_attachment_error
 from rollout_capture.traces import require_otel
+from rollout_capture.traces.ids import RunScope
+from rollout_capture.traces.payloads import PAYLOAD_BUDGET, text_bytes
+from rollout_capture.traces.runs import check_name, output_run
 from rollout_capture.traces.spans import make_resource, rollout_spans
+from rollout_capture.traces.transport import (
+    MAX_ANSWER_BYTES,
+    Answer,
+    Connection,
+    NoAnswer,
+    masked,
+    one_line,
+    shown_url,
+)
 
 _MISSING: ImportError | None = None
 try:
-    import requests  # the OTLP/HTTP exporter's own HTTP client
-    from opentelemetry.exporter.otlp.proto.http import Compression
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import ReadableSpan
-    from opentelemetry.sdk.trace.export import SpanExportResult
 except ImportError as exc:  # no [otel] extra: the module imports, export_traces raises TracesUnavailable
     _MISSING = exc
 
@@ -44,12 +59,20 @@ TRACES_PATH = "/v1/traces"
 BATCH_SPANS = 2048
 """Spans a request carries at most (the SDK's batch processor sends 512; bigger costs fewer round trips)."""
 BATCH_BYTES = 4 * 1024 * 1024
-"""About this much attribute text a request carries at most (payloads make spans big)."""
+"""About this many bytes a request carries at most (a span bigger alone goes alone)."""
+MAX_REQUEST_BYTES = 16 * 1024 * 1024
+"""A request's body at most once encoded: a batch past it is split in two before it is sent (the
+OpenTelemetry Collector takes 20 MiB by default; the SDK drops batches over 64 MiB)."""
+TRANSIENT_STATUS = frozenset({429, 502, 503, 504})
+"""Answers that mean "later" (Phoenix answers 503 while its ingestion queue is full)."""
+_CONTENT = {"Content-Type": "application/x-protobuf", "User-Agent": f"rollout-capture/{__version__}"}
+_SAFE_AGAIN = "exporting again is safe: span ids are derived, so what landed is not doubled"
 
 
 class OtlpEndpointError(RuntimeError):
-    """The endpoint cannot take traces: unreachable, not an OTLP receiver, credentials refused,
-    or a batch it refused. The message names the endpoint, never the headers."""
+    """The endpoint cannot take traces: unreachable, not an OTLP receiver, redirecting elsewhere,
+    credentials refused, too slow, or a batch it refused. The message names the endpoint and what
+    it answered, never the headers."""
 
 
 class OtlpHeaders(Mapping[str, str]):
@@ -63,7 +86,7 @@ class OtlpHeaders(Mapping[str, str]):
     def __getitem__(self, key: str) -> str:
         return self._values[key]
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[str]:
         return iter(self._values)
 
     def __len__(self) -> int:
@@ -86,7 +109,7 @@ class TraceProgress:
 
 @dataclass(frozen=True, slots=True)
 class TraceExportCounts:
-    """What an export sent."""
+    """What an export sent, where, and what it had to cut."""
 
     rollouts: int
     calls: int
@@ -94,12 +117,49 @@ class TraceExportCounts:
     batches: int
     lines_skipped: int
     """Lines that are not JSON objects, or records without an attachment."""
+    project: str | None = None
+    run: str = ""
+    """What names the run (part of every trace id; on each root span as ``rollout_capture.run.name``)."""
+    calls_cut: int = 0
+    """Calls whose payloads were cut to the budget (``rollout_capture.call.payload_cut``)."""
+    rejected_spans: int = 0
+    """Spans the endpoint took the requests of but said it rejected (OTLP's partial success)."""
+
+    def sent(self, endpoint: str) -> str:
+        """What was sent and where, as a summary says it: counts, endpoint, project, run, notes."""
+        project = f"project {self.project}" if self.project else "the default project"
+        return (
+            f"{self.rollouts} rollout(s), {self.calls} call(s) sent as {self.spans} span(s) in "
+            f"{self.batches} batch(es) to {shown_endpoint(traces_url(endpoint))} ({project}, run {self.run})"
+            + "".join(f"; {note}" for note in self.notes())
+        )
+
+    def notes(self) -> list[str]:
+        """What a summary should add to "sent ...": payloads cut, spans the endpoint rejected."""
+        out = []
+        if self.calls_cut:
+            out.append(f"payloads of {self.calls_cut} call(s) cut to fit (rollout_capture.call.payload_cut)")
+        if self.rejected_spans:
+            out.append(f"the endpoint rejected {self.rejected_spans} span(s) it was sent")
+        return out
+
+
+URL_SECRET_ADVICE = (
+    "send credentials as a header instead: --otlp-header 'Name: value', "
+    "ROLLOUT_CAPTURE_OTLP_HEADERS='Name=value', or a Prefect Secret block (--otlp-headers-block, "
+    "otlp_headers_block=)"
+)
 
 
 def traces_url(endpoint: str) -> str:
     """The OTLP/HTTP traces URL of ``endpoint``: a base URL (``http://host:4318``) gets
-    ``/v1/traces``; a URL with a path is taken as it is. Credentials in the URL are refused."""
-    refuse_url_credentials(endpoint, where="OTLP endpoint")
+    ``/v1/traces``; a URL with a path is taken as it is. Credentials in the URL are refused,
+    pointing at the header options."""
+    shown = url_credentials(endpoint)
+    if shown is not None:
+        raise ValueError(
+            f"OTLP endpoint: credentials in the URL are not allowed ({shown}); {URL_SECRET_ADVICE}"
+        )
     parts = urlsplit(endpoint)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ValueError(
@@ -112,109 +172,206 @@ def traces_url(endpoint: str) -> str:
 
 def shown_endpoint(endpoint: str) -> str:
     """The endpoint as an error names it: scheme, host and path (no query, no userinfo)."""
-    parts = urlsplit(endpoint)
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, host, parts.path, "", "")) or "(no URL)"
+    return shown_url(endpoint)
 
 
-def check_endpoint(endpoint: str, headers: Mapping[str, str] | None = None, timeout_s: float = 5.0) -> None:
-    """Raise :class:`OtlpEndpointError` unless ``endpoint`` accepts an (empty) OTLP export request.
+def _said(answer: Answer, headers: Mapping[str, str]) -> str:
+    """What the endpoint said beside its status, one line: an OTLP error's message (a protobuf
+    ``google.rpc.Status``), a JSON error's ``message``, or its text; header values masked."""
+    text = ""
+    if answer.content_type == "application/x-protobuf" and answer.body:
+        try:
+            from google.rpc.status_pb2 import Status  # type: ignore[import-untyped]
+
+            text = Status.FromString(answer.body).message
+        except Exception:  # not a Status: nothing worth showing
+            text = ""
+    elif answer.content_type == "application/json" and len(answer.body) < MAX_ANSWER_BYTES:
+        try:
+            value = orjson.loads(answer.body)
+        except orjson.JSONDecodeError:
+            value = None
+        found = (
+            value.get("message") or value.get("detail") or value.get("error")
+            if isinstance(value, dict)
+            else None
+        )
+        text = found if isinstance(found, str) else ""
+    elif answer.content_type.startswith("text/"):
+        text = answer.body[:2048].decode("utf-8", "replace")
+    text = one_line(masked(text, headers))
+    return f": {text}" if text else ""
+
+
+def _redirect(shown: str, answer: Answer, headers: Mapping[str, str], then: str) -> OtlpEndpointError:
+    where = masked(answer.location or "(no Location)", headers)
+    return OtlpEndpointError(
+        f"OTLP endpoint {shown} answered {answer.shown} redirecting to {where}; not followed (the "
+        f"traces and their headers would go where you did not send them): if that is the "
+        f"receiver, give it as the endpoint; {then}"
+    )
+
+
+def check_endpoint(endpoint: str, headers: Mapping[str, str] | None = None, timeout_s: float = 10.0) -> None:
+    """Raise :class:`OtlpEndpointError` unless ``endpoint`` accepts an (empty) OTLP export request
+    within ``timeout_s``, answer included.
 
     An empty ``ExportTraceServiceRequest`` is zero bytes of protobuf: a receiver answers it
     200 and stores nothing, so the probe sends no span.
     """
     url = traces_url(endpoint)
-    shown = shown_endpoint(url)
-    request = urllib.request.Request(
-        url,
-        data=b"",
-        method="POST",
-        headers={**(headers or {}), "Content-Type": "application/x-protobuf"},
-    )
+    shown, given = shown_endpoint(url), dict(headers or {})
+    connection = Connection(url, {**given, **_CONTENT})
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
-            status = int(answer.status)
-    except urllib.error.HTTPError as exc:
-        status = exc.code
-        exc.close()
-    except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, timeout, unresolved, not HTTP
-        raise OtlpEndpointError(
-            f"OTLP endpoint {shown} is unreachable ({type(exc).__name__}); nothing was sent"
-        ) from None
+        answer = connection.post(b"", time.monotonic() + timeout_s)
+    except NoAnswer as exc:
+        if exc.timed_out:
+            raise OtlpEndpointError(
+                f"OTLP endpoint {shown} gave no complete answer to an empty export within {timeout_s:g} s; "
+                "nothing was sent"
+            ) from None
+        raise OtlpEndpointError(f"OTLP endpoint {shown} is unreachable ({exc}); nothing was sent") from None
+    finally:
+        connection.close()
+    status, said = answer.status, _said(answer, given)
+    if 300 <= status < 400:
+        raise _redirect(shown, answer, given, "nothing was sent")
     if status in (401, 403):
         raise OtlpEndpointError(
-            f"OTLP endpoint {shown} refused the credentials (HTTP {status}); nothing was sent"
+            f"OTLP endpoint {shown} refused the credentials ({answer.shown}{said}); nothing was sent"
         )
     if status in (404, 405):
         raise OtlpEndpointError(
-            f"OTLP endpoint {shown} has no OTLP/HTTP traces receiver there (HTTP {status}); "
+            f"OTLP endpoint {shown} has no OTLP/HTTP traces receiver there ({answer.shown}{said}); "
             f"nothing was sent (the traces path is usually {TRACES_PATH})"
         )
     if not 200 <= status < 300:
         raise OtlpEndpointError(
-            f"OTLP endpoint {shown} answered HTTP {status} to an empty export; nothing was sent"
+            f"OTLP endpoint {shown} answered {answer.shown}{said} to an empty export; nothing was sent"
         )
 
 
 def _weight(span: ReadableSpan) -> int:
-    """About how many bytes a span's text takes on the wire (its string attributes dominate)."""
+    """About how many bytes a span takes on the wire (its string attributes dominate)."""
     size = 200
-    for value in (span.attributes or {}).values():
-        size += len(value) if isinstance(value, str) else 16
+    for attributes in (span.attributes, *(event.attributes for event in span.events)):
+        for key, value in (attributes or {}).items():
+            size += len(key) + 8
+            if isinstance(value, str):
+                size += text_bytes(value)
+            elif isinstance(value, tuple | list):
+                size += sum(text_bytes(v) + 4 if isinstance(v, str) else 12 for v in value)
+            else:
+                size += 12
     return size
 
 
-TRANSIENT_STATUS = frozenset({429, 502, 503, 504})
-"""Answers that mean "later" (Phoenix answers 503 while its ingestion queue is full)."""
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    """How long the sender waits, for what, and how big a request may be."""
+
+    timeout_s: float
+    patience_s: float
+    deadline: float | None
+    max_request_bytes: int
+    compression: bool
 
 
 class _Sender:
     """One batch on the wire while the next is built: a thread and a queue of one.
 
-    A batch the endpoint pushes back (:data:`TRANSIENT_STATUS`, or no answer) is sent again
-    with growing pauses for up to ``patience_s``: a receiver draining its queue slows the export
-    down instead of failing it. Any other refusal fails at once.
+    A batch is encoded here, split in two while it is over ``max_request_bytes`` (or refused as
+    too large, 413), and sent; one the endpoint pushes back (:data:`TRANSIENT_STATUS`, or no
+    complete answer within ``timeout_s``) is sent again with growing pauses for up to
+    ``patience_s``. A redirect or any other refusal fails at once.
     """
 
     def __init__(
-        self, exporter: OTLPSpanExporter, shown: str, last: dict[str, int | None], patience_s: float
+        self, connection: Connection, shown: str, headers: Mapping[str, str], limits: _Limits
     ) -> None:
-        self.exporter, self.shown, self.last, self.patience_s = exporter, shown, last, patience_s
+        self.connection, self.shown, self.headers, self.limits = connection, shown, headers, limits
         self.pending: queue.Queue[list[ReadableSpan] | None] = queue.Queue(maxsize=1)
-        self.error: OtlpEndpointError | None = None
-        self.sent_spans = self.sent_batches = self.retries = 0
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+        self.sent_spans = self.sent_batches = self.retries = self.rejected = 0
         self.thread = threading.Thread(target=self._run, name="otlp-sender", daemon=True)
         self.thread.start()
 
-    def _export(self, batch: list[ReadableSpan]) -> OtlpEndpointError | None:
-        deadline = time.monotonic() + self.patience_s
-        pause = 0.5
-        while True:
-            self.last["status"] = None
-            if self.exporter.export(batch) is SpanExportResult.SUCCESS:
-                return None
-            status = self.last["status"]
-            transient = status is None or status in TRANSIENT_STATUS
-            if not transient or time.monotonic() + pause > deadline:
-                answered = f"HTTP {status}" if status is not None else "no answer"
-                waited = f" for {self.patience_s:g} s" if transient else ""
-                return OtlpEndpointError(
-                    f"OTLP endpoint {self.shown} refused a batch of {len(batch)} spans ({answered}{waited}) "
-                    f"after {self.sent_spans} spans in {self.sent_batches} batches were accepted "
-                    "(exporting again is safe: span ids are derived, so what landed is not doubled)"
+    def _encode(self, batch: list[ReadableSpan]) -> bytes:
+        body: bytes = encode_spans(batch).SerializeToString()
+        return gzip.compress(body, compresslevel=1) if self.limits.compression else body
+
+    def _failure(self, batch: list[ReadableSpan], verb: str, detail: str) -> OtlpEndpointError:
+        """``OTLP endpoint URL <verb> a batch of N spans (<detail>) after ...``: what happened to
+        which batch, and how much had landed before it."""
+        return OtlpEndpointError(
+            f"OTLP endpoint {self.shown} {verb} a batch of {len(batch)} spans ({detail}) after "
+            f"{self.sent_spans} spans in {self.sent_batches} batches were accepted ({_SAFE_AGAIN})"
+        )
+
+    def _deliver(self, batch: list[ReadableSpan]) -> None:
+        """Send one batch whole (split when too large), retrying what means "later"."""
+        body = self._encode(batch)
+        if len(body) > self.limits.max_request_bytes and len(batch) > 1:
+            self._deliver(batch[: len(batch) // 2])
+            self._deliver(batch[len(batch) // 2 :])
+            return
+        answer = self._answer(batch, body)
+        if answer.status == 413 and len(batch) > 1:
+            self._deliver(batch[: len(batch) // 2])
+            self._deliver(batch[len(batch) // 2 :])
+            return
+        if not 200 <= answer.status < 300:
+            if 300 <= answer.status < 400:
+                raise _redirect(
+                    self.shown, answer, self.headers, f"{self.sent_spans} spans had been accepted"
                 )
+            said = _said(answer, self.headers)
+            size = f"{len(body):,} bytes" + (", as too large: one span alone" if answer.status == 413 else "")
+            raise self._failure(batch, "refused", f"{answer.shown}{said}; {size}")
+        self.rejected += _rejected(answer)
+        self.sent_spans += len(batch)
+        self.sent_batches += 1
+
+    def _answer(self, batch: list[ReadableSpan], body: bytes) -> Answer:
+        """The endpoint's answer to ``body``, sent again while it pushes back (within patience)."""
+        limits = self.limits
+        started = time.monotonic()
+        patience_end = started + limits.patience_s
+        pause, tries = 0.5, 0
+        headers = {"Content-Encoding": "gzip"} if limits.compression else None
+        while True:
+            tries += 1
+            deadline = time.monotonic() + limits.timeout_s
+            if limits.deadline is not None:
+                deadline = min(deadline, limits.deadline)
+            try:
+                answer = self.connection.post(body, deadline, headers)
+                if answer.status not in TRANSIENT_STATUS:
+                    return answer
+                verb, problem, wait = "pushed back", answer.shown, answer.retry_after_s
+            except NoAnswer as exc:
+                verb, wait = "gave no complete answer to", None
+                problem = f"none within {limits.timeout_s:g} s" if exc.timed_out else str(exc)
+            now = time.monotonic()
+            pause_s = min(wait if wait is not None else pause, 60.0)
+            out_of_time = limits.deadline is not None and now + pause_s >= limits.deadline
+            if now + pause_s > patience_end or out_of_time:
+                over = "the export's deadline passed" if out_of_time else f"after {limits.patience_s:g} s"
+                raise self._failure(batch, verb, f"{problem}; sent {tries} time(s), given up {over}")
             self.retries += 1
-            time.sleep(pause)
+            if self.stopping.wait(pause_s):
+                raise self._failure(batch, "was not sent", "the export stopped")
             pause = min(pause * 2, 10.0)
 
     def _run(self) -> None:
         while (batch := self.pending.get()) is not None:
             if self.error is not None:
                 continue
-            self.error = self._export(batch)
-            if self.error is None:
-                self.sent_spans += len(batch)
-                self.sent_batches += 1
+            try:
+                self._deliver(batch)
+            except BaseException as exc:  # raised to the caller by send() or close()
+                self.error = exc
 
     def send(self, batch: list[ReadableSpan]) -> None:
         if self.error is not None:
@@ -225,36 +382,28 @@ class _Sender:
         """Wait for the last batch; raise what the endpoint refused."""
         self.pending.put(None)
         self.thread.join()
+        self.connection.close()
         if self.error is not None:
             raise self.error
 
     def abort(self) -> None:
-        """Stop after the batch on the wire (an error of our own is on its way up)."""
+        """Stop after the request on the wire (an error of our own is on its way up)."""
         self.error = self.error or OtlpEndpointError("export aborted")
+        self.stopping.set()
         self.pending.put(None)
         self.thread.join()
+        self.connection.close()
 
 
-def _open_exporter(
-    url: str, headers: OtlpHeaders, timeout_s: float, compression: bool
-) -> tuple[OTLPSpanExporter, dict[str, int | None]]:
-    """The OTLP/HTTP exporter, and where its session keeps the status of the last answer
-    (the exporter says only "failed"; the sender needs why)."""
-    session = requests.Session()
-    last: dict[str, int | None] = {"status": None}
-
-    def seen(answer: requests.Response, *args: Any, **kwargs: Any) -> None:
-        last["status"] = answer.status_code
-
-    session.hooks["response"].append(seen)
-    exporter = OTLPSpanExporter(
-        endpoint=url,
-        headers=dict(headers),
-        timeout=timeout_s,
-        compression=Compression.Gzip if compression else Compression.NoCompression,
-        session=session,
-    )
-    return exporter, last
+def _rejected(answer: Answer) -> int:
+    """Spans an accepted request's answer says were rejected (OTLP's partial success)."""
+    if answer.content_type != "application/x-protobuf" or not answer.body:
+        return 0
+    try:
+        decoded = ExportTraceServiceResponse.FromString(answer.body)
+    except Exception:  # an answer that is no ExportTraceServiceResponse: nothing to count
+        return 0
+    return int(decoded.partial_success.rejected_spans) if decoded.HasField("partial_success") else 0
 
 
 @dataclass(slots=True)
@@ -269,21 +418,25 @@ class _Batches:
     weight: int = 0
     rollouts: int = 0
     calls: int = 0
+    calls_cut: int = 0
     spans: int = 0
     skipped: int = 0
     batches: int = 0
 
     def add(self, made: list[ReadableSpan], calls: int) -> None:
-        """One rollout's spans; a batch that is full goes on the wire (and progress is told)."""
+        """One rollout's spans, each into the batch; a batch that would be too full goes on the wire."""
         self.rollouts += 1
         self.calls += calls
         for span in made:
+            weight = _weight(span)
+            if self.batch and (
+                len(self.batch) >= self.batch_spans or self.weight + weight > self.batch_bytes
+            ):
+                self.flush()
             self.batch.append(span)
-            self.weight += _weight(span)
-        if len(self.batch) >= self.batch_spans or self.weight >= self.batch_bytes:
-            self.flush()
-            if self.progress is not None:
-                self.progress(TraceProgress(self.rollouts, self.sender.sent_spans, self.sender.sent_batches))
+            self.weight += weight
+            if (span.attributes or {}).get("rollout_capture.call.payload_cut"):
+                self.calls_cut += 1
 
     def flush(self) -> None:
         """Send the batch being built and start the next."""
@@ -291,11 +444,22 @@ class _Batches:
         self.spans += len(self.batch)
         self.batches += 1
         self.batch, self.weight = [], 0
+        if self.progress is not None:
+            self.progress(TraceProgress(self.rollouts, self.sender.sent_spans, self.sender.sent_batches))
 
 
-def _send_file(
-    path: str | Path, out: _Batches, include_payloads: bool, resource: Resource, fallback_ns: int
-) -> None:
+@dataclass(frozen=True, slots=True)
+class _Mapping:
+    """How each record becomes spans: its scope, payloads and their budget, its resource."""
+
+    scope: RunScope
+    include_payloads: bool
+    payload_budget: int
+    resource: Resource
+    fallback_ns: int
+
+
+def _send_file(path: str | Path, out: _Batches, how: _Mapping) -> None:
     """Every record of the file into ``out``, line by line; a malformed line is named by file
     and line, a file without any attachment refused."""
     for line, record in iter_enriched(path):
@@ -305,7 +469,12 @@ def _send_file(
                 out.skipped += 1
                 continue
             made = rollout_spans(
-                record, include_payloads=include_payloads, resource=resource, fallback_time_ns=fallback_ns
+                record,
+                include_payloads=how.include_payloads,
+                scope=how.scope,
+                payload_budget=how.payload_budget,
+                resource=how.resource,
+                fallback_time_ns=how.fallback_ns,
             )
         except EvidenceShapeError as exc:
             raise EvidenceShapeError(f"{path}:{line}: {exc}") from None
@@ -323,49 +492,65 @@ def export_traces(
     headers: Mapping[str, str] | None = None,
     include_payloads: bool = False,
     project: str | None = None,
+    run: str | None = None,
     batch_spans: int = BATCH_SPANS,
     batch_bytes: int = BATCH_BYTES,
+    payload_budget: int = PAYLOAD_BUDGET,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
     timeout_s: float = 30.0,
     compression: bool = False,
     patience_s: float = 300.0,
+    deadline_s: float | None = None,
     progress: Callable[[TraceProgress], None] | None = None,
 ) -> TraceExportCounts:
     """Send every enriched rollout of the JSONL at ``path`` (a local file) to ``endpoint`` as one
     trace each; returns what was sent.
 
     ``headers`` go with every request (an API key header) and never appear in an error or a
-    log. ``project`` names Phoenix's project (``openinference.project.name``). A batch pushed
-    back (429, 502-504, no answer) is retried for up to ``patience_s``. ``progress`` is
-    called after each batch the endpoint accepted. The endpoint is checked first
-    (:func:`check_endpoint`): :class:`OtlpEndpointError` before anything is sent; a batch
-    refused later raises it too, saying how much had landed. A malformed line raises
-    :class:`EvidenceShapeError` naming file, line and field, as the Parquet export does.
+    log. ``project`` names Phoenix's project (``openinference.project.name``); ``run`` names the
+    run (default: ``path``'s absolute location, :func:`.runs.output_run`; callers exporting a
+    copy pass the original's): both go into every trace id. Each request is bounded whole by
+    ``timeout_s``; a batch pushed back (429, 502-504, no complete answer) is retried for up to
+    ``patience_s``; ``deadline_s`` bounds the whole export. Payloads (``include_payloads``) are
+    cut to ``payload_budget`` bytes a call. ``progress`` is called after each batch is handed
+    to the sender. The endpoint is checked first (:func:`check_endpoint`):
+    :class:`OtlpEndpointError` before anything is sent; a batch refused later raises it too,
+    saying how much had landed. A malformed line raises :class:`EvidenceShapeError` naming file,
+    line and field, as the Parquet export does.
     """
     require_otel(_MISSING)
-    if batch_spans < 1 or batch_bytes < 1:
-        raise ValueError("batch_spans and batch_bytes must be positive")
+    if min(batch_spans, batch_bytes, payload_budget, max_request_bytes) < 1:
+        raise ValueError("batch_spans, batch_bytes, payload_budget and max_request_bytes must be positive")
+    started = time.monotonic()
+    deadline = started + deadline_s if deadline_s is not None else None
     url = traces_url(endpoint)
+    scope = RunScope(
+        check_name(project, "OTLP project") or "", check_name(run, "OTLP run name") or output_run(str(path))
+    )
     hidden = OtlpHeaders(headers)
-    check_endpoint(url, hidden, timeout_s=min(timeout_s, 10.0))
-    resource = make_resource(project)
-    fallback_ns = os.stat(path).st_mtime_ns
-    exporter, last = _open_exporter(url, hidden, timeout_s, compression)
-    sender = _Sender(exporter, shown_endpoint(url), last, patience_s)
+    check_endpoint(
+        url, hidden, timeout_s=min(timeout_s, 10.0, deadline_s if deadline_s is not None else 10.0)
+    )
+    how = _Mapping(scope, include_payloads, payload_budget, make_resource(project), os.stat(path).st_mtime_ns)
+    limits = _Limits(timeout_s, patience_s, deadline, max_request_bytes, compression)
+    sender = _Sender(Connection(url, {**dict(hidden), **_CONTENT}), shown_endpoint(url), hidden, limits)
     out = _Batches(sender, batch_spans, batch_bytes, progress)
     try:
-        _send_file(path, out, include_payloads, resource, fallback_ns)
+        _send_file(path, out, how)
     except BaseException:
         sender.abort()
-        exporter.shutdown()  # type: ignore[no-untyped-call]
         raise
     sender.close()
-    exporter.shutdown()  # type: ignore[no-untyped-call]
     if progress is not None:
         progress(TraceProgress(out.rollouts, sender.sent_spans, sender.sent_batches))
     return TraceExportCounts(
         rollouts=out.rollouts,
         calls=out.calls,
         spans=out.spans,
-        batches=out.batches,
+        batches=sender.sent_batches,
         lines_skipped=out.skipped,
+        project=project,
+        run=scope.run,
+        calls_cut=out.calls_cut,
+        rejected_spans=sender.rejected,
     )

@@ -1,24 +1,43 @@
-"""Trace and span ids derived from the evidence's own ids, so an export is idempotent.
+"""Trace and span ids derived from the evidence's own ids and the run it belongs to, so an export
+is idempotent and two runs never share a trace.
 
-A backend that keys spans by id (Phoenix does) then holds one trace per rollout however often
-it is exported, and a re-enriched run's spans land on the same ids instead of beside them.
+A backend that keys spans by id (Phoenix does, across all its projects) then holds one trace per
+rollout of a run however often that run is exported, while another run whose rollout ids
+coincide (NeMo Gym's ``0-0``, ``1-0``... repeat in every run) gets traces of its own.
 
-- trace id: the first 16 bytes of ``sha256("rollout-capture/trace\\0" + rollout_id)``;
-- span id: the first 8 bytes of ``sha256("rollout-capture/span\\0" + rollout_id + "\\0" + kind
-  + "\\0" + key)``, ``kind`` one of :data:`KINDS` and ``key`` the call's ``model_call_id`` (else
-  ``call_index:<n>``), the invocation's id, or empty for the rollout itself.
+- trace id: the first 16 bytes of ``sha256("rollout-capture/trace\\0" + project + "\\0" + run
+  + "\\0" + rollout_id)``;
+- span id: the first 8 bytes of ``sha256("rollout-capture/span\\0" + project + "\\0" + run + "\\0"
+  + rollout_id + "\\0" + kind + "\\0" + key)``, ``kind`` one of :data:`KINDS` and ``key`` the
+  call's ``model_call_id`` (else ``call_index:<n>``), the invocation's id, or empty for the
+  rollout itself.
 
-An all-zero id is invalid in OpenTelemetry; the one-in-2^64 hash that gives one is replaced by 1.
+``project`` and ``run`` are a :class:`RunScope` (empty when not given); what names a run is
+:mod:`.runs`'s to say. An all-zero id is invalid in OpenTelemetry; the one-in-2^64 hash that
+gives one is replaced by 1.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Literal
 
 SpanKindKey = Literal["rollout", "call", "agent", "verifier"]
 KINDS: tuple[SpanKindKey, ...] = ("rollout", "call", "agent", "verifier")
 """What a span stands for; part of its id so a call and an invocation sharing a key differ."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunScope:
+    """What a rollout's trace belongs to besides its rollout id: the project it is sent to and the
+    run it is part of (both part of every id, both empty when not given)."""
+
+    project: str = ""
+    run: str = ""
+
+
+NO_SCOPE = RunScope()
 
 
 def _digest(*parts: str) -> bytes:
@@ -29,16 +48,18 @@ def _nonzero(value: int) -> int:
     return value or 1
 
 
-def trace_id(rollout_id: str) -> int:
-    """The 128-bit trace id of a rollout (never 0)."""
-    return _nonzero(int.from_bytes(_digest("rollout-capture/trace", rollout_id)[:16], "big"))
+def trace_id(rollout_id: str, scope: RunScope = NO_SCOPE) -> int:
+    """The 128-bit trace id of a rollout of ``scope``'s run (never 0)."""
+    digest = _digest("rollout-capture/trace", scope.project, scope.run, rollout_id)
+    return _nonzero(int.from_bytes(digest[:16], "big"))
 
 
-def span_id(rollout_id: str, kind: SpanKindKey, key: str = "") -> int:
+def span_id(rollout_id: str, kind: SpanKindKey, key: str = "", scope: RunScope = NO_SCOPE) -> int:
     """The 64-bit span id of the rollout itself, one of its calls or one of its invocations (never 0)."""
     if kind not in KINDS:
         raise ValueError(f"span kind must be one of {KINDS}, got {kind!r}")
-    return _nonzero(int.from_bytes(_digest("rollout-capture/span", rollout_id, kind, key)[:8], "big"))
+    digest = _digest("rollout-capture/span", scope.project, scope.run, rollout_id, kind, key)
+    return _nonzero(int.from_bytes(digest[:8], "big"))
 
 
 def call_key(model_call_id: str | None, call_index: int | None, position: int) -> str:

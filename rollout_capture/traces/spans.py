@@ -1,10 +1,11 @@
 """One enriched record as the spans of its trace, in both GenAI and OpenInference conventions.
 
 The spans are :class:`~opentelemetry.sdk.trace.ReadableSpan` built directly, not recorded by a
-tracer: their ids come from the evidence (:mod:`.ids`) and their times from the capture (each
-call's own ``started_at`` / ``completed_at``, the model's time, never when we read it), so the
-same record always gives the same spans. The mapping is documented in docs/contract.md
-("Traces (OpenTelemetry)"). Unknown values are left out of the attributes, never 0.
+tracer: their ids come from the evidence and the run it belongs to (:mod:`.ids`), their times
+from the capture (each call's own ``started_at`` / ``completed_at``, the model's time, never when
+we read it), so the same record of the same run always gives the same spans. The mapping is
+documented in docs/contract.md ("Traces (OpenTelemetry)"). Unknown values are left out of
+the attributes, never 0.
 """
 
 from __future__ import annotations
@@ -29,12 +30,7 @@ from rollout_capture.summary import (
     text_field,
 )
 from rollout_capture.traces import ids, require_otel
-from rollout_capture.traces.messages import (
-    genai_json,
-    input_messages,
-    openinference_attributes,
-    output_messages,
-)
+from rollout_capture.traces.payloads import PAYLOAD_BUDGET, payload_attributes
 
 _MISSING: ImportError | None = None
 try:
@@ -218,37 +214,29 @@ _TOKENS = (
 )
 
 
-def _payload_attributes(call: Mapping[str, Any], dialect: str | None, finish: str | None) -> Attributes:
-    """The request and response under both conventions' message attributes, and whole as
-    OpenInference's ``input.value`` / ``output.value`` (JSON; the raw text when not JSON)."""
-    out: Attributes = {}
-    request = call.get("request") if isinstance(call.get("request"), Mapping) else None
-    response = call.get("response") if isinstance(call.get("response"), Mapping) else None
-    for side, body, raw in (
-        ("input", request, call.get("request_raw")),
-        ("output", response, call.get("response_raw")),
-    ):
-        if body is not None:
-            out[f"{side}.value"] = orjson.dumps(body).decode()
-            out[f"{side}.mime_type"] = "application/json"
-        elif isinstance(raw, str):
-            out[f"{side}.value"] = raw
-            out[f"{side}.mime_type"] = "text/plain"
-    sent = input_messages(dialect, request)
-    got = output_messages(dialect, response, finish)
-    if sent:
-        out["gen_ai.input.messages"] = genai_json(sent, output=False)
-        out.update(openinference_attributes("llm.input_messages", sent))
-    if got:
-        out["gen_ai.output.messages"] = genai_json(got, output=True)
-        out.update(openinference_attributes("llm.output_messages", got))
-    return out
+def _flag(call: Mapping[str, Any], name: str, where: str) -> bool | None:
+    """A call's boolean field, or null; anything else refused naming ``where``."""
+    value = call.get(name)
+    if value is None or isinstance(value, bool):
+        return value
+    raise EvidenceShapeError(f"{where}.{name}: expected true, false or null, got {value!r}")
+
+
+def _answer_attributes(a: Attributes, call: Mapping[str, Any], where: str) -> None:
+    """Who answered the call (the producer's own record of it): the upstream, or the capture
+    layer itself, and why; absent when the record does not say."""
+    _put(a, "rollout_capture.call.upstream_attempted", _flag(call, "upstream_attempted", where))
+    _put(a, "rollout_capture.call.response_source", text_field(call, "response_source", where))
+    _put(a, "rollout_capture.call.upstream_status_code", count_field(call, "upstream_status_code", where))
+    _put(a, "rollout_capture.call.local_response_reason", text_field(call, "local_response_reason", where))
 
 
 def _call_attributes(
-    call: Mapping[str, Any], where: str, owner: str | None, include_payloads: bool
+    call: Mapping[str, Any], where: str, owner: str | None, payload_budget: int | None
 ) -> tuple[str, Attributes, Status]:
-    """A call's span name, attributes (both conventions) and status."""
+    """A call's span name, attributes (both conventions) and status; its payloads within
+    ``payload_budget`` bytes when given (none when ``None``)."""
+    include_payloads = payload_budget is not None
     dialect = text_field(call, "dialect", where)
     model = text_field(call, "model", where)
     response_id = text_field(call, "response_id", where)
@@ -296,8 +284,9 @@ def _call_attributes(
     tool_calls = call.get("tool_calls")
     if isinstance(tool_calls, list):
         a["rollout_capture.call.tool_calls"] = len(tool_calls)
-    if include_payloads:
-        a.update(_payload_attributes(call, dialect, finish))
+    _answer_attributes(a, call, where)
+    if payload_budget is not None:
+        a.update(payload_attributes(call, dialect, finish, payload_budget))
     if failed:
         detail = category or "failed"
         status = Status(StatusCode.ERROR, f"{detail} (HTTP {status_code})" if status_code else detail)
@@ -320,15 +309,16 @@ class _Trace:
         self,
         record: Mapping[str, Any],
         attachment: Mapping[str, Any],
-        include_payloads: bool,
+        payload_budget: int | None,
         resource: Resource,
         fallback_time_ns: int | None,
+        scope: ids.RunScope,
     ) -> None:
-        self.record, self.attachment, self.include_payloads = record, attachment, include_payloads
+        self.record, self.attachment, self.payload_budget = record, attachment, payload_budget
         self.rollout_id: str = attachment["rollout_id"]
-        self.resource = resource
-        self.trace = ids.trace_id(self.rollout_id)
-        self.root_ctx = _context(self.trace, ids.span_id(self.rollout_id, "rollout"))
+        self.resource, self.scope = resource, scope
+        self.trace = ids.trace_id(self.rollout_id, scope)
+        self.root_ctx = _context(self.trace, self._span_id("rollout"))
         self.calls: list[Mapping[str, Any]] = attachment["calls"]
         self.owners = call_owners(record)
         self.invocations = _invocations(record)
@@ -344,6 +334,9 @@ class _Trace:
         self.parent_of = self._parents()
         self.group_times = self._group_times()
         self.failed_calls = 0
+
+    def _span_id(self, kind: ids.SpanKindKey, key: str = "") -> int:
+        return ids.span_id(self.rollout_id, kind, key, self.scope)
 
     def _read_verifiers(self) -> dict[str, Mapping[str, Any]]:
         """The verifier invocations by id, first of an id wins; one that is not an object is refused."""
@@ -408,11 +401,11 @@ class _Trace:
         where = f"ng_model_call_capture.calls[{position}]"
         mid = call.get("model_call_id") if isinstance(call.get("model_call_id"), str) else None
         owner = self.owners.get(mid) if mid else None
-        name, attributes, status = _call_attributes(call, where, owner, self.include_payloads)
+        name, attributes, status = _call_attributes(call, where, owner, self.payload_budget)
         self.failed_calls += status.status_code is StatusCode.ERROR
         key = ids.call_key(mid, count_field(call, "call_index", where), position)
         parent_key = self.parent_of[position]
-        parent_id = self.root_ctx.span_id if parent_key is None else ids.span_id(self.rollout_id, *parent_key)
+        parent_id = self.root_ctx.span_id if parent_key is None else self._span_id(*parent_key)
         fallback = self.known if parent_key is None else self.group_times[parent_key]
         times = self.call_times[position]
         start, end = _settle(times, fallback)
@@ -422,7 +415,7 @@ class _Trace:
             attributes["rollout_capture.call.timing_impossible"] = True
         return ReadableSpan(
             name=name,
-            context=_context(self.trace, ids.span_id(self.rollout_id, "call", key)),
+            context=_context(self.trace, self._span_id("call", key)),
             parent=_context(self.trace, parent_id),
             resource=self.resource,
             attributes=attributes,
@@ -449,7 +442,7 @@ class _Trace:
             a["rollout_capture.invocation.times_known"] = False
         return ReadableSpan(
             name=f"invoke_agent {inv.name or inv.invocation_id}",
-            context=_context(self.trace, ids.span_id(self.rollout_id, *key)),
+            context=_context(self.trace, self._span_id(*key)),
             parent=self.root_ctx,
             resource=self.resource,
             attributes=a,
@@ -485,7 +478,7 @@ class _Trace:
             a["rollout_capture.verifier.times_known"] = False
         return ReadableSpan(
             name=f"verify {server or vid}",
-            context=_context(self.trace, ids.span_id(self.rollout_id, "verifier", vid)),
+            context=_context(self.trace, self._span_id("verifier", vid)),
             parent=self.root_ctx,
             resource=self.resource,
             attributes=a,
@@ -506,6 +499,7 @@ class _Trace:
             "rollout_capture.rollout.failed_calls": self.failed_calls,
             "rollout_capture.rollout.verifier_invocations": len(self.verifiers),
         }
+        _put(root, "rollout_capture.run.name", self.scope.run or None)
         if not self.times_known:
             root["rollout_capture.rollout.times_known"] = False
         reward = self.record.get("reward")
@@ -525,6 +519,8 @@ class _Trace:
             root["rollout_capture.rollout.observation_gap_codes"] = observed
         _put(root, "gen_ai.agent.name", _ref_name(self.record.get("agent_ref")))
         metadata: dict[str, Any] = {"rollout_id": self.rollout_id, "num_calls": len(self.calls)}
+        if self.scope.run:
+            metadata["run"] = self.scope.run
         if "rollout_capture.rollout.reward" in root:
             metadata["reward"] = root["rollout_capture.rollout.reward"]
         if codes or observed:
@@ -570,6 +566,8 @@ def rollout_spans(
     record: Mapping[str, Any],
     *,
     include_payloads: bool = False,
+    scope: ids.RunScope = ids.NO_SCOPE,
+    payload_budget: int = PAYLOAD_BUDGET,
     resource: Resource | None = None,
     fallback_time_ns: int | None = None,
 ) -> list[ReadableSpan]:
@@ -578,16 +576,21 @@ def rollout_spans(
 
     Children of the root: each agent invocation of ``ng_agent_observations`` (calls it owns nest
     under it), each verifier invocation (its judge calls nest under it), and every other call.
+    ``scope`` (the project and the run) goes into every id, the run onto the root span.
     ``include_payloads`` puts requests and responses (when the file carries them) in the
-    conventions' message attributes. ``fallback_time_ns`` times the root of a rollout whose
-    record knows no time at all (no call or invocation timed): the exporter passes the enriched
-    file's modification time. A malformed attachment raises :class:`EvidenceShapeError`.
+    conventions' message attributes, each call's cut to ``payload_budget`` bytes when longer
+    (:mod:`.payloads`). ``resource`` defaults to the scope's project's. ``fallback_time_ns``
+    times the root of a rollout whose record knows no time at all (no call or invocation timed):
+    the exporter passes the enriched file's modification time. A malformed attachment raises
+    :class:`EvidenceShapeError`.
     """
     require_otel(_MISSING)
     attachment = attachment_of(record)
     if attachment is None:
         return []
-    trace = _Trace(record, attachment, include_payloads, resource or make_resource(), fallback_time_ns)
+    budget = payload_budget if include_payloads else None
+    resource = resource or make_resource(scope.project or None)
+    trace = _Trace(record, attachment, budget, resource, fallback_time_ns, scope)
     children = [trace.call_span(position, call) for position, call in enumerate(trace.calls)]
     children += [trace.invocation_span(inv) for inv in trace.invocations]
     children += [trace.verifier_span(vid, verifier) for vid, verifier in trace.verifiers.items()]

@@ -34,9 +34,12 @@ _ACCESS_DENIED = (
 )
 
 
+_GCS_LISTING = re.compile(rb"^/storage/v1/b/[^/?]+/o(\?|$)")
+
+
 def request_kind(method: bytes, target: bytes) -> str:
-    """LIST, GET, HEAD, PUT, DELETE... of one S3 request line."""
-    if method == b"GET" and b"list-type=" in target:
+    """LIST, GET, HEAD, PUT, DELETE... of one request line to S3, GCS's JSON API or Azure Blob."""
+    if method == b"GET" and (b"list-type=" in target or b"comp=list" in target or _GCS_LISTING.match(target)):
         return "LIST"
     if method == b"POST" and b"?delete" in target:
         return "DELETE"

@@ -1,10 +1,14 @@
 """A tiny OTLP/HTTP receiver: an HTTP server thread on a loopback port that records each POST's
-path, headers and body and answers 200 (the trace export's tests, without Phoenix)."""
+path, headers and body and answers 200 (the trace export's tests, without Phoenix), or answers
+as a test scripts it: a redirect, a status line trickled a byte at a time, a body too big to read,
+a reason phrase of 60 kB, a 413 past a size."""
 
 from __future__ import annotations
 
 import http.server
+import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,35 +22,67 @@ class Received:
     body: bytes
 
 
+Script = Callable[["OtlpReceiver", int, Received, Any], bool]
+"""``(receiver, index of the request, the request, its handler) -> answered``: a script writes a raw
+answer on ``handler.wfile`` and returns True, or returns False for the receiver's own answer."""
+
+
 class OtlpReceiver(http.server.ThreadingHTTPServer):
     """Records every request in ``received``; ``url`` is its base URL (``/v1/traces`` is added)."""
 
     daemon_threads = True
 
     def __init__(
-        self, refuse: int | None = None, *, status: int = 200, then: list[int] | None = None
+        self,
+        refuse: int | None = None,
+        *,
+        status: int = 200,
+        then: list[int] | None = None,
+        script: Script | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         """Every request answered ``status``; with ``refuse``, a request carrying spans is answered
-        that; with ``then``, the first request (the probe) gets 200 and the next ones ``then``'s."""
+        that; with ``then``, the first request (the probe) gets 200 and the next ones ``then``'s;
+        with ``script``, whatever it writes (see :data:`Script`)."""
         self.received: list[Received] = []
-        self.refuse, self.status, self.then = refuse, status, list(then or [])
+        self.refuse, self.status, self.then, self.script = refuse, status, list(then or []), script
+        self.stopping = threading.Event()
+        self.scripted: set[int] = set()
+        """Requests a script answered (their spans did not land)."""
+        self.sent_bytes = 0
+        """Bytes of body a script managed to write before the client hung up (``huge_body``)."""
+        self.hung_up = threading.Event()
+        """Set when a script's write found the client gone."""
         receiver = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 headers = {name.lower(): value for name, value in self.headers.items()}
-                receiver.received.append(Received(self.path, headers, body))
+                request = Received(self.path, headers, body)
+                receiver.received.append(request)
+                index = len(receiver.received) - 1
+                if receiver.script is not None and receiver.script(receiver, index, request, self):
+                    receiver.scripted.add(index)
+                    self.close_connection = True
+                    return
                 self.send_response(receiver.answer(body))
                 self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_GET(self) -> None:  # a client following a redirect may turn the POST into a GET
+                headers = {name.lower(): value for name, value in self.headers.items()}
+                receiver.received.append(Received(self.path, headers, b""))
+                self.send_response(200)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
             def log_message(self, *args: Any) -> None:
                 pass
 
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        super().__init__((host, 0), Handler)
+        self.url = f"http://{host}:{self.server_address[1]}"
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
         self.thread.start()
 
@@ -62,17 +98,132 @@ class OtlpReceiver(http.server.ThreadingHTTPServer):
         return self.refuse if self.refuse and body else self.status
 
     def spans(self) -> list[Any]:
-        """Every span received, decoded from the protobuf bodies (the probe's is empty)."""
+        """Every span received and not refused by a script, decoded (the probe's body is empty)."""
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
         out: list[Any] = []
-        for request in self.received:
+        for index, request in enumerate(self.received):
+            if index in self.scripted:
+                continue
             decoded = ExportTraceServiceRequest.FromString(request.body)
             for resource in decoded.resource_spans:
                 for scope in resource.scope_spans:
                     out.extend(scope.spans)
         return out
 
+    def resources(self) -> list[dict[str, Any]]:
+        """The resource attributes of every batch of spans received (string values)."""
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        out = []
+        for request in self.received:
+            for resource in ExportTraceServiceRequest.FromString(request.body).resource_spans:
+                out.append({a.key: a.value.string_value for a in resource.resource.attributes})
+        return out
+
     def stop(self) -> None:
+        self.stopping.set()
         self.shutdown()
         self.server_close()
+
+
+# ---------------------------------------------------------------------- scripted answers
+
+
+def write_raw(receiver: OtlpReceiver, handler: Any, data: bytes) -> bool:
+    """Write ``data`` to the client; False once it has hung up (the script then stops)."""
+    try:
+        handler.wfile.write(data)
+        handler.wfile.flush()
+    except OSError:  # BrokenPipe, ConnectionReset: the client gave up, as it should
+        receiver.hung_up.set()
+        return False
+    return True
+
+
+def answer_raw(receiver: OtlpReceiver, handler: Any, status: str, content_type: str, body: bytes) -> bool:
+    """Write a whole answer (``status`` as ``"200 OK"``); True: a script's "answered"."""
+    head = f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
+    write_raw(receiver, handler, head.encode() + body)
+    return True
+
+
+def redirect(status: int, location: str, after: int = 0) -> Script:
+    """Requests from the ``after``-th on answered ``status`` with ``Location: location``."""
+
+    def script(receiver: OtlpReceiver, index: int, request: Received, handler: Any) -> bool:
+        if index < after:
+            return False
+        write_raw(
+            receiver,
+            handler,
+            f"HTTP/1.1 {status} Moved\r\nLocation: {location}\r\nContent-Length: 0\r\n"
+            "Connection: close\r\n\r\n".encode(),
+        )
+        return True
+
+    return script
+
+
+def trickle(every_s: float, after: int = 0) -> Script:
+    """From the ``after``-th request on, a 200's status line and headers a byte every ``every_s``,
+    never ending (until the client hangs up or the receiver stops)."""
+
+    def script(receiver: OtlpReceiver, index: int, request: Received, handler: Any) -> bool:
+        if index < after:
+            return False
+        answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\nX-Pad: " + b"a" * 10_000_000
+        for i in range(len(answer)):
+            if not write_raw(receiver, handler, answer[i : i + 1]) or receiver.stopping.wait(every_s):
+                break
+        return True
+
+    return script
+
+
+def huge_body(status: int, size: int, after: int = 0, reason: str = "Bad Request") -> Script:
+    """From the ``after``-th request on, ``status`` with a body of ``size`` bytes (written as it
+    goes, never held: ``receiver.sent_bytes`` counts what the client took before hanging up)."""
+
+    def script(receiver: OtlpReceiver, index: int, request: Received, handler: Any) -> bool:
+        if index < after:
+            return False
+        head = f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain\r\nContent-Length: {size}\r\n\r\n"
+        if not write_raw(receiver, handler, head.encode()):
+            return True
+        chunk = b"x" * 65536
+        while receiver.sent_bytes < size and not receiver.stopping.is_set():
+            piece = chunk[: size - receiver.sent_bytes]
+            if not write_raw(receiver, handler, piece):
+                break
+            receiver.sent_bytes += len(piece)
+        return True
+
+    return script
+
+
+def too_large_over(limit: int) -> Script:
+    """Requests whose body passes ``limit`` bytes answered 413 (a collector's request size limit)."""
+
+    def script(receiver: OtlpReceiver, index: int, request: Received, handler: Any) -> bool:
+        if len(request.body) <= limit:
+            return False
+        write_raw(
+            receiver,
+            handler,
+            b"HTTP/1.1 413 Request Entity Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        )
+        return True
+
+    return script
+
+
+def other_loopback_host() -> str:
+    """Another loopback address than 127.0.0.1 when this machine routes one (Linux routes all of
+    127/8), else 127.0.0.1: either way another origin than the receiver's."""
+    try:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.2", 0))
+        return "127.0.0.2"
+    except OSError:
+        return "127.0.0.1"

@@ -88,6 +88,9 @@ def check_row(row: dict[str, Any], dialect: str, *, server_name: str | None) -> 
     assert row["started_at"] <= row["completed_at"]
     assert 0 <= row["latency_ttft_ms"] <= row["latency_ms"]
     assert isinstance(row["request"], dict) and row["request"]["model"] == "scripted"
+    facts = ("upstream_attempted", "response_source", "upstream_status_code", "local_response_reason")
+    if "upstream_attempted" in row:  # the proxy says who answered (NeMo Gym 0.7's facts, issue 34)
+        assert [row[k] for k in facts] == [True, "upstream", 200, None]
     assert derived(row) == derived(
         {
             "response": PLAIN[dialect],
@@ -95,6 +98,7 @@ def check_row(row: dict[str, Any], dialect: str, *, server_name: str | None) -> 
             "dialect": dialect,
             "status_code": 200,
             "model_ref": row["model_ref"],
+            **{k: row[k] for k in facts if k in row},
         }
     )
     assert API_KEY not in str(row)

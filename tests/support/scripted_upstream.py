@@ -10,7 +10,12 @@ of a plain JSON answer,
 rest, ``scripted-hang`` answers after 3 s, ``scripted-text`` answers 200 with plain text,
 ``scripted-big`` answers a large JSON body, ``scripted-gzip`` a gzipped one whatever was
 asked, ``scripted-status-<n>`` answers status ``n`` with a JSON body (999: one no server knows),
-``scripted-garbled`` streams a chat answer with a non-JSON event in its middle. Each ``seen``
+``scripted-garbled`` streams a chat answer with a non-JSON event in its middle,
+``scripted-tools-only`` a chat answer of tool calls alone (``content: ""`` in its first delta, as
+OpenAI sends it), ``scripted-stream-error`` a stream whose third event is ``event:error`` (no space,
+as NeMo Gym's own producer test sends it). A request whose body holds ``scripted-context-overflow``
+(whatever its model: a harness may set that) is answered 400 as vLLM answers a prompt past the
+model's context. Each ``seen``
 request also says whether its body arrived whole (``complete``) and its ``raw_path``; the
 first body bytes of each request are in ``receiving`` as soon as they arrive; its ``sent``
 says when the answer's headers, first and last body bytes left, by the upstream's own clock
@@ -362,6 +367,19 @@ def messages_events() -> list[bytes]:
     return out
 
 
+CONTEXT_OVERFLOW = orjson.dumps(
+    {
+        "object": "error",
+        "message": "This model's maximum context length is 32768 tokens. However, you requested 40000 "
+        "tokens in the messages, Please reduce the length of the messages.",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+)
+"""vLLM's answer to a prompt past the model's context (NeMo Gym's vLLM server answers it itself)."""
+
+
 def _error(dialect: str, status: int) -> bytes:
     kinds = {400: "invalid_request_error", 429: "rate_limit_error", 500: "api_error"}
     if dialect == "messages":
@@ -482,6 +500,9 @@ class ScriptedUpstream:
         model = request.get("model", "scripted") if isinstance(request, dict) else "scripted"
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
+        if b"scripted-context-overflow" in body:
+            await self._raw(send, 400, b"application/json", CONTEXT_OVERFLOW)
+            return
         for status in (400, 429, 500):
             if model == f"scripted-{status}":
                 await self._raw(send, status, b"application/json", _error(dialect, status))
@@ -537,10 +558,16 @@ class ScriptedUpstream:
             events = chat_events(bool(options.get("include_usage")))
             if model == "scripted-garbled":
                 events = garbled(events)
+            elif model == "scripted-tools-only":
+                events = [e for e in events if b'"content":"' not in e or b'"content":""' in e]
+                events = [e for e in events if b'"reasoning_content"' not in e]
         elif dialect == "responses":
             events = responses_events()
         else:
             events = messages_events()
+        if model == "scripted-stream-error":
+            error = b'{"type":"error","error":{"type":"api_error","message":"scripted stream error"}}'
+            events = [*events[:2], b"event:error\ndata:" + error + b"\n\n"]
         await self._stream(send, model, events)
 
     async def _stream(self, send: Any, model: str, events: list[bytes]) -> None:

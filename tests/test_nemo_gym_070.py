@@ -1,0 +1,654 @@
+"""The released NeMo Gym 0.7.0 itself, record for record, both ways (issue 34).
+
+Run by ``make test-nemo-gym`` (and so by ``.ci/run``): it builds a Python 3.13 venv holding the
+``nemo-gym==0.7.0`` wheel beside rollout-capture and names its interpreter in ``NEMO_GYM_PYTHON``;
+without it these tests are skipped. NeMo Gym runs as processes of its own
+(tests/support/nemo_gym_side.py), one scenario is driven through each producer, and each capture
+dir is read by NeMo Gym's merge and by ours:
+
+- A: NeMo Gym 0.7.0's producer (``install_model_call_capture`` on its model servers) writes; its
+  merge and ours must give the same records, field by field.
+- B: our middleware (on the very same model-server app) and our proxy write; NeMo Gym's merge and
+  ours must give the same records. And what ours write reads in NeMo Gym as what its own producer
+  wrote for the same scenario (item 4).
+- C: NeMo Gym's own rollout collection, end to end: its ``simple_agent``, its vLLM model server in
+  front of the scripted upstream, its example resources server, with model-call capture on. Its
+  rollouts come back with ``ng_model_call_capture``; without it, ``rollout-capture enrich`` (run
+  from the same Python 3.13 environment, installed beside nemo-gym) must attach the same.
+
+The only differences allowed are the fields the contract names as ours (``DOCUMENTED``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from rollout_capture import merge_model_call_capture_into_record
+from rollout_capture.producer import CaptureMiddleware
+from rollout_capture.producer.proxy import CaptureProxy
+from rollout_capture.producer.settings import ProxySettings
+
+from .conftest import wait_for
+from .support.nemo_gym_side import passthrough_app
+from .support.scripted_upstream import ScriptedUpstream
+from .support.servers import ThreadedServer
+
+NG_PYTHON = os.environ.get("NEMO_GYM_PYTHON")
+SIDE = Path(__file__).resolve().parent / "support" / "nemo_gym_side.py"
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(1800),  # NeMo Gym's servers and imports start slowly on a busy machine
+    pytest.mark.skipif(not NG_PYTHON, reason="NeMo Gym 0.7.0's own tier: run by `make test-nemo-gym`"),
+]
+
+DOCUMENTED_CALL_FIELDS = frozenset({"verifier_invocation_id", "capture_hold_ms"})
+"""Call-record fields ours adds (contract section 5, extensions)."""
+DOCUMENTED_ATTACHMENT_KEYS = frozenset({"verifier_invocations", "metrics_by_owner"})
+"""Attachment keys ours adds (contract section 7, extensions), only where there are verifier calls."""
+
+# ---------------------------------------------------------------- the scenario
+
+PATHS = {"chat": "v1/chat/completions", "responses": "v1/responses", "messages": "v1/messages"}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def body(dialect: str, model: str, stream: bool, usage: bool = False) -> dict[str, Any]:
+    if dialect == "chat":
+        sent: dict[str, Any] = {"model": model, "messages": ASK, "stream": stream}
+        if usage:
+            sent["stream_options"] = {"include_usage": True}
+        return sent
+    if dialect == "responses":
+        return {"model": model, "input": "What is the weather in Paris?", "stream": stream}
+    return {"model": model, "max_tokens": 64, "messages": ASK, "stream": stream}
+
+
+# (rollout id, step): ("call", server, dialect, model, stream[, usage]), ("leave", server, dialect),
+# ("verify", invocation id, judge calls). Two model servers: policy and judge.
+SCENARIO: list[tuple[str, tuple[Any, ...]]] = [
+    *[("0-0", ("call", "policy", d, "scripted", False)) for d in ("chat", "responses", "messages")],
+    *[("1-0", ("call", "policy", d, "scripted", True)) for d in ("chat", "responses", "messages")],
+    ("2-0", ("call", "policy", "chat", "scripted", True, True)),
+    ("2-0", ("call", "policy", "chat", "scripted-429", False)),
+    ("2-0", ("call", "policy", "chat", "scripted-500", False)),
+    ("3-0", ("call", "policy", "chat", "scripted-cut", True)),
+    ("3-0", ("call", "policy", "responses", "scripted-cut", True)),
+    ("4-0", ("call", "policy", "chat", "scripted", False)),
+    ("4-0", ("leave", "policy", "chat")),
+    ("5-0", ("call", "policy", "chat", "scripted-tools-only", True, True)),
+    ("5-0", ("call", "policy", "chat", "scripted-stream-error", True, True)),
+    ("5-0", ("call", "policy", "messages", "scripted-stream-error", True)),
+    *[("6-0-a1", ("call", "policy", "chat", "scripted", False)) for _ in range(2)],
+    ("explicit-7", ("call", "policy", "responses", "scripted", False)),
+    ("explicit-7", ("call", "policy", "messages", "scripted", True)),
+    ("8-0", ("call", "policy", "chat", "scripted", False)),
+    ("8-0", ("verify", "v-8-0", [("chat", "scripted")])),
+    ("9-0", ("call", "policy", "responses", "scripted", True)),
+    ("9-0", ("verify", "v-9-0-a", [("chat", "scripted"), ("messages", "scripted")])),
+    ("9-0", ("verify", "v-9-0-b", [("responses", "scripted")])),
+    ("10-0", ("call", "policy", "chat", "scripted", False)),
+    ("12-0", ("call", "policy", "messages", "scripted", False)),
+    ("13-0", ("call", "policy", "messages", "scripted-429", False)),
+    ("13-0", ("call", "policy", "responses", "scripted-500", False)),
+    ("14-0", ("call", "judge", "chat", "scripted", False)),
+    *[("15-0", ("call", "policy", "chat", "scripted", False)) for _ in range(6)],
+    ("16-0", ("call", "policy", "responses", "scripted", True)),
+    ("16-0", ("call", "policy", "messages", "scripted", True)),
+    *[("17-0", ("call", "policy", d, "scripted", False)) for d in ("messages", "chat", "responses")],
+    *[("17-0", ("call", "judge", d, "scripted", True)) for d in ("chat", "responses")],
+    *[("18-0", ("call", "policy", "chat", "scripted", s, s)) for s in (False, True, False)],
+]
+DAMAGED = {"10-0": [b'{"torn": ', b"[1, 2]"]}
+INCOMPLETE = ["12-0"]
+
+
+def records() -> list[dict[str, Any]]:
+    """The rollout records the scenario's captures are merged into (one without any call, one
+    without an id, an attempt, an explicit id)."""
+    out: list[dict[str, Any]] = []
+    for task in range(19):
+        if task == 7:
+            out.append({"_ng_rollout_id": "explicit-7", "_ng_task_index": 7, "_ng_rollout_index": 0})
+            continue
+        record: dict[str, Any] = {"_ng_task_index": task, "_ng_rollout_index": 0, "reward": task % 2}
+        if task == 6:
+            record["_ng_attempt_index"] = 1
+        out.append(record)
+    out.append({"reward": 0.0, "response": {"output": []}})  # no id: left as it is
+    return out
+
+
+class Producers:
+    """Where the scenario's calls go: the policy and judge model servers, the verifier."""
+
+    def __init__(self, policy: str, judge: str, verifier: str, capture_dir: Path, upstream: ScriptedUpstream):
+        self.urls = {"policy": policy, "judge": judge}
+        self.verifier = verifier
+        self.capture_dir = capture_dir
+        self.upstream = upstream
+
+
+def drive(producers: Producers) -> None:
+    """Every step of the scenario, in order, through ``producers``; then the damage."""
+    with httpx.Client(timeout=60) as http:
+        for rollout, step in SCENARIO:
+            if step[0] == "call":
+                _, server, dialect, model, stream, *usage = step
+                _call(
+                    http, producers.urls[server], rollout, dialect, body(dialect, model, stream, bool(usage))
+                )
+            elif step[0] == "leave":
+                _leave(http, producers, rollout, step[1], step[2])
+            else:
+                _, invocation, judged = step
+                header = {"X-Rollout-Capture-Verifier-Invocation-Id": invocation}
+                verify = http.post(
+                    f"{producers.verifier}/ng-rollout/{rollout}/verify", json={}, headers=header
+                )
+                assert verify.status_code == 200
+                for dialect, model in judged:
+                    _call(
+                        http, producers.urls["judge"], rollout, dialect, body(dialect, model, False), header
+                    )
+    for rollout, lines in DAMAGED.items():
+        with open(producers.capture_dir / f"{rollout}.capture.jsonl", "ab") as capture:
+            capture.write(b"".join(line + b"\n" for line in lines))
+    for rollout in INCOMPLETE:
+        (producers.capture_dir / f"{rollout}.capture.incomplete").touch()
+
+
+def _call(
+    http: httpx.Client, base: str, rollout: str, dialect: str, sent: dict[str, Any], headers: Any = None
+) -> None:
+    url = f"{base}/ng-rollout/{rollout}/{PATHS[dialect]}"
+    with http.stream("POST", url, json=sent, headers=headers) as answer:
+        answer.read()
+
+
+def _leave(http: httpx.Client, producers: Producers, rollout: str, server: str, dialect: str) -> None:
+    """A client that reads the first event of a stream, then goes away; the upstream waits at its
+    gate meanwhile, and goes on once the producer has written the call's row."""
+    capture = producers.capture_dir / f"{rollout}.capture.jsonl"
+    before = len(capture.read_bytes().splitlines()) if capture.exists() else 0
+    url = f"{producers.urls[server]}/ng-rollout/{rollout}/{PATHS[dialect]}"
+    with http.stream("POST", url, json=body(dialect, "scripted-gated-leave", True, True)) as answer:
+        assert next(answer.iter_raw()).startswith(b"data: ")
+    wait_for(lambda: capture.exists() and len(capture.read_bytes().splitlines()) > before, 30, "the row")
+    producers.upstream.gate("leave").set()
+
+
+# ---------------------------------------------------------------- the producers
+
+
+def verifier_app(capture_dir: Path | None) -> Any:
+    """A resources server's verify: a reward (the judge calls follow, made by the driver)."""
+
+    async def verify(request: Request) -> JSONResponse:
+        return JSONResponse({**(await request.json()), "reward": 1.0})
+
+    app = Starlette(routes=[Route("/verify", verify, methods=["POST"])])
+    if capture_dir is None:  # NeMo Gym records no verify call: the prefix is only stripped
+        app.add_middleware(CaptureMiddleware, enabled=False)
+    else:
+        app.add_middleware(CaptureMiddleware, capture_dir=str(capture_dir), server_name="verifier")
+    return app
+
+
+class NeMoGymServers:
+    """NeMo Gym 0.7.0's model servers with its own capture, in a Python 3.13 process."""
+
+    def __init__(self, upstream: str, capture_dir: Path, names: list[str]) -> None:
+        assert NG_PYTHON is not None
+        self.process = subprocess.Popen(
+            [
+                NG_PYTHON,
+                str(SIDE),
+                "serve",
+                "--upstream",
+                upstream,
+                "--capture-dir",
+                str(capture_dir),
+                *names,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        assert line, "NeMo Gym's servers did not start"
+        self.urls = {name: f"http://127.0.0.1:{port}" for name, port in json.loads(line)["ports"].items()}
+
+    def stop(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(30)
+
+
+def produce(kind: str, root: Path) -> Path:
+    """Run the scenario through one producer (``nemo-gym``, ``middleware`` or ``proxy``) into a
+    capture dir of its own; its upstream is a fresh scripted server."""
+    capture_dir = root / kind
+    capture_dir.mkdir(parents=True)
+    upstream_app = ScriptedUpstream()
+    upstream = ThreadedServer(upstream_app)
+    stops: list[Callable[[], None]] = [upstream.stop]
+    try:
+        if kind == "nemo-gym":
+            gym = NeMoGymServers(upstream.url, capture_dir, ["policy", "judge"])
+            stops.append(gym.stop)
+            urls = gym.urls
+            verifier = ThreadedServer(verifier_app(None))
+        elif kind == "middleware":
+            urls = {}
+            for name in ("policy", "judge"):
+                app = passthrough_app(upstream.url)
+                app.add_middleware(CaptureMiddleware, capture_dir=str(capture_dir), server_name=name)
+                served = ThreadedServer(app)
+                stops.append(served.stop)
+                urls[name] = served.url
+            verifier = ThreadedServer(verifier_app(capture_dir))
+        else:
+            urls = {}
+            for name in ("policy", "judge"):
+                proxy = CaptureProxy(
+                    ProxySettings(upstream=upstream.url, capture_dir=str(capture_dir), server_name=name)
+                )
+                served = ThreadedServer(proxy)
+                stops.append(served.stop)
+                urls[name] = served.url
+            verifier = ThreadedServer(verifier_app(capture_dir))
+        stops.append(verifier.stop)
+        drive(Producers(urls["policy"], urls["judge"], verifier.url, capture_dir, upstream_app))
+    finally:
+        upstream_app.gate("leave").set()
+        for stop in reversed(stops):
+            stop()
+    return capture_dir
+
+
+def nemo_gym_merge(
+    captures: dict[str, Path], root: Path, *, payloads: bool = True
+) -> dict[str, list[dict[str, Any]]]:
+    """NeMo Gym 0.7.0's own merge of every record, of each capture dir, in one Python 3.13 process."""
+    assert NG_PYTHON is not None
+    given = root / "records.jsonl"
+    given.write_text("".join(json.dumps(r) + "\n" for r in records()))
+    outs = {kind: root / f"{kind}.nemo-gym.jsonl" for kind in captures}
+    command = [NG_PYTHON, str(SIDE), "merge", "--records", str(given)]
+    command += [f"{captures[kind]}={outs[kind]}" for kind in captures]
+    subprocess.run([*command, *(["--payloads"] if payloads else [])], check=True, timeout=900)
+    merged = {}
+    for kind, out in outs.items():
+        meta, *lines = (json.loads(line) for line in out.read_text().splitlines())
+        assert meta["nemo_gym"] == "0.7.0" and meta["python"].startswith("3.13.")
+        merged[kind] = lines
+    return merged
+
+
+def our_merge(capture_dir: Path, *, payloads: bool = True) -> list[dict[str, Any]]:
+    return [
+        merge_model_call_capture_into_record(r, [capture_dir], include_payloads=payloads) for r in records()
+    ]
+
+
+# ---------------------------------------------------------------- comparing
+
+
+class Tally:
+    """What a comparison counted: records, calls, calls equal field by field, and each difference."""
+
+    def __init__(self) -> None:
+        self.records = self.calls = self.equal = 0
+        self.differences: list[str] = []
+
+    def __str__(self) -> str:
+        return f"{self.records} records, {self.calls} calls, {self.equal} equal"
+
+
+def compare(theirs: list[dict[str, Any]], ours: list[dict[str, Any]], tally: Tally) -> None:
+    """Every record field by field; ours may only add the documented fields."""
+    assert len(theirs) == len(ours)
+    for index, (gym, mine) in enumerate(zip(theirs, ours, strict=True)):
+        tally.records += 1
+        where = f"record {index}"
+        gym, mine = dict(gym), dict(mine)
+        gym_capture, my_capture = (
+            gym.pop("ng_model_call_capture", None),
+            mine.pop("ng_model_call_capture", None),
+        )
+        _same(gym, mine, where, tally.differences)
+        if gym_capture is None or my_capture is None:
+            if gym_capture is not my_capture:
+                tally.differences.append(f"{where}: attached by one merge only")
+            continue
+        gym_capture, my_capture = dict(gym_capture), dict(my_capture)  # the records stay as they came
+        for key in set(my_capture) - set(gym_capture):
+            if key not in DOCUMENTED_ATTACHMENT_KEYS:
+                tally.differences.append(f"{where}: ours adds {key}")
+        gym_calls, my_calls = gym_capture.pop("calls"), my_capture.pop("calls")
+        _same(
+            gym_capture, {k: my_capture[k] for k in gym_capture if k in my_capture}, where, tally.differences
+        )
+        if len(gym_calls) != len(my_calls):
+            tally.differences.append(f"{where}: {len(gym_calls)} calls against our {len(my_calls)}")
+            continue
+        for n, (gym_call, my_call) in enumerate(zip(gym_calls, my_calls, strict=True)):
+            tally.calls += 1
+            found: list[str] = []
+            for key in set(my_call) - set(gym_call):
+                if key not in DOCUMENTED_CALL_FIELDS:
+                    found.append(f"{where} call {n}: ours adds {key}")
+            _same(gym_call, {k: my_call.get(k, "<missing>") for k in gym_call}, f"{where} call {n}", found)
+            tally.equal += not found
+            tally.differences += found
+
+
+def _same(theirs: Any, ours: Any, where: str, found: list[str]) -> None:
+    """Equal values of equal types (a float is not an int, 11.03 is not 11.030000000000001)."""
+    if isinstance(theirs, dict) and isinstance(ours, dict):
+        for key in sorted(set(theirs) | set(ours)):
+            _same(theirs.get(key, "<missing>"), ours.get(key, "<missing>"), f"{where}.{key}", found)
+    elif isinstance(theirs, list) and isinstance(ours, list) and len(theirs) == len(ours):
+        for n, (a, b) in enumerate(zip(theirs, ours, strict=True)):
+            _same(a, b, f"{where}[{n}]", found)
+    elif type(theirs) is not type(ours) or theirs != ours:
+        found.append(f"{where}: NeMo Gym {theirs!r}, ours {ours!r}")
+
+
+@pytest.fixture(scope="module")
+def captures(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    root = tmp_path_factory.mktemp("nemo-gym-070")
+    yield {kind: produce(kind, root) for kind in ("nemo-gym", "middleware", "proxy")}
+
+
+@pytest.fixture(scope="module")
+def gym_merged(captures: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Each capture dir as NeMo Gym 0.7.0's merge reads it."""
+    return nemo_gym_merge(captures, tmp_path_factory.mktemp("nemo-gym-merged"))
+
+
+def report(name: str, tally: Tally) -> None:
+    """One line in the test's output for the closing note."""
+    print(f"\n[nemo-gym 0.7.0] {name}: {tally}", file=sys.stderr)
+
+
+@pytest.mark.xdist_group("producers")
+def test_a_nemo_gyms_captures_read_the_same_in_ours(
+    captures: dict[str, Path], gym_merged: dict[str, Any]
+) -> None:
+    tally = Tally()
+    compare(gym_merged["nemo-gym"], our_merge(captures["nemo-gym"]), tally)
+    report("A: 0.7.0's producer, its merge vs ours", tally)
+    assert tally.differences == [] and tally.calls >= 47 and tally.records >= 18
+    assert tally.equal == tally.calls
+
+
+@pytest.mark.xdist_group("producers")
+@pytest.mark.parametrize("producer", ["middleware", "proxy"])
+def test_b_our_captures_read_the_same_in_nemo_gym(
+    captures: dict[str, Path], gym_merged: dict[str, Any], producer: str
+) -> None:
+    tally = Tally()
+    compare(gym_merged[producer], our_merge(captures[producer]), tally)
+    report(f"B: our {producer}, NeMo Gym's merge vs ours", tally)
+    assert tally.differences == [] and tally.calls >= 47 and tally.records >= 18
+    assert tally.equal == tally.calls
+
+
+# ---------------------------------------------------------------- C: NeMo Gym's rollout collection
+
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "description": ""}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+    "type": "function",
+    "description": "",
+}
+
+
+def weather_rows() -> list[dict[str, Any]]:
+    """Rows as NeMo Gym's example weather dataset holds them; the last one's prompt is past the
+    model's context (the scripted upstream answers 400 as vLLM does, NeMo Gym's server itself)."""
+    asks = ["what's it like in sf?", "going out in sf tn", "humidity in sf", "scripted-context-overflow " * 3]
+    return [
+        {
+            "responses_create_params": {
+                "input": [
+                    {"content": "You are a helpful personal assistant.", "role": "developer"},
+                    {"content": ask, "role": "user"},
+                ],
+                "tools": [WEATHER_TOOL],
+            }
+        }
+        for ask in asks
+    ]
+
+
+@pytest.mark.xdist_group("collection")  # beside A and B: two workers
+def test_c_nemo_gyms_rollout_collection_re_enriched_by_ours(tmp_path: Path) -> None:
+    assert NG_PYTHON is not None
+    capture_dir, work = tmp_path / "captures", tmp_path / "work"
+    capture_dir.mkdir()
+    work.mkdir()
+    given, collected = tmp_path / "rows.jsonl", tmp_path / "rollouts.jsonl"
+    given.write_text("".join(json.dumps(row) + "\n" for row in weather_rows()))
+    upstream = ThreadedServer(ScriptedUpstream())
+    try:
+        command = [
+            NG_PYTHON,
+            str(SIDE),
+            "collect",
+            "--upstream",
+            upstream.url,
+            "--capture-dir",
+            str(capture_dir),
+        ]
+        command += ["--workdir", str(work), "--input", str(given), "--output", str(collected)]
+        subprocess.run(command, check=True, timeout=1200, cwd=tmp_path, stdout=subprocess.DEVNULL)
+    finally:
+        upstream.stop()
+    gym_records = [json.loads(line) for line in collected.read_text().splitlines()]
+    assert len(gym_records) == 2 * len(weather_rows())  # each row twice (num_repeats)
+    attached = [record.pop("ng_model_call_capture") for record in gym_records]
+    stripped, enriched = tmp_path / "stripped.jsonl", tmp_path / "stripped.enriched.jsonl"
+    stripped.write_text("".join(json.dumps(r) + "\n" for r in gym_records))
+    ours_cli = Path(NG_PYTHON).parent / "rollout-capture"  # installed beside nemo-gym, in its Python
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    env.pop("PREFECT_API_URL", None)
+    done = subprocess.run(
+        [
+            str(ours_cli),
+            "enrich",
+            str(stripped),
+            "--capture-dir",
+            str(capture_dir),
+            "--output",
+            str(enriched),
+        ],
+        env=env,
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    ours = [json.loads(line) for line in enriched.read_text().splitlines()]
+    theirs = [
+        {**record, "ng_model_call_capture": capture}
+        for record, capture in zip(gym_records, attached, strict=True)
+    ]
+    tally = Tally()
+    compare(theirs, ours, tally)
+    report("C: NeMo Gym's rollout collection, what it attached vs `rollout-capture enrich`", tally)
+    assert tally.differences == [] and tally.equal == tally.calls >= 14
+    calls = [call for capture in attached for call in capture["calls"]]
+    local = [c for c in calls if c["response_source"] == "local"]  # NeMo Gym's own answer, kept
+    assert local and {c["local_response_reason"] for c in local} == {"context_length_exceeded"}
+
+
+TIMING = frozenset({"model_call_id", "started_at", "completed_at", "latency_total_ms", "latency_ttft_ms"})
+"""What differs from one run to the next whoever records it."""
+
+
+def calls_of(rollout: str) -> list[tuple[str, str, bool, bool]]:
+    """The scenario's calls of one rollout, in order: ``(dialect, model, stream, usage asked)``."""
+    out: list[tuple[str, str, bool, bool]] = []
+    for rollout_id, step in SCENARIO:
+        if rollout_id != rollout:
+            continue
+        if step[0] == "call":
+            _, _, dialect, model, stream, *usage = step
+            out.append((dialect, model, stream, bool(usage)))
+        elif step[0] == "leave":
+            out.append((step[2], "scripted-gated-leave", True, True))
+        else:
+            out += [(dialect, model, False, False) for dialect, model in step[2]]
+    return out
+
+
+def _asks_usage(call: tuple[str, str, bool, bool]) -> bool:
+    return call[0] == "chat" and call[2] and not call[3]
+
+
+# Each difference of ours from NeMo Gym's producer, and which calls it is allowed in (contract 11).
+DOCUMENTED_PRODUCER_DIFFERENCES: list[tuple[str, str, Callable[[tuple[str, str, bool, bool], str], bool]]] = [
+    (
+        "the proxy says who answered each call (upstream_attempted, response_source, upstream_status_code)",
+        r"\.(upstream_attempted|response_source|upstream_status_code)$",
+        lambda call, producer: producer == "proxy",
+    ),
+    (
+        "a chat stream whose client did not ask for usage is asked for it: its tokens are known",
+        r"\.(tokens_in|tokens_out|tokens_reasoning|tokens_total|cache_hit|cached_tokens|response\.usage)$",
+        lambda call, producer: _asks_usage(call),
+    ),
+    (
+        "a stream asked for usage is another stream: cut at its half, it holds more",
+        r"\.response\.choices\[0\]\.message\.content$",
+        lambda call, producer: _asks_usage(call) and call[1] == "scripted-cut",
+    ),
+    (
+        "a stream's raw text is not kept beside its rebuilt response (only when it cannot be rebuilt)",
+        r"\.response_raw$",
+        lambda call, producer: call[2],
+    ),
+    (
+        "an Anthropic stream keeps what NeMo Gym's rebuild drops (a thinking signature, stop_sequence)",
+        r"\.response\.(content\[\d+\]\.signature|stop_sequence|stop_reason)$",
+        lambda call, producer: call[0] == "messages" and call[2],
+    ),
+    (
+        "a Responses stream cut short keeps the items done before the cut (NeMo Gym: the last snapshot)",
+        r"\.(reasoning_content|tool_calls|response\.output)$",
+        lambda call, producer: call[0] == "responses" and call[1] == "scripted-cut",
+    ),
+]
+"""Where what ours writes reads otherwise than NeMo Gym's producer wrote it, in NeMo Gym's merge."""
+
+
+def _without_timing(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for record in records:
+        capture = record.get("ng_model_call_capture")
+        if capture is not None:
+            metrics = {k: v for k, v in capture["metrics"].items() if k != "latency_total_ms"}
+            calls = [{k: v for k, v in call.items() if k not in TIMING} for call in capture["calls"]]
+            record = {**record, "ng_model_call_capture": {**capture, "metrics": metrics, "calls": calls}}
+        out.append(record)
+    return out
+
+
+def undocumented(differences: list[str], producer: str) -> tuple[list[str], dict[str, int]]:
+    """The differences no documented one explains, and how many each explains. A rollout's metrics
+    differ exactly when one of its calls does by a documented field (its sums follow)."""
+    import re
+
+    ids = [rollout_id_of_record(r) for r in records()]
+    left: list[str] = []
+    used: dict[str, int] = {}
+    for line in differences:
+        path = line.split(": NeMo Gym ")[0]
+        found = re.match(r"record (\d+)( call (\d+))?\.(.*)$", path)
+        assert found, line
+        rollout = ids[int(found.group(1))]
+        field = found.group(4)
+        if found.group(2) is None:  # the rollout's metrics: a sum of a documented difference
+            ok = field.startswith("metrics.") and field != "metrics.num_calls"
+            ok = (
+                ok
+                and any(_asks_usage(c) for c in calls_of(rollout))
+                and not field.endswith("latency_total_ms")
+            )
+            if ok:
+                used["metrics follow their calls"] = used.get("metrics follow their calls", 0) + 1
+            else:
+                left.append(line)
+            continue
+        call = calls_of(rollout)[int(found.group(3))]
+        for reason, pattern, applies in DOCUMENTED_PRODUCER_DIFFERENCES:
+            if re.search(pattern, "." + field) and applies(call, producer):
+                used[reason] = used.get(reason, 0) + 1
+                break
+        else:
+            left.append(line)
+    return left, used
+
+
+def rollout_id_of_record(record: dict[str, Any]) -> str | None:
+    if "_ng_rollout_id" in record:
+        return str(record["_ng_rollout_id"])
+    if "_ng_task_index" not in record:
+        return None
+    suffix = f"-a{record['_ng_attempt_index']}" if record.get("_ng_attempt_index") else ""
+    return f"{record['_ng_task_index']}-{record['_ng_rollout_index']}{suffix}"
+
+
+@pytest.mark.xdist_group("producers")
+@pytest.mark.parametrize("producer", ["middleware", "proxy"])
+def test_b_ours_read_in_nemo_gym_as_its_own_producers_captures(
+    gym_merged: dict[str, Any], producer: str
+) -> None:
+    """Item 4: the same scenario recorded by NeMo Gym 0.7.0's producer and by ours, both read by
+    NeMo Gym's merge: the same calls, counts, categories and tool calls (a client that left
+    mid-stream, a chat stream of tool calls alone, ``event:error``), but for timings, ids and the
+    differences the contract names and says why (``DOCUMENTED_PRODUCER_DIFFERENCES``)."""
+    theirs = _without_timing(gym_merged["nemo-gym"])
+    ours = _without_timing(gym_merged[producer])
+    tally = Tally()
+    compare(theirs, ours, tally)
+    left, used = undocumented(tally.differences, producer)
+    report(f"item 4: NeMo Gym's producer vs our {producer}, both read by NeMo Gym", tally)
+    for reason, count in used.items():
+        print(f"    documented ({count}): {reason}", file=sys.stderr)
+    assert left == []
+    assert tally.records >= 18 and tally.calls >= 47
+    for theirs_record, ours_record in zip(theirs, ours, strict=True):  # the counts NeMo Gym reads
+        mine, gym = ours_record.get("ng_model_call_capture"), theirs_record.get("ng_model_call_capture")
+        assert (mine or {}).get("metrics", {}).get("num_calls") == (gym or {}).get("metrics", {}).get(
+            "num_calls"
+        )
+        assert [c["error_category"] for c in (mine or {}).get("calls", [])] == [
+            c["error_category"] for c in (gym or {}).get("calls", [])
+        ]

@@ -1,0 +1,304 @@
+"""The trace exporter against endpoints that misbehave (issue 35), each a scripted receiver on a
+loopback port: a redirect is a failure naming it and is followed nowhere (least of all to another
+host with the headers); a trickling endpoint cannot hold a request, nor the export, past its
+deadline; a huge answer is never read whole, a 60 kB reason phrase never shown whole, a header
+echoed back never shown; a request too large is split, and one huge rollout is cut to fit so it
+never holds up the others. No test here measures time: each waits on what the client does."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from rollout_capture.merge import merge_model_call_capture_into_record
+
+from .conftest import SAMPLE
+from .support.otlp_receiver import (
+    OtlpReceiver,
+    Received,
+    answer_raw,
+    huge_body,
+    other_loopback_host,
+    redirect,
+    too_large_over,
+    trickle,
+)
+
+pytest.importorskip("opentelemetry.sdk.trace")
+from rollout_capture.traces.exporter import OtlpEndpointError, check_endpoint, export_traces
+
+SECRET = "sk-endpoint-0123456789-never-shown"
+HEADERS = {"x-api-key": SECRET}
+SAMPLE_SPANS = 26
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled sample enriched with payloads (10 rollouts, 26 spans)."""
+    out = tmp_path_factory.mktemp("endpoint") / "sample.enriched.jsonl"
+    lines = []
+    for line in (SAMPLE / "rollouts.jsonl").read_bytes().splitlines():
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            lines.append(line)
+            continue
+        merged = merge_model_call_capture_into_record(record, [SAMPLE / "captures"], include_payloads=True)
+        lines.append(orjson.dumps(merged))
+    out.write_bytes(b"\n".join(lines) + b"\n")
+    return out
+
+
+@pytest.fixture
+def elsewhere() -> Iterator[OtlpReceiver]:
+    """A receiver on another host: where a redirect points, and where nothing may ever arrive."""
+    server = OtlpReceiver(host=other_loopback_host())
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@contextmanager
+def _serving(script: Any) -> Iterator[OtlpReceiver]:
+    """An endpoint answering as ``script`` says, stopped after the block."""
+    endpoint = OtlpReceiver(script=script)
+    try:
+        yield endpoint
+    finally:
+        endpoint.stop()
+
+
+def _clean(message: str) -> None:
+    """An error as a user sees it: one bounded line, no header value, no query."""
+    assert SECRET not in message and "token=" not in message
+    assert len(message) < 1200 and "\n" not in message
+
+
+# ---------------------------------------------------------------------- redirects
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_a_redirect_at_the_probe_fails_naming_it_and_nothing_goes_elsewhere(
+    sample: Path, elsewhere: OtlpReceiver, status: int
+) -> None:
+    with (
+        _serving(redirect(status, f"{elsewhere.url}/login?token=abc")) as endpoint,
+        pytest.raises(OtlpEndpointError) as caught,
+    ):
+        export_traces(sample, endpoint.url, headers=HEADERS)
+    message = str(caught.value)
+    assert f"answered HTTP {status}" in message and f"redirecting to {elsewhere.url}/login;" in message
+    assert "not followed" in message and "nothing was sent" in message
+    _clean(message)
+    assert len(endpoint.received) == 1  # the probe, once
+    assert elsewhere.received == []  # neither the request nor its headers went to the other host
+
+
+def test_a_redirect_of_a_batch_fails_the_export_and_is_followed_nowhere(
+    sample: Path, elsewhere: OtlpReceiver
+) -> None:
+    # the probe is answered 200, the batch 307
+    with (
+        _serving(redirect(307, f"{elsewhere.url}/v1/traces", after=1)) as endpoint,
+        pytest.raises(OtlpEndpointError, match=r"answered HTTP 307 .*redirecting to") as caught,
+    ):
+        export_traces(sample, endpoint.url, headers=HEADERS)
+    assert "0 spans had been accepted" in str(caught.value)
+    _clean(str(caught.value))
+    assert elsewhere.received == []
+
+
+def test_the_flows_start_up_check_follows_no_redirect_either(elsewhere: OtlpReceiver) -> None:
+    """``check_endpoint`` is what the flows and ``enrich --otlp`` ask first, with the block's headers."""
+    with (
+        _serving(redirect(302, f"{elsewhere.url}/v1/traces")) as endpoint,
+        pytest.raises(OtlpEndpointError, match="HTTP 302"),
+    ):
+        check_endpoint(endpoint.url, HEADERS)
+    assert elsewhere.received == []
+
+
+# ---------------------------------------------------------------------- slow endpoints
+
+
+def test_a_trickling_probe_answer_ends_at_its_deadline() -> None:
+    """A byte of the status line every 50 ms, for ever: the probe gives up at its deadline, and
+    hangs up (a socket timeout alone would wait for ever: every read gets its byte)."""
+    with _serving(trickle(0.05)) as endpoint:
+        with pytest.raises(OtlpEndpointError, match=r"gave no complete answer to an empty export within 1 s"):
+            check_endpoint(endpoint.url, HEADERS, timeout_s=1)
+        assert endpoint.hung_up.wait(60)
+
+
+def test_a_trickling_answer_to_a_batch_is_sent_again_then_the_export_fails(sample: Path) -> None:
+    with (
+        _serving(trickle(0.05, after=1)) as endpoint,
+        pytest.raises(OtlpEndpointError, match=r"gave no complete answer to a batch of \d+ spans") as caught,
+    ):
+        export_traces(sample, endpoint.url, headers=HEADERS, timeout_s=1, patience_s=2)
+    assert "none within 1 s" in str(caught.value) and "after 0 spans" in str(caught.value)
+    assert len(endpoint.received) >= 2  # the probe, then the batch (tried again while patience lasts)
+
+
+def test_the_whole_export_ends_at_its_deadline(sample: Path) -> None:
+    """Generous per-request and per-batch bounds; the export's own deadline ends it."""
+    with (
+        _serving(trickle(0.05, after=1)) as endpoint,
+        pytest.raises(OtlpEndpointError, match="the export's deadline passed"),
+    ):
+        export_traces(sample, endpoint.url, timeout_s=600, patience_s=600, deadline_s=5)
+
+
+# ---------------------------------------------------------------------- answers read bounded
+
+
+def test_a_huge_error_answer_is_read_bounded(sample: Path) -> None:
+    """A 400 with a 400 MB body: the client reads its first 64 kB and hangs up."""
+    size = 400_000_000
+    with _serving(huge_body(400, size, after=1)) as endpoint:
+        with pytest.raises(
+            OtlpEndpointError, match=r"refused a batch of \d+ spans \(HTTP 400 Bad Request"
+        ) as caught:
+            export_traces(sample, endpoint.url, headers=HEADERS)
+        assert endpoint.hung_up.wait(120)
+        assert endpoint.sent_bytes < size // 10
+    _clean(str(caught.value))
+
+
+def test_a_huge_answer_to_an_accepted_batch_is_not_read_whole(sample: Path) -> None:
+    size = 400_000_000
+    with _serving(huge_body(200, size, after=1, reason="OK")) as endpoint:
+        counts = export_traces(sample, endpoint.url)
+        assert endpoint.hung_up.wait(120)
+        assert endpoint.sent_bytes < size // 10
+    assert counts.spans == SAMPLE_SPANS and counts.batches == 1
+
+
+def test_a_60_kb_reason_phrase_is_shown_cut(sample: Path) -> None:
+    with (
+        _serving(huge_body(400, 10, after=1, reason="R" * 60_000)) as endpoint,
+        pytest.raises(OtlpEndpointError, match=r"HTTP 400 R+…") as caught,
+    ):
+        export_traces(sample, endpoint.url)
+    _clean(str(caught.value))
+
+
+def _echoing(status: int) -> Any:
+    """Every request answered ``status`` with a text body quoting the request's headers back."""
+
+    def script(receiver: OtlpReceiver, index: int, request: Received, handler: Any) -> bool:
+        body = f"denied: x-api-key was {request.headers.get('x-api-key')}".encode()
+        return answer_raw(receiver, handler, f"{status} Nope", "text/plain", body)
+
+    return script
+
+
+def test_an_endpoint_quoting_the_key_back_never_gets_it_shown(sample: Path) -> None:
+    with (
+        _serving(_echoing(401)) as endpoint,
+        pytest.raises(OtlpEndpointError, match="refused the credentials") as caught,
+    ):
+        export_traces(sample, endpoint.url, headers=HEADERS)
+    assert "x-api-key was <hidden>" in str(caught.value)
+    _clean(str(caught.value))
+
+
+def _partial(rejected: int) -> Any:
+    """Batches answered 200 with OTLP's partial success: ``rejected`` spans rejected."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+    answer = ExportTraceServiceResponse()
+    answer.partial_success.rejected_spans = rejected
+    answer.partial_success.error_message = "too old"
+    body = answer.SerializeToString()
+
+    def script(receiver: OtlpReceiver, index: int, request: Received, handler: Any) -> bool:
+        return index > 0 and answer_raw(receiver, handler, "200 OK", "application/x-protobuf", body)
+
+    return script
+
+
+def test_spans_the_endpoint_rejects_in_an_accepted_batch_are_counted(sample: Path) -> None:
+    with _serving(_partial(3)) as endpoint:
+        counts = export_traces(sample, endpoint.url)
+    assert counts.rejected_spans == 3
+    assert "the endpoint rejected 3 span(s)" in counts.sent(endpoint.url)
+
+
+# ---------------------------------------------------------------------- requests too large
+
+
+def test_a_request_the_endpoint_finds_too_large_is_split_until_it_passes(sample: Path) -> None:
+    with _serving(too_large_over(12_000)) as endpoint:
+        counts = export_traces(sample, endpoint.url)
+    spans = endpoint.spans()  # those of the requests answered 200
+    assert (
+        len(spans) == counts.spans == SAMPLE_SPANS and len({bytes(s.span_id) for s in spans}) == SAMPLE_SPANS
+    )
+    assert counts.batches > 1 and endpoint.scripted  # some requests were refused 413, then split
+
+
+def test_one_huge_rollout_is_cut_to_fit_and_never_holds_up_the_others(sample: Path, tmp_path: Path) -> None:
+    """A rollout whose calls carry 12 MB of context each, between the sample's rollouts, against an
+    endpoint taking 8 MiB a request (as a collector does): every rollout lands, the huge one's
+    calls cut and marked; the export does not blame the endpoint."""
+    lines = sample.read_bytes().splitlines()
+    giant = next(orjson.loads(line) for line in lines if b'"rollout_id":"1-0"' in line)
+    giant["ng_model_call_capture"]["rollout_id"] = "giant"
+    for call in giant["ng_model_call_capture"]["calls"]:
+        call["model_call_id"] = f"giant-{call['model_call_id']}"
+        if isinstance(call.get("request"), dict):
+            call["dialect"] = "chat"
+            call["request"] = {
+                "messages": [{"role": "user", "content": "x" * 12_000_000}, {"role": "user", "content": "?"}]
+            }
+    path = tmp_path / "with-a-giant.enriched.jsonl"
+    path.write_bytes(b"\n".join([*lines[:4], orjson.dumps(giant), *lines[4:]]) + b"\n")
+    with _serving(too_large_over(8 * 1024 * 1024)) as endpoint:
+        counts = export_traces(path, endpoint.url, include_payloads=True)
+    assert endpoint.scripted == set()  # no request was too large
+    spans = endpoint.spans()
+    expected = {
+        orjson.loads(line)["ng_model_call_capture"]["rollout_id"]
+        for line in lines
+        if b"ng_model_call" in line
+    }
+    assert {s.name for s in spans if not s.parent_span_id} == {f"rollout {r}" for r in expected | {"giant"}}
+    assert counts.rollouts == len(expected) + 1 and counts.calls_cut >= 1
+    cut = [
+        s
+        for s in spans
+        if any(a.key == "rollout_capture.call.payload_cut" and a.value.bool_value for a in s.attributes)
+    ]
+    assert len(cut) == counts.calls_cut
+    sizes = {
+        a.key: a.value.int_value for a in cut[0].attributes if a.key == "rollout_capture.call.payload_bytes"
+    }
+    assert sizes["rollout_capture.call.payload_bytes"] > 24_000_000
+
+
+# ---------------------------------------------------------------------- the environment's proxy
+
+
+def test_the_environment_s_proxy_carries_the_requests_and_no_proxy_bypasses_it(
+    sample: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As OpenTelemetry's own exporter did (through requests): ``http_proxy`` is asked for the
+    endpoint's whole URL, with the proxy's credentials; ``no_proxy`` names hosts it skips."""
+    with _serving(None) as proxy:
+        monkeypatch.setenv("http_proxy", proxy.url.replace("http://", "http://user:pa%3Ass@"))
+        counts = export_traces(sample, "http://otlp.example.invalid:4318", headers=HEADERS)
+        assert counts.spans == SAMPLE_SPANS == len(proxy.spans())
+        assert {r.path for r in proxy.received} == {"http://otlp.example.invalid:4318/v1/traces"}
+        assert {r.headers["host"] for r in proxy.received} == {"otlp.example.invalid:4318"}
+        assert {r.headers["proxy-authorization"] for r in proxy.received} == {"Basic dXNlcjpwYTpzcw=="}
+        monkeypatch.setenv("no_proxy", "otlp.example.invalid")
+        with pytest.raises(OtlpEndpointError, match="unreachable"):
+            export_traces(sample, "http://otlp.example.invalid:4318")
+        assert len(proxy.received) == counts.batches + 1
