@@ -96,6 +96,8 @@ class RunOutcome(BaseModel):
     report: str | None = None
     evidence: dict[str, Any] | None = None
     """The run's evidence digest (failed calls by category, latency, TTFT, tokens, orphans)."""
+    traces: str | None = None
+    """What its trace export sent, or why it failed (None: no ``otlp_endpoint``)."""
     _fault: BaseException | None = PrivateAttr(default=None)
     """The storage fault that failed the run, when it may heal: the batch is retried for it."""
     _enrichment_error: BaseException | None = PrivateAttr(default=None)
@@ -128,6 +130,7 @@ class RunOutcome(BaseModel):
             output=marker.get("output"),
             report=marker.get("report"),
             evidence=evidence,
+            traces=marker.get("traces"),
         )
 
 
