@@ -88,6 +88,7 @@ bench: setup $(AZURITE)
 	$(BIN)/python benchmarks/bench_s3.py
 	$(BIN)/python benchmarks/bench_proxy.py
 	$(BIN)/python benchmarks/bench_runs.py
+	$(BIN)/python benchmarks/bench_backlog.py
 	$(BIN)/python benchmarks/bench_stores.py
 
 # Register the shipped deployments on the server PREFECT_API_URL names (the pool is created if missing):

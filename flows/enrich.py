@@ -97,7 +97,7 @@ def count_orphans(
     if listed is None:
         logger.info("orphan captures not counted: %s was listed rollout by rollout", captures)
         return
-    stats.evidence.set_orphans(listed, duplicates.ids)
+    duplicates.set_orphans(stats.evidence, listed)
     if stats.evidence.orphan_captures:
         logger.warning(
             "%d capture(s) under %s match no rollout of the input (first: %s)",
@@ -194,20 +194,22 @@ def enrich_to_spool(
     target: Location,
     options: EnrichOptions,
     between_batches: Callable[[], None] | None = None,
+    staged: StagedRollouts | None = None,
 ) -> Spooled:
-    """Everything of an enrichment but publishing, inside the calling flow run.
+    """Everything of an enrichment but publishing, inside the calling flow run (or task run).
 
     The caller publishes the spool (or discards it); on failure nothing is left behind.
     ``between_batches`` runs after each batch is spooled and may raise to stop early.
-    The batches share one listing of an object-store capture root (the flow run's scope).
+    The batches share one listing of an object-store capture root (this enrichment's scope).
     A local capture dir is made absolute here: batches may run where the working directory differs.
+    ``staged``: the input the caller already made local (it is removed here as well).
     """
     check_runner(options.runner, options.dask_address, options.ray_address)
     captures = captures.absolute()
     check_capture_dir(captures, options.allow_empty)
     # Before reading anything: a link there is refused.
     refuse_unsafe_output(target.url, target.storage_options)
-    staged = read_rollouts(rollouts)
+    staged = staged or read_rollouts(rollouts)
     source = rollouts.url
     progress = start_progress(source, staged.size)
     filler = _SpoolFiller(
@@ -215,7 +217,8 @@ def enrich_to_spool(
     )
     parts_dir = tempfile.mkdtemp(prefix="enrich-parts-") if options.runner == "processes" else None
     workers = effective_workers(options.runner, options.max_workers, captures.url)
-    scope = ListingScope(key=str(flow_run.id or uuid.uuid4()), rollouts=0)
+    # One key per enrichment: the runs of one scheduled tick share its flow run.
+    scope = ListingScope(key=f"{flow_run.id or 'local'}-{uuid.uuid4().hex}", rollouts=0)
     try:
         ranges, scope = _cut(staged, options.batch_size, scope.key)
         parameters = {
@@ -239,6 +242,7 @@ def enrich_to_spool(
         raise
     finally:
         end_scope(scope.key)
+        filler.duplicates.close()
         remove_staged(staged)
         if parts_dir is not None:
             shutil.rmtree(parts_dir, ignore_errors=True)
@@ -251,13 +255,15 @@ def publish_spool(
     target: Location,
     started: float,
     before: Callable[[], object] | None = None,
+    write: Callable[[str, Location, int], object] = write_enriched,
 ) -> EnrichSummary:
     """Write the spooled output to its target (``before`` it, e.g. a lease's fence) and
-    sum up the enrichment; the spool is let go either way."""
+    sum up the enrichment; the spool is let go either way. ``write(spool, target, lines)``
+    publishes it: the ``write_enriched`` task, or its body where no task run is wanted."""
     try:
         if before is not None:
             before()
-        write_enriched(done.spool.path, target, done.spool.lines)
+        write(done.spool.path, target, done.spool.lines)
     except BaseException:
         done.spool.discard()
         raise
@@ -321,11 +327,15 @@ def send_traces(
     return None
 
 
-def report_enrichment(summary: EnrichSummary, options: EnrichOptions) -> State[EnrichSummary] | EnrichSummary:
+def report_enrichment(
+    summary: EnrichSummary, options: EnrichOptions, *, artifacts: bool = True, name: str | None = None
+) -> State[EnrichSummary] | EnrichSummary:
     """Log what an enrichment found, publish its artifacts, emit its events; return the flow's end.
 
     Poor evidence (a share past one of ``options``' thresholds) is logged as a WARNING and ends the run in a
     named ``Completed`` state ("Completed with gaps"); otherwise the summary itself is returned.
+    ``artifacts=False``: no artifacts of its own (a run of a scheduled tick is a row of its batch's table);
+    ``name`` starts its log line (the run's, among the others of its batch).
     """
     logger = get_run_logger()
     stats = summary.stats
@@ -342,8 +352,9 @@ def report_enrichment(summary: EnrichSummary, options: EnrichOptions) -> State[E
     poor = poor_evidence(stats, options.max_gap_share, options.max_failed_share)
     logger.log(
         logging.WARNING if poor else logging.INFO,
-        "%senriched %d rollout(s) with %d call(s) (%d failed: %s) in %d batch(es); latency p50/p99 %s, "
+        "%s%senriched %d rollout(s) with %d call(s) (%d failed: %s) in %d batch(es); latency p50/p99 %s, "
         "TTFT p50/p99 %s, capture hold p50/p99 %s; tokens in / out / total %s; gaps: %s; orphan captures: %d",
+        f"{name}: " if name else "",
         f"poor evidence ({'; '.join(poor)}): " if poor else "",
         stats.rollouts,
         stats.calls,
@@ -365,7 +376,8 @@ def report_enrichment(summary: EnrichSummary, options: EnrichOptions) -> State[E
         or "none",
         evidence.orphan_captures,
     )
-    publish_summary(summary)
+    if artifacts:
+        publish_summary(summary)
     emit_completed(
         summary.source,
         summary.output,

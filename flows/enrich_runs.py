@@ -1,74 +1,50 @@
 """``enrich_completed_runs``: the scheduled job. Every finished, not yet enriched run, once.
 
-Each run is enriched in a subflow of its own (``enrich_run``, named after its folder),
-under a lease renewed in the background, several at once when a backlog waits.
+The ready runs are cut into batches (``runs_per_batch`` at most, fewer when few runs wait, so
+that ``max_parallel_runs`` batches share them), each batch one task run that enriches its runs
+in turn, each under its own lease (:mod:`rollout_capture.flows.run_batch`). What Prefect is asked
+is per batch: a task run, and a table artifact listing its runs (status, counts, why one failed).
+The tick's summary artifact names the runs needing a look and links every batch.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from typing import Annotated, Any, Literal
-from uuid import UUID
+import math
+from collections.abc import Iterable
+from typing import Annotated, Any
 
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
-from prefect.context import FlowRunContext, TaskRunContext
+from prefect import get_run_logger
+from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run as this_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, Field
 
-from rollout_capture.batch import BatchStats
 from rollout_capture.enrich_options import DEFAULT_BATCH_SIZE, DEFAULT_MAX_WORKERS, EnrichOptions, Runner
 from rollout_capture.filesystem import absolute_location
-from rollout_capture.flows.enrich import (
-    check_traces,
-    enrich_to_spool,
-    publish_spool,
-    report_enrichment,
-    send_traces,
-)
-from rollout_capture.flows.events import emit_failed
+from rollout_capture.flows.enrich import check_traces
 from rollout_capture.flows.guard import StorageOptions, guarded_flow
-from rollout_capture.flows.report import EnrichSummary, flow_run_link, publish_runs_table, show_core_logs
+from rollout_capture.flows.report import (
+    Row,
+    advance_progress,
+    needs_a_look,
+    publish_tick_summary,
+    show_core_logs,
+    start_progress,
+    task_run_link,
+)
+from rollout_capture.flows.run_batch import RunOutcome, RunsJob, RunStatus, enrich_runs_batch, outcome_row
 from rollout_capture.flows.runners import check_runner
 from rollout_capture.location import Location
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
-from rollout_capture.run_folders import (
-    DEFAULT_LEASE_S,
-    Lease,
-    LeaseKeeper,
-    LeaseLost,
-    RunFolder,
-    new_owner,
-)
+from rollout_capture.run_folders import DEFAULT_LEASE_S, RunFolder, new_owner
 from rollout_capture.secret_options import shown_url
-from rollout_capture.tasks.run_folders import (
-    fence_run,
-    find_runs,
-    finish_run,
-    release_run,
-    remember_enriched,
-    runs_root_at,
-    take_run,
-)
+from rollout_capture.tasks.run_folders import MAX_NAMED_RUNS, find_runs, remember_enriched
+
+__all__ = ["RunOutcome", "RunStatus", "RunsFailed", "RunsSummary", "enrich_completed_runs"]
 
 DEFAULT_MAX_PARALLEL_RUNS = 4
-
-RunStatus = Literal["enriched", "busy", "already_enriched", "lost", "failed"]
-
-
-class RunOutcome(BaseModel):
-    """What became of one run this flow run tried to take."""
-
-    status: RunStatus
-    flow_run_id: UUID | None = None
-    """The run's ``enrich_run`` subflow, when one ran."""
-    summary: EnrichSummary | None = None
-    error: str | None = None
-    state_name: str | None = None
-    """The subflow's final state name ("Completed with gaps" when its evidence was poor)."""
+DEFAULT_RUNS_PER_BATCH = 50
+"""Runs a batch task enriches at most: a task run, a log line and a progress step per batch."""
 
 
 class RunsSummary(BaseModel):
@@ -105,165 +81,34 @@ class RunsFailed(RuntimeError):
     """Some runs could not be enriched; the others were."""
 
 
-@guarded_flow(name="enrich_run")
-def enrich_run(
-    runs_root: Location,
-    run: RunFolder,
-    lease: Lease,
-    options: EnrichOptions,
-    capture_dir: Location | None = None,
-    heartbeat_s: float | None = None,
-) -> EnrichSummary:
-    """Enrich one run folder whose lease this flow run holds; publish only as its current holder.
-
-    The lease is renewed in the background (every ``lease_s / 3``) however long the run
-    takes. The output and ``_ENRICHED`` are each written right after a renewal succeeds,
-    so a holder that lost its lease (paused past it, say) stops and publishes nothing.
-    The run's files are read and written as ``runs_root`` is (its options, its block).
-    """
-    show_core_logs()
-    # Asked at each use: the lease is renewed for as long as the run takes, past temporary credentials.
-    root = runs_root_at(runs_root, renewing=True)
-    output = runs_root.at(run.output)
-    keeper = LeaseKeeper(root, run, lease, heartbeat_s)
-    started = time.perf_counter()
-    finished = False
-    with _this_flow_runs_context(), keeper:
-        try:
-            captures = capture_dir or runs_root.at(run.captures)
-            done = enrich_to_spool(runs_root.at(run.rollouts), captures, output, options, keeper.check)
-            summary = publish_spool(done, run.rollouts, output, started, before=lambda: fence_run(keeper))
-            finish_run(keeper, _enriched_marker(summary, done.stats))
-            finished = True
-        except LeaseLost:
-            raise  # another holder has the run: not a failure of its evidence
-        except Exception as exc:
-            emit_failed(run.rollouts, run.output, exc)
-            raise
-        finally:
-            if not finished:
-                _give_back(keeper)
-        failed = send_traces(summary, output, options, traces_run(options, run, output))
-        end = report_enrichment(summary, options)
-    if failed is not None:
-        raise failed
-    return end  # type: ignore[return-value]  # a named Completed state when the evidence is poor
+def needing_a_look(summary: RunsSummary) -> list[Row]:
+    """The rows of the runs the tick's summary names (failed, lost, busy, poor), with their batch's link."""
+    rows = [
+        {**outcome_row(name, o), "batch": task_run_link(o.task_run_id)}
+        for name, o in summary.outcomes.items()
+    ]
+    return [row for row in rows if needs_a_look(row)]
 
 
-def traces_run(options: EnrichOptions, run: RunFolder, output: Location) -> str | None:
-    """The run a run folder's traces are (docs/contract.md 13): ``<otlp_run_name>/<folder>``
-    when the root's runs are named, else its output's location; None when no traces go."""
-    if not options.otlp_endpoint:
-        return None
-    from rollout_capture.traces.runs import folder_run
-
-    return folder_run(options.otlp_run_name, run.name, output.url)
-
-
-def _enriched_marker(summary: EnrichSummary, stats: BatchStats) -> dict[str, Any]:
-    """What ``_ENRICHED`` says: the summary less its problems, the evidence digest, unparseable lines."""
-    marker = summary.model_dump(mode="json", exclude={"stats": {"problems", "evidence"}})
-    marker["evidence"] = stats.evidence.digest()
-    marker["unparseable_lines"] = [p.line for p in stats.problems]
-    return marker
-
-
-@contextmanager
-def _this_flow_runs_context() -> Iterator[None]:
-    """In a subflow started from a task, forget that task's run context for the flow's body.
-
-    Prefect leaves it set, so the subflow's own logs and artifacts would be filed under
-    the parent flow run's task; tasks already ignore a task context of another flow run.
-    """
-    task_run = TaskRunContext.get()
-    flow_run = FlowRunContext.get()
-    if task_run is None or flow_run is None or flow_run.flow_run is None:
-        yield
-        return
-    if task_run.task_run.flow_run_id == flow_run.flow_run.id:
-        yield
-        return
-    token = TaskRunContext.__var__.set(None)  # type: ignore[arg-type]  # None reads as "no task run"
-    try:
-        yield
-    finally:
-        TaskRunContext.__var__.reset(token)
-
-
-def _give_back(keeper: LeaseKeeper) -> None:
-    """Release after a failure without hiding it: a lease that cannot be released lapses anyway."""
-    try:
-        release_run(keeper)
-    except Exception as exc:
-        get_run_logger().warning("%s: lease not released (%s); it lapses by itself", keeper.run.name, exc)
-
-
-@task(name="enrich_run_folder", task_run_name="enrich_run_folder {run.name}", cache_policy=NO_CACHE)
-def enrich_run_folder(
-    runs_root: Location,
-    run: RunFolder,
-    lease_s: float,
-    capture_dir: Location | None,
-    options: EnrichOptions,
-) -> RunOutcome:
-    """Take one run and enrich it in its own subflow.
-
-    A task, not a thread of the flow: subflows started from tasks get unique identities,
-    so several can run at once. Not retried as a whole: its own tasks retry their faults.
-    """
-    logger = get_run_logger()
-    try:
-        taken = take_run(runs_root, run, lease_s, new_owner())
-        if taken == "busy":
-            logger.info("run %s is being enriched by another flow run; skipped", run.name)
-            return RunOutcome(status="busy")
-        if taken == "enriched":
-            return RunOutcome(status="already_enriched")
-        state = enrich_run.with_options(flow_run_name=run.name)(
-            runs_root=runs_root,
-            run=run,
-            lease=taken,
-            options=options,
-            capture_dir=capture_dir,
-            return_state=True,
-        )
-    except Exception as exc:
-        logger.error("run %s failed: %s", run.name, exc)
-        return RunOutcome(status="failed", error=f"{type(exc).__name__}: {exc}")
-    flow_run_id = state.state_details.flow_run_id
-    try:
-        summary = state.result()
-    except LeaseLost as exc:
-        logger.warning("run %s: lease lost, nothing published: %s", run.name, exc)
-        return RunOutcome(status="lost", flow_run_id=flow_run_id, error=str(exc))
-    except Exception as exc:
-        logger.error("run %s failed: %s", run.name, exc)
-        return RunOutcome(status="failed", flow_run_id=flow_run_id, error=f"{type(exc).__name__}: {exc}")
-    return RunOutcome(status="enriched", flow_run_id=flow_run_id, summary=summary, state_name=state.name)
-
-
-def runs_rows(summary: RunsSummary) -> list[dict[str, str | int | float]]:
-    """One row per run the tick tried: its status, counts, and a link to its subflow run."""
-    rows: list[dict[str, str | int | float]] = []
+def batch_rows(summary: RunsSummary) -> list[Row]:
+    """One row per batch of the tick: its runs, how many were enriched or need a look, its task run."""
+    batches: dict[str, Row] = {}
     for name, outcome in summary.outcomes.items():
-        enriched = outcome.summary
-        stats = enriched.stats if enriched is not None else None
-        status: str = outcome.status
-        if outcome.state_name and outcome.state_name != "Completed":
-            status = f"{status} ({outcome.state_name})"
-        rows.append(
+        label = outcome.batch or "-"
+        row = batches.setdefault(
+            label,
             {
-                "run": name,
-                "status": status,
-                "rollouts": stats.rollouts if stats else "-",
-                "calls": stats.calls if stats else "-",
-                "gap_share": f"{stats.gap_share:.1%}" if stats else "-",
-                "failed_calls": stats.evidence.failed_calls if stats else "-",
-                "flow_run": flow_run_link(outcome.flow_run_id),
-                "error": outcome.error or "",
-            }
+                "batch": label,
+                "runs": 0,
+                "enriched": 0,
+                "notable": 0,
+                "link": task_run_link(outcome.task_run_id),
+            },
         )
-    return rows
+        row["runs"] = int(row["runs"] or 0) + 1
+        row["enriched"] = int(row["enriched"] or 0) + (outcome.status == "enriched")
+        row["notable"] = int(row["notable"] or 0) + needs_a_look(outcome_row(name, outcome))
+    return list(batches.values())
 
 
 def enrich_runs_name() -> str:
@@ -284,6 +129,7 @@ def enrich_completed_runs(
     ray_address: str | None = None,
     lease_s: Annotated[float, Field(gt=0)] = DEFAULT_LEASE_S,
     max_parallel_runs: Annotated[int, Field(ge=1)] = DEFAULT_MAX_PARALLEL_RUNS,
+    runs_per_batch: Annotated[int, Field(ge=1)] = DEFAULT_RUNS_PER_BATCH,
     full_scan: bool = False,
     recheck: list[str] | None = None,
     allow_empty: bool = False,
@@ -296,23 +142,26 @@ def enrich_completed_runs(
     otlp_project: str | None = None,
     otlp_run_name: str | None = None,
 ) -> RunsSummary:
-    """Enrich each finished run (``_SUCCESS``, no ``_ENRICHED``) under ``runs_root``, each in a subflow.
+    """Enrich each finished run (``_SUCCESS``, no ``_ENRICHED``) under ``runs_root``, in batches of runs.
 
     ``_ENRICHED`` is written last, so the next schedule skips the run; a lease keeps overlapping
     schedules off a run (lapsing ``lease_s`` after a crash); a failing run does not stop the others.
+    Each batch's table artifact lists its runs, the tick's summary those needing a look; each run's
+    events are its own.
 
     Args:
         runs_root: The folder of runs (path or fsspec URL): <root>/<run>/rollouts.jsonl, captures/, _SUCCESS.
         capture_dir: One capture root for every run; default each run's own captures/ folder.
         include_payloads: Keep each call's request and response in the output.
         quiescence_timeout_s: Seconds to wait, per batch, for calls still being written (live claims).
-        batch_size: Rollout lines per batch task.
-        max_workers: Batches running at once, per run.
+        batch_size: Rollout lines per batch; a run of more lines runs its batches as tasks.
+        max_workers: Batches of lines running at once, per run of more than one batch.
         runner: Where batches run: threads, processes (all cores), dask or ray.
         dask_address: The Dask scheduler (runner=dask); default a local one per run.
         ray_address: The Ray cluster (runner=ray); default RAY_ADDRESS, else local.
         lease_s: Seconds a run's lease lasts without renewal; a crashed tick's run is free after it.
-        max_parallel_runs: Runs enriched at once when a backlog waits.
+        max_parallel_runs: Runs enriched at once when a backlog waits (a batch of runs each).
+        runs_per_batch: Runs a batch task enriches at most, one after another.
         full_scan: List every run folder, ignoring the index of runs already enriched.
         recheck: Names of runs to look at even if the index says they are enriched.
         allow_empty: Accept a run whose capture dir does not exist or holds nothing.
@@ -350,12 +199,16 @@ def enrich_completed_runs(
     check_traces(options)
     captures = runs.at(capture_dir) if capture_dir else None
     summary, ready = _sorted_runs(find_runs(runs, full_scan, recheck))
-    parameters = {"runs_root": runs, "lease_s": lease_s, "capture_dir": captures, "options": options}
-    _enrich_ready(summary, ready, parameters, max_parallel_runs)
+    job = RunsJob(runs_root=runs, lease_s=lease_s, capture_dir=captures, options=options)
+    batches = _batches(ready, runs_per_batch, max_parallel_runs)
+    _enrich_ready(summary, ready, job, runs_root, batches, max_parallel_runs)
     _publish_tick(summary, runs_root, runs)
     get_run_logger().info("%s", summary.tally())
     if summary.failed:
-        raise RunsFailed(f"{len(summary.failed)} run(s) failed: {summary.failed}")
+        first = dict(list(summary.failed.items())[:MAX_NAMED_RUNS])
+        more = len(summary.failed) - len(first)
+        tail = f" and {more} more (their batches' tables list them)" if more > 0 else ""
+        raise RunsFailed(f"{len(summary.failed)} run(s) failed: {first}{tail}")
     return summary
 
 
@@ -369,24 +222,79 @@ def _with_traces_project(options: EnrichOptions, runs_root: str) -> EnrichOption
 
 
 def _publish_tick(summary: RunsSummary, runs_root: str, runs: Location) -> None:
-    """What a tick leaves behind: its runs table (in the UI) and the root's index of enriched runs."""
+    """What a tick leaves behind: its summary (in the UI) and the root's index of enriched runs."""
     if summary.outcomes:
-        publish_runs_table(runs_root, runs_rows(summary))
+        publish_tick_summary(runs_root, summary.tally(), needing_a_look(summary), batch_rows(summary))
     if summary.enriched:
         remember_enriched(runs, summary.enriched)
 
 
+def _batches(ready: list[RunFolder], runs_per_batch: int, max_parallel_runs: int) -> list[list[RunFolder]]:
+    """The ready runs in order, cut into batches of ``runs_per_batch`` at most: fewer per batch when
+    few runs wait, so that ``max_parallel_runs`` batches share them."""
+    size = max(1, min(runs_per_batch, math.ceil(len(ready) / max_parallel_runs)))
+    return [ready[start : start + size] for start in range(0, len(ready), size)]
+
+
+def _label(batch: list[RunFolder]) -> str:
+    """A batch as its task run is named: its first and last run."""
+    if len(batch) == 1:
+        return batch[0].name
+    return f"{batch[0].name} .. {batch[-1].name} ({len(batch)} runs)"
+
+
 def _enrich_ready(
-    summary: RunsSummary, ready: list[RunFolder], parameters: dict[str, Any], max_parallel_runs: int
+    summary: RunsSummary,
+    ready: list[RunFolder],
+    job: RunsJob,
+    source: str,
+    batches: list[list[RunFolder]],
+    max_parallel_runs: int,
 ) -> None:
-    """Each ready run through ``enrich_run_folder``, up to ``max_parallel_runs`` at once."""
-    if not ready:
+    """Each batch through ``enrich_runs_batch``, ``max_parallel_runs`` at once; the tick's progress
+    artifact advances as each one ends (by its runs' input bytes when the listing gave their
+    sizes, else by runs)."""
+    if not batches:
         return
-    pool: ThreadPoolTaskRunner[Any] = ThreadPoolTaskRunner(max_workers=min(max_parallel_runs, len(ready)))
+    sized = all(run.rollouts_bytes is not None for run in ready)
+
+    def weight(batch: list[RunFolder]) -> int:
+        return sum(run.rollouts_bytes or 0 for run in batch) if sized else len(batch)
+
+    total = sum(weight(batch) for batch in batches)
+    progress = start_progress(f"{source} ({len(ready)} runs)", total)
+    found: dict[int, list[RunOutcome]] = {}
+    done = 0
+    pool: ThreadPoolTaskRunner[Any] = ThreadPoolTaskRunner(max_workers=min(max_parallel_runs, len(batches)))
     with pool:
-        futures = [(run, pool.submit(enrich_run_folder, {"run": run, **parameters})) for run in ready]
-        for run, future in futures:
-            summary.record_outcome(run.name, future.result())
+        futures: dict[PrefectFuture[list[RunOutcome]], int] = {
+            pool.submit(
+                enrich_runs_batch,
+                {"runs": batch, "label": _label(batch), "owner": new_owner(), "job": job},
+            ): index
+            for index, batch in enumerate(batches)
+        }
+        for future in as_completed(list(futures)):
+            index = futures[future]
+            found[index] = _outcomes(future, batches[index])
+            done += weight(batches[index])
+            try:
+                advance_progress(progress, f"{source} ({len(ready)} runs)", done, total)
+            except Exception as exc:  # shown progress; the batches go on whatever the API says
+                get_run_logger().warning("progress not updated: %s", exc)
+    for index, batch in enumerate(batches):  # in the runs' order, whichever batch ended first
+        for run, outcome in zip(batch, found[index], strict=True):
+            summary.record_outcome(run.name, outcome)
+
+
+def _outcomes(future: PrefectFuture[list[RunOutcome]], batch: list[RunFolder]) -> list[RunOutcome]:
+    """A batch's outcomes; a batch that failed as a whole (its own fault, not a run's) fails each run."""
+    try:
+        return future.result()
+    except Exception as exc:
+        get_run_logger().error("batch %s failed: %s", _label(batch), exc)
+        error = f"{type(exc).__name__}: {exc}"
+        return [RunOutcome(status="failed", error=error, task_run_id=future.task_run_id) for _ in batch]
 
 
 def _sorted_runs(found: Iterable[RunFolder]) -> tuple[RunsSummary, list[RunFolder]]:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from uuid import UUID
 
+from prefect import get_run_logger
 from prefect.artifacts import (
     create_link_artifact,
     create_markdown_artifact,
@@ -226,9 +227,24 @@ def shares_exceeded(
     """Whether the gap share and the failed-call share are past their thresholds: strictly
     above, so a share equal to its threshold (``max_gap_share=0`` and a clean run) is not poor.
     The one decision behind the state's name, the reasons, the WARNING and the events."""
-    gaps = max_gap_share is not None and stats.gap_share > max_gap_share
-    failed = max_failed_share is not None and stats.evidence.failed_share > max_failed_share
+    return _exceeded(stats.gap_share, stats.evidence.failed_share, max_gap_share, max_failed_share)
+
+
+def _exceeded(
+    gap_share: float, failed_share: float, max_gap_share: float | None, max_failed_share: float | None
+) -> tuple[bool, bool]:
+    gaps = max_gap_share is not None and gap_share > max_gap_share
+    failed = max_failed_share is not None and failed_share > max_failed_share
     return gaps, failed
+
+
+def poor_state_name(
+    gap_share: float, failed_share: float, max_gap_share: float | None, max_failed_share: float | None
+) -> str | None:
+    """The named ``Completed`` state these shares earn ("Completed with gaps"), None when not poor:
+    :func:`final_state`'s name, from the figures an ``_ENRICHED`` marker keeps."""
+    exceeded = _exceeded(gap_share, failed_share, max_gap_share, max_failed_share)
+    return POOR_STATE_NAMES.get(exceeded)
 
 
 def poor_evidence(
@@ -277,28 +293,91 @@ def final_state(
     return state
 
 
-def flow_run_link(flow_run_id: UUID | None) -> str:
-    """Where a flow run's page is: the UI's URL when one is known, else its path in the UI."""
-    if flow_run_id is None:
+def task_run_link(task_run_id: UUID | None) -> str:
+    """Where a task run's page is: the UI's URL when one is known, else its path in the UI."""
+    if task_run_id is None:
         return "-"
-    return url_for("flow-run", obj_id=flow_run_id) or f"/runs/flow-run/{flow_run_id}"
+    return url_for("task-run", obj_id=task_run_id) or f"/runs/task-run/{task_run_id}"
 
 
-def publish_runs_table(key_source: str, rows: list[dict[str, str | int | float]]) -> None:
-    """The scheduled tick's own artifacts: one table row per run it tried, and the same with links."""
-    key = artifact_key("enriched-runs", key_source)
-    create_table_artifact(table=rows, key=key, description=f"Runs under {key_source} this tick tried")
+MAX_LISTED_RUNS = 100
+"""Runs (and batches) a tick's summary names; each batch's table lists every one of its runs."""
+_ROUTINE = {"enriched", "already_enriched"}
+Row = dict[str, str | int | float | None]
+
+
+def _cell_text(value: object, limit: int = 300) -> str:
+    """A value as one markdown table cell: no pipes, no line breaks, not too long."""
+    text = " ".join(str(value).split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def publish_batch_table(label: str, rows: list[Row], headline: str) -> None:
+    """A batch of runs' table, filed under its task run: a row per run (status, counts, seconds,
+    why it failed). Unkeyed: a tick has a table per batch, each small enough to show at once.
+    Its runs are enriched already: an API that refuses the table (a busy server's 503) is logged."""
+    try:
+        create_table_artifact(table=rows, description=f"{label}: {headline}")
+    except Exception as exc:
+        get_run_logger().warning("%s: its table artifact was not published: %s", label, exc)
+
+
+def needs_a_look(row: Row) -> bool:
+    """A run the tick's summary names: failed, lost, busy, or enriched with poor evidence."""
+    return row["status"] not in _ROUTINE
+
+
+def publish_tick_summary(key_source: str, headline: str, notable: list[Row], batches: list[Row]) -> None:
+    """The scheduled tick's summary (keyed by its root, so ticks make a history): what it did, the
+    runs needing a look (failed, lost, busy, poor evidence) and every batch, each with a link to
+    its task run, where its table and its logs are."""
+    tried = sum(int(batch["runs"] or 0) for batch in batches)
     lines = [
-        "| run | status | rollouts | calls | gap share | failed calls | flow run |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+        f"# Runs under `{key_source}`",
+        "",
+        f"{tried} run(s) tried in {len(batches)} batch(es): {headline}.",
     ]
-    for row in rows:
-        link = str(row["flow_run"])
-        shown = f"[{row.get('flow_run_name') or row['run']!s}]({link})" if link != "-" else "-"
-        lines.append(
-            f"| {row['run']} | {row['status']} | {row['rollouts']} | {row['calls']} | {row['gap_share']} "
-            f"| {row['failed_calls']} | {shown} |"
-        )
+    if notable:
+        lines += [
+            "",
+            f"## Runs needing a look ({len(notable)})",
+            "",
+            "| run | status | rollouts | calls | gap share | failed calls | batch | error |",
+            "| --- | --- | ---: | ---: | ---: | ---: | --- | --- |",
+        ]
+        columns = ("status", "rollouts", "calls", "gap_share", "failed_calls")
+        lines += [
+            f"| {_cell_text(row['run'])} | {' | '.join(_figure(row[c]) for c in columns)} "
+            f"| {_linked('logs', row['batch'])} | {_cell_text(row['error'] or '')} |"
+            for row in notable[:MAX_LISTED_RUNS]
+        ]
+        if len(notable) > MAX_LISTED_RUNS:
+            lines.append(f"\n... and {len(notable) - MAX_LISTED_RUNS} more (in their batches' tables)")
+    if batches:
+        lines += [
+            "",
+            f"## Batches ({len(batches)})",
+            "",
+            "| batch | runs | enriched | needing a look | table and logs |",
+            "| --- | ---: | ---: | ---: | --- |",
+        ]
+        lines += [
+            f"| {_cell_text(row['batch'])} | {row['runs']} | {row['enriched']} | {row['notable']} "
+            f"| {_linked('task run', row['link'])} |"
+            for row in batches[:MAX_LISTED_RUNS]
+        ]
+        if len(batches) > MAX_LISTED_RUNS:
+            lines.append(f"\n... and {len(batches) - MAX_LISTED_RUNS} more batches")
     create_markdown_artifact(
-        markdown="\n".join(lines) + "\n", key=artifact_key("enriched-runs-links", key_source)
+        markdown="\n".join(lines) + "\n",
+        key=artifact_key("enriched-runs", key_source),
+        description=f"Runs under {key_source}: {headline}",
     )
+
+
+def _figure(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _linked(text: str, link: object) -> str:
+    return f"[{text}]({link})" if link and link != "-" else "-"

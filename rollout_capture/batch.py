@@ -13,7 +13,7 @@ import gc
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,8 +29,10 @@ from rollout_capture.identity import rollout_id_of
 from rollout_capture.identity_fast import identify_line
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
 from rollout_capture.rollout_files import split_lines
+from rollout_capture.spilled_ids import SpilledIds
 from rollout_capture.store import CaptureDir, CaptureStore, as_store
 from rollout_capture.summary import AttachmentFold, EvidenceSummary, observation_gap_codes
+from rollout_capture.summary.evidence import MAX_EXAMPLES
 
 logger = logging.getLogger(__name__)
 
@@ -117,65 +119,102 @@ class BatchStats(BaseModel):
         )
 
 
-class DuplicateIds:
-    """The rollout ids of one input, gathered batch by batch, to name those on several lines.
+SPILL_AFTER_IDS = 50_000
+"""Rollout ids of one input kept in memory; past them the ids go to the local disk (``SpilledIds``)."""
 
-    Each such line gets the same calls attached, which is rarely what was meant (a file
-    concatenated twice, ids reused across runs), so the flow warns and counts them.
+
+class DuplicateIds:
+    """The rollout ids of one input, gathered batch by batch, to name those on several lines and
+    to tell orphan captures from wanted ones.
+
+    Each line with a repeated id gets the same calls attached, which is rarely what was meant (a
+    file concatenated twice, ids reused across runs), so the flow warns and counts them. Up to
+    ``spill_after`` ids are kept in memory; beyond, every id goes to files on this host's
+    temporary disk (:class:`~rollout_capture.spilled_ids.SpilledIds`), so memory stays flat
+    however many rollouts the input holds. :meth:`close` removes them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, spill_after: int = SPILL_AFTER_IDS) -> None:
         self._lines: dict[str, list[int]] = {}
         self._repeated: dict[str, None] = {}  # in the order first seen repeated
         self.repeated_lines = 0
+        self._spill_after = spill_after
+        self._spilled: SpilledIds | None = None
+        self._order = 0  # what the next id added is keyed by, once spilled
 
     def add(self, stats: BatchStats) -> None:
         """Take a batch's ids (and drop them from its stats: they were only carried here)."""
-        for rollout_id, lines in stats.id_lines.items():
-            known = self._lines.get(rollout_id)
-            if known is None:
-                known = self._lines[rollout_id] = []
-            self.repeated_lines += len(lines) - (0 if known else 1)
-            known.extend(lines)
-            if len(known) > 1:
-                self._repeated.setdefault(rollout_id, None)
+        if self._spilled is not None:
+            for rollout_id, lines in stats.id_lines.items():
+                self._spilled.add(rollout_id, self._order, lines)
+                self._order += 1
+        else:
+            for rollout_id, lines in stats.id_lines.items():
+                known = self._lines.get(rollout_id)
+                if known is None:
+                    known = self._lines[rollout_id] = []
+                self.repeated_lines += len(lines) - (0 if known else 1)
+                known.extend(lines)
+                if len(known) > 1:
+                    self._repeated.setdefault(rollout_id, None)
+            if len(self._lines) > self._spill_after:
+                self._spill()
         stats.id_lines = {}
 
-    @property
-    def ids(self) -> set[str]:
-        """Every rollout id of the input seen so far (to tell orphan captures from wanted ones)."""
-        return set(self._lines)
+    def _spill(self) -> None:
+        """Move the ids to disk, keyed so that those repeated so far stay first, in their order."""
+        spilled = self._spilled = SpilledIds()
+        order = {rollout_id: index for index, rollout_id in enumerate(self._repeated)}
+        later = len(order)
+        for rollout_id, lines in self._lines.items():
+            key = order.get(rollout_id)
+            if key is None:
+                key, later = later, later + 1
+            spilled.add(rollout_id, key, lines)
+        self._order = later
+        self._lines, self._repeated = {}, {}
 
-    def found(self) -> list[DuplicateId]:
-        """Every id on more than one line, with its first few lines (sorted), first found first."""
-        return [
-            DuplicateId(rollout_id=r, lines=sorted(self._lines[r])[:_LINES_PER_DUPLICATE])
-            for r in self._repeated
+    def found(self, limit: int | None = None) -> tuple[int, list[DuplicateId]]:
+        """``(ids on more than one line, the first ``limit`` of them with their first few lines
+        (sorted), first found first)``; every one of them without ``limit``."""
+        if self._spilled is not None:
+            count, extra, first = self._spilled.repeated(limit or self._order, _LINES_PER_DUPLICATE)
+            self.repeated_lines = extra
+            return count, [DuplicateId(rollout_id=r, lines=lines) for r, lines in first]
+        named = list(self._repeated)[:limit]
+        return len(self._repeated), [
+            DuplicateId(rollout_id=r, lines=sorted(self._lines[r])[:_LINES_PER_DUPLICATE]) for r in named
         ]
+
+    def set_orphans(self, evidence: EvidenceSummary, listed_ids: Iterable[str]) -> None:
+        """Count (into ``evidence``) the ids of a capture root's listing that no line of the input names."""
+        if self._spilled is None:
+            evidence.set_orphans(listed_ids, self._lines)
+            return
+        evidence.set_orphan_figures(*self._spilled.orphans(listed_ids, MAX_EXAMPLES))
 
     def report(self, stats: BatchStats, source: str) -> BatchStats:
         """``stats`` with the duplicates counted and the first few named; warns when there are any."""
-        found = self.found()
+        count, named = self.found(MAX_LISTED_DUPLICATES)
         stats.duplicate_id_lines = self.repeated_lines
-        stats.duplicate_ids = found[:MAX_LISTED_DUPLICATES]
-        if found:
-            named = "; ".join(
-                f"{d.rollout_id} (lines {', '.join(map(str, d.lines))})" for d in stats.duplicate_ids
-            )
-            more = (
-                f"; and {len(found) - len(stats.duplicate_ids)} more id(s)"
-                if len(found) > len(stats.duplicate_ids)
-                else ""
-            )
+        stats.duplicate_ids = named
+        if count:
+            shown = "; ".join(f"{d.rollout_id} (lines {', '.join(map(str, d.lines))})" for d in named)
+            more = f"; and {count - len(named)} more id(s)" if count > len(named) else ""
             logger.warning(
                 "%s: %d rollout id(s) appear on more than one line, and each such line got the same "
                 "calls attached: %s%s",
                 source,
-                len(found),
-                named,
+                count,
+                shown,
                 more,
             )
         return stats
+
+    def close(self) -> None:
+        """Remove what went to disk (the ids are gone from then on)."""
+        if self._spilled is not None:
+            self._spilled.close()
 
 
 @dataclass(slots=True)

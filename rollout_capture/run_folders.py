@@ -65,6 +65,9 @@ class RunFolder(BaseModel):
     url: str
     finished: bool
     enriched: bool
+    rollouts_bytes: int | None = None
+    """The size of its rollouts file when listed unenriched (what a tick weighs its work by); None
+    for an enriched run, or when the store did not say."""
 
     @property
     def rollouts(self) -> str:
@@ -227,8 +230,10 @@ class RunsRoot:
     def _folder(self, name: str) -> str:
         return self.backend.path(name)
 
-    def _run(self, name: str, *, finished: bool, enriched: bool) -> RunFolder:
-        return RunFolder(name=name, url=f"{self.url}/{name}", finished=finished, enriched=enriched)
+    def _run(self, name: str, *, finished: bool, enriched: bool, size: int | None = None) -> RunFolder:
+        return RunFolder(
+            name=name, url=f"{self.url}/{name}", finished=finished, enriched=enriched, rollouts_bytes=size
+        )
 
     def discover(
         self, *, use_index: bool = True, recheck: Collection[str] = (), update_index: bool = True
@@ -257,7 +262,9 @@ class RunsRoot:
             if linked:
                 refused[name] = f"{', '.join(linked)}: {_LINKED}"
                 continue
-            runs.append(self._run(name, finished=SUCCESS in names, enriched=ENRICHED in names))
+            done = ENRICHED in names
+            size = None if done else rollouts.size
+            runs.append(self._run(name, finished=SUCCESS in names, enriched=done, size=size))
         runs.sort(key=lambda run: run.name)
         for name, why in sorted(refused.items()):
             logger.warning("%s/%s is left alone: %s", self.url, name, why)
@@ -443,6 +450,16 @@ class RunsRoot:
                 holder = None
             if holder != lease.owner:  # not our own retried write
                 raise AlreadyEnriched(f"{run.name} was enriched by {holder or 'another holder'}") from None
+
+    def enriched_marker(self, run: RunFolder) -> dict[str, Any] | None:
+        """What the run's ``_ENRICHED`` says (its summary, ``enriched_by``); None when it is absent
+        or not a JSON object (a marker written by hand)."""
+        body = self.backend.read_many([join(self._folder(run.name), ENRICHED)])[0]
+        try:
+            marker = orjson.loads(body) if body else None
+        except orjson.JSONDecodeError:
+            return None
+        return marker if isinstance(marker, dict) else None
 
     def drop_leases(self, run: RunFolder) -> None:
         """Delete every lease generation of an enriched run (its ``_ENRICHED`` keeps others off)."""

@@ -17,6 +17,16 @@ from rollout_capture.tasks.credentials import credentials_from_block
 from rollout_capture.tasks.naming import run_name
 from rollout_capture.tasks.retry import storage_retries
 
+MAX_NAMED_RUNS = 10
+"""Runs a log line names; the rest are counted (a first tick may find thousands)."""
+
+
+def named_few(names: list[str]) -> str:
+    """``a, b, c`` for a few names; the first :data:`MAX_NAMED_RUNS` and how many more for many."""
+    shown = ", ".join(names[:MAX_NAMED_RUNS])
+    more = len(names) - MAX_NAMED_RUNS
+    return f"{shown} and {more} more ({len(names)} in all)" if more > 0 else shown
+
 
 def runs_root_at(runs_root: LocationLike, *, renewing: bool = False) -> RunsRoot:
     """The runs root at a location, its credentials resolved here from the location's block.
@@ -80,7 +90,7 @@ def find_runs(
         runs_root,
         found.listed,
         found.indexed,
-        ready or "none",
+        named_few(ready) or "none",
     )
     return found.runs
 

@@ -23,6 +23,7 @@ EXAMPLE_MODULES = [
     "rollout_capture.flows.enrich",
     "rollout_capture.flows.dispatch",
     "rollout_capture.flows.enrich_runs",
+    "rollout_capture.flows.run_batch",
     "rollout_capture.tasks.capture",
     "rollout_capture.tasks.rollout_files",
     "rollout_capture.tasks.run_folders",
@@ -30,7 +31,7 @@ EXAMPLE_MODULES = [
     "rollout_capture.tasks.credentials",
 ]
 # Started only by enrich_completed_runs (they need the lease it took): its example covers them.
-INTERNAL = {"enrich_run", "enrich_run_folder"}
+INTERNAL = {"enrich_runs_batch"}
 
 
 def test_mkdocs_builds_strictly_with_the_api_reference(tmp_path: Path) -> None:

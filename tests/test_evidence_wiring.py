@@ -20,10 +20,10 @@ from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 from rollout_capture import CaptureStore
 from rollout_capture.flows import enrich_completed_runs, enrich_rollouts
 from rollout_capture.flows.events import COMPLETED, FAILED_CALLS_EXCEEDED, RESOURCE_PREFIX
-from rollout_capture.flows.report import artifact_key
+from rollout_capture.flows.report import artifact_key, task_run_link
 
 from .conftest import S3
-from .support.prefect_api import artifacts, flow_run, task_runs, wait_for_events, wait_for_logs
+from .support.prefect_api import artifacts, flow_run, run_rows, task_runs, wait_for_events, wait_for_logs
 from .test_report import _row
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -165,20 +165,24 @@ def test_the_tick_tables_each_run_and_names_its_tasks(tmp_path: Path) -> None:
     summary = state.result()
     assert sorted(summary.enriched) == ["bad", "good"]
     run_id = state.state_details.flow_run_id
-    names = sorted(run.name for run in task_runs(run_id, "enrich_run_folder"))
-    assert names == ["enrich_run_folder bad", "enrich_run_folder good"]
-    published = {a.key: a for a in artifacts(run_id) if a.key}
-    rows = {row["run"]: row for row in orjson.loads(published[artifact_key("enriched-runs", str(runs))].data)}
+    batches = {batch.name: batch for batch in task_runs(run_id, "enrich_runs ")}
+    assert sorted(batches) == ["enrich_runs bad", "enrich_runs good"]  # two runs: a batch each, at once
+    batch = batches["enrich_runs bad"]
+    rows = run_rows(run_id)  # each run a row of its batch's table
     bad, good = rows["bad"], rows["good"]
     assert bad["status"] == "enriched (Completed with gaps and failed calls)" and good["status"] == "enriched"
     assert (bad["rollouts"], bad["calls"], bad["failed_calls"], bad["gap_share"]) == (22, 100, 10, "13.6%")
     assert (good["rollouts"], good["failed_calls"], good["gap_share"]) == (20, 0, "0.0%")
-    bad_run = summary.outcomes["bad"].flow_run_id
-    assert str(bad_run) in bad["flow_run"]
-    assert flow_run(bad_run).state.name == "Completed with gaps and failed calls"
-    assert [t.name for t in task_runs(bad_run, "finish_run")] == ["finish_run bad"]
-    assert sorted(t.name for t in task_runs(run_id, "take_run")) == ["take_run bad", "take_run good"]
-    assert f"]({bad['flow_run']})" in published[artifact_key("enriched-runs-links", str(runs))].data
+    assert summary.outcomes["bad"].task_run_id == batch.id == bad["task_run_id"]
+    assert summary.outcomes["bad"].state_name == "Completed with gaps and failed calls"
+    published = {a.key: a for a in artifacts(run_id) if a.key}
+    tick = published[artifact_key("enriched-runs", str(runs))].data  # the tick's summary
+    assert (
+        f"[logs]({task_run_link(batch.id)})" in tick
+        and "| bad | enriched (" in tick
+        and "| good | enriched" not in tick
+    )
+    assert any(m.startswith("bad: poor evidence (") for m in wait_for_logs(run_id, "bad: poor evidence ("))
     marker = orjson.loads((runs / "bad" / "_ENRICHED").read_bytes())
     assert marker["evidence"]["failed_calls"] == 10 and marker["evidence"]["orphan_examples"] == ["24-1"]
     assert (runs / "bad" / "rollouts.enriched.report.html").is_file()

@@ -21,7 +21,7 @@ from rollout_capture.flows.report import artifact_key
 from rollout_capture.run_folders import BEATS_PER_LEASE, Lease, RunsRoot
 
 from .conftest import S3, Clock, wait_for
-from .support.prefect_api import artifacts
+from .support.prefect_api import artifacts, flow_runs_under, run_rows, task_runs
 from .support.runs_helpers import ROW, Where, make_run
 from .support.spawned import run_tick, take_lease
 
@@ -111,11 +111,8 @@ def in_thread(tick: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]
 
 
 @pytest.mark.usefixtures("prefect_api")
-def test_backlog_drains_in_parallel_each_run_in_its_own_subflow(tmp_path: Path) -> None:
-    """Three waiting runs, two at a time, each holding its lease well past ``lease_s``."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
-
+def test_backlog_drains_in_parallel_batches_each_run_under_its_own_lease(tmp_path: Path) -> None:
+    """Three waiting runs in two batches run at once, each run holding its lease well past ``lease_s``."""
     root = tmp_path / "runs"
     names = [f"run-{i}" for i in range(3)]
     claims = []
@@ -131,6 +128,7 @@ def test_backlog_drains_in_parallel_each_run_in_its_own_subflow(tmp_path: Path) 
     )
     try:
         started = wait_for(lambda: len(leased(root, names)) >= 2 and leased(root, names), 120, "two leases")
+        assert started == ["run-0", "run-2"]  # the first run of each batch: runs [0, 1] and [2]
         runs = RunsRoot(str(root))
         for name in started:  # renewed past their lease period while they wait
             run = next(r for r in runs.runs() if r.name == name)
@@ -154,26 +152,21 @@ def test_backlog_drains_in_parallel_each_run_in_its_own_subflow(tmp_path: Path) 
         assert not [p for p in (root / name).iterdir() if p.name.startswith("_ENRICHING")]
 
     parent = state.state_details.flow_run_id
-    with get_client(sync_client=True) as client:
-        subflows = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent]))
-        )
-        assert sorted(f.name for f in subflows) == names  # each named after its run folder
-        assert {f.id for f in subflows} == {summary.outcomes[n].flow_run_id for n in names}
-        for sub in subflows:
-            assert sub.parent_task_run_id is not None
-            assert client.read_task_run(sub.parent_task_run_id).flow_run_id == parent
-            assert sub.state is not None and sub.state.is_completed()
-            filed = artifacts(sub.id)  # the subflow's own artifacts, filed under it (no parent task)
-            output = str(root / sub.name / "rollouts.enriched.jsonl")
-            keyed = {artifact_key("enrichment", output), artifact_key("enrichment-summary", output)}
-            assert {a.key for a in filed} >= keyed  # keyed by the run: runs never share a history
-            assert all(a.task_run_id is None for a in filed)
-    spans = [(f.start_time, f.end_time) for f in subflows]
-    overlap = max(
-        sum(1 for s, e in spans if s is not None and e is not None and s <= start <= e) for start, _ in spans
-    )
-    assert overlap == 2  # runs went in parallel, never more than max_parallel_runs at once
+    batches = task_runs(parent, "enrich_runs ")
+    assert sorted(b.name for b in batches) == ["enrich_runs run-0 .. run-1 (2 runs)", "enrich_runs run-2"]
+    assert {summary.outcomes[n].task_run_id for n in names} == {b.id for b in batches}
+    assert all(b.state is not None and b.state.is_completed() and b.run_count == 1 for b in batches)
+    assert not flow_runs_under(parent)  # no subflow per run
+    rows = run_rows(parent)  # each batch's table, filed under its task run
+    assert [(rows[n]["status"], rows[n]["rollouts"]) for n in names] == [("enriched", 3)] * 3
+    assert {rows[n]["task_run_id"] for n in names} == {b.id for b in batches}
+    filed = [a for a in artifacts(parent) if a.type != "progress"]
+    assert len(filed) == 3  # the two batches' tables and the tick's summary: nothing per run
+    summary_md = next(a.data for a in filed if a.key == artifact_key("enriched-runs", str(root)))
+    assert "3 run(s) tried in 2 batch(es): enriched 3 run(s)" in summary_md
+    spans = [(b.start_time, b.end_time) for b in batches]
+    assert spans[0][0] is not None and spans[1][0] is not None
+    assert max(s for s, _ in spans) < min(e for _, e in spans if e is not None)  # the batches overlapped
 
 
 @pytest.mark.usefixtures("prefect_api")

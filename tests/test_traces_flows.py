@@ -206,7 +206,7 @@ def test_each_run_of_a_root_is_its_own_trace_and_the_root_one_project(
         ("nightly-runs", "rollout-capture")
     }
     for name in ("r1", "r2"):
-        traces = summary.outcomes[name].summary.traces
+        traces = summary.outcomes[name].traces
         assert "(project nightly-runs, run " in traces and str(runs / name) in traces
 
 

@@ -285,12 +285,8 @@ def enrich_runs(
 
 
 def _runs_dumped(summary: RunsSummary) -> dict[str, Any]:
-    """The runs' summary as JSON, each enriched run's evidence digest beside its outcome."""
-    dumped = summary.model_dump(mode="json")
-    for name, outcome in summary.outcomes.items():
-        if outcome.summary is not None:
-            dumped["outcomes"][name]["evidence"] = outcome.summary.stats.evidence.digest()
-    return dumped
+    """The runs' summary as JSON, each enriched run's evidence digest in its outcome."""
+    return summary.model_dump(mode="json")
 
 
 RUN_COLUMNS = (
@@ -324,17 +320,17 @@ def _show_runs(summary: RunsSummary) -> None:
         (
             name,
             outcome.status + (f" ({outcome.state_name})" if _poor_state(outcome.state_name) else ""),
-            str(outcome.summary.stats.rollouts),
-            str(outcome.summary.stats.calls),
-            f"{outcome.summary.stats.evidence.failed_calls} ({counts(e.calls_by_error_category)})",
-            f"{100 * outcome.summary.stats.gap_share:.1f}%",
-            percentiles(e.latency_ms.percentiles()),
-            percentiles(e.ttft_ms.percentiles()),
-            str(e.orphan_captures),
+            str(outcome.rollouts),
+            str(outcome.calls),
+            f"{e['failed_calls']} ({counts(e['calls_by_error_category'])})",
+            f"{100 * (outcome.gap_share or 0.0):.1f}%",
+            percentiles(e["latency_ms"]),
+            percentiles(e["ttft_ms"]),
+            str(e["orphan_captures"]),
         )
         for name, outcome in summary.outcomes.items()
-        if outcome.summary is not None
-        for e in (outcome.summary.stats.evidence,)
+        if outcome.evidence is not None
+        for e in (outcome.evidence,)
     ]
     if per_run:
         typer.echo("")

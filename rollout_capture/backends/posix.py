@@ -193,6 +193,8 @@ class PosixBackend(NoFollowRoot, Backend):
         if worth:
             names = self._names()
             self._names_hint = len(names)
+        else:  # too many names to list for a batch; but a listing taken before may still hold
+            names = self._listed_before()
         if names is None or CLAIMS_LOG_DIR in names:
             self.claims_log.refresh()  # before any row is read (claims first, as listings do)
         else:
@@ -221,6 +223,18 @@ class PosixBackend(NoFollowRoot, Backend):
         self._names_cache = (changed, names) if listed_at - changed >= _SETTLED_NS else None
         return names
 
+    def _listed_before(self) -> set[str] | None:
+        """The listing an earlier batch took, while the root is unchanged since (one ``stat``):
+        it answers every existence check of a batch for free. None without one."""
+        cached = self._names_cache
+        if cached is None:
+            return None
+        try:
+            changed = os.stat(self.root).st_mtime_ns
+        except FileNotFoundError:
+            return None
+        return cached[1] if cached[0] == changed else None
+
     def _may_have_claims(self, rollout_id: str) -> bool:
         """Whether the rollout's claims folder exists (one syscall, no exception)."""
         return os.access(self._base + rollout_id + CLAIMS_SUFFIX, os.F_OK)
@@ -230,12 +244,17 @@ class PosixBackend(NoFollowRoot, Backend):
         ids = [validate_rollout_id(r) for r in rollout_ids]
         return self.claims_read(ids, refresh=True)
 
-    def claims_read(self, ids: Collection[str], *, refresh: bool) -> dict[str, list[Claim]]:
-        """The claims of these (validated) rollouts: files listed now, logs read now if ``refresh``."""
+    def claims_read(
+        self, ids: Collection[str], *, refresh: bool, with_folder: set[str] | None = None
+    ) -> dict[str, list[Claim]]:
+        """The claims of these (validated) rollouts: files listed now, logs read now if ``refresh``;
+        ``with_folder`` gets the ids whose claims folder exists (a snapshot need not look again)."""
         if refresh:
             self.claims_log.refresh()
         logged = self.claims_log.claims(ids)
         claimed = [r for r in ids if self._may_have_claims(r)]
+        if with_folder is not None:
+            with_folder.update(claimed)
         out: dict[str, list[Claim]] = {}
         if claimed:
             listings = {r: v for r in claimed if (v := self._list_one(r)).claims}
@@ -245,19 +264,25 @@ class PosixBackend(NoFollowRoot, Backend):
             out[rollout_id] = [*out.get(rollout_id, []), *held]
         return out
 
-    def snapshot(self, rollout_id: str, names: AbstractSet[str] | None = None) -> RolloutSnapshot:
+    def snapshot(
+        self, rollout_id: str, names: AbstractSet[str] | None = None, *, claims_folder: bool | None = None
+    ) -> RolloutSnapshot:
         """One rollout with the fewest syscalls.
 
         ``names`` (a listing of the root) answers which parts exist; without it each absent
-        part costs one ``access`` call (never following a link). Rollouts with object rows or
-        claims (rare on a local disk) are listed and parsed like any store's. An entry that is
-        a link is never read: it counts as one damaged row (naming it), after the others.
+        part costs one ``access`` call (never following a link), but for the claims folder when
+        ``claims_folder`` says already whether it exists (the batch's claims were just read).
+        Rollouts with object rows or claims (rare on a local disk) are listed and parsed like
+        any store's. An entry that is a link is never read: it counts as one damaged row
+        (naming it), after the others.
         """
         base = self._base + rollout_id
         jsonl = base + JSONL_SUFFIX
         if names is None:
-            has_dirs = os.access(base + OBJECTS_SUFFIX, os.F_OK, follow_symlinks=False) or os.access(
-                base + CLAIMS_SUFFIX, os.F_OK, follow_symlinks=False
+            has_dirs = os.access(base + OBJECTS_SUFFIX, os.F_OK, follow_symlinks=False) or (
+                claims_folder
+                if claims_folder is not None
+                else os.access(base + CLAIMS_SUFFIX, os.F_OK, follow_symlinks=False)
             )
         else:
             has_dirs = rollout_id + OBJECTS_SUFFIX in names or rollout_id + CLAIMS_SUFFIX in names
@@ -528,6 +553,8 @@ class PosixReadBatch(ReadBatch):
         self._ids = ids
         self._names = names
         self._fresh: set[str] = set()  # rollouts refreshed since the names were listed
+        self._probed: set[str] = set()  # ids whose claims folder was looked for (no names)
+        self._with_claims: set[str] = set()  # of those, the ones that have it
 
     def _names_for(self, rollout_id: str) -> set[str] | None:
         return None if self._names is None or rollout_id in self._fresh else self._names
@@ -543,24 +570,28 @@ class PosixReadBatch(ReadBatch):
     def snapshot(self, rollout_id: str) -> RolloutSnapshot:
         if rollout_id not in self._ids:  # the batch's ids were validated when it was fetched
             validate_rollout_id(rollout_id)
-        return self._backend.snapshot(rollout_id, self._names_for(rollout_id))
+        names = self._names_for(rollout_id)
+        if names is None and rollout_id in self._probed:  # claims() just looked for its folder
+            return self._backend.snapshot(rollout_id, None, claims_folder=rollout_id in self._with_claims)
+        return self._backend.snapshot(rollout_id, names)
 
     def claims(self) -> dict[str, list[Claim]]:
         names = self._names
         backend = self._backend
         backend.claims_log.refresh()
         logged = backend.claims_log.rollout_ids()
-        return backend.claims_read(
-            [
-                r
-                for r in self._ids
-                if names is None or r in self._fresh or r + CLAIMS_SUFFIX in names or r in logged
-            ],
-            refresh=False,
-        )
+        fresh = self._fresh
+        probed = [
+            r for r in self._ids if names is None or r in fresh or r + CLAIMS_SUFFIX in names or r in logged
+        ]
+        with_claims: set[str] = set()
+        found = backend.claims_read(probed, refresh=False, with_folder=with_claims)
+        self._probed, self._with_claims = set(probed), with_claims
+        return found
 
     def refresh(self, rollout_ids: Collection[str]) -> None:
         ids = {validate_rollout_id(r) for r in rollout_ids}
         self._ids |= ids
         self._fresh |= ids
+        self._probed -= ids  # their claims may have gone (and their folder with them) meanwhile
         self._backend.claims_log.refresh()

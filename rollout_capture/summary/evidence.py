@@ -268,13 +268,15 @@ class EvidenceSummary(TokenSums):
     def set_orphans(self, listed_ids: Iterable[str], input_ids: Collection[str]) -> None:
         """Count the capture root's rollout ids that no input line names (see :func:`orphans`)."""
         found = orphans(listed_ids, input_ids)
-        self.orphan_captures = len(found)
-        self.orphan_examples = found[:MAX_EXAMPLES]
-        self.orphan_near = {}
-        for orphan in self.orphan_examples:
-            near = near_input_id(orphan, input_ids)
-            if near is not None:
-                self.orphan_near[orphan] = near
+        near = {orphan: near_input_id(orphan, input_ids) for orphan in found[:MAX_EXAMPLES]}
+        self.set_orphan_figures(len(found), found, {o: n for o, n in near.items() if n is not None})
+
+    def set_orphan_figures(self, count: int, examples: list[str], near: Mapping[str, str]) -> None:
+        """The orphan captures as counted elsewhere (an input's ids spilled to disk): how many, the
+        first few (sorted), and the input id each of those was probably meant to be."""
+        self.orphan_captures = count
+        self.orphan_examples = examples[:MAX_EXAMPLES]
+        self.orphan_near = {orphan: near[orphan] for orphan in self.orphan_examples if orphan in near}
 
     # ------------------------------------------------------------------ reading
 

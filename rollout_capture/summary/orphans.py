@@ -21,16 +21,17 @@ def orphans(listed_ids: Iterable[str], input_ids: Collection[str]) -> list[str]:
     return sorted({r for r in listed_ids if r not in wanted})
 
 
+def near_candidates(orphan: str) -> list[str]:
+    """The input ids an orphan may have been meant to be, the likeliest first: the same id without
+    its ``-aN``, then with ``-a1``, ``-a2``, ``-a3``."""
+    match = _ATTEMPT.fullmatch(orphan)
+    without = [match.group(1)] if match is not None else []
+    return without + [f"{orphan}-a{attempt}" for attempt in range(1, 4)]
+
+
 def near_input_id(orphan: str, input_ids: Collection[str]) -> str | None:
     """The input id an orphan was probably meant to be: the same id with or without ``-aN``."""
-    match = _ATTEMPT.fullmatch(orphan)
-    if match is not None and match.group(1) in input_ids:
-        return match.group(1)
-    for attempt in range(1, 4):
-        candidate = f"{orphan}-a{attempt}"
-        if candidate in input_ids:
-            return candidate
-    return None
+    return next((candidate for candidate in near_candidates(orphan) if candidate in input_ids), None)
 
 
 def capture_ids_from_names(names: Iterable[str]) -> set[str]:

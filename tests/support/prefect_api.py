@@ -103,3 +103,25 @@ def events(name: str, resource_id: str) -> list[Any]:
 def wait_for_events(name: str, resource_id: str, timeout_s: float = 30.0) -> list[Any]:
     """Events of one name about one resource, once the server has stored at least one."""
     return wait_for(lambda: events(name, resource_id), timeout_s, f"a {name} event about {resource_id}", 0.2)
+
+
+def flow_runs_under(parent: UUID) -> list[FlowRun]:
+    """The subflow runs of a flow run."""
+    from prefect.client.schemas.filters import FlowRunFilterParentFlowRunId
+
+    only_children = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent]))
+    with get_client(sync_client=True) as client:
+        return list(client.read_flow_runs(flow_run_filter=only_children))
+
+
+def run_rows(flow_run_id: UUID) -> dict[str, dict[str, Any]]:
+    """Every run's row of the tables a tick's batches filed (under their task runs), by run, with
+    the batch's task run id beside it (``task_run_id``)."""
+    import orjson
+
+    rows = {}
+    for artifact in artifacts(flow_run_id):
+        if artifact.type == "table" and artifact.task_run_id is not None:
+            for row in orjson.loads(artifact.data):
+                rows[row["run"]] = {**row, "task_run_id": artifact.task_run_id}
+    return rows

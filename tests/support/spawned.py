@@ -61,3 +61,16 @@ def supervised(index: int, marks: str) -> None:
             os._exit(1)
         sys.exit(STARTUP_FAILURE)
     time.sleep(60)  # until the supervisor's SIGTERM
+
+
+def run_tick_reporting(api_url: str, root: str, lease_s: float, report: str) -> None:
+    """``run_tick``, then its summary written as JSON to ``report`` (the test reads what it enriched)."""
+    import os
+
+    os.environ["PREFECT_API_URL"] = api_url  # before Prefect is imported here
+    from pathlib import Path
+
+    from rollout_capture.flows import enrich_completed_runs
+
+    summary = enrich_completed_runs(root, lease_s=lease_s, quiescence_timeout_s=600.0, max_parallel_runs=2)
+    Path(report).write_text(summary.model_dump_json())
