@@ -648,3 +648,47 @@ def test_azure_credentials_never_travel_in_storage_options() -> None:
     ):
         with pytest.raises(ValueError, match="looks like a secret"):
             open_filesystem("az://container/caps", secret)
+
+
+@pytest.mark.parametrize(
+    "environment",
+    [
+        {
+            "AZURE_STORAGE_CONNECTION_STRING": "BlobEndpoint=http://127.0.0.1:9/devstoreaccount1;"
+            "SharedAccessSignature=sv=2021-08-06&ss=b&sp=rwdlac&se=2099-01-01&sig=SAS-SIGNATURE%3D"
+        },
+        {
+            "AZURE_STORAGE_ACCOUNT_NAME": "acct",
+            "AZURE_STORAGE_SAS_TOKEN": "sv=2021-08-06&sig=SAS-SIGNATURE%3D",
+        },
+    ],
+    ids=["connection-string", "sas-token"],
+)
+def test_a_sas_token_never_shows_in_the_refusal_of_a_store(
+    environment: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An Azure account reached with a SAS token: its service client's URL carries the token as its
+    query; the refusal of a store taking a second create names the endpoint without it (no request
+    is made: both creates are taken, as a store ignoring If-None-Match would)."""
+    for name in ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_SAS_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(AzureBackend, "create_unproven", lambda self, path, data: None)
+    monkeypatch.setattr(AzureBackend, "remove", lambda self, paths: None)
+    proof.forget_proofs()
+    fsspec.get_filesystem_class("az").clear_instance_cache()  # an instance reads the environment once
+    backend = open_backend(f"az://c-{uuid.uuid4().hex[:8]}/caps")
+    assert "sig=" in backend.fs.service_client.url  # where the token rides
+    with pytest.raises(UnsafeStoreError, match="accepted a second create of one object") as refused:
+        backend.create(backend.path("r-1.capture/000000000000.json"), b"{}")
+    message = str(refused.value)
+    assert "SAS-SIGNATURE" not in message and "sig=" not in message and "sv=" not in message
+    host = (
+        "http://127.0.0.1:9/devstoreaccount1/"
+        if "AZURE_STORAGE_CONNECTION_STRING" in environment
+        else ("https://acct.blob.core.windows.net/")
+    )
+    assert f"(endpoint {host})" in message
+    proof.forget_proofs()
+    fsspec.get_filesystem_class("az").clear_instance_cache()
