@@ -7,6 +7,7 @@ never holds up the others. No test here measures time: each waits on what the cl
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -137,13 +138,36 @@ def test_a_trickling_probe_answer_ends_at_its_deadline() -> None:
 
 
 def test_a_trickling_answer_to_a_batch_is_sent_again_then_the_export_fails(sample: Path) -> None:
+    """Each try of the batch ends at its 1 s bound and the batch is sent again while patience lasts
+    (the probe has a bound of its own: a 1 s request bound never makes a healthy probe fail)."""
     with (
         _serving(trickle(0.05, after=1)) as endpoint,
         pytest.raises(OtlpEndpointError, match=r"gave no complete answer to a batch of \d+ spans") as caught,
     ):
-        export_traces(sample, endpoint.url, headers=HEADERS, timeout_s=1, patience_s=2)
+        export_traces(sample, endpoint.url, headers=HEADERS, timeout_s=1, patience_s=4)
     assert "none within 1 s" in str(caught.value) and "after 0 spans" in str(caught.value)
-    assert len(endpoint.received) >= 2  # the probe, then the batch (tried again while patience lasts)
+    sent = re.search(r"sent (\d+) time\(s\)", str(caught.value))
+    assert sent is not None and int(sent[1]) >= 2, str(caught.value)  # tried again
+    assert len(endpoint.received) == 1 + int(sent[1])  # the probe, then each try of the batch
+
+
+def _slow_probe(delay_s: float) -> Any:
+    """The probe (the first request) answered 200 after ``delay_s``; batches at once."""
+
+    def script(receiver: OtlpReceiver, index: int, request: Received, handler: Any) -> bool:
+        if index > 0 or receiver.stopping.wait(delay_s):
+            return False
+        return answer_raw(receiver, handler, "200 OK", "application/x-protobuf", b"")
+
+    return script
+
+
+def test_the_probe_has_a_bound_of_its_own_not_a_batch_s(sample: Path) -> None:
+    """A probe answered after 2 s passes though a batch's request is bounded to 1 s: the probe's
+    bound is :data:`PROBE_TIMEOUT_S` (10 s), never the batches' ``timeout_s``."""
+    with _serving(_slow_probe(2.0)) as endpoint:
+        counts = export_traces(sample, endpoint.url, timeout_s=1)
+    assert counts.spans == SAMPLE_SPANS == len(endpoint.spans())
 
 
 def test_the_whole_export_ends_at_its_deadline(sample: Path) -> None:

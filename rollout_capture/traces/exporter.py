@@ -63,6 +63,9 @@ BATCH_BYTES = 4 * 1024 * 1024
 MAX_REQUEST_BYTES = 16 * 1024 * 1024
 """A request's body at most once encoded: a batch past it is split in two before it is sent (the
 OpenTelemetry Collector takes 20 MiB by default; the SDK drops batches over 64 MiB)."""
+PROBE_TIMEOUT_S = 10.0
+"""The endpoint probe's bound, answer included (an empty export is answered at once by a receiver):
+its own, whatever a batch may take (``timeout_s``), within the export's ``deadline_s``."""
 TRANSIENT_STATUS = frozenset({429, 502, 503, 504})
 """Answers that mean "later" (Phoenix answers 503 while its ingestion queue is full)."""
 _CONTENT = {"Content-Type": "application/x-protobuf", "User-Agent": f"rollout-capture/{__version__}"}
@@ -510,10 +513,10 @@ def export_traces(
     log. ``project`` names Phoenix's project (``openinference.project.name``); ``run`` names the
     run (default: ``path``'s absolute location, :func:`.runs.output_run`; callers exporting a
     copy pass the original's): both go into every trace id. Each request is bounded whole by
-    ``timeout_s``; a batch pushed back (429, 502-504, no complete answer) is retried for up to
-    ``patience_s``; ``deadline_s`` bounds the whole export. Payloads (``include_payloads``) are
-    cut to ``payload_budget`` bytes a call. ``progress`` is called after each batch is handed
-    to the sender. The endpoint is checked first (:func:`check_endpoint`):
+    ``timeout_s`` (the probe by :data:`PROBE_TIMEOUT_S`); a batch pushed back (429, 502-504, no
+    complete answer) is retried for up to ``patience_s``; ``deadline_s`` bounds the whole export.
+    Payloads (``include_payloads``) are cut to ``payload_budget`` bytes a call. ``progress`` is
+    called after each batch is handed to the sender. The endpoint is checked first (:func:`check_endpoint`):
     :class:`OtlpEndpointError` before anything is sent; a batch refused later raises it too,
     saying how much had landed. A malformed line raises :class:`EvidenceShapeError` naming file,
     line and field, as the Parquet export does.
@@ -528,9 +531,8 @@ def export_traces(
         check_name(project, "OTLP project") or "", check_name(run, "OTLP run name") or output_run(str(path))
     )
     hidden = OtlpHeaders(headers)
-    check_endpoint(
-        url, hidden, timeout_s=min(timeout_s, 10.0, deadline_s if deadline_s is not None else 10.0)
-    )
+    probe_s = PROBE_TIMEOUT_S if deadline_s is None else min(PROBE_TIMEOUT_S, deadline_s)
+    check_endpoint(url, hidden, timeout_s=probe_s)
     how = _Mapping(scope, include_payloads, payload_budget, make_resource(project), os.stat(path).st_mtime_ns)
     limits = _Limits(timeout_s, patience_s, deadline, max_request_bytes, compression)
     sender = _Sender(Connection(url, {**dict(hidden), **_CONTENT}), shown_endpoint(url), hidden, limits)
