@@ -487,11 +487,6 @@ def test_clear_rollouts_deletes_everything_of_them_and_nothing_else(subject: Sub
     b.clear_rollouts([])
 
 
-def test_every_backend_of_the_suite_may_be_shared_by_writers(subject: Subject) -> None:
-    assert subject.backend.refuse_unsafe_writes() is None
-    assert subject.backend.capabilities.writable and subject.backend.capabilities.consistent_listing
-
-
 def test_put_if_absent_is_proven_before_the_first_create_and_leaves_nothing(subject: Subject) -> None:
     """A store creating by a conditional request is proven to refuse a second create once, by its
     first create in the process: the probe is gone after, the create landed."""
