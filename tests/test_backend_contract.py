@@ -24,10 +24,8 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 from rollout_capture.backends import (
-    ATOMIC_CREATE_PROTOCOLS,
     BACKENDS,
     DEFAULT_BACKEND,
-    PROCESS_LOCAL_PROTOCOLS,
     AzureBackend,
     Backend,
     GCSBackend,
@@ -513,8 +511,9 @@ def test_the_table_covers_each_protocol_and_defaults_to_the_generic_store() -> N
     assert backend_class(dirfs) is DEFAULT_BACKEND is ObjectStoreBackend
     assert BACKENDS["gs"] is BACKENDS["gcs"] is GCSBackend
     assert BACKENDS["az"] is BACKENDS["abfs"] is BACKENDS["abfss"] is AzureBackend
-    assert {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"} == ATOMIC_CREATE_PROTOCOLS
-    assert {"memory"} == PROCESS_LOCAL_PROTOCOLS
+    proven = {protocol for protocol, c in BACKENDS.items() if c.capabilities.proven_before_use}
+    assert proven == {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
+    assert BACKENDS["memory"].capabilities.put_if_absent == "process-lock"
     assert (
         capabilities_of("dir://caps") == DEFAULT_BACKEND.capabilities
         and not capabilities_of("sftp://h/c").writable
