@@ -43,7 +43,7 @@ from rollout_capture.traces.transport import (
     NoAnswer,
     masked,
     one_line,
-    shown_url,
+    shown_location,
 )
 
 _MISSING: ImportError | None = None
@@ -175,7 +175,7 @@ def traces_url(endpoint: str) -> str:
 
 def shown_endpoint(endpoint: str) -> str:
     """The endpoint as an error names it: scheme, host and path (no query, no userinfo)."""
-    return shown_url(endpoint)
+    return shown_location(endpoint)
 
 
 def _said(answer: Answer, headers: Mapping[str, str]) -> str:

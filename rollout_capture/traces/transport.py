@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from rollout_capture.secret_options import bare_url
+
 MAX_ANSWER_BYTES = 64 * 1024
 """Bytes of an answer's body read at most (an OTLP answer is a few bytes; an error page a few kB)."""
 SHOWN_CHARS = 160
@@ -42,11 +44,10 @@ class NoAnswer(Exception):
         self.timed_out = timed_out
 
 
-def shown_url(url: str) -> str:
-    """A URL as an error names it: scheme, host and path (no query, no userinfo), cut to a line."""
-    parts = urlsplit(url)
-    host = parts.netloc.rpartition("@")[2]
-    return one_line(urlunsplit((parts.scheme, host, parts.path, "", "")) or "(no URL)")
+def shown_location(url: str) -> str:
+    """An endpoint or a redirect's target as an error names it: scheme, host and path (no query, no
+    userinfo: :func:`~rollout_capture.secret_options.bare_url`), cut to a line."""
+    return one_line(bare_url(url) or "(no URL)")
 
 
 def one_line(text: str, limit: int = SHOWN_CHARS) -> str:
@@ -133,7 +134,7 @@ class Connection:
     def __init__(self, url: str, headers: Mapping[str, str]) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"expected an http(s) URL, got {shown_url(url)}")
+            raise ValueError(f"expected an http(s) URL, got {shown_location(url)}")
         self.https = parts.scheme == "https"
         self.host, self.port = parts.hostname, parts.port
         self.target = parts.path + (f"?{parts.query}" if parts.query else "")
@@ -203,7 +204,7 @@ class Connection:
         return Answer(
             status=answer.status,
             reason=one_line(answer.reason or "", 60),
-            location=shown_url(location) if location and 300 <= answer.status < 400 else None,
+            location=shown_location(location) if location and 300 <= answer.status < 400 else None,
             body=body,
             content_type=(answer.getheader("Content-Type") or "").split(";")[0].strip().lower(),
             retry_after_s=_retry_after(answer.getheader("Retry-After")),
