@@ -41,6 +41,7 @@ from rollout_capture.traces.transport import (
     Answer,
     Connection,
     NoAnswer,
+    TlsSettingsError,
     masked,
     one_line,
     shown_location,
@@ -224,7 +225,10 @@ def check_endpoint(endpoint: str, headers: Mapping[str, str] | None = None, time
     """
     url = traces_url(endpoint)
     shown, given = shown_endpoint(url), dict(headers or {})
-    connection = Connection(url, {**given, **_CONTENT})
+    try:
+        connection = Connection(url, {**given, **_CONTENT})
+    except TlsSettingsError as exc:
+        raise OtlpEndpointError(f"OTLP endpoint {shown}: {exc}; nothing was sent") from None
     try:
         answer = connection.post(b"", time.monotonic() + timeout_s)
     except NoAnswer as exc:
