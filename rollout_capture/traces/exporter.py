@@ -2,7 +2,7 @@
 
 The file is read line by line the way the Parquet export reads it
 (:func:`rollout_capture.summary.iter_enriched`), each record mapped to its trace
-(:func:`.spans.rollout_spans`, its ids scoped to the project and the run: :mod:`.runs`) and the
+(:func:`.spans.weighed_spans`, its ids scoped to the project and the run: :mod:`.runs`) and the
 spans sent in batches of at most ``batch_spans`` spans or about ``batch_bytes`` bytes, one batch on
 the wire while the next is built: memory stays flat whatever the file's size. A rollout's spans
 may go in several requests (spans, not rollouts, fill a batch), and each call's payloads are cut
@@ -33,9 +33,9 @@ from rollout_capture.secret_options import url_credentials
 from rollout_capture.summary import EvidenceShapeError, attachment_of, iter_enriched, no_attachment_error
 from rollout_capture.traces import require_otel
 from rollout_capture.traces.ids import RunScope
-from rollout_capture.traces.payloads import PAYLOAD_BUDGET, text_bytes
+from rollout_capture.traces.payloads import PAYLOAD_BUDGET
 from rollout_capture.traces.runs import check_name, output_run
-from rollout_capture.traces.spans import make_resource, rollout_spans
+from rollout_capture.traces.spans import make_resource, weighed_spans
 from rollout_capture.traces.transport import (
     MAX_ANSWER_BYTES,
     Answer,
@@ -258,21 +258,6 @@ def check_endpoint(endpoint: str, headers: Mapping[str, str] | None = None, time
         )
 
 
-def _weight(span: ReadableSpan) -> int:
-    """About how many bytes a span takes on the wire (its string attributes dominate)."""
-    size = 200
-    for attributes in (span.attributes, *(event.attributes for event in span.events)):
-        for key, value in (attributes or {}).items():
-            size += len(key) + 8
-            if isinstance(value, str):
-                size += text_bytes(value)
-            elif isinstance(value, tuple | list):
-                size += sum(text_bytes(v) + 4 if isinstance(v, str) else 12 for v in value)
-            else:
-                size += 12
-    return size
-
-
 @dataclass(frozen=True, slots=True)
 class _Limits:
     """How long the sender waits, for what, and how big a request may be."""
@@ -430,12 +415,12 @@ class _Batches:
     skipped: int = 0
     batches: int = 0
 
-    def add(self, made: list[ReadableSpan], calls: int) -> None:
-        """One rollout's spans, each into the batch; a batch that would be too full goes on the wire."""
+    def add(self, made: list[tuple[ReadableSpan, int]], calls: int) -> None:
+        """One rollout's spans (with their weights), each into the batch; a batch that would be
+        too full goes on the wire."""
         self.rollouts += 1
         self.calls += calls
-        for span in made:
-            weight = _weight(span)
+        for span, weight in made:
             if self.batch and (
                 len(self.batch) >= self.batch_spans or self.weight + weight > self.batch_bytes
             ):
@@ -475,7 +460,7 @@ def _send_file(path: str | Path, out: _Batches, how: _Mapping) -> None:
             if record is None or attachment is None:
                 out.skipped += 1
                 continue
-            made = rollout_spans(
+            made = weighed_spans(
                 record,
                 include_payloads=how.include_payloads,
                 scope=how.scope,
