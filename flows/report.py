@@ -28,9 +28,8 @@ from prefect.utilities.slugify import slugify
 from prefect.utilities.urls import url_for
 from pydantic import BaseModel, Field
 
-from rollout_capture.backends import capabilities_of
 from rollout_capture.batch import BatchStats
-from rollout_capture.filesystem import absolute_location, local_path, open_filesystem
+from rollout_capture.filesystem import absolute_location, is_local, local_path, open_filesystem
 from rollout_capture.location import Location
 from rollout_capture.report import default_report_path, render_report, write_report
 from rollout_capture.rollout_files import refuse_unsafe_output
@@ -210,7 +209,7 @@ def write_evidence_report(summary: EnrichSummary, output: Location) -> str:
     title = summary.source.rstrip("/").rsplit("/", 1)[-1] or summary.source
     credentials = credentials_from_block(where.credentials_block)
     fs, path = open_filesystem(where.url, where.storage_options, credentials=credentials)
-    if capabilities_of(fs).local:
+    if is_local(fs):
         refuse_unsafe_output(where.url, where.storage_options)
         write_report(summary.stats.evidence, path, title=title)
     else:

@@ -12,8 +12,8 @@ from prefect.context import FlowRunContext
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from rollout_capture.backends import capabilities_of
 from rollout_capture.enrich_options import Runner
+from rollout_capture.filesystem import is_local
 
 REMOTE: tuple[Runner, ...] = ("dask", "ray")
 """Runners whose batches may run on other machines: they get the batch's bytes, not a local slice."""
@@ -29,7 +29,7 @@ def effective_workers(runner: Runner, max_workers: int, capture_dir: str) -> int
     add memory and interpreter-lock contention, never speed. The process pool gets one
     worker per core at most; Dask and Ray take ``max_workers`` as given.
     """
-    local = capabilities_of(capture_dir).local
+    local = is_local(capture_dir)
     if runner == "processes":
         return min(max_workers, os.cpu_count() or 1)
     return min(max_workers, LOCAL_THREADS) if runner == "threads" and local else max_workers

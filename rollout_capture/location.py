@@ -16,9 +16,8 @@ from typing import Any, TypeAlias
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rollout_capture.backends import Capabilities, capabilities_of
 from rollout_capture.config import check_capture_url
-from rollout_capture.filesystem import absolute_location
+from rollout_capture.filesystem import absolute_location, is_local
 from rollout_capture.secret_options import refuse_secret_options
 from rollout_capture.store import CaptureStore, shared_store
 
@@ -128,14 +127,9 @@ class Location(BaseModel):
         return self if url == self.url else self.model_copy(update={"url": url})
 
     @property
-    def capabilities(self) -> Capabilities:
-        """What the store here can do (local or not, its put-if-absent), its backend class's answer."""
-        return capabilities_of(self.url)
-
-    @property
     def is_local(self) -> bool:
         """A local path (or ``file://`` URL), as ``filesystem.open_filesystem`` reads it; else remote."""
-        return self.capabilities.local
+        return is_local(self.url)
 
     def capture_store(
         self, credentials: Mapping[str, Any] | None = None, *, shared: bool = True

@@ -35,8 +35,7 @@ from fsspec.compression import compr
 from fsspec.utils import infer_compression
 from pydantic import BaseModel
 
-from rollout_capture.backends import capabilities_of
-from rollout_capture.filesystem import open_filesystem
+from rollout_capture.filesystem import is_local, open_filesystem
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +122,7 @@ def default_output(source: str) -> str:
 
 
 def _is_plain_local(fs: fsspec.AbstractFileSystem, path: str) -> bool:
-    return capabilities_of(fs).local and not path.endswith(_COMPRESSED)
+    return is_local(fs) and not path.endswith(_COMPRESSED)
 
 
 def stage_rollouts(
@@ -140,7 +139,7 @@ def stage_rollouts(
     fs, path = open_filesystem(source, storage_options, credentials=credentials)
     if not fs.exists(path):
         raise FileNotFoundError(f"rollouts file not found: {source}")
-    if capabilities_of(fs).local:
+    if is_local(fs):
         _refuse_irregular_input(path, source)
     if _is_plain_local(fs, path):
         return StagedRollouts(source=source, path=path, size=os.path.getsize(path), temporary=False)
@@ -413,7 +412,7 @@ def refuse_unsafe_output(target: str, storage_options: Mapping[str, Any] | None 
     writing through it would lead out of the folder: neither is what anyone asked for.
     """
     fs, path = open_filesystem(target, storage_options)
-    if not capabilities_of(fs).local:
+    if not is_local(fs):
         return
     try:
         info = os.lstat(path)
@@ -461,7 +460,7 @@ class OutputSpool:
         self.storage_options = dict(storage_options or {})
         refuse_unsafe_output(target, self.storage_options)
         fs, path = open_filesystem(target, self.storage_options)
-        self.local = capabilities_of(fs).local
+        self.local = is_local(fs)
         if self.local:  # beside the target, so publishing is a rename on one filesystem
             folder = os.path.dirname(path) or "."
             os.makedirs(folder, exist_ok=True)
@@ -529,7 +528,7 @@ def publish(
     """
     fs, path = open_filesystem(target, storage_options, credentials=credentials)
     size = os.path.getsize(spool_path)
-    if capabilities_of(fs).local:
+    if is_local(fs):
         refuse_unsafe_output(target, storage_options)
         os.replace(spool_path, path)
         return size

@@ -11,6 +11,7 @@ import os
 import re
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 SECRET_KEY_WORDS = (
     "secret",
@@ -86,6 +87,14 @@ def refuse_url_credentials(url: str | os.PathLike[str], *, where: str | None = N
     if shown is not None:
         prefix = f"{where}: " if where else ""
         raise ValueError(f"{prefix}{URL_CREDENTIALS} ({shown})")
+
+
+def bare_url(url: str) -> str:
+    """``url`` as scheme, host (with its port) and path only: no userinfo, query or fragment, where
+    credentials travel (``user:password@``, a SAS token's ``?sv=...&sig=...``). For naming an
+    endpoint in a message, or a location where a query means nothing."""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
 
 
 def shown_url(url: str) -> str:

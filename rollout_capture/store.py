@@ -23,7 +23,6 @@ import orjson
 from rollout_capture import names
 from rollout_capture.backends import (
     Backend,
-    Capabilities,
     ListingScope,
     ReadBatch,
     UnsafeStoreError,
@@ -336,11 +335,6 @@ class CaptureStore:
     def refuse_unsafe_writes(self) -> None:
         """Raise naming what is missing unless several writers may share this store (producers' startup)."""
         self._backend.refuse_unsafe_writes()
-
-    @property
-    def capabilities(self) -> Capabilities:
-        """What this store can do (local or not, its put-if-absent, its listings), learnt when it opened."""
-        return self._backend.capabilities
 
     def prove_writable(self) -> None:
         """Create a probe object under the root, create it again, remove it (producers' startup):

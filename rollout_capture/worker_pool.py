@@ -19,10 +19,10 @@ from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from rollout_capture.backends import ListingScope, capabilities_of
+from rollout_capture.backends import ListingScope
 from rollout_capture.batch import BatchStats, enrich_blob
 from rollout_capture.faults import is_transient_storage_error
-from rollout_capture.filesystem import local_path
+from rollout_capture.filesystem import is_local, local_path
 from rollout_capture.rollout_files import LineRange
 from rollout_capture.store import shared_store
 
@@ -67,7 +67,7 @@ def where_this_runs() -> str:
 
 def sees_capture_root(capture_dir: str) -> bool:
     """Whether this process sees a local capture root with something in it (else: a URL, or nothing)."""
-    return capabilities_of(capture_dir).local and _capture_root_state(capture_dir) is None
+    return is_local(capture_dir) and _capture_root_state(capture_dir) is None
 
 
 def _capture_root_state(capture_dir: str) -> str | None:

@@ -24,10 +24,8 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 from rollout_capture.backends import (
-    ATOMIC_CREATE_PROTOCOLS,
     BACKENDS,
     DEFAULT_BACKEND,
-    PROCESS_LOCAL_PROTOCOLS,
     AzureBackend,
     Backend,
     GCSBackend,
@@ -487,11 +485,6 @@ def test_clear_rollouts_deletes_everything_of_them_and_nothing_else(subject: Sub
     b.clear_rollouts([])
 
 
-def test_every_backend_of_the_suite_may_be_shared_by_writers(subject: Subject) -> None:
-    assert subject.backend.refuse_unsafe_writes() is None
-    assert subject.backend.capabilities.writable and subject.backend.capabilities.consistent_listing
-
-
 def test_put_if_absent_is_proven_before_the_first_create_and_leaves_nothing(subject: Subject) -> None:
     """A store creating by a conditional request is proven to refuse a second create once, by its
     first create in the process: the probe is gone after, the create landed."""
@@ -518,8 +511,9 @@ def test_the_table_covers_each_protocol_and_defaults_to_the_generic_store() -> N
     assert backend_class(dirfs) is DEFAULT_BACKEND is ObjectStoreBackend
     assert BACKENDS["gs"] is BACKENDS["gcs"] is GCSBackend
     assert BACKENDS["az"] is BACKENDS["abfs"] is BACKENDS["abfss"] is AzureBackend
-    assert {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"} == ATOMIC_CREATE_PROTOCOLS
-    assert {"memory"} == PROCESS_LOCAL_PROTOCOLS
+    proven = {protocol for protocol, c in BACKENDS.items() if c.capabilities.proven_before_use}
+    assert proven == {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
+    assert BACKENDS["memory"].capabilities.put_if_absent == "process-lock"
     assert (
         capabilities_of("dir://caps") == DEFAULT_BACKEND.capabilities
         and not capabilities_of("sftp://h/c").writable
@@ -648,3 +642,47 @@ def test_azure_credentials_never_travel_in_storage_options() -> None:
     ):
         with pytest.raises(ValueError, match="looks like a secret"):
             open_filesystem("az://container/caps", secret)
+
+
+@pytest.mark.parametrize(
+    "environment",
+    [
+        {
+            "AZURE_STORAGE_CONNECTION_STRING": "BlobEndpoint=http://127.0.0.1:9/devstoreaccount1;"
+            "SharedAccessSignature=sv=2021-08-06&ss=b&sp=rwdlac&se=2099-01-01&sig=SAS-SIGNATURE%3D"
+        },
+        {
+            "AZURE_STORAGE_ACCOUNT_NAME": "acct",
+            "AZURE_STORAGE_SAS_TOKEN": "sv=2021-08-06&sig=SAS-SIGNATURE%3D",
+        },
+    ],
+    ids=["connection-string", "sas-token"],
+)
+def test_a_sas_token_never_shows_in_the_refusal_of_a_store(
+    environment: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An Azure account reached with a SAS token: its service client's URL carries the token as its
+    query; the refusal of a store taking a second create names the endpoint without it (no request
+    is made: both creates are taken, as a store ignoring If-None-Match would)."""
+    for name in ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_SAS_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(AzureBackend, "create_unproven", lambda self, path, data: None)
+    monkeypatch.setattr(AzureBackend, "remove", lambda self, paths: None)
+    proof.forget_proofs()
+    fsspec.get_filesystem_class("az").clear_instance_cache()  # an instance reads the environment once
+    backend = open_backend(f"az://c-{uuid.uuid4().hex[:8]}/caps")
+    assert "sig=" in backend.fs.service_client.url  # where the token rides
+    with pytest.raises(UnsafeStoreError, match="accepted a second create of one object") as refused:
+        backend.create(backend.path("r-1.capture/000000000000.json"), b"{}")
+    message = str(refused.value)
+    assert "SAS-SIGNATURE" not in message and "sig=" not in message and "sv=" not in message
+    host = (
+        "http://127.0.0.1:9/devstoreaccount1/"
+        if "AZURE_STORAGE_CONNECTION_STRING" in environment
+        else ("https://acct.blob.core.windows.net/")
+    )
+    assert f"(endpoint {host})" in message
+    proof.forget_proofs()
+    fsspec.get_filesystem_class("az").clear_instance_cache()

@@ -152,9 +152,11 @@ def test_export_sends_every_rollout_as_a_trace_with_the_headers_never_echoed(
     assert done.returncode == 0, done.stderr
     _unechoed(done)
     assert len(receiver.spans()) == spans and spans > rollouts + calls - 1
-    assert f"sent {rollouts} rollout(s), {calls} call(s) as {spans} span(s) in 1 batch(es)" in done.stdout
-    assert f"to {receiver.url}/v1/traces" in done.stdout
-    assert f"project: (the default); run: {enriched}" in done.stdout  # the run: the file's own location
+    # one line, as the flows' summaries say it; the run: the file's own location
+    assert (
+        f"traces: {rollouts} rollout(s), {calls} call(s) sent as {spans} span(s) in 1 batch(es) to "
+        f"{receiver.url}/v1/traces (the default project, run {enriched})\n" in done.stdout
+    )
     assert "\x1b[" not in done.stderr  # no progress bar: stderr is not a terminal
     for request in receiver.received:
         assert request.path == "/v1/traces"

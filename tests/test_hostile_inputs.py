@@ -359,7 +359,7 @@ def test_a_store_without_atomic_create_is_refused_for_writing() -> None:
     """fsspec's look-then-write "create" lets two hosts both win: such stores read, never write."""
     options = {"path": f"/dirfs-{uuid.uuid4().hex}", "target_protocol": "memory"}
     backend = open_backend("dir://caps", options)
-    assert not backend.writable  # type: ignore[attr-defined]
+    assert not backend.capabilities.writable
     with pytest.raises(
         UnsafeStoreError, match=r"capture store dir://caps cannot be written: dir has no atomic"
     ):
@@ -373,7 +373,7 @@ def test_a_store_without_atomic_create_is_refused_for_writing() -> None:
 def test_the_process_local_memory_store_stays_writable() -> None:
     root = f"memory://caps-{uuid.uuid4().hex}"
     backend = open_backend(root)
-    assert backend.writable  # type: ignore[attr-defined]
+    assert backend.capabilities.writable
     store = CaptureStore(root)
     store.record("12-3", {"model_call_id": "a1", "dialect": "chat"})
     store.record("12-3", {"model_call_id": "a2", "dialect": "chat"})

@@ -14,6 +14,7 @@ import multiprocessing
 import subprocess
 import sys
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -139,8 +140,9 @@ def test_of_processes_racing_for_a_runs_lease_on_the_store_one_wins(store: Store
         racer.start()  # each proves the store's put-if-absent itself (a process of its own)
     go.set()
     for racer in racers:
-        racer.join(60)
-    assert sorted(results.get(timeout=10) for _ in racers) == [False, False, True]
+        racer.join()  # each exits once it has put its answer (the queue is flushed before it exits)
+    assert [racer.exitcode for racer in racers] == [0, 0, 0]
+    assert sorted(results.get_nowait() for _ in racers) == [False, False, True]
 
 
 # ---------------------------------------------------------------------- a store that overwrites
@@ -160,6 +162,32 @@ def test_where_a_second_create_overwrites_both_proxies_refuse_at_startup(
         assert f"(endpoint {store.endpoint})" in error and "PutObject with If-None-Match: *" in error
         assert "has no put-if-absent" in error and "write to AWS S3, MinIO" in error
     assert store.fs().find(store.bucket) == []  # the probes removed, nothing else written
+
+
+@pytest.mark.parametrize("store", ["rclone"], indirect=True)
+def test_where_a_second_create_overwrites_serve_refuses_before_serving(
+    store: Store, prefect_api: str
+) -> None:
+    """``serve`` takes leases and writes ``_ENRICHED`` as ``enrich-runs`` does: refused (exit 2)
+    before anything is registered or served, the probe removed."""
+    refused = subprocess.run(
+        cli(
+            "serve",
+            "--runs-root",
+            store.url("runs"),
+            "--name",
+            f"refused-{uuid.uuid4().hex[:8]}",
+            store=store,
+        ),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**store.process_environment(), "PREFECT_API_URL": prefect_api},
+        timeout=120,  # serving would go on until stopped: a refusal exits at once
+    )
+    assert refused.returncode == 2, refused.stderr
+    assert "has no put-if-absent" in refused.stderr and "PutObject with If-None-Match: *" in refused.stderr
+    assert store.fs().find(store.bucket) == []
 
 
 @pytest.mark.parametrize("store", ["rclone"], indirect=True)

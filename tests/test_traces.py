@@ -50,7 +50,7 @@ from rollout_capture.traces.exporter import (
 from rollout_capture.traces.ids import RunScope
 from rollout_capture.traces.payloads import cut_text, payload_attributes, text_bytes, water_level
 from rollout_capture.traces.runs import check_name, folder_run, output_run, runs_project
-from rollout_capture.traces.spans import rollout_spans
+from rollout_capture.traces.spans import rollout_spans, weighed_spans
 
 SECRET = "sk-test-0123456789-never-shown"
 ERR_ID = "err-0"
@@ -522,8 +522,9 @@ def _payload_bytes(attributes: dict[str, Any]) -> int:
 def test_a_payload_s_text_goes_about_twice_not_three_times() -> None:
     """The context (every earlier turn) once per convention; ``input.value`` is the newest turn."""
     size = 1_000_000
-    a = payload_attributes(_huge_call(size), "chat", "stop")
+    a, weighed = payload_attributes(_huge_call(size), "chat", "stop")
     assert size * 2 <= _payload_bytes(a) < size * 2.05
+    assert abs(weighed - _payload_bytes(a)) < 0.02 * weighed  # the size measured as it was fitted
     assert a["input.value"] == "and now?"
     assert a["llm.input_messages.1.message.content"].startswith("éxxx")
     assert json.loads(a["gen_ai.input.messages"])[1]["parts"][0]["content"].endswith("xxx")
@@ -535,10 +536,10 @@ def test_a_payload_over_its_budget_is_cut_and_says_so() -> None:
     """Past the budget the longest texts are cut to one length, each ending in a note; short ones
     (roles, the newest turn, the output) stay whole and every JSON attribute still parses."""
     budget = 200_000
-    a = payload_attributes(_huge_call(3_000_000), "chat", "stop", budget)
+    a, weighed = payload_attributes(_huge_call(3_000_000), "chat", "stop", budget)
     assert a["rollout_capture.call.payload_cut"] is True
     assert a["rollout_capture.call.payload_bytes"] > 6_000_000
-    assert _payload_bytes(a) <= budget
+    assert _payload_bytes(a) <= budget and abs(weighed - _payload_bytes(a)) < 0.05 * budget
     cut = a["llm.input_messages.1.message.content"]
     assert cut.startswith("éxxx") and cut.endswith("characters]") and "rollout-capture cut" in cut
     assert json.loads(a["gen_ai.input.messages"])[1]["parts"][0]["content"] == cut
@@ -546,6 +547,23 @@ def test_a_payload_over_its_budget_is_cut_and_says_so() -> None:
     assert a["llm.input_messages.0.message.content"] == "be brief"
     assert water_level([5, 10, 100], 60) == 45 and water_level([5, 10], 60) == 10
     assert cut_text("abc", 3) == "abc" and cut_text("a" * 500, 200).startswith("a" * 104 + "…[")
+
+
+@pytest.mark.parametrize(("context", "budget"), [(300_000, 4 * 1024 * 1024), (3_000_000, 200_000)])
+def test_a_call_span_weighs_what_it_encodes_to(corpus: Corpus, context: int, budget: int) -> None:
+    """A call's weight (what the exporter batches by) comes from its payload's texts as they were
+    measured when fitted, never encoded again, and is what the span encodes to, within 5%."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    record = orjson.loads(orjson.dumps(corpus.records[ERR_ID]))
+    call = record["ng_model_call_capture"]["calls"][1]
+    call.update({k: v for k, v in _huge_call(context).items() if k in ("dialect", "request", "response")})
+    weighed = weighed_spans(record, include_payloads=True, payload_budget=budget)
+    alone = rollout_spans(record, include_payloads=True, payload_budget=budget)
+    assert [span.to_json() for span, _ in weighed] == [span.to_json() for span in alone]
+    (span, weight), *_ = sorted(weighed, key=lambda pair: -pair[1])
+    encoded = len(encode_spans([span]).SerializeToString())
+    assert encoded > 0.9 * min(context, budget) and abs(weight - encoded) < 0.05 * encoded
 
 
 def test_the_exporter_counts_the_calls_it_cut(corpus: Corpus, tmp_path: Path, receiver: OtlpReceiver) -> None:
@@ -605,7 +623,7 @@ def test_the_modules_import_without_opentelemetry_and_say_what_to_install() -> N
         "import sys; sys.modules['opentelemetry'] = None\n"
         "from rollout_capture.traces import TracesUnavailable\n"
         "from rollout_capture.traces.exporter import export_traces\n"
-        "from rollout_capture.traces.spans import rollout_spans\n"
+        "from rollout_capture.traces.spans import rollout_spans, weighed_spans\n"
         "try:\n    rollout_spans({})\nexcept TracesUnavailable as exc:\n    print(exc)\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)

@@ -7,6 +7,7 @@ never holds up the others. No test here measures time: each waits on what the cl
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +29,7 @@ from .support.otlp_receiver import (
     too_large_over,
     trickle,
 )
+from .support.tls import PrivateCA, private_ca
 
 pytest.importorskip("opentelemetry.sdk.trace")
 from rollout_capture.traces.exporter import OtlpEndpointError, check_endpoint, export_traces
@@ -137,13 +139,36 @@ def test_a_trickling_probe_answer_ends_at_its_deadline() -> None:
 
 
 def test_a_trickling_answer_to_a_batch_is_sent_again_then_the_export_fails(sample: Path) -> None:
+    """Each try of the batch ends at its 1 s bound and the batch is sent again while patience lasts
+    (the probe has a bound of its own: a 1 s request bound never makes a healthy probe fail)."""
     with (
         _serving(trickle(0.05, after=1)) as endpoint,
         pytest.raises(OtlpEndpointError, match=r"gave no complete answer to a batch of \d+ spans") as caught,
     ):
-        export_traces(sample, endpoint.url, headers=HEADERS, timeout_s=1, patience_s=2)
+        export_traces(sample, endpoint.url, headers=HEADERS, timeout_s=1, patience_s=4)
     assert "none within 1 s" in str(caught.value) and "after 0 spans" in str(caught.value)
-    assert len(endpoint.received) >= 2  # the probe, then the batch (tried again while patience lasts)
+    sent = re.search(r"sent (\d+) time\(s\)", str(caught.value))
+    assert sent is not None and int(sent[1]) >= 2, str(caught.value)  # tried again
+    assert len(endpoint.received) == 1 + int(sent[1])  # the probe, then each try of the batch
+
+
+def _slow_probe(delay_s: float) -> Any:
+    """The probe (the first request) answered 200 after ``delay_s``; batches at once."""
+
+    def script(receiver: OtlpReceiver, index: int, request: Received, handler: Any) -> bool:
+        if index > 0 or receiver.stopping.wait(delay_s):
+            return False
+        return answer_raw(receiver, handler, "200 OK", "application/x-protobuf", b"")
+
+    return script
+
+
+def test_the_probe_has_a_bound_of_its_own_not_a_batch_s(sample: Path) -> None:
+    """A probe answered after 2 s passes though a batch's request is bounded to 1 s: the probe's
+    bound is :data:`PROBE_TIMEOUT_S` (10 s), never the batches' ``timeout_s``."""
+    with _serving(_slow_probe(2.0)) as endpoint:
+        counts = export_traces(sample, endpoint.url, timeout_s=1)
+    assert counts.spans == SAMPLE_SPANS == len(endpoint.spans())
 
 
 def test_the_whole_export_ends_at_its_deadline(sample: Path) -> None:
@@ -302,3 +327,122 @@ def test_the_environment_s_proxy_carries_the_requests_and_no_proxy_bypasses_it(
         with pytest.raises(OtlpEndpointError, match="unreachable"):
             export_traces(sample, "http://otlp.example.invalid:4318")
         assert len(proxy.received) == counts.batches + 1
+
+
+def test_all_proxy_carries_the_requests_when_no_scheme_s_proxy_is_named(
+    sample: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    with _serving(None) as proxy:
+        monkeypatch.setenv("all_proxy", proxy.url)
+        counts = export_traces(sample, "http://otlp.example.invalid:4318")
+        assert counts.spans == SAMPLE_SPANS == len(proxy.spans())
+        assert {r.path for r in proxy.received} == {"http://otlp.example.invalid:4318/v1/traces"}
+
+
+def test_a_proxy_named_without_a_port_is_reached_on_80(sample: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``http_proxy=http://host``: port 80, as every client reads it (8080 is nobody's default)."""
+    for name in ("all_proxy", "ALL_PROXY", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    host = other_loopback_host()
+    try:
+        proxy = OtlpReceiver(host=host, port=80)
+    except OSError as exc:  # not allowed to bind port 80 here, or taken
+        pytest.skip(f"port 80 on {host}: {exc}")
+    try:
+        monkeypatch.setenv("http_proxy", f"http://{host}")
+        counts = export_traces(sample, "http://otlp.example.invalid:4318")
+        assert counts.spans == SAMPLE_SPANS == len(proxy.spans())
+    finally:
+        proxy.stop()
+
+
+# ---------------------------------------------------------------------- TLS and kept-alive connections
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory: pytest.TempPathFactory) -> PrivateCA:
+    return private_ca(tmp_path_factory.mktemp("ca"))
+
+
+@pytest.fixture
+def no_tls_settings(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No proxy, no CA bundle, no OpenTelemetry TLS variable from the machine."""
+    for name in (
+        *("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"),
+        *("SSL_CERT_FILE", "SSL_CERT_DIR"),
+        *(f"OTEL_EXPORTER_OTLP_{kind}{what}" for kind in ("", "TRACES_") for what in _TLS_WHAT),
+    ):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+_TLS_WHAT = ("CERTIFICATE", "CLIENT_CERTIFICATE", "CLIENT_KEY")
+
+
+def test_an_endpoint_with_a_private_ca_is_trusted_as_otel_exporter_otlp_certificate_says(
+    sample: Path, ca: PrivateCA, no_tls_settings: pytest.MonkeyPatch
+) -> None:
+    endpoint = OtlpReceiver(tls=ca.server_context())
+    try:
+        with pytest.raises(
+            OtlpEndpointError, match=r"unreachable \(TLS failed \(SSLCertVerificationError\)\)"
+        ):
+            check_endpoint(endpoint.url)  # a CA nobody trusts: refused, naming why
+        no_tls_settings.setenv("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", str(ca.ca))
+        counts = export_traces(sample, endpoint.url, headers=HEADERS)
+        assert counts.spans == SAMPLE_SPANS == len(endpoint.spans())
+        assert {r.headers["x-api-key"] for r in endpoint.received} == {SECRET}
+    finally:
+        endpoint.stop()
+
+
+def test_a_collector_asking_for_a_client_certificate_gets_the_one_the_variables_name(
+    sample: Path, ca: PrivateCA, no_tls_settings: pytest.MonkeyPatch
+) -> None:
+    """Mutual TLS: OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE and _CLIENT_KEY; a file that is not there
+    is named before anything is sent."""
+    endpoint = OtlpReceiver(tls=ca.server_context(client_certificates=True))
+    try:
+        no_tls_settings.setenv("OTEL_EXPORTER_OTLP_CERTIFICATE", str(ca.ca))
+        with pytest.raises(OtlpEndpointError, match="unreachable"):
+            check_endpoint(endpoint.url)  # no client certificate: the server hangs up
+        no_tls_settings.setenv("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", str(ca.client_cert))
+        no_tls_settings.setenv("OTEL_EXPORTER_OTLP_CLIENT_KEY", str(ca.client_key))
+        counts = export_traces(sample, endpoint.url)
+        assert counts.spans == SAMPLE_SPANS == len(endpoint.spans())
+        no_tls_settings.setenv("OTEL_EXPORTER_OTLP_CLIENT_KEY", str(ca.client_key) + ".missing")
+        with pytest.raises(OtlpEndpointError, match=r"OTEL_EXPORTER_OTLP_CLIENT_KEY names .*\.missing"):
+            check_endpoint(endpoint.url)
+    finally:
+        endpoint.stop()
+
+
+def test_an_https_proxy_is_spoken_to_over_tls(
+    sample: Path, ca: PrivateCA, no_tls_settings: pytest.MonkeyPatch
+) -> None:
+    """``http_proxy=https://...``: TLS to the proxy (its certificate checked against SSL_CERT_FILE),
+    the endpoint's whole URL asked of it inside."""
+    proxy = OtlpReceiver(tls=ca.server_context())
+    try:
+        no_tls_settings.setenv("SSL_CERT_FILE", str(ca.ca))
+        no_tls_settings.setenv("http_proxy", proxy.url)
+        counts = export_traces(sample, "http://otlp.example.invalid:4318")
+        assert counts.spans == SAMPLE_SPANS == len(proxy.spans())
+        assert {r.path for r in proxy.received} == {"http://otlp.example.invalid:4318/v1/traces"}
+    finally:
+        proxy.stop()
+
+
+def test_a_kept_alive_connection_the_server_closed_is_no_retry(sample: Path) -> None:
+    """A server closing every connection after its answer without saying so (a keep-alive that ran
+    out, as uvicorn's 5 s or a proxy's): each batch goes on a connection of its own at once, never
+    a retry (with no patience at all, a retry would fail the export)."""
+    endpoint = OtlpReceiver(close_after_answer=True)
+    try:
+        counts = export_traces(sample, endpoint.url, batch_spans=5, patience_s=0)
+    finally:
+        endpoint.stop()
+    assert counts.batches == 6 and counts.spans == SAMPLE_SPANS == len(endpoint.spans())
+    assert len(endpoint.received) == 1 + counts.batches  # the probe, then each batch once

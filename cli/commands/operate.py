@@ -152,7 +152,7 @@ def serve(
         runs, parameters = _scheduled(storage, runs_root, scheduled)
         parameters.update(traces.parameters())  # the schedule's traces (a Secret block's name only)
         traces.check_block()
-        preflight(folders=[(runs, "runs root")], prefect=False)  # served here: the root is this machine's
+        preflight(folders=[(runs, "runs root")], creates=[runs], prefect=False)  # leases, _ENRICHED
         from rollout_capture.deployments.serve import serve_shipped
 
         try:

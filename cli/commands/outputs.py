@@ -142,13 +142,7 @@ def export(
                     if where is not None:
                         typer.echo(f"wrote {where}: {n} {name} row(s)")
             if traces is not None:
-                typer.echo(
-                    f"sent {traces.rollouts} rollout(s), {traces.calls} call(s) as {traces.spans} span(s) "
-                    f"in {traces.batches} batch(es) to {_shown(otlp)}"
-                )
-                typer.echo(f"project: {traces.project or '(the default)'}; run: {traces.run}")
-                for note in traces.notes():
-                    typer.echo(note, err=True)
+                typer.echo(f"traces: {traces.sent(otlp or '')}")  # what the flows' summaries say
             skipped = counts.lines_skipped if counts is not None else traces.lines_skipped if traces else 0
             if skipped:
                 typer.echo(

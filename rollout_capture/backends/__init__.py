@@ -2,7 +2,7 @@
 
 :func:`open_backend` is the only place that looks at which filesystem a URL resolved to; the
 protocol table (:data:`BACKENDS`, in :mod:`rollout_capture.backends.registry`) says which
-backend class serves it, and so what the store can do (:func:`capabilities_of`).
+backend class serves it, and so what the store can do (``backend.capabilities``).
 """
 
 from __future__ import annotations
@@ -17,22 +17,13 @@ from rollout_capture.backends.capabilities import Capabilities, PutIfAbsent, Uns
 from rollout_capture.backends.gcs import GCSBackend
 from rollout_capture.backends.object_store import ObjectStoreBackend
 from rollout_capture.backends.posix import PosixBackend
-from rollout_capture.backends.registry import (
-    ATOMIC_CREATE_PROTOCOLS,
-    BACKENDS,
-    DEFAULT_BACKEND,
-    PROCESS_LOCAL_PROTOCOLS,
-    backend_class,
-    capabilities_of,
-)
+from rollout_capture.backends.registry import BACKENDS, DEFAULT_BACKEND, backend_class, capabilities_of
 from rollout_capture.backends.s3 import S3Backend
 from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY, open_filesystem
 
 __all__ = [
-    "ATOMIC_CREATE_PROTOCOLS",
     "BACKENDS",
     "DEFAULT_BACKEND",
-    "PROCESS_LOCAL_PROTOCOLS",
     "AzureBackend",
     "Backend",
     "Capabilities",

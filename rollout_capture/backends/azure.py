@@ -21,6 +21,7 @@ from fsspec.asyn import sync as fsspec_sync
 
 from rollout_capture.backends.capabilities import CONDITIONAL_STORE
 from rollout_capture.backends.object_store import ObjectStoreBackend
+from rollout_capture.secret_options import bare_url
 
 
 class AzureBackend(ObjectStoreBackend):
@@ -30,9 +31,11 @@ class AzureBackend(ObjectStoreBackend):
     conditional_request = "Put Blob with If-None-Match: *"
 
     def endpoint(self) -> str:
+        """The account's URL, bare: a SAS token (``AZURE_STORAGE_SAS_TOKEN``, a connection string's
+        ``SharedAccessSignature=``) rides in the service client's URL as its query."""
         client = getattr(self.fs, "service_client", None)
         url = getattr(client, "url", None) or getattr(self.fs, "account_url", None)
-        return str(url or f"https://{getattr(self.fs, 'account_name', '?')}.blob.core.windows.net")
+        return bare_url(str(url or f"https://{getattr(self.fs, 'account_name', '?')}.blob.core.windows.net"))
 
     def create_unproven(self, path: str, data: bytes) -> None:
         fsspec_sync(self.fs.loop, self._put_blob_if_absent, path, data)

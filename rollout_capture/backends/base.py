@@ -211,7 +211,8 @@ class Backend(ABC):
         return self.root
 
     def endpoint(self) -> str:
-        """Where the store's requests go, as an error names it (a URL, or this machine)."""
+        """Where the store's requests go, as an error names it (a URL, or this machine): scheme, host
+        and path only, never a credential riding in a query or userinfo (an Azure SAS token)."""
         return "this machine"
 
     def store_key(self) -> Hashable:

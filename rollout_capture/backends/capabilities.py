@@ -1,4 +1,4 @@
-"""What a store can do, learnt once where it is opened and asked of it (never guessed from a URL again).
+"""What a store can do: declared by its backend class, asked of the backend a store opened.
 
 Every protocol of ours (rows numbered put-if-absent, journal commits, leases, ``_ENRICHED``)
 rests on one promise: a create fails when the object exists. How a store keeps it is part of
@@ -32,11 +32,6 @@ class Capabilities:
     """This machine's disk: read with ``os``, locked with ``flock``, published by a rename."""
     put_if_absent: PutIfAbsent
     """How a create is made to fail when the file exists (see :data:`PutIfAbsent`)."""
-    consistent_listing: bool
-    """Whether a LIST shows every key written before it began (read-after-write for listings:
-    AWS S3, GCS and Azure Blob promise it); the journal's look before a commit trusts it."""
-    shared_by_hosts: bool = True
-    """Whether processes on several hosts may share the store (``memory://`` is one process's)."""
 
     @property
     def writable(self) -> bool:
@@ -50,12 +45,10 @@ class Capabilities:
         return self.put_if_absent == "conditional-request"
 
 
-LOCAL_DISK = Capabilities(local=True, put_if_absent="exclusive-create", consistent_listing=True)
-ONE_PROCESS = Capabilities(
-    local=False, put_if_absent="process-lock", consistent_listing=True, shared_by_hosts=False
-)
-CONDITIONAL_STORE = Capabilities(local=False, put_if_absent="conditional-request", consistent_listing=True)
-READ_ONLY_STORE = Capabilities(local=False, put_if_absent="none", consistent_listing=False)
+LOCAL_DISK = Capabilities(local=True, put_if_absent="exclusive-create")
+ONE_PROCESS = Capabilities(local=False, put_if_absent="process-lock")
+CONDITIONAL_STORE = Capabilities(local=False, put_if_absent="conditional-request")
+READ_ONLY_STORE = Capabilities(local=False, put_if_absent="none")
 
 
 class UnsafeStoreError(ValueError):

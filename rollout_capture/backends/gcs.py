@@ -14,6 +14,7 @@ from fsspec.asyn import sync as fsspec_sync
 
 from rollout_capture.backends.capabilities import CONDITIONAL_STORE
 from rollout_capture.backends.object_store import ObjectStoreBackend
+from rollout_capture.secret_options import bare_url
 
 
 class GCSBackend(ObjectStoreBackend):
@@ -23,7 +24,7 @@ class GCSBackend(ObjectStoreBackend):
     conditional_request = "an upload with ifGenerationMatch=0"
 
     def endpoint(self) -> str:
-        return str(getattr(self.fs, "_location", None) or "https://storage.googleapis.com")
+        return bare_url(str(getattr(self.fs, "_location", None) or "https://storage.googleapis.com"))
 
     def _page_from(self, bucket: str, folder: str, first: str, limit: int) -> tuple[set[str], bool]:
         listed: dict[str, Any] = fsspec_sync(

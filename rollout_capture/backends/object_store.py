@@ -355,11 +355,6 @@ class ObjectStoreBackend(Backend):
     def append_line(self, path: str, line: bytes) -> None:
         raise OSError(errno.EOPNOTSUPP, f"{protocol_of(self.fs)} has no safe append; use the object layout")
 
-    @property
-    def writable(self) -> bool:
-        """Whether several writers may share this store: it has a put-if-absent of some kind."""
-        return self.capabilities.writable
-
     def store_url(self) -> str:
         return f"{protocol_of(self.fs)}://{self.root}"
 

@@ -4,8 +4,8 @@ backend, which reads anything fsspec reads and refuses writes it cannot make saf
 
 Adding a store with requests of its own is a subclass of
 :class:`~rollout_capture.backends.object_store.ObjectStoreBackend` and a line here. What a
-store can do (:class:`~rollout_capture.backends.capabilities.Capabilities`) is its class's to say:
-:func:`capabilities_of` answers for a URL or an opened filesystem, without a request.
+store can do (:class:`~rollout_capture.backends.capabilities.Capabilities`) is its class's to say,
+asked of the opened backend (``backend.capabilities``).
 """
 
 from __future__ import annotations
@@ -40,13 +40,6 @@ BACKENDS: dict[str, type[Backend]] = {
 DEFAULT_BACKEND: type[Backend] = ObjectStoreBackend
 """The backend of any protocol not in :data:`BACKENDS` (SFTP, ``dir://``...): read-only."""
 
-ATOMIC_CREATE_PROTOCOLS = frozenset(
-    p for p, c in BACKENDS.items() if c.capabilities.put_if_absent == "conditional-request"
-)
-"""Stores that create a file only if absent in one conditional request (proven before relied on)."""
-PROCESS_LOCAL_PROTOCOLS = frozenset(p for p, c in BACKENDS.items() if not c.capabilities.shared_by_hosts)
-"""Stores that live in one process: creating under a lock is atomic there (tests, one-process tools)."""
-
 
 def backend_class(fs: fsspec.AbstractFileSystem) -> type[Backend]:
     """The backend class for an opened filesystem: the local disk's when it is local (decided by
@@ -60,8 +53,12 @@ def backend_class(fs: fsspec.AbstractFileSystem) -> type[Backend]:
 
 
 def capabilities_of(where: str | os.PathLike[str] | fsspec.AbstractFileSystem) -> Capabilities:
-    """What the store at a path or URL (or behind an opened filesystem) can do: its backend class's
-    answer, found by protocol as :func:`backend_class` finds it, with no request and no import."""
+    """What the store at a path or URL (or behind an opened filesystem) would declare, before any
+    store is opened: its backend class's answer, found by protocol as :func:`backend_class` finds it.
+
+    Decided from the URL's text (:func:`rollout_capture.filesystem.is_local` and the scheme), so
+    it is no more than that; a caller holding an opened backend asks ``backend.capabilities``.
+    """
     if isinstance(where, fsspec.AbstractFileSystem):
         return backend_class(where).capabilities
     if is_local(where):

@@ -19,6 +19,7 @@ from fsspec.asyn import sync as fsspec_sync
 from rollout_capture.backends.base import Named
 from rollout_capture.backends.capabilities import CONDITIONAL_STORE
 from rollout_capture.backends.object_store import ListingTooLarge, ObjectStoreBackend, mtime_of, named_entries
+from rollout_capture.secret_options import bare_url
 
 
 class S3Backend(ObjectStoreBackend):
@@ -36,7 +37,8 @@ class S3Backend(ObjectStoreBackend):
     def endpoint(self) -> str:
         client = getattr(self.fs, "_s3", None)  # connected: the client's own
         connected = getattr(getattr(client, "meta", None), "endpoint_url", None)
-        return str(self._configured_endpoint() or connected or "AWS S3 (the region's default endpoint)")
+        url = self._configured_endpoint() or connected
+        return bare_url(str(url)) if url else "AWS S3 (the region's default endpoint)"
 
     def store_key(self) -> Hashable:
         return (type(self).__name__, self._configured_endpoint(), self.root.split("/", 1)[0])

@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rollout_capture.backends import capabilities_of
 from rollout_capture.claims import DEFAULT_CLAIM_TTL_S
 from rollout_capture.config import check_capture_url
+from rollout_capture.filesystem import is_local
 from rollout_capture.layouts import LayoutChoice
 from rollout_capture.producer.routing import VERIFY_PATHS
 from rollout_capture.secret_options import refuse_secret_options
@@ -107,11 +107,7 @@ class ProducerSettings(BaseModel):
 
     @model_validator(mode="after")
     def _log_on_local_disks(self) -> ProducerSettings:
-        if (
-            self.claims == "log"
-            and self.capture_dir is not None
-            and not capabilities_of(self.capture_dir).local
-        ):
+        if self.claims == "log" and self.capture_dir is not None and not is_local(self.capture_dir):
             raise ValueError(
                 f"claims=log ({ENV_NAMES['claims']}) needs a local disk; {self.capture_dir} is an object "
                 "store, where claims are claim files (objects layout) or in the journal"

@@ -2,7 +2,7 @@
 
 The file is read line by line the way the Parquet export reads it
 (:func:`rollout_capture.summary.iter_enriched`), each record mapped to its trace
-(:func:`.spans.rollout_spans`, its ids scoped to the project and the run: :mod:`.runs`) and the
+(:func:`.spans.weighed_spans`, its ids scoped to the project and the run: :mod:`.runs`) and the
 spans sent in batches of at most ``batch_spans`` spans or about ``batch_bytes`` bytes, one batch on
 the wire while the next is built: memory stays flat whatever the file's size. A rollout's spans
 may go in several requests (spans, not rollouts, fill a batch), and each call's payloads are cut
@@ -33,17 +33,18 @@ from rollout_capture.secret_options import url_credentials
 from rollout_capture.summary import EvidenceShapeError, attachment_of, iter_enriched, no_attachment_error
 from rollout_capture.traces import require_otel
 from rollout_capture.traces.ids import RunScope
-from rollout_capture.traces.payloads import PAYLOAD_BUDGET, text_bytes
+from rollout_capture.traces.payloads import PAYLOAD_BUDGET
 from rollout_capture.traces.runs import check_name, output_run
-from rollout_capture.traces.spans import make_resource, rollout_spans
+from rollout_capture.traces.spans import make_resource, weighed_spans
 from rollout_capture.traces.transport import (
     MAX_ANSWER_BYTES,
     Answer,
     Connection,
     NoAnswer,
+    TlsSettingsError,
     masked,
     one_line,
-    shown_url,
+    shown_location,
 )
 
 _MISSING: ImportError | None = None
@@ -63,6 +64,9 @@ BATCH_BYTES = 4 * 1024 * 1024
 MAX_REQUEST_BYTES = 16 * 1024 * 1024
 """A request's body at most once encoded: a batch past it is split in two before it is sent (the
 OpenTelemetry Collector takes 20 MiB by default; the SDK drops batches over 64 MiB)."""
+PROBE_TIMEOUT_S = 10.0
+"""The endpoint probe's bound, answer included (an empty export is answered at once by a receiver):
+its own, whatever a batch may take (``timeout_s``), within the export's ``deadline_s``."""
 TRANSIENT_STATUS = frozenset({429, 502, 503, 504})
 """Answers that mean "later" (Phoenix answers 503 while its ingestion queue is full)."""
 _CONTENT = {"Content-Type": "application/x-protobuf", "User-Agent": f"rollout-capture/{__version__}"}
@@ -172,7 +176,7 @@ def traces_url(endpoint: str) -> str:
 
 def shown_endpoint(endpoint: str) -> str:
     """The endpoint as an error names it: scheme, host and path (no query, no userinfo)."""
-    return shown_url(endpoint)
+    return shown_location(endpoint)
 
 
 def _said(answer: Answer, headers: Mapping[str, str]) -> str:
@@ -221,7 +225,10 @@ def check_endpoint(endpoint: str, headers: Mapping[str, str] | None = None, time
     """
     url = traces_url(endpoint)
     shown, given = shown_endpoint(url), dict(headers or {})
-    connection = Connection(url, {**given, **_CONTENT})
+    try:
+        connection = Connection(url, {**given, **_CONTENT})
+    except TlsSettingsError as exc:
+        raise OtlpEndpointError(f"OTLP endpoint {shown}: {exc}; nothing was sent") from None
     try:
         answer = connection.post(b"", time.monotonic() + timeout_s)
     except NoAnswer as exc:
@@ -249,21 +256,6 @@ def check_endpoint(endpoint: str, headers: Mapping[str, str] | None = None, time
         raise OtlpEndpointError(
             f"OTLP endpoint {shown} answered {answer.shown}{said} to an empty export; nothing was sent"
         )
-
-
-def _weight(span: ReadableSpan) -> int:
-    """About how many bytes a span takes on the wire (its string attributes dominate)."""
-    size = 200
-    for attributes in (span.attributes, *(event.attributes for event in span.events)):
-        for key, value in (attributes or {}).items():
-            size += len(key) + 8
-            if isinstance(value, str):
-                size += text_bytes(value)
-            elif isinstance(value, tuple | list):
-                size += sum(text_bytes(v) + 4 if isinstance(v, str) else 12 for v in value)
-            else:
-                size += 12
-    return size
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,12 +415,12 @@ class _Batches:
     skipped: int = 0
     batches: int = 0
 
-    def add(self, made: list[ReadableSpan], calls: int) -> None:
-        """One rollout's spans, each into the batch; a batch that would be too full goes on the wire."""
+    def add(self, made: list[tuple[ReadableSpan, int]], calls: int) -> None:
+        """One rollout's spans (with their weights), each into the batch; a batch that would be
+        too full goes on the wire."""
         self.rollouts += 1
         self.calls += calls
-        for span in made:
-            weight = _weight(span)
+        for span, weight in made:
             if self.batch and (
                 len(self.batch) >= self.batch_spans or self.weight + weight > self.batch_bytes
             ):
@@ -468,7 +460,7 @@ def _send_file(path: str | Path, out: _Batches, how: _Mapping) -> None:
             if record is None or attachment is None:
                 out.skipped += 1
                 continue
-            made = rollout_spans(
+            made = weighed_spans(
                 record,
                 include_payloads=how.include_payloads,
                 scope=how.scope,
@@ -510,10 +502,10 @@ def export_traces(
     log. ``project`` names Phoenix's project (``openinference.project.name``); ``run`` names the
     run (default: ``path``'s absolute location, :func:`.runs.output_run`; callers exporting a
     copy pass the original's): both go into every trace id. Each request is bounded whole by
-    ``timeout_s``; a batch pushed back (429, 502-504, no complete answer) is retried for up to
-    ``patience_s``; ``deadline_s`` bounds the whole export. Payloads (``include_payloads``) are
-    cut to ``payload_budget`` bytes a call. ``progress`` is called after each batch is handed
-    to the sender. The endpoint is checked first (:func:`check_endpoint`):
+    ``timeout_s`` (the probe by :data:`PROBE_TIMEOUT_S`); a batch pushed back (429, 502-504, no
+    complete answer) is retried for up to ``patience_s``; ``deadline_s`` bounds the whole export.
+    Payloads (``include_payloads``) are cut to ``payload_budget`` bytes a call. ``progress`` is
+    called after each batch is handed to the sender. The endpoint is checked first (:func:`check_endpoint`):
     :class:`OtlpEndpointError` before anything is sent; a batch refused later raises it too,
     saying how much had landed. A malformed line raises :class:`EvidenceShapeError` naming file,
     line and field, as the Parquet export does.
@@ -528,9 +520,8 @@ def export_traces(
         check_name(project, "OTLP project") or "", check_name(run, "OTLP run name") or output_run(str(path))
     )
     hidden = OtlpHeaders(headers)
-    check_endpoint(
-        url, hidden, timeout_s=min(timeout_s, 10.0, deadline_s if deadline_s is not None else 10.0)
-    )
+    probe_s = PROBE_TIMEOUT_S if deadline_s is None else min(PROBE_TIMEOUT_S, deadline_s)
+    check_endpoint(url, hidden, timeout_s=probe_s)
     how = _Mapping(scope, include_payloads, payload_budget, make_resource(project), os.stat(path).st_mtime_ns)
     limits = _Limits(timeout_s, patience_s, deadline, max_request_bytes, compression)
     sender = _Sender(Connection(url, {**dict(hidden), **_CONTENT}), shown_endpoint(url), hidden, limits)

@@ -12,7 +12,9 @@ cannot be read (raw text, another shape) goes whole as ``input.value`` / ``outpu
 When all of it passes ``budget`` bytes (UTF-8), the longest texts are cut to one common length
 (short ones stay whole: roles, tool names, most turns), each cut text ending in a note of how
 much was left out, and the span says so: ``rollout_capture.call.payload_cut`` = true and
-``rollout_capture.call.payload_bytes`` (the size it would have had).
+``rollout_capture.call.payload_bytes`` (the size it would have had). Each text is measured
+once, here: the size the attributes come to is handed on (the exporter fills its batches by it)
+rather than measured again.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ PAYLOAD_BUDGET = 4 * 1024 * 1024
 """Bytes of payload text a call's span carries at most (the exporter's batches are as big)."""
 _MARK_RESERVE = 96
 """Bytes kept free in a cut text for the note saying what was cut."""
+_SLOT_OVERHEAD = 64
+"""Bytes a text's attribute takes besides the text (its key, a role, JSON's quotes) when the
+payload fits and its overhead is not rendered to be measured: about."""
 _MESSAGE_KEYS = frozenset({"messages", "input", "instructions", "system", "tools"})
 """Request fields carried as messages or tools, not as invocation parameters (every dialect's)."""
 
@@ -164,23 +169,25 @@ class _Payload:
                 if text is not None:
                     setattr(slot.owner, slot.field, text)
 
-    def fit(self, budget: int) -> int | None:
-        """Cut the longest texts until the whole fits ``budget``; the size before, when cut."""
+    def fit(self, budget: int) -> tuple[int, int | None]:
+        """Cut the longest texts until the whole fits ``budget``: about the bytes the attributes
+        then take (from the texts' sizes measured here), and the size before when cut."""
         slots = self.slots()
         sizes = [text_bytes(text) * slot.copies if (text := slot.text) else 0 for slot in slots]
         total = sum(sizes)
         if total <= budget:
-            return None
+            return total + _SLOT_OVERHEAD * len(slots), None
         overhead = self._overhead(slots)
         # 2% kept for JSON's escapes (a quote or a line break is two bytes in gen_ai.*.messages)
         level = water_level(sizes, max(budget - overhead - budget // 50, 0))
-        total += overhead
+        after = overhead
         for slot, size in zip(slots, sizes, strict=True):
+            after += min(size, level)
             if size > level:
                 slot.cut(level)
                 if isinstance(slot.owner, _Value):
                     slot.owner.mime = "text/plain"  # a cut JSON text is JSON no more
-        return total
+        return after, total + overhead
 
     def attributes(self) -> Attributes:
         out: Attributes = {}
@@ -204,13 +211,14 @@ class _Payload:
 
 def payload_attributes(
     call: Mapping[str, Any], dialect: str | None, finish: str | None, budget: int = PAYLOAD_BUDGET
-) -> Attributes:
+) -> tuple[Attributes, int]:
     """The call's request and response under both conventions' attributes, cut to ``budget``
-    bytes of text when longer (and then marked so)."""
+    bytes of text when longer (and then marked so), and about how many bytes they take (their
+    texts measured once, as they were fitted: never encoded again to be weighed)."""
     payload = _Payload.read(call, dialect, finish)
-    before = payload.fit(budget)
+    size, before = payload.fit(budget)
     out = payload.attributes()
     if before is not None:
         out["rollout_capture.call.payload_cut"] = True
         out["rollout_capture.call.payload_bytes"] = before
-    return out
+    return out, size

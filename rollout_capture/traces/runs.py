@@ -16,9 +16,10 @@ file give the same ids (nothing doubled), while another run, written elsewhere, 
 from __future__ import annotations
 
 import os
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
-from rollout_capture.filesystem import local_path
+from rollout_capture.filesystem import absolute_location, local_path
+from rollout_capture.secret_options import bare_url
 
 MAX_NAME = 512
 """Characters a project or run name may have (Phoenix shows both; ids hash them whole)."""
@@ -44,10 +45,7 @@ def output_run(output: str) -> str:
     """The run an enriched output is when nothing else names it: its absolute location (a local
     path made absolute, ``file://`` dropped so both spellings agree; a URL without its query)."""
     local = local_path(output)
-    if local is not None:
-        return os.path.abspath(local)
-    parts = urlsplit(output)
-    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+    return absolute_location(local) if local is not None else bare_url(output)
 
 
 def folder_run(runs_name: str | None, folder: str, output: str) -> str:
@@ -63,6 +61,6 @@ def runs_project(runs_root: str) -> str:
     if local is not None:
         name = os.path.basename(os.path.abspath(local).rstrip(os.sep))
     else:
-        parts = urlsplit(runs_root)
-        name = parts.path.rstrip("/").rpartition("/")[2] or parts.netloc.rpartition("@")[2]
+        parts = urlsplit(bare_url(runs_root))
+        name = parts.path.rstrip("/").rpartition("/")[2] or parts.netloc
     return name or DEFAULT_PROJECT

@@ -11,7 +11,7 @@ the attributes, never 0.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from decimal import ROUND_HALF_EVEN, Decimal
 from typing import Any
@@ -30,7 +30,7 @@ from rollout_capture.summary import (
     text_field,
 )
 from rollout_capture.traces import ids, require_otel
-from rollout_capture.traces.payloads import PAYLOAD_BUDGET, payload_attributes
+from rollout_capture.traces.payloads import PAYLOAD_BUDGET, payload_attributes, text_bytes
 
 _MISSING: ImportError | None = None
 try:
@@ -53,6 +53,9 @@ the client's best knowledge; an OpenAI-compatible server is named ``openai``).""
 
 AttrValue = str | bool | int | float | list[str]
 Attributes = dict[str, AttrValue]
+Measured = tuple[Collection[str], int]
+"""Attributes of a span already weighed, and their bytes (a call's payloads, measured as fitted)."""
+NOTHING_MEASURED: Measured = ((), 0)
 
 
 def make_resource(project: str | None = None) -> Resource:
@@ -233,9 +236,9 @@ def _answer_attributes(a: Attributes, call: Mapping[str, Any], where: str) -> No
 
 def _call_attributes(
     call: Mapping[str, Any], where: str, owner: str | None, payload_budget: int | None
-) -> tuple[str, Attributes, Status]:
+) -> tuple[str, Attributes, Status, Measured]:
     """A call's span name, attributes (both conventions) and status; its payloads within
-    ``payload_budget`` bytes when given (none when ``None``)."""
+    ``payload_budget`` bytes when given (none when ``None``), and what they weigh."""
     include_payloads = payload_budget is not None
     dialect = text_field(call, "dialect", where)
     model = text_field(call, "model", where)
@@ -285,14 +288,17 @@ def _call_attributes(
     if isinstance(tool_calls, list):
         a["rollout_capture.call.tool_calls"] = len(tool_calls)
     _answer_attributes(a, call, where)
+    measured = NOTHING_MEASURED
     if payload_budget is not None:
-        a.update(payload_attributes(call, dialect, finish, payload_budget))
+        payload, size = payload_attributes(call, dialect, finish, payload_budget)
+        a.update(payload)
+        measured = (payload.keys(), size)
     if failed:
         detail = category or "failed"
         status = Status(StatusCode.ERROR, f"{detail} (HTTP {status_code})" if status_code else detail)
     else:
         status = Status(StatusCode.OK)
-    return f"chat {requested or model_of(call)}", a, status
+    return f"chat {requested or model_of(call)}", a, status, measured
 
 
 # ------------------------------------------------------------------ the trace of one record
@@ -396,12 +402,13 @@ class _Trace:
             group_times[("verifier", vid)] = self._group_time(("verifier", vid), vtimes)
         return group_times
 
-    def call_span(self, position: int, call: Mapping[str, Any]) -> ReadableSpan:
-        """The span of one call, under its parent, timed by the capture (counts a failed call)."""
+    def call_span(self, position: int, call: Mapping[str, Any]) -> tuple[ReadableSpan, int]:
+        """The span of one call, under its parent, timed by the capture (counts a failed call),
+        and its weight (:func:`span_weight`)."""
         where = f"ng_model_call_capture.calls[{position}]"
         mid = call.get("model_call_id") if isinstance(call.get("model_call_id"), str) else None
         owner = self.owners.get(mid) if mid else None
-        name, attributes, status = _call_attributes(call, where, owner, self.payload_budget)
+        name, attributes, status, measured = _call_attributes(call, where, owner, self.payload_budget)
         self.failed_calls += status.status_code is StatusCode.ERROR
         key = ids.call_key(mid, count_field(call, "call_index", where), position)
         parent_key = self.parent_of[position]
@@ -413,7 +420,7 @@ class _Trace:
             attributes["rollout_capture.call.times_known"] = False
         elif times.end is not None and times.start is not None and times.end < times.start:
             attributes["rollout_capture.call.timing_impossible"] = True
-        return ReadableSpan(
+        span = ReadableSpan(
             name=name,
             context=_context(self.trace, self._span_id("call", key)),
             parent=_context(self.trace, parent_id),
@@ -425,6 +432,7 @@ class _Trace:
             end_time=end,
             instrumentation_scope=SCOPE,
         )
+        return span, span_weight(span, measured)
 
     def invocation_span(self, inv: _Invocation) -> ReadableSpan:
         """The span of one agent invocation, a child of the root."""
@@ -562,6 +570,26 @@ class _Trace:
         )
 
 
+def span_weight(span: ReadableSpan, measured: Measured = NOTHING_MEASURED) -> int:
+    """About how many bytes a span takes on the wire (its string attributes dominate): what the
+    exporter fills its batches by. The attributes ``measured`` names count as its size says (a
+    call's payloads, measured as they were fitted), never encoded again to be weighed."""
+    skip, size = measured
+    size += 200
+    for attributes, weighed in ((span.attributes, skip), *((e.attributes, ()) for e in span.events)):
+        for key, value in (attributes or {}).items():
+            if key in weighed:
+                continue
+            size += len(key) + 8
+            if isinstance(value, str):
+                size += text_bytes(value)
+            elif isinstance(value, tuple | list):
+                size += sum(text_bytes(v) + 4 if isinstance(v, str) else 12 for v in value)
+            else:
+                size += 12
+    return size
+
+
 def rollout_spans(
     record: Mapping[str, Any],
     *,
@@ -584,6 +612,28 @@ def rollout_spans(
     the exporter passes the enriched file's modification time. A malformed attachment raises
     :class:`EvidenceShapeError`.
     """
+    weighed = weighed_spans(
+        record,
+        include_payloads=include_payloads,
+        scope=scope,
+        payload_budget=payload_budget,
+        resource=resource,
+        fallback_time_ns=fallback_time_ns,
+    )
+    return [span for span, _ in weighed]
+
+
+def weighed_spans(
+    record: Mapping[str, Any],
+    *,
+    include_payloads: bool = False,
+    scope: ids.RunScope = ids.NO_SCOPE,
+    payload_budget: int = PAYLOAD_BUDGET,
+    resource: Resource | None = None,
+    fallback_time_ns: int | None = None,
+) -> list[tuple[ReadableSpan, int]]:
+    """:func:`rollout_spans`, each span with its weight (:func:`span_weight`): what the exporter
+    batches by, its payloads' texts measured once, where they were fitted to their budget."""
     require_otel(_MISSING)
     attachment = attachment_of(record)
     if attachment is None:
@@ -591,7 +641,8 @@ def rollout_spans(
     budget = payload_budget if include_payloads else None
     resource = resource or make_resource(scope.project or None)
     trace = _Trace(record, attachment, budget, resource, fallback_time_ns, scope)
-    children = [trace.call_span(position, call) for position, call in enumerate(trace.calls)]
-    children += [trace.invocation_span(inv) for inv in trace.invocations]
-    children += [trace.verifier_span(vid, verifier) for vid, verifier in trace.verifiers.items()]
-    return [trace.root_span(), *children]
+    calls = [trace.call_span(position, call) for position, call in enumerate(trace.calls)]
+    others = [trace.invocation_span(inv) for inv in trace.invocations]
+    others += [trace.verifier_span(vid, verifier) for vid, verifier in trace.verifiers.items()]
+    root = trace.root_span()  # after the calls: it counts the failed ones
+    return [(root, span_weight(root)), *calls, *((span, span_weight(span)) for span in others)]

@@ -1,13 +1,23 @@
 """One OTLP/HTTP request at a time, each bounded whole: the only place this package talks HTTP.
 
-- **A deadline bounds the whole exchange** (connect, send, status line, headers, body): a timer
-  shuts the socket at the deadline, so an endpoint trickling a byte at a time cannot stretch a
-  request past it (a socket timeout bounds one read, not the answer).
+The client is httpx's (a dependency already, Prefect's own), configured as OpenTelemetry's
+exporter configured ``requests``; httpx is imported only when a request is made (importing it
+loads ``rich``, which the core's modules must not at import), on fsspec's I/O loop thread.
+
+- **A deadline bounds the whole exchange** (connect, send, status line, headers, body): the
+  request is cancelled at the deadline, so an endpoint trickling a byte at a time cannot stretch
+  it (httpx's own timeouts bound one read, not the answer).
 - **Nothing is followed.** A redirect is an :class:`Answer` like any other, its ``Location``
   shown (scheme, host, path): the request and its headers never go to a host the user did not name.
-- **The environment's proxy is used** as OpenTelemetry's own exporter used it (``https_proxy`` /
-  ``http_proxy``, ``no_proxy``): an https endpoint through a ``CONNECT`` tunnel, an http one
-  asked of the proxy by its whole URL.
+- **The environment is used as OpenTelemetry's exporter used it**: the proxy (``https_proxy``,
+  ``http_proxy``, ``all_proxy``, ``no_proxy``; an ``https://`` proxy spoken to over TLS, a proxy
+  without a port reached on 80 or 443), the CA bundle (``OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE``
+  or ``OTEL_EXPORTER_OTLP_CERTIFICATE``, else ``SSL_CERT_FILE`` / ``SSL_CERT_DIR``, else
+  certifi's) and a client certificate for mutual TLS (``OTEL_EXPORTER_OTLP_(TRACES_)CLIENT_CERTIFICATE``
+  and ``..._CLIENT_KEY``).
+- **A kept-alive connection the server closed costs nothing**: one found closed is not used, and
+  one that fails before any answer (closed as the request went out) is opened again and the
+  request sent once more at once, not counted as a retry.
 - **Answers are read bounded**: at most :data:`MAX_ANSWER_BYTES` of a body (the rest is left
   unread and the connection dropped), a reason phrase or a message shown cut to a line, header
   values (an API key echoed back) masked in anything shown.
@@ -15,23 +25,37 @@
 
 from __future__ import annotations
 
-import contextlib
-import http.client
+import asyncio
+import os
 import socket
 import ssl
-import threading
 import time
-import urllib.request
-from base64 import b64encode
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
-from urllib.parse import unquote, urlsplit, urlunsplit
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from fsspec.asyn import get_loop
+from fsspec.asyn import sync as fsspec_sync
+
+from rollout_capture.secret_options import bare_url
+
+if TYPE_CHECKING:
+    import httpx
 
 MAX_ANSWER_BYTES = 64 * 1024
 """Bytes of an answer's body read at most (an OTLP answer is a few bytes; an error page a few kB)."""
 SHOWN_CHARS = 160
 """Characters of an endpoint's own words (reason phrase, message, ``Location``) shown at most."""
+_TLS_VARIABLES = {
+    "certificate": ("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE"),
+    "client certificate": (
+        "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE",
+        "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE",
+    ),
+    "client key": ("OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY", "OTEL_EXPORTER_OTLP_CLIENT_KEY"),
+}
+"""OpenTelemetry's TLS settings, the traces-specific variable first (as its exporter reads them)."""
 
 
 class NoAnswer(Exception):
@@ -42,11 +66,14 @@ class NoAnswer(Exception):
         self.timed_out = timed_out
 
 
-def shown_url(url: str) -> str:
-    """A URL as an error names it: scheme, host and path (no query, no userinfo), cut to a line."""
-    parts = urlsplit(url)
-    host = parts.netloc.rpartition("@")[2]
-    return one_line(urlunsplit((parts.scheme, host, parts.path, "", "")) or "(no URL)")
+class TlsSettingsError(ValueError):
+    """An OpenTelemetry TLS variable names a file that cannot be used (missing, not PEM, no key)."""
+
+
+def shown_location(url: str) -> str:
+    """An endpoint or a redirect's target as an error names it: scheme, host and path (no query, no
+    userinfo: :func:`~rollout_capture.secret_options.bare_url`), cut to a line."""
+    return one_line(bare_url(url) or "(no URL)")
 
 
 def one_line(text: str, limit: int = SHOWN_CHARS) -> str:
@@ -84,84 +111,78 @@ def _retry_after(value: str | None) -> float | None:
     return seconds if seconds is not None and 0 <= seconds < 3600 else None
 
 
-class _Watchdog:
-    """Shuts a connection's socket at a deadline (from a timer thread), waking a read blocked in it."""
-
-    def __init__(self, connection: http.client.HTTPConnection, seconds: float) -> None:
-        self.connection, self.fired = connection, False
-        self.timer = threading.Timer(max(seconds, 0.0), self._fire)
-        self.timer.daemon = True
-        self.timer.start()
-
-    def _fire(self) -> None:
-        self.fired = True
-        sock = self.connection.sock
-        if sock is not None:
-            with contextlib.suppress(OSError):  # the plain socket's: an SSL socket's would unwrap
-                socket.socket.shutdown(sock, socket.SHUT_RDWR)
-
-    def cancel(self) -> None:
-        self.timer.cancel()
+def _tls_setting(what: str) -> tuple[str, str] | None:
+    """``(variable, path)`` of an OpenTelemetry TLS setting that is set, else None."""
+    for variable in _TLS_VARIABLES[what]:
+        value = os.environ.get(variable, "").strip()
+        if value:
+            return variable, value
+    return None
 
 
-@dataclass(frozen=True, slots=True)
-class _Proxy:
-    """The proxy the environment names for a URL, and its credentials as a header (if any)."""
+def tls_context() -> ssl.SSLContext | bool:
+    """How the endpoint's certificate is checked, and ours shown, as OpenTelemetry's variables say:
+    ``True`` (httpx's default: ``SSL_CERT_FILE`` / ``SSL_CERT_DIR``, else certifi's bundle) when none
+    is set. Raises :class:`TlsSettingsError` naming the variable and its file when one is unusable."""
+    import httpx
 
-    host: str
-    port: int
-    authorization: dict[str, str]
+    ca, cert = _tls_setting("certificate"), _tls_setting("client certificate")
+    key = _tls_setting("client key")
+    if ca is None and cert is None:
+        return True
+    setting = ca
+    try:
+        context = ssl.create_default_context(cafile=ca[1]) if ca else httpx.create_ssl_context()
+        if cert is not None:
+            setting = key if key is not None else cert
+            context.load_cert_chain(cert[1], key[1] if key else None)
+    except (OSError, ssl.SSLError) as exc:
+        variable, path = setting or cert or ("?", "?")
+        raise TlsSettingsError(
+            f"{variable} names {path}, which cannot be used ({type(exc).__name__}: "
+            f"{getattr(exc, 'strerror', None) or getattr(exc, 'reason', None) or 'not a PEM file'})"
+        ) from None
+    return context
 
-    @classmethod
-    def of(cls, scheme: str, host: str) -> _Proxy | None:
-        proxy = urllib.request.getproxies().get(scheme)
-        if not proxy or urllib.request.proxy_bypass(host):
-            return None
-        parts = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-        if not parts.hostname:
-            return None
-        authorization = {}
-        if parts.username is not None:
-            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
-            authorization["Proxy-Authorization"] = "Basic " + b64encode(pair).decode()
-        return cls(parts.hostname, parts.port or 8080, authorization)
+
+class _Opened:
+    """Whether a request opened a new connection (httpcore's ``trace`` extension says so): one
+    that did not went out on a kept-alive connection."""
+
+    def __init__(self) -> None:
+        self.new = False
+
+    async def __call__(self, event: str, info: Mapping[str, Any]) -> None:
+        if event.endswith(".connect_tcp.started"):
+            self.new = True
 
 
 class Connection:
-    """Requests to one URL over one kept-alive connection (opened again when dropped)."""
+    """Requests to one URL over httpx's kept-alive connections (opened again when dropped).
+
+    One thread at a time posts; the exchanges run on fsspec's I/O loop, so the caller's thread
+    (a flow's, a sender's) may hold an event loop of its own or none.
+    """
 
     def __init__(self, url: str, headers: Mapping[str, str]) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"expected an http(s) URL, got {shown_url(url)}")
-        self.https = parts.scheme == "https"
-        self.host, self.port = parts.hostname, parts.port
-        self.target = parts.path + (f"?{parts.query}" if parts.query else "")
-        self.headers = dict(headers)
-        self.proxy = _Proxy.of(parts.scheme, parts.hostname)
-        if self.proxy is not None and not self.https:  # a plain proxy is asked for the whole URL
-            self.target = urlunsplit(parts._replace(fragment=""))
-            self.headers.update(self.proxy.authorization)
-        self._connection: http.client.HTTPConnection | None = None
-
-    def _open(self, timeout_s: float) -> http.client.HTTPConnection:
-        if self._connection is None:
-            host, port = (self.proxy.host, self.proxy.port) if self.proxy else (self.host, self.port)
-            if self.https:
-                self._connection = http.client.HTTPSConnection(
-                    host, port, timeout=timeout_s, context=ssl.create_default_context()
-                )
-                if self.proxy is not None:
-                    self._connection.set_tunnel(self.host, self.port, headers=self.proxy.authorization)
-            else:
-                self._connection = http.client.HTTPConnection(host, port, timeout=timeout_s)
-        return self._connection
+            raise ValueError(f"expected an http(s) URL, got {shown_location(url)}")
+        self.url = url
+        # identity: a body is read as it comes, bounded, never inflated first
+        self.headers = {"Accept-Encoding": "identity", **headers}
+        self.verify = tls_context() if parts.scheme == "https" else True
+        self._client: httpx.AsyncClient | None = None
 
     def close(self) -> None:
-        """Drop the connection (the next request opens another)."""
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
+        """Drop the connections (the next request opens another)."""
+        if self._client is not None:
+            fsspec_sync(get_loop(), self._drop)
+
+    async def _drop(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
 
     def post(self, body: bytes, deadline: float, headers: Mapping[str, str] | None = None) -> Answer:
         """POST ``body``; the answer, or :class:`NoAnswer` once ``deadline`` (``time.monotonic``)
@@ -169,59 +190,107 @@ class Connection:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise NoAnswer("no time was left to send it", timed_out=True)
-        connection = self._open(remaining)
-        watchdog = _Watchdog(connection, remaining)
-        try:
-            if connection.sock is None:
-                connection.timeout = remaining
-                connection.connect()
-            else:
-                connection.sock.settimeout(remaining)
-            if watchdog.fired:
-                raise TimeoutError
-            connection.request("POST", self.target, body=body, headers={**self.headers, **(headers or {})})
-            answer = self._read(connection.getresponse())
-            if watchdog.fired:  # the socket was shut mid-answer: what was read is cut short, not an answer
-                raise TimeoutError
-            return answer
-        except (OSError, http.client.HTTPException, ValueError) as exc:
-            self.close()
-            if watchdog.fired or isinstance(exc, TimeoutError):
-                raise NoAnswer("no complete answer in time", timed_out=True) from None
-            raise NoAnswer(_why(exc)) from None
-        finally:
-            watchdog.cancel()
-
-    def _read(self, answer: http.client.HTTPResponse) -> Answer:
-        body = answer.read(MAX_ANSWER_BYTES + 1)
-        if len(body) > MAX_ANSWER_BYTES or not answer.isclosed():
-            self.close()  # the rest is left unread: never a 400 MB body in memory
-            body = body[:MAX_ANSWER_BYTES]
-        elif answer.will_close:
-            self.close()
-        location = answer.getheader("Location")
-        return Answer(
-            status=answer.status,
-            reason=one_line(answer.reason or "", 60),
-            location=shown_url(location) if location and 300 <= answer.status < 400 else None,
-            body=body,
-            content_type=(answer.getheader("Content-Type") or "").split(";")[0].strip().lower(),
-            retry_after_s=_retry_after(answer.getheader("Retry-After")),
+        answer: Answer = fsspec_sync(
+            get_loop(), self._exchange, body, {**self.headers, **(headers or {})}, remaining
         )
+        return answer
+
+    async def _exchange(self, body: bytes, headers: dict[str, str], seconds: float) -> Answer:
+        import httpx
+
+        try:
+            async with asyncio.timeout(seconds):
+                response = await self._send(body, headers)
+                try:
+                    return await _read(response)
+                finally:
+                    await response.aclose()
+        except TimeoutError:
+            await self._drop()
+            raise NoAnswer("no complete answer in time", timed_out=True) from None
+        except (httpx.HTTPError, OSError, ValueError, ImportError) as exc:
+            await self._drop()
+            raise NoAnswer(_why(exc)) from None
+
+    async def _send(self, body: bytes, headers: dict[str, str]) -> httpx.Response:
+        """The answer's head; a kept-alive connection failing before it is replaced once."""
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                verify=self.verify, trust_env=True, follow_redirects=False, timeout=None
+            )
+        client = self._client
+        for last in (False, True):
+            opened = _Opened()
+            request = client.build_request(
+                "POST", self.url, content=body, headers=headers, extensions={"trace": opened}
+            )
+            try:
+                return await client.send(request, stream=True)
+            except httpx.TransportError:
+                if opened.new or last:
+                    raise
+        raise AssertionError("unreachable")
+
+
+async def _read(response: httpx.Response) -> Answer:
+    """The answer with at most :data:`MAX_ANSWER_BYTES` of its body (the rest left unread: the
+    connection is then dropped, never a 400 MB body in memory)."""
+    chunks, size = [], 0
+    async for chunk in response.aiter_raw():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_ANSWER_BYTES:
+            break
+    location = response.headers.get("Location")
+    status = response.status_code
+    return Answer(
+        status=status,
+        reason=one_line(response.reason_phrase or "", 60),
+        location=shown_location(location) if location and 300 <= status < 400 else None,
+        body=b"".join(chunks)[:MAX_ANSWER_BYTES],
+        content_type=(response.headers.get("Content-Type") or "").split(";")[0].strip().lower(),
+        retry_after_s=_retry_after(response.headers.get("Retry-After")),
+    )
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and what caused it, depth first (httpx wraps httpcore's, which wraps the socket's;
+    anyio gathers every address's refusal in a group)."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        stack += [c for c in (current.__cause__, current.__context__) if c is not None]
+        stack += list(getattr(current, "exceptions", ()))
 
 
 def _why(exc: BaseException) -> str:
     """Why no answer came, in words (never the exception's text: it may quote the URL's query)."""
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(exc, ConnectionResetError | http.client.RemoteDisconnected):
+    import httpx
+
+    for cause in _causes(exc):
+        if isinstance(cause, ssl.SSLError):
+            return f"TLS failed ({type(cause).__name__})"
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(cause, socket.gaierror):
+            return "the host name did not resolve"
+    if isinstance(exc, httpx.ProxyError):
+        return "the proxy refused to carry the request (ProxyError)"
+    if isinstance(exc, httpx.ReadError | httpx.WriteError | httpx.RemoteProtocolError) and any(
+        isinstance(c, ConnectionError | EOFError) or "disconnected" in str(c) for c in _causes(exc)
+    ):
         return "the connection was closed before an answer"
-    if isinstance(exc, socket.gaierror):
-        return "the host name did not resolve"
-    if isinstance(exc, ssl.SSLError):
-        return f"TLS failed ({type(exc).__name__})"
-    if isinstance(exc, http.client.HTTPException):
+    if isinstance(exc, httpx.RemoteProtocolError | httpx.DecodingError):
         return f"not an HTTP answer ({type(exc).__name__})"
+    if isinstance(exc, ImportError | httpx.UnsupportedProtocol):
+        return f"the proxy the environment names cannot be used ({type(exc).__name__})"
     return type(exc).__name__
 
 

@@ -1,12 +1,15 @@
 """A tiny OTLP/HTTP receiver: an HTTP server thread on a loopback port that records each POST's
 path, headers and body and answers 200 (the trace export's tests, without Phoenix), or answers
 as a test scripts it: a redirect, a status line trickled a byte at a time, a body too big to read,
-a reason phrase of 60 kB, a 413 past a size."""
+a reason phrase of 60 kB, a 413 past a size. It may speak TLS (a private CA's certificate, a client
+certificate required), keep connections alive only to close each after its answer (a server whose
+keep-alive ran out), or listen on a port of the test's choosing (a proxy on port 80)."""
 
 from __future__ import annotations
 
 import http.server
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,11 +44,16 @@ class OtlpReceiver(http.server.ThreadingHTTPServer):
         retry_after: str | None = None,
         script: Script | None = None,
         host: str = "127.0.0.1",
+        port: int = 0,
+        tls: ssl.SSLContext | None = None,
+        close_after_answer: bool = False,
     ) -> None:
         """Every request answered ``status``; with ``refuse``, a request carrying spans is answered
         that; with ``then``, the first request (the probe) gets 200 and the next ones ``then``'s;
         ``retry_after`` goes with every refusal as its ``Retry-After`` header; with ``script``,
-        whatever it writes (see :data:`Script`)."""
+        whatever it writes (see :data:`Script`). ``tls``: its context (the handshake in the
+        request's thread); ``close_after_answer``: answers are HTTP/1.1 (kept alive, as far as the
+        client knows) and the connection is closed after each, unannounced."""
         self.received: list[Received] = []
         self.refuse, self.status, self.then, self.script = refuse, status, list(then or []), script
         self.retry_after = retry_after
@@ -59,6 +67,8 @@ class OtlpReceiver(http.server.ThreadingHTTPServer):
         receiver = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1" if close_after_answer else "HTTP/1.0"
+
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 headers = {name.lower(): value for name, value in self.headers.items()}
@@ -76,6 +86,8 @@ class OtlpReceiver(http.server.ThreadingHTTPServer):
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", "0")
                 self.end_headers()
+                if close_after_answer:
+                    self.close_connection = True  # no "Connection: close": the client finds out
 
             def do_GET(self) -> None:  # a client following a redirect may turn the POST into a GET
                 headers = {name.lower(): value for name, value in self.headers.items()}
@@ -87,10 +99,15 @@ class OtlpReceiver(http.server.ThreadingHTTPServer):
             def log_message(self, *args: Any) -> None:
                 pass
 
-        super().__init__((host, 0), Handler)
-        self.url = f"http://{host}:{self.server_address[1]}"
+        super().__init__((host, port), Handler)
+        if tls is not None:
+            self.socket = tls.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
+        self.url = f"{'https' if tls else 'http'}://{host}:{self.server_address[1]}"
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
         self.thread.start()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client refusing our certificate, or hanging up: nothing to print."""
 
     @property
     def bodies(self) -> list[bytes]:
