@@ -31,11 +31,12 @@ demo: setup
 # Everything, in two passes on two workers: the unit tests as `make test-fast` runs them (every
 # seed here; a test left unmarked that starts a server fails), then the `integration` tests, a
 # file at a time per worker so a file's servers and clusters stay in one process, the slowest
-# files first (tests/conftest.py SLOWEST_FIRST). Both passes run; either failing fails the target.
+# files first (tests/conftest.py SLOWEST_FIRST), naming its ten slowest tests. Both passes run;
+# either failing fails the target.
 test: setup $(AZURITE)
 	status=0; \
 	$(BIN)/pytest -q -n 2 -m "not integration" || status=1; \
-	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m integration || status=1; \
+	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m integration --durations=10 || status=1; \
 	exit $$status
 
 # The unit tests alone (no server, cluster, browser or CLI process: the `integration` marker,
