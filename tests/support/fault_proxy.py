@@ -37,6 +37,26 @@ _ACCESS_DENIED = (
 _GCS_LISTING = re.compile(rb"^/storage/v1/b/[^/?]+/o(\?|$)")
 
 
+def interim_prefix(answer: bytes) -> tuple[int, bool | None]:
+    """How many leading bytes of ``answer`` are complete interim (1xx) responses, and whether the
+    final answer begins right after them (``None``: not told yet, more bytes are needed).
+
+    A store may send several interim answers (moto sends two ``100 Continue``: http.server's, then
+    werkzeug's, the second sometimes after the body) and the last can reach us in one piece with
+    the final answer, so "the answer" is not "the next chunk that is not a 100"."""
+    at = 0
+    while True:
+        if len(answer) - at < 12:  # "HTTP/1.1 NNN"
+            return at, None
+        code = answer[at + 9 : at + 12]
+        if not code.startswith(b"1") or code == b"101":
+            return at, True
+        end = answer.find(b"\r\n\r\n", at)
+        if end < 0:
+            return at, None
+        at = end + 4
+
+
 def request_kind(method: bytes, target: bytes) -> str:
     """LIST, GET, HEAD, PUT, DELETE... of one request line to S3, GCS's JSON API or Azure Blob."""
     if method == b"GET" and (b"list-type=" in target or b"comp=list" in target or _GCS_LISTING.match(target)):
@@ -63,7 +83,8 @@ class FaultProxy:
         self._throttle = 0
         self._lose_pattern: bytes | None = None
         self._lose_times = 0
-        self._lose: set[socket.socket] = set()  # upstream sockets whose next answer is dropped
+        # upstream sockets whose next final answer is dropped: the bytes of it held meanwhile
+        self._lose: dict[socket.socket, bytes] = {}
         self._lose_every: tuple[bytes, int] | None = None
         self._lose_seen = 0
         self._deny: bytes | None = None
@@ -114,11 +135,18 @@ class FaultProxy:
     def _pump(self, source: socket.socket, sink: socket.socket, from_client: bool) -> None:
         try:
             while data := source.recv(65536):
-                if not from_client and source in self._lose and not data.startswith(b"HTTP/1.1 100"):
+                if not from_client and source in self._lose:
                     with self._lock:
-                        self._lose.discard(source)
-                        self.lost += 1
-                    return  # the request was served; its answer (not a 100 Continue) never arrives
+                        data = self._lose.get(source, b"") + data
+                    passed, final = interim_prefix(data)
+                    if passed:
+                        sink.sendall(data[:passed])  # a 100 Continue gets through, the answer does not
+                    if final:
+                        return  # the request was served; its answer never arrives (counted below)
+                    with self._lock:
+                        if source in self._lose:  # not counted by the other side's end meanwhile
+                            self._lose[source] = data[passed:]
+                    continue
                 if from_client:
                     if self._trigger is not None and self._fire(data):
                         return  # this request dies with the endpoint
@@ -138,13 +166,13 @@ class FaultProxy:
                         with self._lock:
                             self._lose_seen += 1
                             if self._lose_seen % self._lose_every[1] == 0:
-                                self._lose.add(sink)
+                                self._lose[sink] = b""
                     if self._lose_pattern is not None and self._lose_pattern in data:
                         with self._lock:
                             self._lose_times -= 1
                             if self._lose_times <= 0:
                                 self._lose_pattern = None
-                            self._lose.add(sink)
+                            self._lose[sink] = b""
                     throttled, requests = self._count(data)
                     if throttled:
                         source.sendall(_SLOW_DOWN)
@@ -155,6 +183,10 @@ class FaultProxy:
         except OSError:
             pass
         finally:
+            with self._lock:  # counted before the client can see the connection end
+                for sock in (source, sink):
+                    if self._lose.pop(sock, None) is not None:
+                        self.lost += 1  # dropped, or the connection ended first: never answered
             for sock in (source, sink):
                 with contextlib.suppress(OSError):  # wakes the pump blocked on the other socket
                     sock.shutdown(socket.SHUT_RDWR)
@@ -231,7 +263,9 @@ class FaultProxy:
 
     def lose_answer_on(self, pattern: bytes, times: int = 1) -> None:
         """Forward the next ``times`` requests carrying ``pattern``, each time cutting the
-        connection before its answer (``times=0``: stop losing answers)."""
+        connection before its final answer (interim ``100 Continue`` answers get through);
+        :attr:`lost` counts the requests whose answer never reached the client (``times=0``: stop
+        losing answers)."""
         with self._lock:
             self._lose_pattern, self._lose_times = (pattern if times > 0 else None), times
 
