@@ -23,7 +23,7 @@ from rollout_capture.batch import enrich_lines
 from rollout_capture.journal import JOURNAL_DIR, clear_entry, commit_name, decode_commit, row_entry
 from rollout_capture.producer.middleware import CaptureMiddleware
 
-from .conftest import S3
+from .conftest import FAST_FAIL, S3
 from .support.producer_calls import body_then_silence, post_scope
 from .support.scripted_upstream import ScriptedUpstream
 from .test_concurrency import run_writers
@@ -87,14 +87,16 @@ def test_a_third_of_put_answers_lost_loses_and_doubles_nothing(flaky_s3: tuple[S
     """A commit lands but its answer is lost: the retry meets If-None-Match, reads the commit back and
     knows it by its nonce, so its rows are neither written twice nor moved."""
     via, proxy = flaky_s3
-    store = journal(via.url("caps"), via.storage_options)
+    # A read timeout no loaded machine reaches: every answer missing is one the proxy cut.
+    options = {**via.storage_options, "config_kwargs": {**FAST_FAIL["config_kwargs"], "read_timeout": 300}}
+    store = journal(via.url("caps"), options)
     pattern = f"PUT /{via.bucket}/caps/{JOURNAL_DIR}/".encode()
     for n in range(30):
         if n % 3 == 0:
             proxy.lose_answer_on(pattern)
         store.record("lost-0", {**ROW, "model_call_id": f"m{n}"})
     assert proxy.lost == 10
-    rows = reader(via.url("caps"), via.storage_options).read("lost-0")
+    rows = reader(via.url("caps"), options).read("lost-0")
     assert [row["model_call_id"] for row in rows] == [f"m{n}" for n in range(30)]
     names = sorted(via.fs().ls(f"{via.bucket}/caps/{JOURNAL_DIR}", detail=False))
     assert [n.rsplit("/", 1)[-1] for n in names if n.endswith(".jsonl")] == [
