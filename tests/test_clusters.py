@@ -303,7 +303,7 @@ def test_a_worker_killed_mid_batch_leaves_the_output_complete_and_identical(
     assert killed and not any(_alive(pid) for pid in killed)
     assert summary.batches == 6 and summary.stats.rollouts == 40
     merged = eventually(
-        lambda: task_runs(state.state_details.flow_run_id, "merge_batch"),
+        lambda: task_runs(state.state_details.flow_run_id, "merge_batch", at_least=6),
         lambda runs: len(runs) == 6 and all(run.state_name == "Completed" for run in runs),
     )
     assert len(merged) == 6 and all(run.state_name == "Completed" for run in merged)

@@ -112,7 +112,7 @@ def test_a_wrong_key_fails_at_once_and_says_which_block(s3_checking_keys: S3, tm
         state.result()
     (check,) = task_runs(state.state_details.flow_run_id, "check_capture_dir")
     assert check.run_count == 1  # refused, not retried
-    assert not task_runs(state.state_details.flow_run_id, "merge_batch")  # nothing was read
+    assert not task_runs(state.state_details.flow_run_id, "merge_batch", at_least=0)  # nothing was read
 
 
 def test_a_mistyped_capture_dir_fails_before_reading_unless_empty_is_expected(tmp_path: Path) -> None:
@@ -121,7 +121,7 @@ def test_a_mistyped_capture_dir_fails_before_reading_unless_empty_is_expected(tm
     state = enrich_rollouts(str(tmp_path / "r.jsonl"), str(missing), return_state=True)
     with pytest.raises(FileNotFoundError, match=f"capture dir {missing} does not exist"):
         state.result()
-    assert not task_runs(state.state_details.flow_run_id, "read_rollouts")
+    assert not task_runs(state.state_details.flow_run_id, "read_rollouts", at_least=0)
     assert not (tmp_path / "r.enriched.jsonl").exists()
 
     summary = enrich_rollouts(str(tmp_path / "r.jsonl"), str(missing), allow_empty=True)

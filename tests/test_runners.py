@@ -61,7 +61,7 @@ def enrich(run_dir: Path, name: str, **options: object) -> bytes:
     assert summary.batches == 6 and [p.line for p in summary.stats.problems] == [8]
     # Batches ran elsewhere, yet their task runs are in this flow run's API (the UI).
     merged = eventually(
-        lambda: task_runs(state.state_details.flow_run_id, "merge_batch"),
+        lambda: task_runs(state.state_details.flow_run_id, "merge_batch", at_least=6),
         lambda runs: len(runs) == 6 and all(run.state_name == "Completed" for run in runs),
     )
     assert len(merged) == 6 and all(run.state_name == "Completed" for run in merged)
