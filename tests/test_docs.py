@@ -160,3 +160,23 @@ def test_docstring_examples_run(
             exec(compile(example, f"<example of {name}>", "exec"), {"__name__": "__example__"})
             printed = capsys.readouterr().out
             assert printed.strip(), f"the example of {name} printed nothing"
+
+
+def _changelog_sections() -> dict[str, str]:
+    """The CHANGELOG's text under each ``## [version]`` heading."""
+    text = (ROOT / "CHANGELOG.md").read_text()
+    parts = re.split(r"^## \[([^\]]+)\]\s*$", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def test_the_changelog_lists_a_command_under_the_release_that_added_it_alone() -> None:
+    """A command added since the last release (``rollout-capture NAME`` under Unreleased) is not also
+    in a released version's list: ``finish`` was in both."""
+    sections = _changelog_sections()
+    unreleased = sections.pop("Unreleased")
+    added = unreleased.split("### Added", 1)[1].split("\n### ", 1)[0]
+    new_commands = set(re.findall(r"`rollout-capture ([a-z-]+)", added))
+    assert "finish" in new_commands, new_commands
+    for version, text in sections.items():
+        named = set(re.findall(r"`([a-z-]+)`", text))
+        assert not new_commands & named, f"{version} lists commands Unreleased adds: {new_commands & named}"
