@@ -134,6 +134,50 @@ def addresses_match(runner: RunnerName, dask_address: str | None, ray_address: s
             raise InputError(f"{option} is for --runner {needs.value}; the runner is {runner.value}")
 
 
+PREFECT_BANNED = "/%&><"
+"""Characters Prefect refuses in the names it stores (``prefect.types.names.BANNED_CHARACTERS``)."""
+
+
+def prefect_name(option: str, value: str | None, *, block: bool = False) -> None:
+    """A name Prefect will store (a deployment, a work pool, a block): refused here, exit 2, before
+    any server is asked, rather than as an ``InvalidURL`` from the request that carries it.
+
+    Printable text without ``/ % & > <`` and without spaces at its ends; a block's name is
+    lowercase letters, digits and dashes, as Prefect's blocks are named.
+    """
+    if value is None:
+        return
+    from rollout_capture.printable import printable
+
+    shown = printable(value)
+    if not value.strip():
+        raise InputError(f"{option} is empty: give a name")
+    if not value.isprintable():
+        raise InputError(f"{option} '{shown}' holds a control character: a name is printable text")
+    if banned := sorted({c for c in value if c in PREFECT_BANNED}):
+        raise InputError(
+            f"{option} '{shown}' holds {' '.join(banned)}: "
+            f"Prefect refuses {' '.join(PREFECT_BANNED)} in names"
+        )
+    if value != value.strip():
+        raise InputError(f"{option} '{shown}' starts or ends with a space")
+    if block and not all(c.islower() or c.isdigit() or c == "-" for c in value):
+        raise InputError(f"{option} '{shown}': a block's name is lowercase letters, digits and dashes")
+
+
+def deploy_name(value: str) -> None:
+    """``deploy --name``: a name Prefect stores, and none of serve's (``NAME-served``): a deploy that
+    took one over would move a running serve's deployment onto a work pool behind its back."""
+    from rollout_capture.deployments.names import SERVED_SUFFIX, is_served_name
+
+    prefect_name("--name", value)
+    if is_served_name(value):
+        raise InputError(
+            f"--name {value!r} ends with {SERVED_SUFFIX}: names ending so are `rollout-capture serve`'s "
+            f"(serve --name X registers X{SERVED_SUFFIX}); deploy under another name"
+        )
+
+
 def parse_storage_options(text: str | None) -> dict[str, Any] | None:
     """``--storage-options`` as the JSON object it must be."""
     if not text:

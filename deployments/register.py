@@ -13,7 +13,8 @@ from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.deployments.runner import RunnerDeployment
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
-from rollout_capture.deployments.shipped import SCHEDULED, shipped_deployments
+from rollout_capture.deployments.names import SCHEDULED, SERVED_SUFFIX, is_served_name
+from rollout_capture.deployments.shipped import shipped_deployments
 
 AUTOMATIONS = files("rollout_capture.deployments") / "automations.yaml"
 
@@ -39,14 +40,16 @@ def register(
                  parameters={"credentials_block": "rollout-capture"})
         ```
     """
-    with get_client(sync_client=True) as client:
+    if is_served_name(name):
+        raise Served(f"{name} ends with {SERVED_SUFFIX}: names ending so are serve's; deploy under another")
+    deployments = shipped_deployments(runs_root, cron=cron, scheduled_parameters=parameters, name=name)
+    replaced = {d.full_name: change for d in deployments if (change := replacement(d, pool)) is not None}
+    with get_client(sync_client=True) as client:  # refused above: nothing written, not even the pool
         try:
             client.read_work_pool(pool)
         except ObjectNotFound:
             with contextlib.suppress(ObjectAlreadyExists):  # another deploy made it meanwhile
                 client.create_work_pool(WorkPoolCreate(name=pool, type=pool_type))
-    deployments = shipped_deployments(runs_root, cron=cron, scheduled_parameters=parameters, name=name)
-    replaced = {d.full_name: change for d in deployments if (change := replacement(d, pool)) is not None}
     ids = [d.apply(work_pool_name=pool) for d in deployments]  # no code to build or push: module paths
     created = ensure_automations() if automation else []
     return {
@@ -76,16 +79,28 @@ def ensure_automations() -> list[str]:
     return created
 
 
+class Served(ValueError):
+    """A deployment of the name is on no work pool: a serve's, which deploy never takes over."""
+
+
 def replacement(deployment: RunnerDeployment, pool: str) -> str | None:
     """What registering ``deployment`` on ``pool`` changes in the one of its name (None: there is none).
 
     Parameters are names and settings, never secrets (the schema refuses those), so they are shown.
+    Raises :class:`Served` when the one of its name is on no work pool: a serve registered it (and
+    may be serving it now), so moving it onto a pool would take it from under that process.
     """
     with get_client(sync_client=True) as client:
         try:
             existing = client.read_deployment_by_name(deployment.full_name)
         except ObjectNotFound:
             return None
+    if not existing.work_pool_name:
+        raise Served(
+            f"deployment {deployment.full_name} is on no work pool (registered by serve, which may be "
+            "serving it now): deploy leaves it alone; stop that serve and delete it, "
+            "or deploy under another --name"
+        )
     before, after = existing.parameters, deployment.parameters
     changes = [
         f"{key} {_shown(before, key)} -> {_shown(after, key)}"
@@ -93,7 +108,7 @@ def replacement(deployment: RunnerDeployment, pool: str) -> str | None:
         if before.get(key) != after.get(key)
     ]
     if existing.work_pool_name != pool:
-        changes.append(f"work pool {existing.work_pool_name or '(served, none)'} -> {pool}")
+        changes.append(f"work pool {existing.work_pool_name} -> {pool}")
     old_crons = [getattr(s.schedule, "cron", None) for s in existing.schedules]
     new_crons = [getattr(s.schedule, "cron", None) for s in deployment.schedules or []]
     if old_crons != new_crons:

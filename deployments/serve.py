@@ -1,25 +1,39 @@
 """``rollout-capture serve``: the shipped deployments served from this machine, no work pool or worker.
 
 Served deployments have names of their own (``enrich-completed-runs-served``...): serving, and
-stopping with Ctrl-C (which pauses what was served), never changes what ``rollout-capture deploy``
-registered for the workers.
+stopping with Ctrl-C, never changes what ``rollout-capture deploy`` registered for the workers.
+Stopping pauses what this serve registered and disables its triggers (the automations Prefect made
+of them): a later ``finish`` under its root creates no run that nobody will pick up.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 from prefect import serve
 from prefect.client.orchestration import get_client
+from prefect.deployments.runner import RunnerDeployment
 from prefect.exceptions import ObjectNotFound
 
+from rollout_capture.deployments.names import SCHEDULED
 from rollout_capture.deployments.register import ensure_automations
-from rollout_capture.deployments.shipped import DEFAULT_CRON, JOB_VARIABLES, SCHEDULED, shipped_deployments
+from rollout_capture.deployments.shipped import DEFAULT_CRON, JOB_VARIABLES, shipped_deployments
 
 
 class NotServed(ValueError):
     """A deployment of a served name exists on a work pool: serving it would take it over."""
+
+
+@dataclass
+class Stopped:
+    """What stopping a serve touched: its own deployments, paused, and their triggers, disabled;
+    and any of its names it left alone (found on a work pool: not its own any more)."""
+
+    paused: list[str] = field(default_factory=list)
+    triggers_disabled: list[str] = field(default_factory=list)
+    left_alone: dict[str, str] = field(default_factory=dict)
 
 
 def serve_shipped(
@@ -28,8 +42,9 @@ def serve_shipped(
     cron: str = DEFAULT_CRON,
     parameters: dict[str, Any] | None = None,
     name: str = SCHEDULED,
-) -> None:
-    """Serve the scheduled enrichment of ``runs_root`` and the on-demand flows until interrupted.
+) -> Stopped:
+    """Serve the scheduled enrichment of ``runs_root`` and the on-demand flows until interrupted,
+    then stop what was served (:func:`stop_served`); returns what stopping touched.
 
     ``name`` (as ``deploy``'s): another than the default names every served deployment after it,
     so a second serve, of another runs root, shares none with the first.
@@ -56,4 +71,34 @@ def serve_shipped(
                     "(registered by deploy): serve leaves it alone; delete or rename it first"
                 )
     ensure_automations()  # the served ones have the same concurrency limit to explain
-    serve(*deployments)
+    # Prefect's own pause at shutdown pauses by id whatever the deployment has become meanwhile:
+    # stop_served pauses only what is still this serve's, and disables the triggers too.
+    serve(*deployments, pause_on_shutdown=False)
+    return stop_served(deployments)
+
+
+def stop_served(deployments: list[RunnerDeployment]) -> Stopped:
+    """Pause each served deployment that is still a serve's (on no work pool) and disable the
+    automations its triggers made (owned by it); leave alone, and name, any now on a work pool."""
+    stopped = Stopped()
+    with get_client(sync_client=True) as client:
+        for deployment in deployments:
+            try:
+                existing = client.read_deployment_by_name(deployment.full_name)
+            except ObjectNotFound:
+                continue  # deleted meanwhile: nothing of it left to leave running
+            if existing.work_pool_name:
+                stopped.left_alone[deployment.full_name] = f"on work pool {existing.work_pool_name}"
+                continue
+            client.pause_deployment(existing.id)
+            stopped.paused.append(deployment.full_name)
+            # Its triggers' automations: related to it, named as its triggers (the API does not say
+            # which automations a deployment owns; a user's own automation keeps its own name).
+            triggers = {getattr(trigger, "name", None) for trigger in deployment.triggers}
+            for automation in client.read_resource_related_automations(f"prefect.deployment.{existing.id}"):
+                if automation.name not in triggers:
+                    continue
+                if automation.enabled:
+                    client.pause_automation(automation.id)
+                stopped.triggers_disabled.append(automation.name)
+    return stopped

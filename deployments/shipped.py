@@ -14,16 +14,12 @@ from prefect.deployments.runner import RunnerDeployment
 from prefect.events import DeploymentEventTrigger
 from prefect.types.entrypoint import EntrypointType
 
+from rollout_capture.deployments.names import ON_DEMAND, SCHEDULED, SERVED_SUFFIX
 from rollout_capture.flows.dispatch import prepare_dispatch
 from rollout_capture.flows.enrich import enrich_rollouts
 from rollout_capture.flows.enrich_runs import enrich_completed_runs
 from rollout_capture.flows.events import RUN_FINISHED, runs_under
 
-SCHEDULED = "enrich-completed-runs"
-ON_DEMAND = ("enrich-rollouts", "prepare-dispatch")
-SERVED_SUFFIX = "-served"
-"""``serve`` registers deployments of its own under these names: it never touches (nor pauses on
-Ctrl-C) one that ``rollout-capture deploy`` registered on a work pool."""
 DEFAULT_CRON = "*/15 * * * *"
 TAGS = ["rollout-capture"]
 # Flow runs are child processes of a worker or of serve: the core's logger reaches the UI.

@@ -50,19 +50,20 @@ def mark_run_finished(
 ) -> str:
     """Mark a run finished (its empty ``_SUCCESS``) and emit ``rollout-capture.run.finished`` naming it,
     so a deployment of its runs root enriches it now rather than at the next tick; returns the run.
+    A run already enriched is left as it is, and no event is sent (no tick would do anything).
 
     Example:
         ```python
         mark_run_finished("s3://my-runs/runs/r1", credentials_block="rollout-capture")
         ```
     """
-    from rollout_capture.run_folders import mark_finished
+    from rollout_capture.run_folders import finish_run
     from rollout_capture.tasks.credentials import credentials_from_block
 
-    finished = mark_finished(run, storage_options, credentials=credentials_from_block(credentials_block))
-    if emit_event(RUN_FINISHED, resource=run_resource(finished)) is not None:
+    state = finish_run(run, storage_options, credentials=credentials_from_block(credentials_block))
+    if not state.enriched and emit_event(RUN_FINISHED, resource=run_resource(state.url)) is not None:
         _sent()  # before the caller (a harness, a command) moves on or exits
-    return finished
+    return state.url
 
 
 SEND_WAIT_S = 10.0

@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import socket
+import stat
 import threading
 import uuid
 from collections.abc import Callable, Collection, Mapping
@@ -39,7 +40,7 @@ from pydantic import BaseModel, Field, ValidationError
 from rollout_capture.backends import Backend, Named, open_backend
 from rollout_capture.claims import Clock, current_time, lapses_at
 from rollout_capture.faults import is_transient_storage_error
-from rollout_capture.filesystem import absolute_location, join, open_filesystem
+from rollout_capture.filesystem import absolute_location, join, local_path
 
 ROLLOUTS = "rollouts.jsonl"
 CAPTURES = "captures"
@@ -143,25 +144,74 @@ class Discovery(BaseModel):
     a run folder holding one where its parts belong."""
 
 
+def run_folder(
+    run: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    credentials: Mapping[str, Any] | None = None,
+) -> tuple[RunFolder, Backend]:
+    """The run folder as it is now (finished? enriched?), named as every worker names it (a local
+    path made absolute), and its storage opened at it.
+
+    Refused as a tick would leave it: ``FileNotFoundError`` when the folder does not exist or holds
+    no ``rollouts.jsonl``; ``ValueError`` when it is a symbolic link, or holds one where a run's part
+    belongs (a tick never follows links, and a write through one lands outside the runs root).
+    """
+    run = absolute_location(run).rstrip("/")
+    local = local_path(run)
+    if local is not None:  # the folder itself: a link to it is never followed by a tick
+        try:
+            mode = os.lstat(local).st_mode
+        except FileNotFoundError:
+            raise FileNotFoundError(f"run folder {run} does not exist") from None
+        if stat.S_ISLNK(mode):
+            raise ValueError(
+                f"run folder {run} is {_LINKED}: nothing written through it (it leads outside "
+                "its runs root, and no tick enriches it); finish the folder it leads to under its own root"
+            )
+        if not stat.S_ISDIR(mode):
+            raise ValueError(f"run folder {run} is not a folder")
+    backend = open_backend(run, storage_options, credentials=credentials)
+    (names,) = backend.list_names([backend.root])
+    if not names and local is None:
+        raise FileNotFoundError(f"run folder {run} does not exist (nothing under it)")
+    linked = sorted(part for part, entry in names.items() if entry.link and _is_run_part(part))
+    if linked:
+        raise ValueError(f"run folder {run}: {', '.join(linked)}: {_LINKED}, so no tick enriches it")
+    rollouts = names.get(ROLLOUTS)
+    if rollouts is None or rollouts.folder:
+        raise FileNotFoundError(f"run folder {run} has no {ROLLOUTS}: not a run folder")
+    name = run.rsplit("/", 1)[-1]
+    state = RunFolder(name=name, url=run, finished=SUCCESS in names, enriched=ENRICHED in names)
+    return state, backend
+
+
+def finish_run(
+    run: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    credentials: Mapping[str, Any] | None = None,
+) -> RunFolder:
+    """Write the run's empty ``_SUCCESS`` (what a harness does once its rollouts file is whole),
+    unless it is enriched already (then nothing is written: nothing would come of it); returns
+    the run folder as it was found (:func:`run_folder`, which names what it refuses)."""
+    state, backend = run_folder(run, storage_options, credentials=credentials)
+    if not state.enriched:
+        backend.put(backend.path(SUCCESS), b"")  # never through a link: a rename in the folder
+    return state
+
+
 def mark_finished(
     run: str,
     storage_options: Mapping[str, Any] | None = None,
     *,
     credentials: Mapping[str, Any] | None = None,
 ) -> str:
-    """Write the run's empty ``_SUCCESS`` (what a harness does once its rollouts file is whole);
-    returns the run folder as every worker names it (a local path made absolute).
-
-    Raises ``FileNotFoundError`` when the run folder has no ``rollouts.jsonl``: a run that is
-    not there would never be enriched, so finishing it is a mistake worth naming.
+    """:func:`finish_run`, returning the run folder as every worker names it (a local path made
+    absolute). Raises ``FileNotFoundError`` when the run folder is not there or has no
+    ``rollouts.jsonl`` (a run that is not there would never be enriched), ``ValueError`` for a link.
     """
-
-    run = absolute_location(run).rstrip("/")
-    fs, path = open_filesystem(run, storage_options, credentials=credentials)
-    if not fs.exists(join(path, ROLLOUTS)):
-        raise FileNotFoundError(f"run {run} has no {ROLLOUTS}: not a run folder")
-    fs.pipe_file(join(path, SUCCESS), b"")
-    return run
+    return finish_run(run, storage_options, credentials=credentials).url
 
 
 def new_owner() -> str:

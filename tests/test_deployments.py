@@ -21,6 +21,7 @@ from rollout_capture.flows import enrich_completed_runs, enrich_rollouts
 from .conftest import ROOT, S3, wait_for
 from .support.cli import CLI, run_cli
 from .support.prefect_api import wait_for_events
+from .support.runs_helpers import make_run
 
 ROW = {"model_call_id": "c", "dialect": "chat", "response": {"usage": {"prompt_tokens": 3}}}
 
@@ -304,7 +305,7 @@ def test_serve_never_changes_what_deploy_registered(prefect_api: str, tmp_path: 
         served.send_signal(signal.SIGINT)
         output = served.communicate(timeout=60)[0]
     assert exited_early is None and served.returncode == 0, output
-    assert "deployments of work pools were not touched" in output
+    assert "nothing else was touched (deployments of work pools, other serves')" in output
 
     found = deployments()
     scheduled = found["enrich-completed-runs"]
@@ -441,3 +442,171 @@ def test_a_finished_run_is_enriched_at_once_by_its_deployments_trigger(
     assert [orjson.loads(line)["ng_model_call_capture"]["metrics"]["num_calls"] for line in out] == [1], (
         output
     )
+
+
+UNREACHABLE_API = "http://127.0.0.1:9/api"
+"""An API nobody answers: a command that asked it anything would fail (exit 1), not refuse (exit 2)."""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["deploy", "--name", "runs\nc"], "--name 'runs\\nc' holds a control character"),
+        (["deploy", "--name", "runs-c-served"], "names ending so are `rollout-capture serve`'s"),
+        (["deploy", "--pool", "pool/a"], "--pool 'pool/a' holds /"),
+        (["deploy", "--credentials-block", "Block A"], "a block's name is lowercase letters"),
+        (["serve", "--name", "runs\x1b[2Jc"], "--name 'runs\\x1b[2Jc' holds a control character"),
+    ],
+)
+def test_a_bad_name_is_refused_as_bad_input_before_any_server(
+    args: list[str], message: str, tmp_path: Path
+) -> None:
+    """Refused with exit 2 and the name shown escaped, the API (which nobody answers) never asked:
+    a newline in --name was an InvalidURL, exit 1."""
+    done = run_cli(*args, "--runs-root", str(tmp_path), env=environment(UNREACHABLE_API))
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "\x1b" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_finish_refuses_a_missing_folder_and_a_link_writing_nothing_outside_the_root(tmp_path: Path) -> None:
+    """A missing folder is said not to exist; a run folder that is a link (to a run outside the
+    root), or holds a ``_SUCCESS`` link, is refused: no ``_SUCCESS`` lands outside the root. All
+    before the API (nobody answers it) is asked anything."""
+    root, outside = tmp_path / "runs", tmp_path / "elsewhere"
+    target = outside / "r"
+    target.mkdir(parents=True)
+    (target / "rollouts.jsonl").write_bytes(b"{}\n")
+    root.mkdir()
+    (root / "linked").symlink_to(target)
+    (root / "r2").mkdir()
+    (root / "r2" / "rollouts.jsonl").write_bytes(b"{}\n")
+    (root / "r2" / "_SUCCESS").symlink_to(outside / "planted")
+    env = environment(UNREACHABLE_API)
+
+    missing = run_cli("finish", str(root / "nope"), env=env)
+    assert missing.returncode == 2, missing.stderr
+    assert f"run folder {root / 'nope'} does not exist" in missing.stderr
+    linked = run_cli("finish", str(root / "linked"), env=env)
+    assert linked.returncode == 2 and "is a symbolic link" in linked.stderr, linked.stderr
+    planted = run_cli("finish", str(root / "r2"), env=env)
+    assert planted.returncode == 2 and "_SUCCESS: a symbolic link" in planted.stderr, planted.stderr
+    assert sorted(p.name for p in outside.rglob("*")) == ["r", "rollouts.jsonl"]  # nothing written there
+
+
+def test_finish_on_an_enriched_run_says_nothing_will_happen(prefect_api: str, tmp_path: Path) -> None:
+    """With a server: no event (a tick would do nothing); without one: no claim that a tick enriches it."""
+    run = tmp_path / "runs" / "done"
+    run.mkdir(parents=True)
+    (run / "rollouts.jsonl").write_bytes(b"{}\n")
+    (run / "_ENRICHED").write_bytes(b"{}")
+    told = run_cli("finish", "--json", str(run), env=environment(prefect_api))
+    assert told.returncode == 0, told.stderr
+    assert orjson.loads(told.stdout) == {
+        "ok": True,
+        "run": str(run),
+        "event_sent": False,
+        "already_enriched": True,
+    }
+    for env in (environment(prefect_api), environment(None, PREFECT_HOME=str(tmp_path / "home"))):
+        done = run_cli("finish", str(run), env=env)
+        assert done.returncode == 0, done.stderr
+        assert "already enriched" in done.stdout and "nothing will happen" in done.stdout, done.stdout
+        assert "told" not in done.stdout and "tick" not in done.stdout + done.stderr
+    assert not (run / "_SUCCESS").exists()  # nothing written
+
+
+def _automations_of(deployment_name: str) -> list[Any]:
+    """The automations a deployment's triggers made (owned by it)."""
+    from prefect.client.orchestration import get_client
+
+    deployment = deployments()[deployment_name]
+    with get_client(sync_client=True) as client:
+        return list(client.read_resource_related_automations(f"prefect.deployment.{deployment.id}"))
+
+
+def test_deploy_never_takes_over_a_running_serve_and_its_ctrl_c_leaves_no_trigger(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """deploy A on a pool with a worker; serve C (``--name runs-c``, a real process). ``deploy --name
+    runs-c-served`` is refused and changes nothing: C's run is still enriched by the serve. Ctrl-C
+    pauses serve's own deployments and disables their trigger, and touches nothing of A's: A's
+    trigger still has the worker enrich A's runs."""
+    import signal
+
+    from rollout_capture.deployments.register import register
+
+    root_a, root_c = tmp_path / "A", tmp_path / "C"
+    pool = "rollout-capture-i36"
+    register(str(root_a), pool=pool, cron="0 0 1 1 *", parameters={}, name="runs-a")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
+        cwd=tmp_path,
+        env=environment(prefect_api, PREFECT_HOME=str(tmp_path / "worker-home")),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    make_run(root_c, "c1", finished=False, rollouts=1)
+    served = subprocess.Popen(
+        [*CLI, "serve", "--name", "runs-c", "--cron", "0 0 1 1 *"],
+        cwd=tmp_path,
+        env=environment(prefect_api, ROLLOUT_CAPTURE_RUNS_ROOT=str(root_c)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+    def finished_then_enriched(run: Path) -> bool:
+        """A new deployment's trigger is loaded by the server when it is: finish again until enriched."""
+        done = run_cli("finish", str(run), env=environment(prefect_api))
+        assert done.returncode == 0 and "the server was told" in done.stdout, done.stderr
+        try:
+            return wait_for(lambda: (run / "_ENRICHED").exists(), 30, "_ENRICHED", poll_s=0.2)
+        except AssertionError:
+            return False
+
+    output = ""
+    try:
+        wait_for(
+            lambda: (
+                served.poll() is not None
+                or ("runs-c-served" in (found := deployments()) and found["runs-c-served"].status == "READY")
+            ),
+            90,
+            "serve to register its deployments and poll",
+            poll_s=0.2,
+        )
+        assert served.poll() is None, served.communicate()[0]
+        taken = deploy(
+            prefect_api, "--runs-root", str(tmp_path / "D"), "--pool", pool, "--name", "runs-c-served"
+        )
+        assert taken.returncode == 2, taken.stdout + taken.stderr
+        assert "names ending so are `rollout-capture serve`'s" in taken.stderr
+        own = deployments()["runs-c-served"]
+        assert own.work_pool_name is None and own.parameters["runs_root"] == str(root_c) and not own.paused
+        wait_for(lambda: finished_then_enriched(root_c / "c1"), 180, "serve to enrich c1", poll_s=0)
+    finally:
+        served.send_signal(signal.SIGINT)
+        output = served.communicate(timeout=120)[0]
+    try:
+        assert served.returncode == 0, output
+        assert "stopped: paused enrich_completed_runs/runs-c-served, " in output, output
+        assert "disabled their triggers: runs-c-served: a run finished" in output, output
+        found = deployments()
+        assert all(found[name].paused for name in found if name.startswith("runs-c-"))
+        triggers = _automations_of("runs-c-served")
+        assert [a.name for a in triggers] == ["runs-c-served: a run finished"]
+        assert not any(a.enabled for a in triggers)  # a later finish under C starts nothing
+        assert not found["runs-a"].paused and all(a.enabled for a in _automations_of("runs-a"))
+        make_run(root_a, "a1", finished=False, rollouts=1)
+        wait_for(lambda: finished_then_enriched(root_a / "a1"), 180, "the worker to enrich a1", poll_s=0)
+    finally:
+        worker.send_signal(signal.SIGINT)
+        worker_output = worker.communicate(timeout=60)[0]
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            for name, deployment in deployments().items():
+                if name == "runs-a" or name.startswith("runs-c-"):
+                    client.delete_deployment(deployment.id)
+    assert "Traceback" not in worker_output, worker_output[-4000:]

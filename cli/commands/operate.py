@@ -14,6 +14,8 @@ from rollout_capture.cli.options import (
     Scheduled,
     Storage,
     addresses_match,
+    deploy_name,
+    prefect_name,
     scheduled_options,
     storage_options,
     traces_options,
@@ -61,6 +63,12 @@ def _scheduled(
     return runs, parameters
 
 
+def _names(storage: Storage, traces: FlowTraces) -> None:
+    """The blocks ``deploy`` and ``serve`` name: names Prefect stores, checked before any server."""
+    prefect_name("--credentials-block", storage.block, block=True)
+    prefect_name("--otlp-headers-block", traces.otlp_headers_block, block=True)
+
+
 @storage_options(captures=False)
 @scheduled_options
 @traces_options
@@ -75,7 +83,8 @@ def deploy(
     name: Annotated[
         str,
         typer.Option(
-            help="The scheduled deployment's name: one per runs root, several side by side on one server."
+            help="The scheduled deployment's name: one per runs root, several side by side on one server "
+            "(never NAME-served: those are serve's)."
         ),
     ] = "enrich-completed-runs",
     pool: Annotated[str, typer.Option(help="Work pool (created as a process pool if missing).")] = (
@@ -94,6 +103,9 @@ def deploy(
     """
     out = Output(json=as_json)
     with out.exits():
+        deploy_name(name)  # names first: nothing asked of any server for a bad one
+        prefect_name("--pool", pool)
+        _names(storage, traces)
         _, parameters = _scheduled(storage, runs_root, scheduled)
         parameters.update(traces.parameters())  # the schedule's traces (a Secret block's name only)
         traces.check_block()
@@ -149,6 +161,8 @@ def serve(
     """
     out = Output(json=as_json)
     with out.exits():
+        prefect_name("--name", name)
+        _names(storage, traces)
         runs, parameters = _scheduled(storage, runs_root, scheduled)
         parameters.update(traces.parameters())  # the schedule's traces (a Secret block's name only)
         traces.check_block()
@@ -156,15 +170,16 @@ def serve(
         from rollout_capture.deployments.serve import serve_shipped
 
         try:
-            serve_shipped(runs.url, cron=scheduled.cron, parameters=parameters, name=name)  # until Ctrl-C
+            stopped = serve_shipped(runs.url, cron=scheduled.cron, parameters=parameters, name=name)
         except KeyboardInterrupt:
             typer.echo("stopped before serving began", err=True)
             raise typer.Exit(130) from None
-        typer.echo(
-            "stopped: the served deployments (*-served) are paused; deployments of work pools "
-            "were not touched",
-            err=True,
-        )
+        typer.echo(f"stopped: paused {', '.join(stopped.paused) or 'nothing'} (this serve's)", err=True)
+        if stopped.triggers_disabled:
+            typer.echo(f"disabled their triggers: {'; '.join(stopped.triggers_disabled)}", err=True)
+        for left, why in stopped.left_alone.items():
+            typer.echo(f"left alone {left}: {why}, not this serve's any more", err=True)
+        typer.echo("nothing else was touched (deployments of work pools, other serves')", err=True)
 
 
 @storage_options(captures=False)
@@ -174,24 +189,43 @@ def finish(
     as_json: JsonOpt = False,
 ) -> None:
     """Mark a run finished: write its _SUCCESS and tell the Prefect server, whose deployments of its
-    runs root then enrich it at once (without PREFECT_API_URL: the next schedule tick does)."""
+    runs root then enrich it at once (without PREFECT_API_URL: their next schedule tick does). An
+    enriched run is left as it is; a missing folder, or one reached through a link, is refused."""
     out = Output(json=as_json)
     with out.exits():
         where = storage.at(run)
+        if where.credentials_block:  # the block lives in Prefect's API
+            prefect_env()
+            resolved = credentials(where.credentials_block, prefect=False)  # a missing block named, exit 2
+        else:
+            resolved = None
+        from rollout_capture.run_folders import run_folder
+
+        state, _ = run_folder(where.url, where.storage_options, credentials=resolved)  # before Prefect
+        if state.enriched:
+            out.result(
+                {"run": state.url, "event_sent": False, "already_enriched": True},
+                text=f"{state.url} is already enriched (its _ENRICHED): nothing written, nothing sent, "
+                "nothing will happen",
+            )
+            return
         prefect_env()
         if not api_url():  # an event on a server started for this command would reach nobody
             from rollout_capture.run_folders import mark_finished
 
-            finished = mark_finished(where.url, where.storage_options, credentials=None)
-            typer.echo(f"no PREFECT_API_URL: no event sent; the next tick enriches {finished}", err=True)
+            finished = mark_finished(where.url, where.storage_options, credentials=resolved)
+            typer.echo(
+                "no PREFECT_API_URL: no event sent; a scheduled tick over its runs root enriches it, "
+                "if a deployment of that root is served or deployed",
+                err=True,
+            )
             sent = False
         else:
             from rollout_capture.flows.events import mark_run_finished
 
-            credentials(where.credentials_block, prefect=False)  # a missing block named, exit 2
             finished = mark_run_finished(where.url, **where.flow_parameters())
             sent = True
         out.result(
-            {"run": finished, "event_sent": sent},
+            {"run": finished, "event_sent": sent, "already_enriched": False},
             text=f"finished {finished}" + (": the server was told" if sent else ""),
         )

@@ -1,0 +1,26 @@
+"""Text from captures and records shown at a terminal: control characters escaped.
+
+A model name comes from the upstream's answer (``response.model``), a gap detail or an error
+category from a record: an escape sequence in one (OSC, clear screen, colours) would act on the
+terminal it is printed to, and could erase the lines around it. Shown through :func:`printable`,
+it reads as the characters it holds (``\\x1b]0;title\\x07``) and does nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def printable(text: Any) -> str:
+    """``text`` (made a string) with every character that is not printable escaped as Python
+    writes it (``\\n``, ``\\x1b``, ``\\u202e``); printable text, any script, comes back unchanged.
+
+    Example:
+        ```python
+        printable("gpt\\x1b[2J")  # 'gpt\\\\x1b[2J'
+        ```
+    """
+    shown = text if isinstance(text, str) else str(text)
+    if shown.isprintable():
+        return shown
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in shown)
