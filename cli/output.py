@@ -78,6 +78,9 @@ class Output:
                 code, message = 1, f"{kind}: {exc}"
         else:
             return
+        from rollout_capture.printable import printable_lines
+
+        message = printable_lines(message)  # a name from a capture or record acts on no terminal
         typer.echo(f"error: {message}", err=True)
         if self.json:
             _print_json({"ok": False, "exit_code": code, "error": message})
@@ -85,12 +88,18 @@ class Output:
 
 
 def show(rows: Sequence[Sequence[str]], header: Sequence[str] | None = None) -> None:
-    """A table for people (rich, no borders: easy to read and to grep)."""
+    """A table for people (rich, no borders: easy to read and to grep). Every cell is shown as the
+    characters it holds: control characters escaped, no rich markup read (a model name from the
+    upstream's answer can neither drive the terminal nor style the table)."""
+    from rich.text import Text
+
+    from rollout_capture.printable import printable
+
     table = Table(box=None, show_header=header is not None, pad_edge=False)
     for name in header or ("",) * len(rows[0]):
         table.add_column(name, overflow="fold")
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*(Text(printable(cell)) for cell in row))
     Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 

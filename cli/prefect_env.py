@@ -54,17 +54,21 @@ def start_prefect() -> None:
 
 
 class _WithoutTraceback(logging.Formatter):
-    """Formats like ``inner`` but leaves the traceback to the API logs (the Prefect UI)."""
+    """Formats like ``inner`` but leaves the traceback to the API logs (the Prefect UI), and shows
+    control characters escaped."""
 
     def __init__(self, inner: logging.Formatter | None) -> None:
+        from rollout_capture.printable import printable_lines
+
+        self._printable = printable_lines
         super().__init__()
         self.inner = inner or logging.Formatter()
 
     def format(self, record: logging.LogRecord) -> str:
         saved = record.exc_info, record.exc_text
         record.exc_info, record.exc_text = None, None
-        try:
-            return self.inner.format(record)
+        try:  # a model name or detail from a record in a log line acts on no terminal
+            return self._printable(self.inner.format(record))
         finally:
             record.exc_info, record.exc_text = saved
 

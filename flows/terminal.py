@@ -13,6 +13,7 @@ from contextlib import ExitStack, contextmanager
 
 from prefect.logging.handlers import PrefectConsoleHandler
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -24,6 +25,7 @@ from rich.progress import (
 )
 
 from rollout_capture.flows.report import listening_to_progress
+from rollout_capture.printable import printable
 
 
 def prefect_console_handlers() -> set[PrefectConsoleHandler]:
@@ -68,7 +70,8 @@ def progress_bars(console: Console | None = None) -> Iterator[None]:
 
     def advance(source: str, done: int, total: int) -> None:
         if source not in tasks:  # labelled by the end of its path: a run folder and its file
-            tasks[source] = progress.add_task("/".join(source.rstrip("/").split("/")[-2:]), total=total)
+            label = printable("/".join(source.rstrip("/").split("/")[-2:]))  # shown, never acted on
+            tasks[source] = progress.add_task(escape(label), total=total)
         progress.update(tasks[source], completed=done, total=total)
 
     with ExitStack() as stack:

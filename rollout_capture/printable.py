@@ -24,3 +24,12 @@ def printable(text: Any) -> str:
     if shown.isprintable():
         return shown
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in shown)
+
+
+def printable_lines(text: Any) -> str:
+    """:func:`printable` of each line, the line breaks kept: a message of several lines (an error,
+    a log record) still reads as lines, and nothing in any line acts on the terminal."""
+    shown = text if isinstance(text, str) else str(text)
+    if shown.isprintable():
+        return shown
+    return "\n".join(printable(line) for line in shown.split("\n"))

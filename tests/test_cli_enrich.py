@@ -138,3 +138,43 @@ def test_enrich_runs_prints_each_runs_evidence(prefect_api: str, tmp_path: Path)
     assert evidence["failed_calls"] == 10 and evidence["calls_by_error_category"]["rate_limit"] == 2
     assert evidence["ttft_ms"] == {"p50": 50, "p90": 90, "p99": 99}
     assert evidence["orphan_examples"] == ["24-1"]
+
+
+HOSTILE_MODEL = "gpt\x1b]0;pwned\x07\x1b[2J\x1b[31m[red]x"
+"""A model name an upstream answered with: a window title (OSC), clear screen, a colour, rich markup."""
+
+
+def test_names_from_captures_reach_the_terminal_escaped(prefect_api: str, tmp_path: Path) -> None:
+    """The model name from ``response.model``, in enrich's summary table (piped and at a terminal,
+    with its progress bar) and in ``inspect``: shown as the characters it holds, never acting on
+    the terminal; the failed-call line around it still there."""
+    from rollout_capture import CaptureStore
+
+    captures = tmp_path / "caps"
+    store = CaptureStore(captures)
+    store.record(
+        "0-0",
+        {
+            "model_call_id": "a",
+            "dialect": "chat",
+            "status_code": 200,
+            "response": {"model": HOSTILE_MODEL, "usage": {"prompt_tokens": 3}},
+        },
+    )
+    store.record(
+        "0-0",
+        {"model_call_id": "b", "dialect": "chat", "status_code": 500, "request": {"model": HOSTILE_MODEL}},
+    )
+    rollouts = tmp_path / "r.jsonl"
+    rollouts.write_text('{"_ng_task_index": 0, "_ng_rollout_index": 0}\n')
+    args = ("enrich", str(rollouts), "--capture-dir", str(captures), "--output", str(tmp_path / "o.jsonl"))
+    escaped = "gpt\\x1b]0;pwned\\x07\\x1b[2J\\x1b[31m[red]x"
+    piped = run_cli(*args, api=prefect_api)
+    assert piped.returncode == 0, piped.stderr
+    assert "\x1b" not in piped.stdout + piped.stderr and f"model {escaped}" in piped.stdout, piped.stdout
+    assert "failed calls" in piped.stdout
+    code, text = run_at_terminal(*args, env=cli_env(prefect_api, COLUMNS="200"))
+    assert code == 0, text[-2000:]
+    assert "\x1b]0;pwned" not in text and "\x1b[2J" not in text and "pwned" in text
+    shown = run_cli("inspect", "0-0", "-c", str(captures), api=prefect_api)
+    assert shown.returncode == 0 and "\x1b" not in shown.stdout and escaped in shown.stdout, shown.stdout

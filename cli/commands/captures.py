@@ -10,6 +10,7 @@ import typer
 from rollout_capture.cli.options import JsonOpt, Storage, storage_options
 from rollout_capture.cli.output import Output, num, show
 from rollout_capture.cli.prefect_env import credentials, flow_run, preflight, rollouts_and_captures
+from rollout_capture.printable import printable
 
 
 @storage_options()
@@ -66,7 +67,7 @@ def wait(
             text=(
                 f"{rollout_id}: quiescent"
                 if quiet
-                else lambda: typer.echo(f"{rollout_id}: still claimed after {timeout}s", err=True)
+                else lambda: typer.echo(f"{printable(rollout_id)}: still claimed after {timeout}s", err=True)
             ),
             ok=quiet,
         )
@@ -117,8 +118,10 @@ def _show_attachment(attachment: dict[str, Any]) -> None:
     show(rows, ("#", "model", "dialect", "status", "in", "out", "total", "latency ms", "error"))
     for invocation in attachment.get("verifier_invocations", []):
         typer.echo(
-            f"verifier {invocation['verifier_invocation_id']}: reward {num(invocation['reward'])}, "
-            f"judge calls {invocation['model_call_ids']}"
+            printable(
+                f"verifier {invocation['verifier_invocation_id']}: reward {num(invocation['reward'])}, "
+                f"judge calls {invocation['model_call_ids']}"
+            )
         )
     for gap in attachment.get("gaps", []):
-        typer.echo(f"gap: {gap['code']}" + (f" ({gap['detail']})" if "detail" in gap else ""))
+        typer.echo(printable(f"gap: {gap['code']}" + (f" ({gap['detail']})" if "detail" in gap else "")))

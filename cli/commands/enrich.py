@@ -26,6 +26,7 @@ from rollout_capture.cli.options import (
 )
 from rollout_capture.cli.output import InputError, Output, counts, percentiles, show
 from rollout_capture.cli.prefect_env import flow_run, preflight, rollouts_and_captures
+from rollout_capture.printable import printable
 
 if TYPE_CHECKING:
     from rollout_capture.flows.enrich_runs import RunsSummary
@@ -144,7 +145,7 @@ def _show_enriched(summary: EnrichSummary, rollouts: str) -> None:
         rows.append(("traces", summary.traces))
     show(rows + evidence_rows(stats.evidence))
     for problem in stats.problems[:10]:
-        typer.echo(f"{rollouts}:{problem.line}: {problem.reason}", err=True)
+        typer.echo(printable(f"{rollouts}:{problem.line}: {problem.reason}"), err=True)
 
 
 @storage_options()
