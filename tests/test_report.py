@@ -310,7 +310,7 @@ def test_unknown_tokens_are_shown_unknown_and_mixed_sums_say_how_many_calls(tmp_
     row = re.search(r"<tr><td class=\"model\"><code>m-silent</code></td>(.*?)</tr>", page)
     assert row is not None
     cells = re.findall(r"<td[^>]*>(.*?)</td>", row.group(1))
-    assert cells[:5] == ["15", "15", "unknown", "unknown", "unknown"]
+    assert cells[:6] == ["", "15", "15", "unknown", "unknown", "unknown"]  # answered as: no name
     summary.add_attachment(_attachment("r-2", _call(model="m-silent", tokens_total=1234)))
     page = render_report(summary)
     assert "1,234 tokens (15 calls unknown)" in page and "1,234 (15 calls unknown)" in page
@@ -490,3 +490,105 @@ def test_impossible_timings_are_a_gap_naming_the_call_read_either_way() -> None:
     page = render_report(summary)
     assert "<code>model_call_timing_impossible</code>" in page and ">0 ms<" not in page
     assert not re.search(r"-\d[\d.,]* (ms|s)\b", page)  # no negative duration anywhere
+
+
+POLICY = {"type": "responses_api_models", "name": "policy_model"}
+
+
+def _policy_run(*, no_status: bool) -> EvidenceSummary:
+    """15 calls to ``policy-model`` that failed (no answer naming a model: the request's name, no
+    usage) and 30 answered as ``policy-model-2026-01``, all through the model server ``policy_model``;
+    and 5 calls of a judge answered as itself."""
+    failed = [
+        _call(
+            model="policy-model",
+            model_ref=POLICY,
+            response_id=None,
+            status_code=None if no_status else 503,
+            error_category="connection" if no_status else "upstream_error",
+        )
+        for _ in range(15)
+    ]
+    answered = [
+        _call(
+            model="policy-model-2026-01",
+            model_ref=POLICY,
+            response_id=f"resp-{i}",
+            tokens_in=100,
+            tokens_out=20,
+            tokens_total=120,
+        )
+        for i in range(30)
+    ]
+    judge = [
+        _call(model="judge", response_id=f"j-{i}", tokens_in=10, tokens_out=1, tokens_total=11)
+        for i in range(5)
+    ]
+    summary = EvidenceSummary()
+    summary.add_attachment(_attachment("r-1", *failed[:7], *answered[:15], *judge))
+    other = EvidenceSummary()  # a second batch: the grouping holds across merged summaries
+    other.add_attachment(_attachment("r-2", *failed[7:], *answered[15:]))
+    return summary.merge(other)
+
+
+def test_one_model_is_one_row_under_the_name_it_asked_for() -> None:
+    """Failed calls count under the request's name, answered ones under the answer's: one row,
+    ``policy-model``, answered as ``policy-model-2026-01`` (it read as a second, broken model)."""
+    summary = _policy_run(no_status=False)
+    groups = {
+        name: (served, m.calls, m.failed_calls, m.tokens_total) for name, served, m in summary.model_groups()
+    }
+    assert groups == {"policy-model": (["policy-model-2026-01"], 45, 15, 3600), "judge": ([], 5, 0, 55)}
+    page = render_report(summary)
+    rows = re.findall(r'<tr><td class="model"><code>([^<]*)</code></td><td class="model">(.*?)</td>', page)
+    assert rows == [("policy-model", "<code>policy-model-2026-01</code>"), ("judge", "")]
+    bars = re.findall(r'<svg[^>]*aria-label="no calls">(.*?)</svg>', page)[-1]  # calls per model
+    assert re.findall(r"</title>([^<]*)</text>", bars) == ["policy-model", "judge"]
+    assert summary.digest()["models"].keys() == {
+        "policy-model",
+        "policy-model-2026-01",
+        "judge",
+    }  # as recorded
+
+
+def test_a_note_explains_only_a_bar_that_is_drawn() -> None:
+    """ "no status" under the status chart only when a call got no answer; the unknown tokens said
+    beside the one model's bar that leaves calls out, not over the whole chart."""
+    answered = render_report(_policy_run(no_status=False))
+    assert "no status: the call got no HTTP answer" not in answered
+    unanswered = render_report(_policy_run(no_status=True))
+    assert "no status: the call got no HTTP answer" in unanswered
+    tokens = re.search(r'aria-label="no tokens">(.*?)</svg>', unanswered)
+    assert tokens is not None
+    beside = re.findall(r'<text x="[^"]*" y="[^"]*">([^<]*)</text>', tokens.group(1))
+    assert beside[-2:] == ["3.6k · 15 calls without usage", "55"], beside
+    assert "unknown: no call of the model reported usage" not in unanswered
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium: apt-get install -y chromium")
+def test_the_grouped_models_render_in_headless_chromium(tmp_path: Path) -> None:
+    """The page with one model asked for and answered under another name, in Chromium: one row and
+    one bar for it, the note beside its token bar; the screenshot kept for a person to look at."""
+    report = tmp_path / "report.html"
+    write_report(_policy_run(no_status=True), report, title="policy run")
+    trap = _RequestTrap()
+    try:
+        dom = _chromium(report.as_uri(), "--dump-dom", proxy_port=trap.port, home=tmp_path / "home")
+        shot = tmp_path / "report.png"
+        taken = _chromium(
+            report.as_uri(),
+            f"--screenshot={shot}",
+            "--window-size=1280,2200",
+            proxy_port=trap.port,
+            home=tmp_path / "home",
+        )
+    finally:
+        trap.close()
+    assert dom.returncode == 0 and taken.returncode == 0, dom.stderr[-2000:] + taken.stderr[-2000:]
+    rendered = dom.stdout
+    assert (
+        ">policy-model<" in rendered and rendered.count(">policy-model-2026-01<") == 1
+    )  # its row's cell alone
+    assert "15 calls without usage" in rendered and trap.hosts() == set()
+    if NOTES.is_dir():
+        shutil.copyfile(shot, NOTES / "report36.png")

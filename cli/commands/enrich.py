@@ -47,13 +47,13 @@ def evidence_rows(evidence: Any) -> list[tuple[str, str]]:
         ("capture hold p50 / p99", evidence.capture_hold_ms.p50_p99("ms")),
         ("tokens per rollout p50 / p99", percentiles(digest["tokens_per_rollout"])),
     ]
-    rows += [
+    rows += [  # a model as asked for, the names that answered for it beside
         (
-            f"model {name}",
+            f"model {name}" + (f" (answered as {', '.join(served)})" if served else ""),
             f"{m.calls} call(s) ({m.failed_calls} failed), "
             + tokens_text(m.tokens_total, m.tokens_total_unknown_calls),
         )
-        for name, m in evidence.models_by_calls()
+        for name, served, m in evidence.model_groups()
     ]
     rows += [
         (f"failed {why}", f"{n} (first: {', '.join(digest['failure_examples'].get(why, []))})")

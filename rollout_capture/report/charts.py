@@ -229,11 +229,20 @@ def stacked_bars_svg(
     *,
     empty: str,
     label_chars: int = 30,
+    notes: Sequence[str] = (),
 ) -> str:
-    """Horizontal stacked bars (tokens in / out per model) with a legend."""
+    """Horizontal stacked bars (tokens in / out per model) with a legend; ``notes[i]``, when given,
+    is said beside bar ``i`` alone (what its figure leaves out)."""
     if not items:
         return _empty_svg(empty, 80)
-    row_h, top, label_w, value_w = 26, 26, 200, 80
+    texts = []  # beside each bar: its total, and its note
+    for i, (_, values) in enumerate(items):
+        known = [value for value in values if value is not None]
+        total = fmt_count(sum(known)) if known else "unknown"
+        note = notes[i] if i < len(notes) else ""
+        texts.append((f"{total} · {note}" if known else note) if note else total)
+    row_h, top, label_w = 26, 26, 200
+    value_w = max(80, 12 + 6.5 * max(len(text) for text in texts))  # room for the longest, never cut
     height = top + 8 + row_h * len(items)
     plot_w = WIDTH - label_w - value_w
     peak = max(sum(value or 0 for value in values) for _, values in items) or 1
@@ -258,8 +267,6 @@ def stacked_bars_svg(
                     f"<title>{tooltip(label)} {escape(name)}: {fmt_int(value)}</title></rect>"
                 )
             x0 += w
-        known = [value for value in values if value is not None]
-        total = fmt_count(sum(known)) if known else "unknown"
-        parts.append(f'<text x="{x0 + 6:.1f}" y="{y + row_h / 2 + 4:.1f}">{total}</text>')
+        parts.append(f'<text x="{x0 + 6:.1f}" y="{y + row_h / 2 + 4:.1f}">{escape(texts[i])}</text>')
     parts.append("</svg>")
     return "".join(parts)

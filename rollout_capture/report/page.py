@@ -35,6 +35,7 @@ from rollout_capture.report.formatting import (
 from rollout_capture.summary import (
     FAIL_SHARE_WARN,
     MAX_ROWS,
+    NO_STATUS,
     EvidenceSummary,
     ModelStats,
     Sketch,
@@ -143,6 +144,10 @@ def _version() -> str:
         return "unknown"
 
 
+ModelGroup = tuple[str, Sequence[str], ModelStats]
+"""A model as asked for, the names that answered for it, its calls (``EvidenceSummary.model_groups``)."""
+
+
 def render_report(
     summary: EvidenceSummary,
     *,
@@ -163,7 +168,7 @@ def render_report(
     stamp = time.strftime(
         "%Y-%m-%d %H:%M UTC", time.gmtime(generated_at if generated_at is not None else time.time())
     )
-    models = s.models_by_calls()[:MAX_ROWS]  # at most MAX_MODELS + 1 are counted anyway
+    models = s.model_groups()[:MAX_ROWS]  # at most MAX_MODELS + 1 are counted anyway
     kpis = _kpis(s, lat, ttft, hold, tokens)
     charts = [*_distribution_charts(s), *_count_charts(s, models)]
     tables = [_distributions_card(s, lat, ttft, hold, tokens), *_count_tables(s)]
@@ -268,19 +273,21 @@ def _bar_items(counts: Mapping[str, int], color: Callable[[str], str]) -> list[t
     return [(key, float(n), color(key)) for key, n in top_counts(counts)]
 
 
-def _count_charts(s: EvidenceSummary, models: Sequence[tuple[str, ModelStats]]) -> list[str]:
-    """The bar charts: calls by status class, error category and model, rollouts by gap code."""
-    model_call_items = [(name, float(m.calls), BLUE) for name, m in models]
-    model_token_items = [(name, [m.tokens_in, m.tokens_out]) for name, m in models]
+def _count_charts(s: EvidenceSummary, models: Sequence[ModelGroup]) -> list[str]:
+    """The bar charts: calls by status class, error category and model, rollouts by gap code.
+
+    A note explains a bar only when that bar is drawn: "no status" under the status chart when
+    some call got no answer; beside a model's token bar, the calls that reported no usage."""
+    model_call_items = [(name, float(m.calls), BLUE) for name, _, m in models]
+    model_token_items = [(name, [m.tokens_in, m.tokens_out]) for name, _, m in models]
+    token_notes = [_tokens_note(m) for _, _, m in models]
+    status_items = _bar_items(s.calls_by_status_class, lambda key: STATUS_COLORS.get(key, NEUTRAL))
+    drawn = {label for label, _, _ in status_items}
     return [
         _card(
             "Calls by status class",
-            bars_svg(
-                _bar_items(s.calls_by_status_class, lambda key: STATUS_COLORS.get(key, NEUTRAL)),
-                empty="no calls",
-                total=s.calls,
-            ),
-            "no status: the call got no HTTP answer (connection, cancelled)",
+            bars_svg(status_items, empty="no calls", total=s.calls),
+            "no status: the call got no HTTP answer (connection, cancelled)" if NO_STATUS in drawn else "",
         ),
         _card(
             "Calls by error category",
@@ -300,15 +307,33 @@ def _count_charts(s: EvidenceSummary, models: Sequence[tuple[str, ModelStats]]) 
             ),
             "a rollout is counted once per code it has",
         ),
-        _card("Calls per model", bars_svg(model_call_items, empty="no calls", total=s.calls)),
+        _card(
+            "Calls per model",
+            bars_svg(model_call_items, empty="no calls", total=s.calls),
+            "a model as asked for: the names that answered for it are in the per-model table"
+            if any(served for _, served, _ in models)
+            else "",
+        ),
         _card(
             "Tokens per model",
             stacked_bars_svg(
-                model_token_items, [("tokens in", BLUE), ("tokens out", TEAL)], empty="no tokens"
+                model_token_items,
+                [("tokens in", BLUE), ("tokens out", TEAL)],
+                empty="no tokens",
+                notes=token_notes,
             ),
-            "unknown: no call of the model reported usage",
         ),
     ]
+
+
+def _tokens_note(m: ModelStats) -> str:
+    """Beside a model's token bar: the calls its sums leave out (none reported usage), if any."""
+    unknown = max(m.tokens_in_unknown_calls, m.tokens_out_unknown_calls)
+    if not unknown:
+        return ""
+    if m.tokens_in is None and m.tokens_out is None:
+        return f"no usage reported ({plural(unknown, 'call')})"
+    return f"{plural(unknown, 'call')} without usage"
 
 
 def _distributions_card(s: EvidenceSummary, lat: Marks, ttft: Marks, hold: Marks, tokens: Marks) -> str:
@@ -381,20 +406,32 @@ def _count_tables(s: EvidenceSummary) -> list[str]:
     ]
 
 
-def _model_card(models: Sequence[tuple[str, ModelStats]]) -> str:
-    """Calls and tokens per model: unknown sums said so."""
-    model_headers = ["model", "calls", "failed", "tokens in", "tokens out", "tokens total", "mean latency"]
+def _model_card(models: Sequence[ModelGroup]) -> str:
+    """Calls and tokens per model asked for, the names that answered for it beside: unknown sums said so."""
+    model_headers = [
+        "model",
+        "answered as",
+        "calls",
+        "failed",
+        "tokens in",
+        "tokens out",
+        "tokens total",
+        "mean latency",
+    ]
     return _card(
         "Calls and tokens per model",
-        _table(model_headers, [_model_row(name, m) for name, m in models], range(1, 7)),
-        "token sums are over the calls that reported usage: unknown when none did",
+        _table(model_headers, [_model_row(name, served, m) for name, served, m in models], range(2, 8)),
+        "a call counts under the model it asked for; token sums are over the calls that reported "
+        "usage: unknown when none did",
     )
 
 
-def _model_row(name: str, m: ModelStats) -> tuple[Any, ...]:
-    """One model's row of the per-model table: its name shortened, unknown sums said so."""
+def _model_row(name: str, served: Sequence[str], m: ModelStats) -> tuple[Any, ...]:
+    """One model's row of the per-model table: its name shortened, the names that answered for it,
+    unknown sums said so."""
     return (
         (name_html(name), "model"),
+        (", ".join(name_html(other) for other in served), "model"),
         fmt_int(m.calls),
         fmt_int(m.failed_calls),
         tokens_cell(m.tokens_in, m.tokens_in_unknown_calls),

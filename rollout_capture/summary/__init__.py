@@ -12,6 +12,7 @@ summary and its models), ``fold`` (counting in bulk), ``orphans``, ``files`` (en
 from rollout_capture.summary.checks import (
     CALL_FIELDS,
     NO_STATUS,
+    OTHER_MODELS,
     TOKEN_SUMS,
     UNKNOWN_MODEL,
     EvidenceShapeError,
@@ -30,7 +31,6 @@ from rollout_capture.summary.evidence import (
     MAX_EXAMPLES,
     MAX_MODELS,
     MAX_ROWS,
-    OTHER_MODELS,
     EvidenceSummary,
     ModelStats,
     TokenSums,

@@ -11,6 +11,8 @@ from rollout_capture.attachment import ATTACHMENT_KEY, OBSERVATIONS_KEY
 UNKNOWN_MODEL = "(unknown)"
 NO_STATUS = "no status"
 """The status class of a call that got no HTTP status (connection refused, cancelled)."""
+OTHER_MODELS = "(other models)"
+"""The models beyond the summary's ``MAX_MODELS``, summed in one."""
 TOKEN_SUMS = ("tokens_in", "tokens_out", "tokens_total")
 """The token sums kept per model and in all, each beside its count of calls that did not report it."""
 CALL_FIELDS = (
@@ -25,6 +27,7 @@ CALL_FIELDS = (
     "tokens_total",
     "model",
     "model_ref",
+    "response_id",
 )
 """Every field of a call :meth:`EvidenceSummary.add_attachment` reads."""
 
@@ -77,6 +80,15 @@ def model_name_of(model: Any, ref: Any) -> str:
     if isinstance(ref, Mapping) and isinstance(ref.get("name"), str) and ref["name"]:
         return str(ref["name"])
     return UNKNOWN_MODEL
+
+
+def server_of(ref: Any) -> str:
+    """The model server a call's ``model_ref`` names (``""``: none)."""
+    if isinstance(ref, Mapping):
+        name = ref.get("name")
+        if isinstance(name, str):
+            return name
+    return ""
 
 
 def bump(counts: dict[str, int], key: str, n: int = 1) -> None:

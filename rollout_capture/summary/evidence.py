@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 
 from rollout_capture.summary.checks import (
     CALL_FIELDS,
+    OTHER_MODELS,
     TOKEN_SUMS,
     add_partial_sum,
     attachment_of,
@@ -32,7 +33,6 @@ from rollout_capture.summary.sketch import Sketch
 
 MAX_MODELS = 50
 """Distinct models counted by name; the rest are summed as ``(other models)``."""
-OTHER_MODELS = "(other models)"
 UNKNOWN_MODEL = "(unknown)"
 MAX_EXAMPLES = 5
 """Rollout ids named for each gap code, and orphan captures named."""
@@ -128,6 +128,10 @@ class EvidenceSummary(TokenSums):
     capture_hold_ms: Sketch = Field(default_factory=Sketch)
     """``capture_hold_ms`` of each call that carries one: what capture cost the answer's first byte."""
     models: dict[str, ModelStats] = Field(default_factory=dict)
+    model_servers: dict[str, dict[str, list[int]]] = Field(default_factory=dict)
+    """Model name -> model server (``""``: none named) -> ``[calls without a response id, calls
+    with one]``: a name on a call without one is the name asked for (no answer named a model), on
+    one with one the name that answered. :meth:`model_groups` puts a served name with the asked one."""
     rollouts_with_gaps: int = 0
     gaps: dict[str, int] = Field(default_factory=dict)
     """Rollouts having each capture gap code (``ng_model_call_capture.gaps``)."""
@@ -194,7 +198,20 @@ class EvidenceSummary(TokenSums):
                 call.get("model"),
                 call.get("model_ref"),
             )
-            rows.append((status, category, dialect, verifier, latency, ttft, *tokens, model, ref))
+            rows.append(
+                (
+                    status,
+                    category,
+                    dialect,
+                    verifier,
+                    latency,
+                    ttft,
+                    *tokens,
+                    model,
+                    ref,
+                    call.get("response_id"),
+                )
+            )
             holds.append(hold)
         rollout = rollout_parts(attachment, list(observation_gaps))
         columns = list(zip(*rows, strict=True)) if rows else [()] * len(CALL_FIELDS)
@@ -249,6 +266,13 @@ class EvidenceSummary(TokenSums):
             if name not in self.models and len(self.models) >= MAX_MODELS:
                 name = OTHER_MODELS
             self.models.setdefault(name, ModelStats()).merge(stats)
+        for name, servers in other.model_servers.items():
+            key = name if name in self.models else OTHER_MODELS
+            mine_servers = self.model_servers.setdefault(key, {})
+            for server, (asked, served) in servers.items():
+                counts = mine_servers.setdefault(server, [0, 0])
+                counts[0] += asked
+                counts[1] += served
         for named, theirs in (
             (self.gap_examples, other.gap_examples),
             (self.failure_examples, other.failure_examples),
@@ -319,6 +343,43 @@ class EvidenceSummary(TokenSums):
 
     def models_by_calls(self) -> list[tuple[str, ModelStats]]:
         return sorted(self.models.items(), key=lambda item: (-item[1].calls, item[0]))
+
+    def model_groups(self) -> list[tuple[str, list[str], ModelStats]]:
+        """One row per model asked for: ``(name asked, names that answered for it, its calls)``,
+        most calls first.
+
+        A call that got no answer naming a model counts under the name it asked for; one that did,
+        under the answer's name (``policy-model-2026-01`` for ``policy-model``). A served name goes
+        with the asked one when, through some model server, that one name alone was asked for and
+        the served name never was: one model is one row. Otherwise (no server named, several names
+        asked through one) each name keeps its row.
+        """
+        asked_anywhere = {
+            name for name, servers in self.model_servers.items() if any(c[0] for c in servers.values())
+        }
+        asked_through: dict[str, set[str]] = {}
+        served_through: dict[str, set[str]] = {}
+        for name, servers in self.model_servers.items():
+            for server, (asked, served) in servers.items():
+                if server and asked:
+                    asked_through.setdefault(server, set()).add(name)
+                if server and served:
+                    served_through.setdefault(server, set()).add(name)
+        under: dict[str, set[str]] = {}  # served name -> the asked names it could belong to
+        for server, served_names in served_through.items():
+            asked_names = asked_through.get(server, set())
+            for name in served_names - asked_anywhere:
+                under.setdefault(name, set()).update(asked_names if len(asked_names) == 1 else {""})
+        parent = {name: next(iter(to)) for name, to in under.items() if len(to) == 1 and "" not in to}
+        groups: dict[str, tuple[list[str], ModelStats]] = {}
+        for name, stats in sorted(self.models.items()):
+            head = parent.get(name, name) if name != OTHER_MODELS else name
+            answered_as, total = groups.setdefault(head, ([], ModelStats()))
+            total.merge(stats)
+            if head != name:
+                answered_as.append(name)
+        rows = [(head, names, total) for head, (names, total) in groups.items()]
+        return sorted(rows, key=lambda row: (-row[2].calls, row[0]))
 
     def to_rows(self) -> list[dict[str, Any]]:
         """The summary as ``{section, name, value}`` rows (a table artifact, a CSV)."""

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from rollout_capture.attachment import ATTACHMENT_KEY
 from rollout_capture.summary.checks import (
     CALL_FIELDS,
+    OTHER_MODELS,
     STATUS_CLASSES,
     TOKEN_SUMS,
     add_partial_sum,
@@ -27,6 +28,7 @@ from rollout_capture.summary.checks import (
     count_field,
     gap_codes,
     model_name_of,
+    server_of,
     status_class,
 )
 
@@ -210,7 +212,7 @@ def rollout_parts(attachment: Mapping[str, Any], observed: list[str]) -> _Rollou
 
 def _canonical(columns: Sequence[Sequence[Any]]) -> bool:
     """Whether every value has the type the one-by-one way takes as it is (no coercion, no error)."""
-    status, category, dialect, _, latency, ttft, tokens_in, tokens_out, tokens_total, _, _ = columns
+    status, category, dialect, _, latency, ttft, tokens_in, tokens_out, tokens_total, _, _, _ = columns
     return (
         set(map(type, status)) <= _INT_OR_NONE
         and set(map(type, category)) <= _STR_OR_NONE
@@ -251,14 +253,26 @@ def count_columns(
     A negative duration (a clock step, not the model's time) is left out of the percentiles
     and the means: the attachment names the call in its ``model_call_timing_impossible`` gap.
     """
-    status, category, dialect, verifier, latency, ttft, tokens_in, tokens_out, tokens_total, model, ref = (
-        columns
-    )
+    (
+        status,
+        category,
+        dialect,
+        verifier,
+        latency,
+        ttft,
+        tokens_in,
+        tokens_out,
+        tokens_total,
+        model,
+        ref,
+        response_id,
+    ) = columns
     plain = set(map(type, model)) <= _STR and "" not in model
     names: Sequence[str] = model if plain else list(map(model_name_of, model, ref))
     tallies, failed_calls = _count_classes(summary, status, category, dialect, names)
     latencies = _sum_per_model(tallies, rollouts, names, latency, tokens_in, tokens_out, tokens_total)
     _add_models(summary, tallies, latencies)
+    _add_model_servers(summary, names, ref, response_id)
     fields = summary.__dict__
     fields["rollouts"] += len(rollouts)
     fields["calls"] += len(status)
@@ -367,6 +381,21 @@ def _add_models(
             add_partial_sum(fields, sum_name, known_total, tally.calls - known)
     for (_, name), value in latencies.items():
         models[name]["latency_ms_total"] += value
+
+
+def _add_model_servers(
+    summary: EvidenceSummary, names: Sequence[str], refs: Sequence[Any], response_ids: Sequence[Any]
+) -> None:
+    """Which model server each model name was seen through, and how: on a call without a response id
+    (its ``model`` is the request's: the name it asked for) or with one (the name that answered)."""
+    seen = summary.model_servers
+    models = summary.models
+    for (name, server, answered), n in Counter(
+        zip(names, map(server_of, refs), map(_not_none, response_ids), strict=True)
+    ).items():
+        key = name if name in models else OTHER_MODELS
+        counts = seen.setdefault(key, {}).setdefault(server, [0, 0])
+        counts[answered] += n
 
 
 def _add_rollout_examples(
