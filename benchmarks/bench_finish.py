@@ -1,13 +1,28 @@
-"""Seconds from ``rollout-capture finish RUN`` to the run's ``_ENRICHED``, on a real server and worker.
+"""Seconds from ``rollout-capture finish RUN`` to the run's ``_ENRICHED``, on a real server and worker,
+split into phases.
 
-    python benchmarks/bench_finish.py [--runs 5] [--json]
+    python benchmarks/bench_finish.py [--runs 10] [--poll 1] [--json]
 
 Starts ``prefect server start`` (its own PREFECT_HOME, a free port), registers the shipped
 deployments for a temporary runs root with a yearly cron (no tick comes: only the trigger can
-enrich), starts one process worker (default polling), waits for a warm-up run to be enriched
-(the triggers service loads a new deployment's trigger in the background), then finishes
-``--runs`` runs of the bundled sample one after another and times each, from the start of the
-``finish`` command to ``_ENRICHED``. Min and median are printed.
+enrich), starts one process worker (its query interval ``--poll`` seconds; Prefect's default
+when not given), waits for a warm-up run to be enriched (the triggers service loads a new
+deployment's trigger in the background), then finishes ``--runs`` runs of the bundled sample one
+after another and times each, from the start of the ``finish`` command to ``_ENRICHED``.
+
+Each run's time is split by the flow run the trigger created (its creation and state times, read
+from the API afterwards; the server's clock is this machine's):
+
+- ``finish``: the command, start to exit (ours: start-up, the run folder checked, ``_SUCCESS``
+  written, the event sent);
+- ``trigger``: the command's exit to the flow run's creation (the server: the event received,
+  the automation fired);
+- ``worker poll``: creation to ``Pending`` (the worker's next query of its pool);
+- ``process start``: ``Pending`` to ``Running`` (the worker starting a Python process that imports
+  Prefect and our flow);
+- ``flow``: ``Running`` to ``_ENRICHED`` seen (ours: the tick's discovery, lease, enrichment).
+
+Min, median and max of each are printed.
 """
 
 from __future__ import annotations
@@ -21,10 +36,13 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from bench_cli import BIN, SAMPLE, base_env, cli, prefect_server
 
 POOL = "bench-finish"
+NAME = "bench-finish"
+PHASES = ("finish", "trigger", "worker poll", "process start", "flow", "total")
 
 
 def make_run(root: Path, name: str) -> Path:
@@ -35,21 +53,63 @@ def make_run(root: Path, name: str) -> Path:
     return run
 
 
-def finish_to_enriched(run: Path, env: dict[str, str], timeout_s: float = 300) -> float:
-    started = time.perf_counter()
+def finish_to_enriched(run: Path, env: dict[str, str], timeout_s: float = 300) -> dict[str, float]:
+    """Wall-clock moments (``time.time``): the command's start and exit, ``_ENRICHED`` seen."""
+    started = time.time()
     done = subprocess.run([*cli(), "finish", str(run)], env=env, capture_output=True, text=True)
+    exited = time.time()
     if done.returncode != 0:
         raise SystemExit(f"finish exited {done.returncode}: {done.stderr}")
     while not (run / "_ENRICHED").exists():
-        if time.perf_counter() - started > timeout_s:
+        if time.time() - started > timeout_s:
             raise SystemExit(f"{run} not enriched after {timeout_s} s")
-        time.sleep(0.1)
-    return time.perf_counter() - started
+        time.sleep(0.02)
+    return {"started": started, "exited": exited, "enriched": time.time()}
+
+
+def flow_run_moments(api: str, after: float) -> dict[str, float]:
+    """The first flow run of the scheduled deployment created after ``after``: its creation, and
+    its first ``Pending`` and ``Running`` states, as wall-clock moments."""
+    import os
+
+    os.environ["PREFECT_API_URL"] = api
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[NAME])),
+            sort=FlowRunSort.START_TIME_ASC,
+            limit=200,
+        )
+        mine = sorted(
+            (r for r in runs if r.created and r.created.timestamp() >= after), key=lambda r: r.created
+        )
+        if not mine:
+            raise SystemExit("no flow run was created for the finished run")
+        states = client.read_flow_run_states(mine[0].id)
+    moments: dict[str, Any] = {"created": mine[0].created.timestamp()}  # type: ignore[union-attr]
+    for state in sorted(states, key=lambda s: s.timestamp):
+        moments.setdefault(state.type.value.lower(), state.timestamp.timestamp())
+    return moments
+
+
+def phases(command: dict[str, float], flow_run: dict[str, float]) -> dict[str, float]:
+    return {
+        "finish": command["exited"] - command["started"],
+        "trigger": flow_run["created"] - command["exited"],
+        "worker poll": flow_run["pending"] - flow_run["created"],
+        "process start": flow_run["running"] - flow_run["pending"],
+        "flow": command["enriched"] - flow_run["running"],
+        "total": command["enriched"] - command["started"],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--poll", type=float, default=None, help="the worker's query interval, seconds")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-finish-") as scratch:
@@ -58,9 +118,11 @@ def main() -> None:
         root.mkdir()
         with prefect_server(work / "home", work / "server.log") as api:
             env = base_env(work / "home", api)
-            deploy = [*cli(), "deploy", "--runs-root", str(root), "--pool", POOL, "--cron", "0 0 1 1 *"]
-            subprocess.run(deploy, env=env, check=True, capture_output=True)
+            deploy = [*cli(), "deploy", "--runs-root", str(root), "--pool", POOL, "--name", NAME]
+            subprocess.run([*deploy, "--cron", "0 0 1 1 *"], env=env, check=True, capture_output=True)
             worker_env = base_env(work / "worker-home", api)
+            if args.poll is not None:
+                worker_env["PREFECT_WORKER_QUERY_SECONDS"] = str(args.poll)
             with (work / "worker.log").open("wb") as log:
                 worker = subprocess.Popen(
                     [str(BIN / "prefect"), "worker", "start", "--pool", POOL],
@@ -74,30 +136,43 @@ def main() -> None:
                 deadline = time.monotonic() + 180
                 while True:  # finish again until the trigger is loaded and the run enriched
                     try:
-                        warm_up_s = finish_to_enriched(warm, env, timeout_s=30)
+                        warm_moments = finish_to_enriched(warm, env, timeout_s=30)
                         break
                     except SystemExit:
                         if time.monotonic() > deadline:
                             raise
-                times = [finish_to_enriched(make_run(root, f"run-{i}"), env) for i in range(args.runs)]
+                measured = []
+                for i in range(args.runs):
+                    command = finish_to_enriched(make_run(root, f"run-{i}"), env)
+                    measured.append(phases(command, flow_run_moments(api, command["started"])))
             finally:
                 worker.send_signal(signal.SIGINT)
                 worker.wait(60)
+    summary = {
+        phase: {
+            "min_s": round(min(m[phase] for m in measured), 2),
+            "median_s": round(statistics.median(m[phase] for m in measured), 2),
+            "max_s": round(max(m[phase] for m in measured), 2),
+        }
+        for phase in PHASES
+    }
     result = {
         "runs": args.runs,
-        "warm_up_s": round(warm_up_s, 2),
-        "finish_to_enriched_s": [round(t, 2) for t in times],
-        "min_s": round(min(times), 2),
-        "median_s": round(statistics.median(times), 2),
+        "worker_poll_s": args.poll if args.poll is not None else "default",
+        "warm_up_s": round(warm_moments["enriched"] - warm_moments["started"], 2),
+        "phases": summary,
+        "each_total_s": [round(m["total"], 2) for m in measured],
     }
     if args.json:
         print(json.dumps(result))
-    else:
-        print(
-            f"finish -> _ENRICHED over {args.runs} runs: min {result['min_s']} s, "
-            f"median {result['median_s']} s ({result['finish_to_enriched_s']}); "
-            f"warm-up {result['warm_up_s']} s"
-        )
+        return
+    print(
+        f"finish -> _ENRICHED over {args.runs} runs (worker poll {result['worker_poll_s']} s; "
+        f"warm-up {result['warm_up_s']} s)"
+    )
+    print(f"{'phase':<14} {'min':>7} {'median':>7} {'max':>7}")
+    for phase, figures in summary.items():
+        print(f"{phase:<14} {figures['min_s']:>7.2f} {figures['median_s']:>7.2f} {figures['max_s']:>7.2f}")
 
 
 if __name__ == "__main__":

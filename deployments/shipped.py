@@ -18,7 +18,7 @@ from rollout_capture.deployments.names import ON_DEMAND, SCHEDULED, SERVED_SUFFI
 from rollout_capture.flows.dispatch import prepare_dispatch
 from rollout_capture.flows.enrich import enrich_rollouts
 from rollout_capture.flows.enrich_runs import enrich_completed_runs
-from rollout_capture.flows.events import RUN_FINISHED, runs_under
+from rollout_capture.run_events import RUN_FINISHED, runs_under
 
 DEFAULT_CRON = "*/15 * * * *"
 TAGS = ["rollout-capture"]

@@ -18,6 +18,10 @@ from prefect.events import emit_event
 from rollout_capture.batch import BatchStats
 from rollout_capture.filesystem import absolute_location
 from rollout_capture.flows.report import shares_exceeded
+from rollout_capture.run_events import RUN_FINISHED as RUN_FINISHED
+from rollout_capture.run_events import RUN_PREFIX as RUN_PREFIX
+from rollout_capture.run_events import run_resource as run_resource
+from rollout_capture.run_events import runs_under as runs_under
 from rollout_capture.secret_options import shown_url
 
 COMPLETED = "rollout-capture.enrichment.completed"
@@ -25,24 +29,6 @@ FAILED = "rollout-capture.enrichment.failed"
 GAPS_EXCEEDED = "rollout-capture.enrichment.gaps-exceeded"
 FAILED_CALLS_EXCEEDED = "rollout-capture.enrichment.failed-calls-exceeded"
 RESOURCE_PREFIX = "rollout-capture.enrichment."
-RUN_FINISHED = "rollout-capture.run.finished"
-RUN_PREFIX = "rollout-capture.run."
-"""A finished run's event: its resource id is this prefix and the run folder's location, so a
-deployment's trigger matches the runs under its root (``rollout-capture.run.<root>/*``)."""
-
-
-def run_resource(run: str) -> dict[str, str]:
-    """A run folder (its location as workers name it) as an event resource."""
-    return {
-        "prefect.resource.id": RUN_PREFIX + run,
-        "prefect.resource.name": run.rsplit("/", 1)[-1],
-        "rollout-capture.run": run,
-    }
-
-
-def runs_under(runs_root: str) -> str:
-    """The resource ids of every run under ``runs_root``, as a trigger's match pattern."""
-    return f"{RUN_PREFIX}{absolute_location(runs_root).rstrip('/')}/*"
 
 
 def mark_run_finished(

@@ -610,3 +610,30 @@ def test_deploy_never_takes_over_a_running_serve_and_its_ctrl_c_leaves_no_trigge
                 if name == "runs-a" or name.startswith("runs-c-"):
                     client.delete_deployment(deployment.id)
     assert "Traceback" not in worker_output, worker_output[-4000:]
+
+
+def test_finish_tells_a_plain_server_without_loading_prefect(prefect_api: str, tmp_path: Path) -> None:
+    """PREFECT_API_URL alone in the environment: the event goes in one POST, Prefect never imported
+    (1.5 s of the command), and the server stores it as Prefect's client would send it."""
+    from rollout_capture.run_events import RUN_FINISHED, RUN_PREFIX
+
+    run = tmp_path / "runs" / "plain"
+    run.mkdir(parents=True)
+    (run / "rollouts.jsonl").write_bytes(b"{}\n")
+    script = (
+        "import sys\n"
+        "from rollout_capture.cli.app import app\n"
+        f"try:\n    app(['finish', {str(run)!r}])\nexcept SystemExit as done:\n    code = done.code\n"
+        "print('prefect loaded' if 'prefect' in sys.modules else 'prefect not loaded', code)\n"
+    )
+    env = {k: v for k, v in environment(prefect_api).items() if not k.startswith(("PREFECT_API_KEY",))}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.splitlines()[-2:] == [
+        f"finished {run}: the server was told",
+        "prefect not loaded 0",
+    ], done.stdout + done.stderr
+    assert (run / "_SUCCESS").exists()
+    (stored,) = wait_for_events(RUN_FINISHED, RUN_PREFIX + str(run))
+    assert stored.resource["rollout-capture.run"] == str(run)

@@ -209,7 +209,20 @@ def finish(
                 "nothing will happen",
             )
             return
-        prefect_env()
+        from rollout_capture.run_events import plain_api_url, post_run_finished
+
+        plain = None if where.credentials_block else plain_api_url()
+        if plain is not None:  # a self-hosted server named in the environment: no Prefect to load
+            from rollout_capture.run_folders import mark_finished
+
+            finished = mark_finished(where.url, where.storage_options)
+            if post_run_finished(plain, finished):
+                out.result(
+                    {"run": finished, "event_sent": True, "already_enriched": False},
+                    text=f"finished {finished}: the server was told",
+                )
+                return
+        prefect_env()  # Prefect's client: its settings, its own reports if the server is unreachable
         if not api_url():  # an event on a server started for this command would reach nobody
             from rollout_capture.run_folders import mark_finished
 
