@@ -194,11 +194,13 @@ def finish(
     out = Output(json=as_json)
     with out.exits():
         where = storage.at(run)
-        if where.credentials_block:  # the block lives in Prefect's API
+        resolved = None
+        if where.credentials_block:  # the block lives in Prefect's API (none without one: the AWS chain)
             prefect_env()
-            resolved = credentials(where.credentials_block, prefect=False)  # a missing block named, exit 2
-        else:
-            resolved = None
+            if api_url():
+                resolved = credentials(
+                    where.credentials_block, prefect=False
+                )  # a missing block named, exit 2
         from rollout_capture.run_folders import run_folder
 
         state, _ = run_folder(where.url, where.storage_options, credentials=resolved)  # before Prefect
