@@ -590,13 +590,13 @@ def test_deploy_never_takes_over_a_running_serve_and_its_ctrl_c_leaves_no_trigge
         output = served.communicate(timeout=120)[0]
     try:
         assert served.returncode == 0, output
-        assert "stopped: paused enrich_completed_runs/runs-c-served, " in output, output
-        assert "disabled their triggers: runs-c-served: a run finished" in output, output
         found = deployments()
         assert all(found[name].paused for name in found if name.startswith("runs-c-"))
         triggers = _automations_of("runs-c-served")
         assert [a.name for a in triggers] == ["runs-c-served: a run finished"]
-        assert not any(a.enabled for a in triggers)  # a later finish under C starts nothing
+        assert not any(a.enabled for a in triggers), output  # a later finish under C starts nothing
+        assert "stopped: paused enrich_completed_runs/runs-c-served, " in output, output
+        assert "disabled their triggers: runs-c-served: a run finished" in output, output
         assert not found["runs-a"].paused and all(a.enabled for a in _automations_of("runs-a"))
         make_run(root_a, "a1", finished=False, rollouts=1)
         wait_for(lambda: finished_then_enriched(root_a / "a1"), 180, "the worker to enrich a1", poll_s=0)
