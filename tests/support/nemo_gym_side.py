@@ -276,7 +276,6 @@ def _collect(args: argparse.Namespace) -> None:
     resolved = get_global_config_dict()
     text = OmegaConf.to_yaml(resolved)
     site = Path(__import__("nemo_gym").__file__).resolve().parent.parent
-    started = time.monotonic()
     processes: list[subprocess.Popen[bytes]] = []
     ports: list[int] = []
     # Every server the resolved config names (the environment server NeMo Gym adds for an agent
@@ -303,15 +302,17 @@ def _collect(args: argparse.Namespace) -> None:
                 )
                 ports.append(int(settings["port"]))
     try:
+        # Each server's port accepting a connection is the event waited on, for as long as every
+        # server lives (the test's own timeout bounds a hang): a server's start-up on a busy machine
+        # takes what it takes, no window decides; one that exits fails this at once.
         for port in ports:
             while True:
                 assert all(p.poll() is None for p in processes), f"a NeMo Gym server exited: see {work}"
-                assert time.monotonic() - started < 900, f"NeMo Gym's servers did not start: see {work}"
                 try:
                     with socket.create_connection(("127.0.0.1", port), timeout=1):
                         break
                 except OSError:
-                    time.sleep(0.1)
+                    time.sleep(0.1)  # refused at once while nothing listens: the next try
         os.environ["NEMO_GYM_CONFIG_DICT"] = text
         config = RolloutCollectionConfig(
             agent_name=AGENT,
