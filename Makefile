@@ -9,7 +9,7 @@ STAMP   = $(VENV)/.installed-stamp
 # the package and the tests again (measured: 5.5 of a collection's 11 s of CPU).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup demo test test-fast test-stress test-nemo-gym lint typecheck bench sample deploy serve clean docs
+.PHONY: setup demo test test-fast test-fast-py313 test-stress test-nemo-gym lint typecheck bench sample deploy serve clean docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,26 +50,59 @@ test-stress: setup
 	$(BIN)/python -m tests.support.cpu_hog $(MAKE) --no-print-directory test
 
 # The released NeMo Gym itself beside ours (tests/test_nemo_gym_070.py): a Python 3.13 venv with the
-# pinned nemo-gym wheel (it declares Python >= 3.13.14; 3.13.0 runs it) and rollout-capture installed
-# beside it, kept in build/ per version, then the tier on it. uv installs it (and caches what it
-# downloads): pip took minutes for its 1.4 GB.
+# pinned nemo-gym wheel (it declares Python >= 3.13.14; 3.13.0 runs it) and rollout-capture's wheel
+# installed beside it, non-editable (what users install is what we test), kept in build/ per
+# version, then the tier on it. uv installs it (and caches what it downloads: pip took minutes for
+# its 1.4 GB), from the machine's own Python 3.13 (PYTHON313), never one it downloads.
 NEMO_GYM_VERSION ?= 0.7.0
-PYTHON313 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python) python3.13)
+PYTHON313 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python) $(shell command -v python3.13))
 NG_VENV  = build/nemo-gym-$(NEMO_GYM_VERSION)
 NG_STAMP = $(NG_VENV)/.installed-stamp
+NG_WHEEL = build/wheel
+PACKAGE_SOURCES = pyproject.toml setup.py $(shell find rollout_capture flows tasks deployments cli -type f -not -path '*__pycache__*')
+export UV_PYTHON_DOWNLOADS = never
+# A recipe's first line: stops with a clear error when PYTHON313 is no Python 3.13.
+NEED_PYTHON313 = "$(PYTHON313)" -c 'import sys; assert sys.version_info[:2] == (3, 13)' 2>/dev/null || { \
+	  echo "make $(MAKECMDGOALS) needs a Python 3.13 (for $@) and found none:" >&2; \
+	  echo "  PYTHON313='$(PYTHON313)' is not one. Install Python 3.13 (pyenv install 3.13, apt install" >&2; \
+	  echo "  python3.13) or name its interpreter: make $(MAKECMDGOALS) PYTHON313=/path/to/python3.13" >&2; \
+	  exit 2; }
 
 $(NG_STAMP): | $(STAMP)
+	@$(NEED_PYTHON313)
 	rm -rf $(NG_VENV)
 	$(BIN)/uv venv -q --python $(PYTHON313) $(NG_VENV)
 	$(BIN)/uv pip install -q --python $(NG_VENV)/bin/python --python-version 3.13.14 nemo-gym==$(NEMO_GYM_VERSION)
 	touch $(NG_STAMP)
 
-$(NG_VENV)/.rollout-capture-stamp: $(NG_STAMP) pyproject.toml
-	$(BIN)/uv pip install -q --python $(NG_VENV)/bin/python -e '.[proxy]'
+# The wheel, built from the tree (setuptools' build/lib emptied first: it would ship a module
+# left there by an earlier build), installed in place of the last one.
+$(NG_VENV)/.rollout-capture-stamp: $(NG_STAMP) $(PACKAGE_SOURCES)
+	rm -rf build/lib $(NG_WHEEL)
+	$(BIN)/pip wheel -q --no-deps --no-input -w $(NG_WHEEL) .
+	rm -rf build/lib build/bdist.*
+	$(BIN)/uv pip install -q --python $(NG_VENV)/bin/python --reinstall-package rollout-capture \
+	  "$$(ls $(NG_WHEEL)/rollout_capture-*.whl)[proxy]"
 	touch $@
 
+# Each module whole on one xdist worker (--dist loadfile): A and B share one run of the scenario
+# (a module fixture), C (its own module) runs beside them on the other worker. -rP shows the counts.
 test-nemo-gym: setup $(NG_VENV)/.rollout-capture-stamp
-	NEMO_GYM_PYTHON=$(abspath $(NG_VENV))/bin/python $(BIN)/pytest -q -n 2 --dist loadgroup tests/test_nemo_gym_070.py
+	NEMO_GYM_PYTHON=$(abspath $(NG_VENV))/bin/python $(BIN)/pytest -q -n 2 --dist loadfile -rP \
+	  tests/test_nemo_gym_070.py tests/test_nemo_gym_070_collection.py
+
+# The unit tests (as `make test-fast` runs them) on Python 3.13 too, in a venv of the dev extras
+# built by uv from the machine's Python 3.13 (the tier's PYTHON313), kept in build/.
+PY313_VENV = build/py313-dev
+$(PY313_VENV)/.installed-stamp: pyproject.toml | $(STAMP)
+	@$(NEED_PYTHON313)
+	rm -rf $(PY313_VENV)
+	$(BIN)/uv venv -q --python $(PYTHON313) $(PY313_VENV)
+	$(BIN)/uv pip install -q --python $(PY313_VENV)/bin/python -e '.[dev]'
+	touch $@
+
+test-fast-py313: setup $(PY313_VENV)/.installed-stamp
+	ROLLOUT_CAPTURE_SIM_SEEDS=200 $(PY313_VENV)/bin/pytest -q -n 2 -m "not integration"
 
 # What CI (.ci/run) and the pre-commit hooks check: ruff, the format, and mypy --strict.
 lint: setup

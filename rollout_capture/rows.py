@@ -21,6 +21,7 @@ from rollout_capture.call_records_fast import (
     typed_record,
     typed_row,
 )
+from rollout_capture.whitespace_rows import is_whitespace_row, read_whitespace_row
 
 Row = dict[str, Any]
 
@@ -142,7 +143,8 @@ def new_parsed_rows() -> ParsedRows:
 
 
 def add_jsonl(parsed: ParsedRows, data: bytes, source: str) -> None:
-    """Append the rows of a JSONL capture: file order, blank lines skipped (read when asked)."""
+    """Append the rows of a JSONL capture: file order, blank lines skipped but for whitespace rows
+    (:mod:`rollout_capture.whitespace_rows`), which take no position (read when asked)."""
     parsed._add(("jsonl", data, source))
 
 
@@ -199,10 +201,15 @@ def _read_jsonl(
         try:
             parsed = loads(line)
         except orjson.JSONDecodeError:
-            if line and not line.isspace():  # a blank line is no row
+            if line and not line.isspace():
                 damaged.append(Damage(source, number, "torn final line" if stop < 0 else "not JSON"))
                 position += 1
-            continue
+            elif is_whitespace_row(line):  # a row NeMo Gym skips: no position of its own (spec 4)
+                try:
+                    append((position, read_whitespace_row(line)))
+                except ValueError as exc:
+                    damaged.append(Damage(source, number, str(exc)))
+            continue  # any other blank line is no row
         if type(parsed) is dict:
             append((position, parsed))
         else:

@@ -180,3 +180,23 @@ def test_the_changelog_lists_a_command_under_the_release_that_added_it_alone() -
     for version, text in sections.items():
         named = set(re.findall(r"`([a-z-]+)`", text))
         assert not new_commands & named, f"{version} lists commands Unreleased adds: {new_commands & named}"
+
+
+def test_the_tiers_documented_differences_are_the_contracts_own() -> None:
+    """Every difference tests/test_nemo_gym_070.py lets pass between NeMo Gym 0.7.0 and ours is
+    one the contract names (issue 34), and the other way round: a difference added to one and not
+    to the other fails here, so none goes undocumented."""
+    from tests.test_nemo_gym_070 import (
+        DOCUMENTED_ATTACHMENT_KEYS,
+        DOCUMENTED_CALL_FIELDS,
+        DOCUMENTED_PRODUCER_DIFFERENCES,
+    )
+
+    contract = (ROOT / "docs" / "contract.md").read_text()
+    beside = contract.split("- **Our producers beside NeMo Gym's.**", 1)[1].split("\n## ", 1)[0]
+    labels = re.findall(r"^  - `([^`]+)`:", beside, re.MULTILINE)
+    assert labels == list(DOCUMENTED_PRODUCER_DIFFERENCES)
+    allowed = contract.split("The differences allowed, each named here:", 1)[1].split("\n\n", 1)[0]
+    record, attachment = allowed.split("in an attachment,", 1)
+    assert set(re.findall(r"`([a-z_]+)`", record)) == DOCUMENTED_CALL_FIELDS
+    assert set(re.findall(r"`([a-z_]+)`", attachment)) == DOCUMENTED_ATTACHMENT_KEYS

@@ -136,7 +136,7 @@ def test_verifier_invocations_last_one_wins_and_own_their_judge_calls(tmp_path: 
     (invocation,) = result["verifier_invocations"]
     assert invocation == {
         "verifier_invocation_id": "v1",
-        "call_index": 3,
+        "call_index": 2,  # where its whitespace line stands: after two calls (it takes no index)
         "verifier_ref": {"type": "resources_servers", "name": "judge"},
         "started_at": None,
         "completed_at": None,

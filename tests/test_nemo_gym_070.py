@@ -11,10 +11,10 @@ dir is read by NeMo Gym's merge and by ours:
 - B: our middleware (on the very same model-server app) and our proxy write; NeMo Gym's merge and
   ours must give the same records. And what ours write reads in NeMo Gym as what its own producer
   wrote for the same scenario (item 4).
-- C: NeMo Gym's own rollout collection, end to end: its ``simple_agent``, its vLLM model server in
-  front of the scripted upstream, its example resources server, with model-call capture on. Its
-  rollouts come back with ``ng_model_call_capture``; without it, ``rollout-capture enrich`` (run
-  from the same Python 3.13 environment, installed beside nemo-gym) must attach the same.
+- C (tests/test_nemo_gym_070_collection.py): NeMo Gym's own rollout collection, end to end.
+
+The scenario runs once, as this module's fixture: ``make test-nemo-gym`` keeps a module on one
+xdist worker (``--dist loadfile``), C's module on the other.
 
 The only differences allowed are the fields the contract names as ours (``DOCUMENTED``).
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -41,8 +42,6 @@ from rollout_capture.producer import CaptureMiddleware
 from rollout_capture.producer.proxy import CaptureProxy
 from rollout_capture.producer.settings import ProxySettings
 
-from .conftest import wait_for
-from .support.nemo_gym_side import passthrough_app
 from .support.scripted_upstream import ScriptedUpstream
 from .support.servers import ThreadedServer
 
@@ -61,6 +60,8 @@ DOCUMENTED_ATTACHMENT_KEYS = frozenset({"verifier_invocations", "metrics_by_owne
 
 # ---------------------------------------------------------------- the scenario
 
+LEAVER = "scripted-gated-leave"
+"""The model a client that leaves mid-stream asks for (:func:`_leave`)."""
 PATHS = {"chat": "v1/chat/completions", "responses": "v1/responses", "messages": "v1/messages"}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -141,28 +142,22 @@ class Producers:
         self.upstream = upstream
 
 
-def drive(producers: Producers) -> None:
-    """Every step of the scenario, in order, through ``producers``; then the damage."""
-    with httpx.Client(timeout=60) as http:
-        for rollout, step in SCENARIO:
-            if step[0] == "call":
-                _, server, dialect, model, stream, *usage = step
-                _call(
-                    http, producers.urls[server], rollout, dialect, body(dialect, model, stream, bool(usage))
-                )
-            elif step[0] == "leave":
-                _leave(http, producers, rollout, step[1], step[2])
-            else:
-                _, invocation, judged = step
-                header = {"X-Rollout-Capture-Verifier-Invocation-Id": invocation}
-                verify = http.post(
-                    f"{producers.verifier}/ng-rollout/{rollout}/verify", json={}, headers=header
-                )
-                assert verify.status_code == 200
-                for dialect, model in judged:
-                    _call(
-                        http, producers.urls["judge"], rollout, dialect, body(dialect, model, False), header
-                    )
+def run_scenario(producers: Producers, http: httpx.Client) -> None:
+    """Every step of the scenario, in order, through ``producers`` (on ``http``'s kept-alive
+    connections); then the damage."""
+    for rollout, step in SCENARIO:
+        if step[0] == "call":
+            _, server, dialect, model, stream, *usage = step
+            _call(http, producers.urls[server], rollout, dialect, body(dialect, model, stream, bool(usage)))
+        elif step[0] == "leave":
+            _leave(producers, rollout, step[1], step[2])
+        else:
+            _, invocation, judged = step
+            header = {"X-Rollout-Capture-Verifier-Invocation-Id": invocation}
+            verify = http.post(f"{producers.verifier}/ng-rollout/{rollout}/verify", json={}, headers=header)
+            assert verify.status_code == 200
+            for dialect, model in judged:
+                _call(http, producers.urls["judge"], rollout, dialect, body(dialect, model, False), header)
     for rollout, lines in DAMAGED.items():
         with open(producers.capture_dir / f"{rollout}.capture.jsonl", "ab") as capture:
             capture.write(b"".join(line + b"\n" for line in lines))
@@ -178,16 +173,17 @@ def _call(
         answer.read()
 
 
-def _leave(http: httpx.Client, producers: Producers, rollout: str, server: str, dialect: str) -> None:
-    """A client that reads the first event of a stream, then goes away; the upstream waits at its
-    gate meanwhile, and goes on once the producer has written the call's row."""
-    capture = producers.capture_dir / f"{rollout}.capture.jsonl"
-    before = len(capture.read_bytes().splitlines()) if capture.exists() else 0
+def _leave(producers: Producers, rollout: str, server: str, dialect: str) -> None:
+    """A client that reads the first event of a stream, then goes away, on a connection of its own
+    (as a client that gives up closes it). The upstream waits at its gate meanwhile (until the
+    scenario is over): the call ends by its client leaving, never by the stream's end. Its row is
+    read once the producer has stopped (:func:`record_scenario`), so nothing waits for it here."""
     url = f"{producers.urls[server]}/ng-rollout/{rollout}/{PATHS[dialect]}"
-    with http.stream("POST", url, json=body(dialect, "scripted-gated-leave", True, True)) as answer:
+    with (
+        httpx.Client(timeout=60) as fresh,
+        fresh.stream("POST", url, json=body(dialect, LEAVER, True, True)) as answer,
+    ):
         assert next(answer.iter_raw()).startswith(b"data: ")
-    wait_for(lambda: capture.exists() and len(capture.read_bytes().splitlines()) > before, 30, "the row")
-    producers.upstream.gate("leave").set()
 
 
 # ---------------------------------------------------------------- the producers
@@ -208,21 +204,15 @@ def verifier_app(capture_dir: Path | None) -> Any:
 
 
 class NeMoGymServers:
-    """NeMo Gym 0.7.0's model servers with its own capture, in a Python 3.13 process."""
+    """Model servers as NeMo Gym 0.7.0 builds and runs them (its middlewares, the cancellation of a
+    call whose client left, its uvicorn settings), in a Python 3.13 process: with NeMo Gym's own
+    capture (``producer="nemo-gym"``) or our middleware in its place (``"ours"``)."""
 
-    def __init__(self, upstream: str, capture_dir: Path, names: list[str]) -> None:
+    def __init__(self, upstream: str, capture_dir: Path, names: list[str], producer: str) -> None:
         assert NG_PYTHON is not None
+        command = [NG_PYTHON, str(SIDE), "serve", "--upstream", upstream, "--capture-dir", str(capture_dir)]
         self.process = subprocess.Popen(
-            [
-                NG_PYTHON,
-                str(SIDE),
-                "serve",
-                "--upstream",
-                upstream,
-                "--capture-dir",
-                str(capture_dir),
-                *names,
-            ],
+            [*command, "--producer", producer, *names],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -233,12 +223,25 @@ class NeMoGymServers:
         self.urls = {name: f"http://127.0.0.1:{port}" for name, port in json.loads(line)["ports"].items()}
 
     def stop(self) -> None:
+        """Its standard input closed, the process stops its servers and exits: every row written."""
         assert self.process.stdin is not None
         self.process.stdin.close()
-        self.process.wait(30)
+        assert self.process.wait() == 0
 
 
-def produce(kind: str, root: Path) -> Path:
+def _stop_and_wait(served: ThreadedServer) -> Callable[[], None]:
+    """Stop an in-process server and wait for its thread's end (its lifespan's shutdown: every
+    write in flight finished), however long that takes on a busy machine."""
+
+    def stop() -> None:
+        served.server.should_exit = True
+        served.thread.join()
+        served.sock.close()
+
+    return stop
+
+
+def record_scenario(kind: str, root: Path) -> Path:
     """Run the scenario through one producer (``nemo-gym``, ``middleware`` or ``proxy``) into a
     capture dir of its own; its upstream is a fresh scripted server."""
     capture_dir = root / kind
@@ -246,21 +249,15 @@ def produce(kind: str, root: Path) -> Path:
     upstream_app = ScriptedUpstream()
     upstream = ThreadedServer(upstream_app)
     stops: list[Callable[[], None]] = [upstream.stop]
+    http = httpx.Client(timeout=60)
     try:
-        if kind == "nemo-gym":
-            gym = NeMoGymServers(upstream.url, capture_dir, ["policy", "judge"])
+        if kind in ("nemo-gym", "middleware"):  # our middleware on NeMo Gym's very server
+            gym = NeMoGymServers(
+                upstream.url, capture_dir, ["policy", "judge"], "nemo-gym" if kind == "nemo-gym" else "ours"
+            )
             stops.append(gym.stop)
             urls = gym.urls
-            verifier = ThreadedServer(verifier_app(None))
-        elif kind == "middleware":
-            urls = {}
-            for name in ("policy", "judge"):
-                app = passthrough_app(upstream.url)
-                app.add_middleware(CaptureMiddleware, capture_dir=str(capture_dir), server_name=name)
-                served = ThreadedServer(app)
-                stops.append(served.stop)
-                urls[name] = served.url
-            verifier = ThreadedServer(verifier_app(capture_dir))
+            verifier = ThreadedServer(verifier_app(None if kind == "nemo-gym" else capture_dir))
         else:
             urls = {}
             for name in ("policy", "judge"):
@@ -268,11 +265,18 @@ def produce(kind: str, root: Path) -> Path:
                     ProxySettings(upstream=upstream.url, capture_dir=str(capture_dir), server_name=name)
                 )
                 served = ThreadedServer(proxy)
-                stops.append(served.stop)
+                stops.append(_stop_and_wait(served))
                 urls[name] = served.url
             verifier = ThreadedServer(verifier_app(capture_dir))
-        stops.append(verifier.stop)
-        drive(Producers(urls["policy"], urls["judge"], verifier.url, capture_dir, upstream_app))
+        stops.append(_stop_and_wait(verifier))
+        # The client's connections close once the producers have stopped, never before: NeMo Gym
+        # 0.7.0's server lets a plain answer's body reach the client before its row is written
+        # (its session middleware, inside the capture, sends the body in a message of its own
+        # ahead of the closing one the capture holds back), and a client that closes its
+        # connection then has the row cancelled with the call (ClientDisconnectCancellationMiddleware)
+        # before its thread starts: the scenario's last call would lose its row, by chance.
+        stops.insert(0, http.close)
+        run_scenario(Producers(urls["policy"], urls["judge"], verifier.url, capture_dir, upstream_app), http)
     finally:
         upstream_app.gate("leave").set()
         for stop in reversed(stops):
@@ -330,7 +334,7 @@ def compare(theirs: list[dict[str, Any]], ours: list[dict[str, Any]], tally: Tal
             gym.pop("ng_model_call_capture", None),
             mine.pop("ng_model_call_capture", None),
         )
-        _same(gym, mine, where, tally.differences)
+        _note_differences(gym, mine, where, tally.differences)
         if gym_capture is None or my_capture is None:
             if gym_capture is not my_capture:
                 tally.differences.append(f"{where}: attached by one merge only")
@@ -340,7 +344,7 @@ def compare(theirs: list[dict[str, Any]], ours: list[dict[str, Any]], tally: Tal
             if key not in DOCUMENTED_ATTACHMENT_KEYS:
                 tally.differences.append(f"{where}: ours adds {key}")
         gym_calls, my_calls = gym_capture.pop("calls"), my_capture.pop("calls")
-        _same(
+        _note_differences(
             gym_capture, {k: my_capture[k] for k in gym_capture if k in my_capture}, where, tally.differences
         )
         if len(gym_calls) != len(my_calls):
@@ -352,19 +356,24 @@ def compare(theirs: list[dict[str, Any]], ours: list[dict[str, Any]], tally: Tal
             for key in set(my_call) - set(gym_call):
                 if key not in DOCUMENTED_CALL_FIELDS:
                     found.append(f"{where} call {n}: ours adds {key}")
-            _same(gym_call, {k: my_call.get(k, "<missing>") for k in gym_call}, f"{where} call {n}", found)
+            _note_differences(
+                gym_call, {k: my_call.get(k, "<missing>") for k in gym_call}, f"{where} call {n}", found
+            )
             tally.equal += not found
             tally.differences += found
 
 
-def _same(theirs: Any, ours: Any, where: str, found: list[str]) -> None:
-    """Equal values of equal types (a float is not an int, 11.03 is not 11.030000000000001)."""
+def _note_differences(theirs: Any, ours: Any, where: str, found: list[str]) -> None:
+    """Each place where ``ours`` is not ``theirs`` into ``found``: equal values of equal types (a
+    float is not an int, 11.03 is not 11.030000000000001), dicts and lists compared item by item."""
     if isinstance(theirs, dict) and isinstance(ours, dict):
         for key in sorted(set(theirs) | set(ours)):
-            _same(theirs.get(key, "<missing>"), ours.get(key, "<missing>"), f"{where}.{key}", found)
+            _note_differences(
+                theirs.get(key, "<missing>"), ours.get(key, "<missing>"), f"{where}.{key}", found
+            )
     elif isinstance(theirs, list) and isinstance(ours, list) and len(theirs) == len(ours):
         for n, (a, b) in enumerate(zip(theirs, ours, strict=True)):
-            _same(a, b, f"{where}[{n}]", found)
+            _note_differences(a, b, f"{where}[{n}]", found)
     elif type(theirs) is not type(ours) or theirs != ours:
         found.append(f"{where}: NeMo Gym {theirs!r}, ours {ours!r}")
 
@@ -372,7 +381,7 @@ def _same(theirs: Any, ours: Any, where: str, found: list[str]) -> None:
 @pytest.fixture(scope="module")
 def captures(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     root = tmp_path_factory.mktemp("nemo-gym-070")
-    yield {kind: produce(kind, root) for kind in ("nemo-gym", "middleware", "proxy")}
+    yield {kind: record_scenario(kind, root) for kind in ("nemo-gym", "middleware", "proxy")}
 
 
 @pytest.fixture(scope="module")
@@ -381,138 +390,66 @@ def gym_merged(captures: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
     return nemo_gym_merge(captures, tmp_path_factory.mktemp("nemo-gym-merged"))
 
 
-def report(name: str, tally: Tally) -> None:
+def print_counts(name: str, tally: Tally) -> None:
     """One line in the test's output for the closing note."""
     print(f"\n[nemo-gym 0.7.0] {name}: {tally}", file=sys.stderr)
 
 
-@pytest.mark.xdist_group("producers")
 def test_a_nemo_gyms_captures_read_the_same_in_ours(
     captures: dict[str, Path], gym_merged: dict[str, Any]
 ) -> None:
     tally = Tally()
     compare(gym_merged["nemo-gym"], our_merge(captures["nemo-gym"]), tally)
-    report("A: 0.7.0's producer, its merge vs ours", tally)
-    assert tally.differences == [] and tally.calls >= 47 and tally.records >= 18
+    print_counts("A: 0.7.0's producer, its merge vs ours", tally)
+    assert tally.differences == [] and tally.records >= 18
+    # Every call of the scenario, but maybe the one whose client left (contract 12: row lost).
+    assert tally.calls in (SCENARIO_CALLS, SCENARIO_CALLS - 1)
     assert tally.equal == tally.calls
 
 
-@pytest.mark.xdist_group("producers")
 @pytest.mark.parametrize("producer", ["middleware", "proxy"])
 def test_b_our_captures_read_the_same_in_nemo_gym(
     captures: dict[str, Path], gym_merged: dict[str, Any], producer: str
 ) -> None:
     tally = Tally()
     compare(gym_merged[producer], our_merge(captures[producer]), tally)
-    report(f"B: our {producer}, NeMo Gym's merge vs ours", tally)
-    assert tally.differences == [] and tally.calls >= 47 and tally.records >= 18
+    print_counts(f"B: our {producer}, NeMo Gym's merge vs ours", tally)
+    assert tally.differences == [] and tally.calls == SCENARIO_CALLS and tally.records >= 18
     assert tally.equal == tally.calls
 
 
-# ---------------------------------------------------------------- C: NeMo Gym's rollout collection
-
-WEATHER_TOOL = {
-    "name": "get_weather",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "description": ""}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-    "strict": True,
-    "type": "function",
-    "description": "",
-}
-
-
-def weather_rows() -> list[dict[str, Any]]:
-    """Rows as NeMo Gym's example weather dataset holds them; the last one's prompt is past the
-    model's context (the scripted upstream answers 400 as vLLM does, NeMo Gym's server itself)."""
-    asks = ["what's it like in sf?", "going out in sf tn", "humidity in sf", "scripted-context-overflow " * 3]
-    return [
-        {
-            "responses_create_params": {
-                "input": [
-                    {"content": "You are a helpful personal assistant.", "role": "developer"},
-                    {"content": ask, "role": "user"},
-                ],
-                "tools": [WEATHER_TOOL],
-            }
-        }
-        for ask in asks
-    ]
-
-
-@pytest.mark.xdist_group("collection")  # beside A and B: two workers
-def test_c_nemo_gyms_rollout_collection_re_enriched_by_ours(tmp_path: Path) -> None:
+def test_b_nemo_gyms_own_clear_takes_our_verifier_evidence_with_the_calls(
+    captures: dict[str, Path], tmp_path: Path
+) -> None:
+    """NeMo Gym 0.7.0's own clear before dispatch (it deletes ``R.capture.jsonl`` and the marker)
+    leaves nothing of a rollout our middleware recorded, its verify calls' rows included: the next
+    rollout of the id starts clean, read alike by NeMo Gym's merge and ours."""
     assert NG_PYTHON is not None
-    capture_dir, work = tmp_path / "captures", tmp_path / "work"
-    capture_dir.mkdir()
-    work.mkdir()
-    given, collected = tmp_path / "rows.jsonl", tmp_path / "rollouts.jsonl"
-    given.write_text("".join(json.dumps(row) + "\n" for row in weather_rows()))
-    upstream = ThreadedServer(ScriptedUpstream())
-    try:
-        command = [
-            NG_PYTHON,
-            str(SIDE),
-            "collect",
-            "--upstream",
-            upstream.url,
-            "--capture-dir",
-            str(capture_dir),
-        ]
-        command += ["--workdir", str(work), "--input", str(given), "--output", str(collected)]
-        subprocess.run(command, check=True, timeout=1200, cwd=tmp_path, stdout=subprocess.DEVNULL)
-    finally:
-        upstream.stop()
-    gym_records = [json.loads(line) for line in collected.read_text().splitlines()]
-    assert len(gym_records) == 2 * len(weather_rows())  # each row twice (num_repeats)
-    attached = [record.pop("ng_model_call_capture") for record in gym_records]
-    stripped, enriched = tmp_path / "stripped.jsonl", tmp_path / "stripped.enriched.jsonl"
-    stripped.write_text("".join(json.dumps(r) + "\n" for r in gym_records))
-    ours_cli = Path(NG_PYTHON).parent / "rollout-capture"  # installed beside nemo-gym, in its Python
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp_path / "prefect"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    }
-    env.pop("PREFECT_API_URL", None)
-    done = subprocess.run(
-        [
-            str(ours_cli),
-            "enrich",
-            str(stripped),
-            "--capture-dir",
-            str(capture_dir),
-            "--output",
-            str(enriched),
-        ],
-        env=env,
-        timeout=600,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    ours = [json.loads(line) for line in enriched.read_text().splitlines()]
-    theirs = [
-        {**record, "ng_model_call_capture": capture}
-        for record, capture in zip(gym_records, attached, strict=True)
-    ]
+    verified = {"8-0", "9-0"}  # the rollouts with verify calls
+    before = {rollout_id_of_record(r): r for r in our_merge(captures["middleware"])}
+    assert all(before[v]["ng_model_call_capture"]["verifier_invocations"] for v in verified)
+    cleared = tmp_path / "cleared"
+    shutil.copytree(captures["middleware"], cleared)
+    given = tmp_path / "dispatched.jsonl"
+    given.write_text("".join(json.dumps(r) + "\n" for r in records() if rollout_id_of_record(r) in verified))
+    command = [NG_PYTHON, str(SIDE), "clear", "--records", str(given), "--capture-dir", str(cleared)]
+    subprocess.run(command, check=True, timeout=900)
+    (tmp_path / "merged").mkdir()
     tally = Tally()
-    compare(theirs, ours, tally)
-    report("C: NeMo Gym's rollout collection, what it attached vs `rollout-capture enrich`", tally)
-    assert tally.differences == [] and tally.equal == tally.calls >= 14
-    calls = [call for capture in attached for call in capture["calls"]]
-    local = [c for c in calls if c["response_source"] == "local"]  # NeMo Gym's own answer, kept
-    assert local and {c["local_response_reason"] for c in local} == {"context_length_exceeded"}
+    compare(nemo_gym_merge({"cleared": cleared}, tmp_path / "merged")["cleared"], our_merge(cleared), tally)
+    assert tally.differences == []
+    after = {rollout_id_of_record(r): r for r in our_merge(cleared)}
+    for rollout in verified:
+        capture = after[rollout]["ng_model_call_capture"]
+        assert capture["calls"] == [] and "verifier_invocations" not in capture
+        assert capture["gaps"] == [{"code": "model_call_capture_no_records"}]
 
 
 TIMING = frozenset({"model_call_id", "started_at", "completed_at", "latency_total_ms", "latency_ttft_ms"})
 """What differs from one run to the next whoever records it."""
 
 
-def calls_of(rollout: str) -> list[tuple[str, str, bool, bool]]:
+def scenario_calls_of(rollout: str) -> list[tuple[str, str, bool, bool]]:
     """The scenario's calls of one rollout, in order: ``(dialect, model, stream, usage asked)``."""
     out: list[tuple[str, str, bool, bool]] = []
     for rollout_id, step in SCENARIO:
@@ -522,50 +459,76 @@ def calls_of(rollout: str) -> list[tuple[str, str, bool, bool]]:
             _, _, dialect, model, stream, *usage = step
             out.append((dialect, model, stream, bool(usage)))
         elif step[0] == "leave":
-            out.append((step[2], "scripted-gated-leave", True, True))
+            out.append((step[2], LEAVER, True, True))
         else:
             out += [(dialect, model, False, False) for dialect, model in step[2]]
     return out
 
 
-def _asks_usage(call: tuple[str, str, bool, bool]) -> bool:
+SCENARIO_CALLS = sum(len(scenario_calls_of(rollout)) for rollout in dict.fromkeys(r for r, _ in SCENARIO))
+"""Every model call the scenario makes (the verifiers' judge calls too)."""
+
+
+def _producer_asks_usage(call: tuple[str, str, bool, bool]) -> bool:
+    """Whether ours asks the upstream for usage the client did not ask for (a chat stream without it)."""
     return call[0] == "chat" and call[2] and not call[3]
 
 
-# Each difference of ours from NeMo Gym's producer, and which calls it is allowed in (contract 11).
-DOCUMENTED_PRODUCER_DIFFERENCES: list[tuple[str, str, Callable[[tuple[str, str, bool, bool], str], bool]]] = [
-    (
-        "the proxy says who answered each call (upstream_attempted, response_source, upstream_status_code)",
-        r"\.(upstream_attempted|response_source|upstream_status_code)$",
-        lambda call, producer: producer == "proxy",
-    ),
-    (
-        "a chat stream whose client did not ask for usage is asked for it: its tokens are known",
+# Each difference of ours from NeMo Gym's producer, by its label in contract 12 ("Our producers
+# beside NeMo Gym's", whose labels tests/test_docs.py holds equal to these): the fields it may
+# touch, and in which calls.
+DOCUMENTED_PRODUCER_DIFFERENCES: dict[str, tuple[str, Callable[[tuple[str, str, bool, bool], str], bool]]] = {
+    "usage asked": (
         r"\.(tokens_in|tokens_out|tokens_reasoning|tokens_total|cache_hit|cached_tokens|response\.usage)$",
-        lambda call, producer: _asks_usage(call),
+        lambda call, producer: _producer_asks_usage(call),
     ),
-    (
-        "a stream asked for usage is another stream: cut at its half, it holds more",
+    "usage asked, cut": (
         r"\.response\.choices\[0\]\.message\.content$",
-        lambda call, producer: _asks_usage(call) and call[1] == "scripted-cut",
+        lambda call, producer: _producer_asks_usage(call) and call[1] == "scripted-cut",
     ),
-    (
-        "a stream's raw text is not kept beside its rebuilt response (only when it cannot be rebuilt)",
-        r"\.response_raw$",
-        lambda call, producer: call[2],
-    ),
-    (
-        "an Anthropic stream keeps what NeMo Gym's rebuild drops (a thinking signature, stop_sequence)",
+    "raw stream text": (r"\.response_raw$", lambda call, producer: call[2] and call[1] != LEAVER),
+    "anthropic stream": (
         r"\.response\.(content\[\d+\]\.signature|stop_sequence|stop_reason)$",
         lambda call, producer: call[0] == "messages" and call[2],
     ),
-    (
-        "a Responses stream cut short keeps the items done before the cut (NeMo Gym: the last snapshot)",
+    "responses cut": (
         r"\.(reasoning_content|tool_calls|response\.output)$",
         lambda call, producer: call[0] == "responses" and call[1] == "scripted-cut",
     ),
-]
+    "several choices": (
+        r"\.response\.choices\[[1-9]\d*\]",
+        lambda call, producer: False,  # the scenario asks one choice of each call
+    ),
+    "client left, partial response": (
+        r"\.(response|response_raw|response_id|model)$",
+        lambda call, producer: call[1] == LEAVER,
+    ),
+    "client left, row lost": (
+        r"^$",  # not a field: a whole row, taken out before comparing (:func:`_leaver_row_lost`)
+        lambda call, producer: False,
+    ),
+}
 """Where what ours writes reads otherwise than NeMo Gym's producer wrote it, in NeMo Gym's merge."""
+
+
+def _leaver_row_lost(theirs: list[dict[str, Any]], ours: list[dict[str, Any]]) -> int:
+    """Contract 12, ``client left, row lost``: NeMo Gym 0.7.0's capture may write no row for the
+    call whose client left (its ``asyncio.to_thread`` cancelled before a thread starts it). Where
+    it wrote none, that call of ours is taken out (and out of ``num_calls``) before the records
+    are compared; every other call must still match. How many were taken out."""
+    taken = 0
+    for gym, mine in zip(theirs, ours, strict=True):
+        gym_capture, my_capture = gym.get("ng_model_call_capture"), mine.get("ng_model_call_capture")
+        if not gym_capture or not my_capture:
+            continue
+        leavers = [c for c in my_capture["calls"] if (c.get("request") or {}).get("model") == LEAVER]
+        if not leavers or any((c.get("request") or {}).get("model") == LEAVER for c in gym_capture["calls"]):
+            continue
+        assert len(gym_capture["calls"]) == len(my_capture["calls"]) - len(leavers)
+        my_capture["calls"] = [c for c in my_capture["calls"] if c not in leavers]
+        my_capture["metrics"]["num_calls"] -= len(leavers)
+        taken += len(leavers)
+    return taken
 
 
 def _without_timing(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -580,7 +543,7 @@ def _without_timing(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def undocumented(differences: list[str], producer: str) -> tuple[list[str], dict[str, int]]:
+def undocumented_differences(differences: list[str], producer: str) -> tuple[list[str], dict[str, int]]:
     """The differences no documented one explains, and how many each explains. A rollout's metrics
     differ exactly when one of its calls does by a documented field (its sums follow)."""
     import re
@@ -598,7 +561,7 @@ def undocumented(differences: list[str], producer: str) -> tuple[list[str], dict
             ok = field.startswith("metrics.") and field != "metrics.num_calls"
             ok = (
                 ok
-                and any(_asks_usage(c) for c in calls_of(rollout))
+                and any(_producer_asks_usage(c) for c in scenario_calls_of(rollout))
                 and not field.endswith("latency_total_ms")
             )
             if ok:
@@ -606,8 +569,8 @@ def undocumented(differences: list[str], producer: str) -> tuple[list[str], dict
             else:
                 left.append(line)
             continue
-        call = calls_of(rollout)[int(found.group(3))]
-        for reason, pattern, applies in DOCUMENTED_PRODUCER_DIFFERENCES:
+        call = scenario_calls_of(rollout)[int(found.group(3))]
+        for reason, (pattern, applies) in DOCUMENTED_PRODUCER_DIFFERENCES.items():
             if re.search(pattern, "." + field) and applies(call, producer):
                 used[reason] = used.get(reason, 0) + 1
                 break
@@ -625,7 +588,6 @@ def rollout_id_of_record(record: dict[str, Any]) -> str | None:
     return f"{record['_ng_task_index']}-{record['_ng_rollout_index']}{suffix}"
 
 
-@pytest.mark.xdist_group("producers")
 @pytest.mark.parametrize("producer", ["middleware", "proxy"])
 def test_b_ours_read_in_nemo_gym_as_its_own_producers_captures(
     gym_merged: dict[str, Any], producer: str
@@ -636,14 +598,17 @@ def test_b_ours_read_in_nemo_gym_as_its_own_producers_captures(
     differences the contract names and says why (``DOCUMENTED_PRODUCER_DIFFERENCES``)."""
     theirs = _without_timing(gym_merged["nemo-gym"])
     ours = _without_timing(gym_merged[producer])
+    lost = _leaver_row_lost(theirs, ours)
     tally = Tally()
     compare(theirs, ours, tally)
-    left, used = undocumented(tally.differences, producer)
-    report(f"item 4: NeMo Gym's producer vs our {producer}, both read by NeMo Gym", tally)
+    left, used = undocumented_differences(tally.differences, producer)
+    if lost:
+        used["client left, row lost"] = lost
+    print_counts(f"item 4: NeMo Gym's producer vs our {producer}, both read by NeMo Gym", tally)
     for reason, count in used.items():
         print(f"    documented ({count}): {reason}", file=sys.stderr)
     assert left == []
-    assert tally.records >= 18 and tally.calls >= 47
+    assert tally.records >= 18 and tally.calls + lost >= SCENARIO_CALLS
     for theirs_record, ours_record in zip(theirs, ours, strict=True):  # the counts NeMo Gym reads
         mine, gym = ours_record.get("ng_model_call_capture"), theirs_record.get("ng_model_call_capture")
         assert (mine or {}).get("metrics", {}).get("num_calls") == (gym or {}).get("metrics", {}).get(

@@ -49,23 +49,23 @@ def test_valid_statuses_are_three_digits_from_100_to_599() -> None:
 
 
 @pytest.mark.parametrize(
-    ("error", "category"),
+    "error",
     [
-        ({"type": "rate_limit_error"}, C.RATE_LIMIT),
-        ({"type": "overloaded_error"}, C.UPSTREAM_ERROR),
-        ({"code": "invalid_request_error"}, C.CLIENT_ERROR),
-        ({"type": "permission_error"}, C.AUTH),
-        ({"code": 429}, C.RATE_LIMIT),
-        ({"code": 200}, C.UPSTREAM_ERROR),  # an error event says it failed, whatever its code
-        ({"code": True}, C.UPSTREAM_ERROR),  # a bool is no status
-        ("a bare string", C.UPSTREAM_ERROR),
-        (None, C.UPSTREAM_ERROR),
+        {"type": "rate_limit_error"},
+        {"type": "overloaded_error"},
+        {"code": "invalid_request_error"},
+        {"type": "permission_error"},
+        {"code": 429},
+        {"code": 200},
+        {"code": True},
+        "a bare string",
+        None,
     ],
 )
-def test_an_error_inside_a_stream_is_read_by_its_type_then_its_code(
-    error: object, category: ErrorCategory
-) -> None:
-    assert category_for_stream_error(error) == category
+def test_an_error_inside_a_stream_is_upstream_error_whatever_it_says(error: object) -> None:
+    """NeMo Gym 0.7.0's capture reads any error a 200 stream reports as ``upstream_error`` (its
+    status decides first, and a 200 says nothing): ours reads it so too (issue 34)."""
+    assert category_for_stream_error(error) == C.UPSTREAM_ERROR
 
 
 class ReadTimeout(Exception):

@@ -113,7 +113,7 @@ def test_a_proxied_run_enriches_as_nemo_gyms_reader_would(
     calls = run["calls"]
     assert [c["dialect"] for c in calls] == ["chat", "chat", "responses", "messages", "chat"]
     for call, dialect in zip(calls, ["chat", "chat", "responses", "messages", "chat"], strict=True):
-        forwarded = {"upstream_attempted": True, "response_source": "upstream", "upstream_status_code": 200}
+        forwarded = {"upstream_attempted": True, "response_source": "upstream", "upstream_status_code": None}
         expected = derived({"response": PLAIN[dialect], "dialect": dialect, "status_code": 200, **forwarded})
         got = {
             k: v

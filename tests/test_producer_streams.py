@@ -123,7 +123,7 @@ def test_stream_errors_are_classified() -> None:
     assert relay.complete and str(relay.assembler.error) == "upstream_error"
     chat = StreamRelay("chat")
     chat.feed(b'data: {"error": {"message": "boom", "code": 429}}\n\n')
-    assert str(chat.assembler.error) == "rate_limit"
+    assert str(chat.assembler.error) == "upstream_error"  # NeMo Gym's category, whatever the code
 
 
 def test_past_the_cap_content_stops_but_usage_is_kept() -> None:

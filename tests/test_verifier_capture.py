@@ -22,12 +22,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rollout_capture import CaptureStore, merge_model_call_capture_into_record
+from rollout_capture import CaptureRowError, CaptureStore, merge_model_call_capture_into_record
 from rollout_capture.metrics import METRIC_FIELDS
 from rollout_capture.producer import CaptureMiddleware, current_verifier_call
 from rollout_capture.producer.proxy import CaptureProxy
 from rollout_capture.producer.settings import ProxySettings
 from rollout_capture.summation import exact_sum
+from rollout_capture.whitespace_rows import read_whitespace_row, whitespace_line
 
 from .support.producer_calls import API_KEY, sdk_call
 from .support.scripted_upstream import CHAT
@@ -141,12 +142,27 @@ def test_a_verify_call_and_its_judge_are_recorded_and_told_apart(deployment: Dep
     for field in ("tokens_in", "tokens_out", "tokens_total"):
         assert owners["policy"][field] + owners["verifiers"][field] == metrics[field]
 
-    # NeMo Gym's reader counts every line of the JSONL file as a model call: the verify call's row
-    # is not one of them (an object row beside it, which ours reads), so it counts 3 calls as we do.
-    lines = (deployment.root / "2-1.capture.jsonl").read_bytes().splitlines()
-    assert len(lines) == 3 and not any(b'"kind"' in line for line in lines)
-    (apart,) = (deployment.root / "2-1.capture").iterdir()
-    assert orjson.loads(apart.read_bytes())["kind"] == "verifier_invocation"
+    # NeMo Gym's reader counts every non-blank line of the JSONL file as a model call: the verify
+    # call's row is a line of whitespace (which ours reads), so it counts 3 calls as we do; nothing
+    # of the rollout lies beside the file NeMo Gym's clear deletes.
+    lines = (deployment.root / "2-1.capture.jsonl").read_bytes().split(b"\n")
+    assert [line.strip() == b"" for line in lines] == [False, False, False, True, True]
+    assert read_whitespace_row(lines[3])["kind"] == "verifier_invocation"
+    assert sorted(p.name for p in deployment.root.glob("2-1.*")) == ["2-1.capture.jsonl"]
+
+
+def test_nemo_gyms_clear_leaves_no_verifier_evidence_behind(deployment: Deployment) -> None:
+    """NeMo Gym's own clear deletes ``R.capture.jsonl`` and the marker, nothing else: the next
+    rollout of that id must not find the verify calls of the last one (issue 34)."""
+    sdk_call(deployment.proxy.url, "5-0", "chat", stream=False)
+    verify = {"_ng_task_index": 5, "_ng_rollout_index": 0, "response": {"output": []}}
+    assert httpx.post(f"{deployment.verifier.url}/verify", json=verify, timeout=60).status_code == 200
+    assert len(merged(deployment.root, 5, 0)["verifier_invocations"]) == 1
+    (deployment.root / "5-0.capture.jsonl").unlink()  # NeMo Gym's clear_model_call_captures_for_rollouts
+    (deployment.root / "5-0.capture.incomplete").unlink(missing_ok=True)
+    capture = merged(deployment.root, 5, 0)
+    assert capture["calls"] == [] and "verifier_invocations" not in capture
+    assert capture["gaps"] == [{"code": "model_call_capture_no_records"}]
 
 
 def test_a_verify_call_under_the_prefix_keeps_its_id_and_a_failed_one_is_recorded(
@@ -209,3 +225,41 @@ def test_verifier_rows_an_older_producer_wrote_into_the_jsonl_file_still_read(tm
     assert [c["model_call_id"] for c in capture["calls"]] == ["p1", "j1"] and "gaps" not in capture
     (invocation,) = capture["verifier_invocations"]
     assert (invocation["reward"], invocation["model_call_ids"]) == (0.5, ["j1"])
+
+
+def test_verifier_rows_written_as_object_rows_beside_the_jsonl_file_still_read(tmp_path: Path) -> None:
+    """Captures of the producers between issue 34 and its review fixes hold the verify call's row
+    as an object row beside the JSONL file: ours still reads it."""
+    judge = {"model_call_id": "j1", "dialect": "chat", "verifier_invocation_id": "v1", "response": CHAT}
+    (tmp_path / "4-0.capture.jsonl").write_bytes(orjson.dumps(judge) + b"\n")
+    (tmp_path / "4-0.capture").mkdir()
+    verify = {"kind": "verifier_invocation", "verifier_invocation_id": "v1", "reward": 0.5}
+    (tmp_path / "4-0.capture" / "000000000000.json").write_bytes(orjson.dumps(verify))
+    capture = merged(tmp_path, 4, 0)
+    assert [c["model_call_id"] for c in capture["calls"]] == ["j1"] and "gaps" not in capture
+    (invocation,) = capture["verifier_invocations"]
+    assert (invocation["reward"], invocation["model_call_ids"]) == (0.5, ["j1"])
+
+
+def test_a_whitespace_row_takes_no_position_and_a_cut_one_is_damage(tmp_path: Path) -> None:
+    """A whitespace row is read where it stands and takes no ``call_index`` (NeMo Gym's reader
+    skips it: the calls after it keep NeMo Gym's indexes); one cut short by a failed write is a
+    damaged row named by its line; any other blank line is no row."""
+    verify = {"kind": "verifier_invocation", "verifier_invocation_id": "v1", "reward": 1.0}
+    calls = [{"model_call_id": f"p{n}", "dialect": "chat", "response": CHAT} for n in range(3)]
+    hidden = whitespace_line(verify)
+    assert hidden.strip() == b"" and hidden.endswith(b"\n")
+    lines = [orjson.dumps(calls[0]) + b"\n", hidden, b" \t \n", orjson.dumps(calls[1]) + b"\n"]
+    lines += [hidden[: len(hidden) // 2] + b"\n", orjson.dumps(calls[2]) + b"\n"]
+    (tmp_path / "6-0.capture.jsonl").write_bytes(b"".join(lines))
+    capture = merged(tmp_path, 6, 0)
+    assert [(c["model_call_id"], c["call_index"]) for c in capture["calls"]] == [
+        ("p0", 0),
+        ("p1", 1),
+        ("p2", 2),
+    ]
+    (invocation,) = capture["verifier_invocations"]
+    assert (invocation["verifier_invocation_id"], invocation["call_index"]) == ("v1", 1)
+    assert capture["gaps"] == [{"code": "model_call_capture_records_unreadable", "detail": "count=1"}]
+    with pytest.raises(CaptureRowError, match=r"6-0\.capture\.jsonl:5: a whitespace row"):
+        CaptureStore(tmp_path).read("6-0")

@@ -2,28 +2,25 @@
 
 A row is written under the file's lock on the caller's thread and made durable by the fsync
 that :meth:`JsonlLayout.stage_row`'s ``blocking`` step runs (spec 2). A ``verifier_invocation``
-row goes to the rollout's object rows instead (``{rollout_id}.capture/{seq}.json``): NeMo Gym's
-reader reads the JSONL file alone and counts each of its lines as a model call, so evidence that
-is no model call stays where it does not look, and where ours does (spec 4).
+row is written as a whitespace line (:mod:`rollout_capture.whitespace_rows`): NeMo Gym's reader
+counts each non-blank line as a model call and skips blank ones, so evidence that is no model
+call stays in the file, where ours reads it and NeMo Gym's clear removes it, out of NeMo Gym's
+count (spec 4).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import orjson
 
 from rollout_capture import names
-from rollout_capture.layouts.base import ClaimsMode, Layout, LayoutStrategy, StagedWrite
-from rollout_capture.layouts.objects import ObjectsLayout
-
-if TYPE_CHECKING:
-    from rollout_capture.backends import Backend
-    from rollout_capture.layouts.journal import StoreJournal
+from rollout_capture.layouts.base import Layout, LayoutStrategy, StagedWrite
+from rollout_capture.whitespace_rows import whitespace_line
 
 NOT_A_MODEL_CALL = frozenset({"verifier_invocation"})
-"""Row kinds a JSONL-layout store writes as object rows, out of NeMo Gym's sight (spec 4)."""
+"""Row kinds a JSONL-layout store writes as whitespace lines, out of NeMo Gym's count (spec 4)."""
 
 
 def row_line(row: Mapping[str, Any]) -> bytes:
@@ -36,16 +33,8 @@ class JsonlLayout(LayoutStrategy):
 
     name: ClassVar[Layout] = "jsonl"
 
-    def __init__(self, backend: Backend, claims: ClaimsMode, journal: StoreJournal) -> None:
-        super().__init__(backend, claims, journal)
-        self._apart = ObjectsLayout(backend, claims, journal)  # rows NeMo Gym must not count
-
     def stage_row(self, rollout_id: str, row: Mapping[str, Any]) -> StagedWrite:
         kind = row.get("kind")
-        if isinstance(kind, str) and kind in NOT_A_MODEL_CALL:
-            return self._apart.stage_row(rollout_id, row)
-        line = row_line(row)  # a row orjson cannot write is a failed write too
+        hidden = isinstance(kind, str) and kind in NOT_A_MODEL_CALL
+        line = whitespace_line(row) if hidden else row_line(row)  # one orjson cannot write: a failed write
         return self.backend.append_line_staged(self.backend.path(names.jsonl_name(rollout_id)), line)
-
-    def forget(self, rollout_ids: Collection[str]) -> None:
-        self._apart.forget(rollout_ids)

@@ -57,26 +57,12 @@ def category_for_status(status: int | None) -> ErrorCategory | None:
 
 
 # Error types named inside streamed error events (Anthropic's, OpenAI-compatible servers').
-_STREAM_ERROR_TYPES: dict[str, ErrorCategory] = {
-    "rate_limit_error": ErrorCategory.RATE_LIMIT,
-    "authentication_error": ErrorCategory.AUTH,
-    "permission_error": ErrorCategory.AUTH,
-    "not_found_error": ErrorCategory.NOT_FOUND,
-    "invalid_request_error": ErrorCategory.CLIENT_ERROR,
-    "request_too_large": ErrorCategory.CLIENT_ERROR,
-    "timeout_error": ErrorCategory.TIMEOUT,
-}
-
-
 def category_for_stream_error(error: Any) -> ErrorCategory:
-    """The category of an error reported inside a 200 stream (overloaded, api_error...)."""
-    if isinstance(error, dict):
-        kind = error.get("type") or error.get("code")
-        if isinstance(kind, str) and kind in _STREAM_ERROR_TYPES:
-            return _STREAM_ERROR_TYPES[kind]
-        code = error.get("code")
-        if isinstance(code, int) and not isinstance(code, bool):
-            return category_for_status(code) or ErrorCategory.UPSTREAM_ERROR
+    """The category of an error reported inside a 200 stream: ``upstream_error``, whatever its
+    type or code says (a rate limit, overloaded...), as NeMo Gym 0.7.0's capture reads it (its
+    terminal ``error`` event, a chat chunk carrying ``error``, ``response.failed``), so a stream
+    reads the same whichever producer recorded it. ``error`` is kept for the record's sake."""
+    del error
     return ErrorCategory.UPSTREAM_ERROR
 
 

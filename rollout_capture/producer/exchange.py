@@ -145,7 +145,8 @@ class Exchange:
         self.status_code = status
         if self.execution is not None and self.execution["response_source"] is None:
             self.execution["response_source"] = "upstream"
-            self.execution["upstream_status_code"] = status
+            if status >= 400:  # NeMo Gym's vllm_model keeps only an error status (its ClientResponseError's)
+                self.execution["upstream_status_code"] = status
         if _is_event_stream(headers):
             self.relay = StreamRelay(
                 self.dialect,
@@ -223,14 +224,13 @@ class Exchange:
             self.execution = {key: facts.get(key) for key in _EXECUTION_KEYS}
 
     def client_left(self) -> None:
-        """The client went away before the answer was complete, and the call is stopped. A stream
-        whose answer had begun ends here without its terminal event: NeMo Gym's rule (the stream's
-        own end decides) reads it ``stream_truncated`` (or its error status); a call with no answer
-        begun, or a plain body, is ``cancelled``."""
+        """The client went away before the answer was complete, and the call is stopped: ``cancelled``,
+        a stream begun too, as NeMo Gym's model servers record it (their
+        ``ClientDisconnectCancellationMiddleware`` cancels the call; an error status still decides
+        first, spec 5). A stream keeps what came of it."""
         if self.relay is not None and self.status_code is not None:
             self.broke_off()
-        else:
-            self.failed(ErrorCategory.CANCELLED)
+        self.failed(category_for_status(self.status_code) or ErrorCategory.CANCELLED)
 
     def broke_off(self, *, timed_out: bool = False) -> None:
         """The upstream's answer stopped before its end (dropped, fell silent, or the app raised or

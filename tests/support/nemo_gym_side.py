@@ -1,16 +1,20 @@
 """NeMo Gym's side of tests/test_nemo_gym_070.py, run by the Python 3.13 venv holding the released
-``nemo-gym`` (``make test-nemo-gym``), as processes of their own. It imports no rollout_capture.
+``nemo-gym`` (``make test-nemo-gym``), as processes of their own. It imports rollout_capture (the
+installed wheel) only to serve our middleware.
 
-- ``serve``: model servers as NeMo Gym builds them (a FastAPI app calling its upstream, NeMo Gym
-  0.7's own ``install_model_call_capture`` on it), one per name, on loopback ports; prints
-  ``{"ports": {name: port}}`` and serves until its standard input closes.
+- ``serve``: model servers as NeMo Gym builds and runs them (a FastAPI app calling its upstream,
+  NeMo Gym 0.7's own ``install_model_call_capture`` on it, or our middleware in its place, inside
+  NeMo Gym's middlewares and uvicorn settings), one per name, on loopback ports; prints
+  ``{"ports": {name: port}}``, serves until its standard input closes, then stops them.
 - ``merge``: NeMo Gym 0.7's own ``merge_model_call_capture_into_record`` on every record of a
   JSONL file, for each capture dir given, written to a file each (``sys.version`` and
   ``nemo_gym.__version__`` first).
+- ``clear``: NeMo Gym 0.7's own ``clear_model_call_captures_for_rollouts`` for the records of a
+  JSONL file, in one capture dir.
 - ``collect``: NeMo Gym's own rollout collection against its servers (see :func:`_collect`).
 
-:func:`passthrough_app` is the model server's app itself, imported by the test too, so that our
-middleware is mounted on the very same app NeMo Gym's capture is.
+:func:`model_server` is the model server itself, with NeMo Gym's capture or our middleware on
+the very same app and stack.
 """
 
 from __future__ import annotations
@@ -28,9 +32,13 @@ from typing import Any
 def passthrough_app(upstream: str) -> Any:
     """A model server that forwards each call to ``upstream`` and answers as it does (a stream as
     a stream, event by event: Starlette's ``StreamingResponse``), like NeMo Gym's servers in front
-    of vLLM. Paths come with NeMo Gym's ``/ng-rollout/<id>`` prefix stripped by the capture."""
+    of vLLM. Paths come with NeMo Gym's ``/ng-rollout/<id>`` prefix stripped by the capture. It
+    says who answered as NeMo Gym's ``vllm_model`` does (``start_model_execution``): the upstream
+    was attempted and answered, its status kept only when it is an error (``vllm_model`` learns it
+    from the ``ClientResponseError`` that ``raise_for_status`` raises for a status >= 400)."""
     import httpx
     from fastapi import FastAPI
+    from nemo_gym.base_responses_api_model import start_model_execution
     from starlette.responses import Response, StreamingResponse
     from starlette.routing import Route
 
@@ -43,6 +51,7 @@ def passthrough_app(upstream: str) -> Any:
         return clients[0]
 
     async def forward(request: Any) -> Response:  # a Starlette endpoint: no signature to read
+        execution = start_model_execution(request, upstream_attempted=True)
         sent = client().build_request(
             "POST",
             request.url.path,
@@ -50,6 +59,9 @@ def passthrough_app(upstream: str) -> Any:
             headers={"content-type": request.headers.get("content-type", "application/json")},
         )
         answer = await client().send(sent, stream=True)
+        execution["response_source"] = "upstream"
+        if answer.status_code >= 400:
+            execution["upstream_status_code"] = answer.status_code
         kind = answer.headers.get("content-type", "application/json")
         if kind.startswith("text/event-stream"):
 
@@ -69,32 +81,84 @@ def passthrough_app(upstream: str) -> Any:
     return app
 
 
-def _serve(args: argparse.Namespace) -> None:
-    import uvicorn
-    from nemo_gym.base_responses_api_model import ModelCallCaptureConfig, install_model_call_capture
+class _ServerStub:
+    """What NeMo Gym's ``SimpleServer.setup_*_middleware`` methods read of their server."""
 
-    config = ModelCallCaptureConfig(observability_enabled=True, model_call_capture_dir=Path(args.capture_dir))
-    ports: dict[str, int] = {}
-    servers = []
-    for name in args.names:
-        app = passthrough_app(args.upstream)
+    def __init__(self, name: str) -> None:
+        self.config = argparse.Namespace(name=name)
+
+    def get_session_middleware_key(self) -> str:
+        return f"PassthroughModel___{self.config.name}"
+
+
+def model_server(name: str, upstream: str, capture_dir: str, producer: str) -> Any:
+    """One model server's app as NeMo Gym builds and runs it (``SimpleResponsesAPIModel.setup_webserver``
+    then ``SimpleServer.run_webserver``): its session middleware, the capture (NeMo Gym's own
+    ``install_model_call_capture``, or ours: ``producer``), its exception middleware, and outermost
+    its ``ClientDisconnectCancellationMiddleware``, which cancels a call whose client left."""
+    from nemo_gym.base_responses_api_model import ModelCallCaptureConfig, install_model_call_capture
+    from nemo_gym.server_utils import SimpleServer
+
+    app = passthrough_app(upstream)
+    stub: Any = _ServerStub(name)
+    SimpleServer.setup_session_middleware(stub, app)
+    if producer == "nemo-gym":
+        config = ModelCallCaptureConfig(observability_enabled=True, model_call_capture_dir=Path(capture_dir))
         install_model_call_capture(app, config, model_server_name=name)
+    else:
+        from rollout_capture.producer import CaptureMiddleware  # the installed wheel's
+
+        app.add_middleware(CaptureMiddleware, capture_dir=capture_dir, server_name=name)
+    SimpleServer.setup_exception_middleware(stub, app)
+    SimpleServer.setup_cancellation_middleware(stub, app)
+    return app
+
+
+def _serve(args: argparse.Namespace) -> None:
+    """Serve until standard input closes, then stop each server and wait for it (its calls' rows
+    written): the test reads the captures once this process has exited."""
+    from functools import partial
+
+    import uvicorn
+    from nemo_gym.server_utils import GlobalAIOHTTPAsyncClientConfig, KeepaliveHttpToolsProtocol
+
+    keepalive = GlobalAIOHTTPAsyncClientConfig()  # NeMo Gym's defaults
+    ports: dict[str, int] = {}
+    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+    for name in args.names:
+        app = model_server(name, args.upstream, args.capture_dir, args.producer)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.bind(("127.0.0.1", 0))
         sock.listen(128)
         ports[name] = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-        threading.Thread(
-            target=lambda s=server, k=sock: asyncio.run(s.serve(sockets=[k])), daemon=True
-        ).start()
-        servers.append(server)
-    for server in servers:
-        while not server.started:
-            threading.Event().wait(0.01)
+        server = uvicorn.Server(
+            uvicorn.Config(  # as run_webserver configures it
+                app,
+                timeout_graceful_shutdown=0.5,
+                timeout_keep_alive=30,
+                http=partial(
+                    KeepaliveHttpToolsProtocol,
+                    keepalive=(
+                        keepalive.global_aiohttp_tcp_keepalive_idle_seconds,
+                        keepalive.global_aiohttp_tcp_keepalive_interval_seconds,
+                        keepalive.global_aiohttp_tcp_keepalive_probes,
+                    ),
+                ),
+                log_level="warning",
+                access_log=False,
+            )
+        )
+
+        thread = threading.Thread(target=asyncio.run, args=(server.serve(sockets=[sock]),))
+        thread.start()
+        servers.append((server, thread))
+    # Listening already: a call made before uvicorn accepts waits in the backlog, no wait needed.
     print(json.dumps({"ports": ports}), flush=True)
     sys.stdin.read()  # until the test closes it
-    for server in servers:
+    for server, _ in servers:
         server.should_exit = True
+    for _, thread in servers:
+        thread.join()
 
 
 def _merge(args: argparse.Namespace) -> None:
@@ -111,6 +175,14 @@ def _merge(args: argparse.Namespace) -> None:
                     json.loads(line), [Path(capture_dir)], include_payloads=args.payloads
                 )
                 out.write(json.dumps(merged) + "\n")
+
+
+def _clear(args: argparse.Namespace) -> None:
+    """NeMo Gym 0.7's own clear before dispatch, for every record of a JSONL file."""
+    from nemo_gym.base_responses_api_model import clear_model_call_captures_for_rollouts
+
+    given = [json.loads(line) for line in Path(args.records).read_text().splitlines()]
+    clear_model_call_captures_for_rollouts(given, [Path(args.capture_dir)])
 
 
 def _free_port() -> int:
@@ -204,7 +276,6 @@ def _collect(args: argparse.Namespace) -> None:
     resolved = get_global_config_dict()
     text = OmegaConf.to_yaml(resolved)
     site = Path(__import__("nemo_gym").__file__).resolve().parent.parent
-    started = time.monotonic()
     processes: list[subprocess.Popen[bytes]] = []
     ports: list[int] = []
     # Every server the resolved config names (the environment server NeMo Gym adds for an agent
@@ -231,15 +302,17 @@ def _collect(args: argparse.Namespace) -> None:
                 )
                 ports.append(int(settings["port"]))
     try:
+        # Each server's port accepting a connection is the event waited on, for as long as every
+        # server lives (the test's own timeout bounds a hang): a server's start-up on a busy machine
+        # takes what it takes, no window decides; one that exits fails this at once.
         for port in ports:
             while True:
                 assert all(p.poll() is None for p in processes), f"a NeMo Gym server exited: see {work}"
-                assert time.monotonic() - started < 900, f"NeMo Gym's servers did not start: see {work}"
                 try:
                     with socket.create_connection(("127.0.0.1", port), timeout=1):
                         break
                 except OSError:
-                    time.sleep(0.1)
+                    time.sleep(0.1)  # refused at once while nothing listens: the next try
         os.environ["NEMO_GYM_CONFIG_DICT"] = text
         config = RolloutCollectionConfig(
             agent_name=AGENT,
@@ -264,11 +337,15 @@ def main() -> None:
     serve = commands.add_parser("serve")
     serve.add_argument("--upstream", required=True)
     serve.add_argument("--capture-dir", required=True)
+    serve.add_argument("--producer", choices=["nemo-gym", "ours"], default="nemo-gym")
     serve.add_argument("names", nargs="+")
     merge = commands.add_parser("merge")
     merge.add_argument("--records", required=True)
     merge.add_argument("--payloads", action="store_true")
     merge.add_argument("merges", nargs="+", metavar="CAPTURE_DIR=OUT")
+    clear = commands.add_parser("clear")
+    clear.add_argument("--records", required=True)
+    clear.add_argument("--capture-dir", required=True)
     collect = commands.add_parser("collect")
     collect.add_argument("--upstream", required=True)
     collect.add_argument("--capture-dir", required=True)
@@ -279,7 +356,7 @@ def main() -> None:
     collect.add_argument("--parallel", type=int, default=4)
     collect.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    {"serve": _serve, "merge": _merge, "collect": _collect}[args.command](args)
+    {"serve": _serve, "merge": _merge, "clear": _clear, "collect": _collect}[args.command](args)
 
 
 if __name__ == "__main__":
