@@ -255,10 +255,10 @@ async def test_the_answer_waits_for_its_claim_but_the_call_does_not() -> None:
     writer = store.journal_writer_of("claims")
     commit = writer._commit
 
-    def slow_commit(headers: list[list[str]], lines: list[bytes]) -> int:
+    def slow_commit(headers: list[list[str]], lines: list[bytes], **how: Any) -> int:
         entered.set()
         gate.wait(10)
-        return commit(headers, lines)
+        return commit(headers, lines, **how)
 
     writer._commit = slow_commit  # type: ignore[method-assign]
     sent: list[dict[str, Any]] = []
