@@ -294,7 +294,8 @@ class JournalWriter:
                 while True:
                     # Until one commit of this writer has landed it keeps one in flight, so the
                     # first number of a journal is never a hole (readers need not look past it).
-                    taken = self._group() if self._landed_any or not self._active else []
+                    room = self._active < self.in_flight  # a bound lowered meanwhile holds the rest back
+                    taken = self._group() if room and (self._landed_any or not self._active) else []
                     if taken:
                         self._active += 1
                         self.peak_in_flight = max(self.peak_in_flight, self._active)
