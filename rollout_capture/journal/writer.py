@@ -131,6 +131,7 @@ class JournalWriter:
         self.tombstones = 0
         self.skips = 0  # numbers given up because commits existed above them
         self.looks = 0  # looks at calls' starts done (each shared by the calls that asked)
+        self.look_delay_s = LOOK_DELAY_S  # producers set 0 while answers wait for the store
         self.peak_in_flight = 0  # the most commits this writer had in flight at once
 
     def _reset(self) -> None:
@@ -207,7 +208,7 @@ class JournalWriter:
                             self._looking = False
                             return
                         continue
-                    due = self._looks[0][1] + LOOK_DELAY_S
+                    due = self._looks[0][1] + self.look_delay_s
                     now = self._clock.monotonic()
                     if self._look_hurry or now >= due:
                         break

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from rollout_capture.backends import capabilities_of
 from rollout_capture.journal import in_flight_setting
+from rollout_capture.journal.writer import LOOK_DELAY_S
 from rollout_capture.layouts import ClaimsMode, producer_layout
 from rollout_capture.producer.settings import ProducerSettings
 from rollout_capture.store import CaptureStore, ClaimContext, finish_shielded
@@ -156,7 +157,7 @@ class CaptureWriter:
         self._claims_top: int | None = None
         if self._journal and in_flight_setting() is None and not store.writes_in_place:
             self._claims_top = store.journal_writer_of("claims").in_flight
-            store.journal_writer_of("claims").in_flight = 1
+            store.journal_writer_of("rows").look_delay_s = 0.0  # as answers wait, until they show otherwise
         self._held_share = 1.0  # until answers show otherwise, claims go at once
         self._threads = _Threads(io_threads, "rollout-capture")
         self._pending = 0
@@ -300,6 +301,9 @@ class CaptureWriter:
         writer = self.store.journal_writer_of("claims")
         if writer.in_flight != bound:
             writer.in_flight = bound
+            # Answers that wait for the store (an upstream quicker than it) would wait for a
+            # row's look too: looks then go at once, unshared by calls starting just after.
+            self.store.journal_writer_of("rows").look_delay_s = LOOK_DELAY_S if bound == 1 else 0.0
 
     async def _committed(self, future: concurrent.futures.Future[int]) -> None:
         """Wait for a journal submission (a write in flight like any other)."""
