@@ -34,6 +34,9 @@ added (p50, p99), store requests per call by method over the measured calls only
 call until its store went quiet, and the rows a reader then finds (missing, doubled, claims
 left). A layout whose proxy does not start or breaks is reported as ``{"error": ...}``. JSON
 on stdout, a table of the targets beside what was measured (min .. max over rounds) on stderr.
+``--baseline REF`` (a git ref of this repository, or a checkout's directory) runs the code before
+beside it, every proxy named ``base_*``: last byte and first chunk added, store requests and CPU
+a call before and after, in one run.
 """
 
 from __future__ import annotations

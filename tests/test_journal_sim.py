@@ -73,7 +73,7 @@ def test_the_simulation_finds_a_row_put_below_a_dead_writers_commit(blind: str) 
     try:
         found = []
         for seed in range(600):
-            problems = check(simulate(Scenario(seed, calls=6, processes=3)))
+            problems = check(simulate(Scenario(seed, calls=6, processes=3, kill_rate=0.05)))
             if any("put below it" in p for p in problems):
                 found.append(seed)
                 break

@@ -132,6 +132,7 @@ class JournalWriter:
         self.skips = 0  # numbers given up because commits existed above them
         self.looks = 0  # looks at calls' starts done (each shared by the calls that asked)
         self.look_delay_s = LOOK_DELAY_S  # producers set 0 while answers wait for the store
+        self.look_in_flight = 1  # looks at once at most (producers raise it with the delay at 0)
         self.peak_in_flight = 0  # the most commits this writer had in flight at once
 
     def _reset(self) -> None:
@@ -142,7 +143,9 @@ class JournalWriter:
         self._busy: set[str] = set()  # rollouts of the commits in flight (not landed yet)
         self._active = 0  # commits taken, not landed or failed yet
         self._looks: list[tuple[concurrent.futures.Future[int], float]] = []  # asked, not started
-        self._looking = False  # the look thread is running
+        self._lookers = 0  # look threads running
+        self._looks_idle = 0  # of which waiting for a look to take
+        self._looks_active = 0  # looks in progress
         self._look_hurry = False  # a row waits for a look not started yet
         self._landed_any = False
         self._starting = False  # a thread is looking the tail up
@@ -189,8 +192,8 @@ class JournalWriter:
             if self._pid != os.getpid():
                 self._reset()
             self._looks.append((future, self._clock.monotonic()))
-            if not self._looking:
-                self._looking = True
+            if self._looks_idle == 0 and self._lookers < self.look_in_flight:
+                self._lookers += 1
                 self._clock.start_thread(self._look_run, "rollout-capture-journal-look")
             self._cond.notify_all()
         return future
@@ -202,18 +205,23 @@ class JournalWriter:
     def _look_run(self) -> None:
         while True:
             with self._cond:
-                while True:
-                    if not self._looks:
-                        if not self._cond.wait(timeout=30.0) and not self._looks:
-                            self._looking = False
-                            return
-                        continue
-                    due = self._looks[0][1] + self.look_delay_s
-                    now = self._clock.monotonic()
-                    if self._look_hurry or now >= due:
-                        break
-                    self._cond.wait(timeout=due - now)
+                self._looks_idle += 1
+                try:
+                    while True:
+                        if not self._looks or self._looks_active >= self.look_in_flight:
+                            if not self._cond.wait(timeout=30.0) and not self._looks:
+                                self._lookers -= 1  # idle: a later look starts a fresh thread
+                                return
+                            continue
+                        due = self._looks[0][1] + self.look_delay_s
+                        now = self._clock.monotonic()
+                        if self._look_hurry or now >= due:
+                            break
+                        self._cond.wait(timeout=due - now)
+                finally:
+                    self._looks_idle -= 1
                 taken, self._looks, self._look_hurry = self._looks, [], False
+                self._looks_active += 1
             try:
                 mark = self._look_once()
             except Exception as exc:  # the rows commit then looks itself
@@ -223,6 +231,10 @@ class JournalWriter:
                 self.looks += 1
                 for future, _ in taken:
                     future.set_result(mark)
+            finally:
+                with self._cond:
+                    self._looks_active -= 1
+                    self._cond.notify_all()
 
     def _look_once(self) -> int:
         """The highest commit at or above this writer's next number (the tail looked up first);

@@ -157,7 +157,8 @@ class CaptureWriter:
         self._claims_top: int | None = None
         if self._journal and in_flight_setting() is None and not store.writes_in_place:
             self._claims_top = store.journal_writer_of("claims").in_flight
-            store.journal_writer_of("rows").look_delay_s = 0.0  # as answers wait, until they show otherwise
+            rows = store.journal_writer_of("rows")  # as answers wait, until they show otherwise:
+            rows.look_delay_s, rows.look_in_flight = 0.0, self._claims_top  # looks at once
         self._held_share = 1.0  # until answers show otherwise, claims go at once
         self._threads = _Threads(io_threads, "rollout-capture")
         self._pending = 0
@@ -303,7 +304,8 @@ class CaptureWriter:
             writer.in_flight = bound
             # Answers that wait for the store (an upstream quicker than it) would wait for a
             # row's look too: looks then go at once, unshared by calls starting just after.
-            self.store.journal_writer_of("rows").look_delay_s = LOOK_DELAY_S if bound == 1 else 0.0
+            rows = self.store.journal_writer_of("rows")
+            rows.look_delay_s, rows.look_in_flight = (LOOK_DELAY_S, 1) if bound == 1 else (0.0, bound)
 
     async def _committed(self, future: concurrent.futures.Future[int]) -> None:
         """Wait for a journal submission (a write in flight like any other)."""

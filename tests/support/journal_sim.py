@@ -484,6 +484,8 @@ def simulate(scenario: Scenario) -> Outcome:
         process.writer = JournalWriter(
             cast(Backend, store.view(readonly=False)), "rows", in_flight=in_flight, clock=clock
         )
+        process.writer.look_delay_s = rng.choice((0.0, writer_module.LOOK_DELAY_S))  # paced by answers
+        process.writer.look_in_flight = rng.choice((1, 1, 2, 3))
         processes.append(process)
         return process
 
