@@ -34,6 +34,9 @@ added (p50, p99), store requests per call by method over the measured calls only
 call until its store went quiet, and the rows a reader then finds (missing, doubled, claims
 left). A layout whose proxy does not start or breaks is reported as ``{"error": ...}``. JSON
 on stdout, a table of the targets beside what was measured (min .. max over rounds) on stderr.
+``--baseline REF`` (a git ref of this repository, or a checkout's directory) runs the code before
+beside it, every proxy named ``base_*``: last byte and first chunk added, store requests and CPU
+a call before and after, in one run.
 """
 
 from __future__ import annotations
@@ -102,6 +105,25 @@ def start_upstream(delay_s: float, http: str, loop: str) -> tuple[subprocess.Pop
     )
     assert proc.stdout is not None
     return proc, f"http://127.0.0.1:{int(proc.stdout.readline())}"
+
+
+def baseline_checkout(baseline: str, work: Path) -> Path:
+    """The code before, to run beside this tree's: a directory as it is, else a git ref of this
+    repository (``main``, ``HEAD~3``, a commit), unpacked from ``git archive`` under ``work``."""
+    given = Path(baseline)
+    if given.is_dir():
+        return given.resolve()
+    target = work / "baseline"
+    target.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", baseline], capture_output=True, check=False
+    )
+    if archive.returncode != 0:
+        raise SystemExit(
+            f"--baseline {baseline!r}: neither a directory nor a git ref: {archive.stderr.decode()}"
+        )
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    return target
 
 
 def start_proxy(
@@ -854,7 +876,9 @@ def store_main(args: argparse.Namespace) -> None:
     try:
         moto.make_bucket(STORE_BUCKET)
         upstream, upstream_url = start_upstream(args.delay_ms / 1000, args.http, args.loop)
-        checkouts = [("", ROOT)] + ([("base_", Path(args.baseline).resolve())] if args.baseline else [])
+        checkouts = [("", ROOT)] + (
+            [("base_", baseline_checkout(args.baseline, work))] if args.baseline else []
+        )
         for (tag, checkout), spec in [(c, s) for s in layouts for c in checkouts]:
             name = tag + "s3_" + spec
             layout, in_flight = layout_spec(spec)
@@ -1023,8 +1047,9 @@ def main() -> None:
     parser.add_argument(
         "--baseline",
         default=None,
-        help="with --store: a checkout (e.g. `git archive main` unpacked) whose proxy runs each "
-        "--layouts and --disk-layouts too, named base_s3_* and base_disk_*: before and after in one run",
+        help="with --store: the code before, a directory (a checkout) or a git ref of this repository "
+        "(e.g. main, a commit: unpacked from git archive), whose proxy runs each --layouts and "
+        "--disk-layouts too, named base_s3_* and base_disk_*: before and after in one run",
     )
     parser.add_argument(
         "--store-latency-ms", type=float, default=20.0, help="with --store: added per store request"

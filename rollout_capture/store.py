@@ -91,6 +91,7 @@ class ClaimContext:
         self._model_call_id = model_call_id
         self._ttl_s = ttl_s
         self.claim: Claim | None = None
+        self.look: concurrent.futures.Future[int] | None = None  # the journal's, at the call's start
 
     def _acquire(self) -> Claim:
         claim = new_claim(self._model_call_id, self._ttl_s)
@@ -105,6 +106,7 @@ class ClaimContext:
         if not strategy.submits:
             return None
         claim = new_claim(self._model_call_id, self._ttl_s)
+        self.look = strategy.look()  # what the row lands above: taken now, hidden behind the upstream
         future = strategy.submit_claim(self._rollout_id, claim)
         self.claim = claim
         return future
@@ -266,14 +268,18 @@ class CaptureStore:
     ) -> concurrent.futures.Future[int]:
         """Journal layout: submit a row (built by the committer when ``row`` is a function) and the
         release of ``release``'s claim, to land in one commit; the future says when they are durable.
+        The row lands above what existed at the claim's start (its look), with no look of its own.
 
         The caller marks the rollout incomplete if the future fails (:meth:`mark_incomplete`).
         """
         released = None
-        if release is not None and release.claim is not None:
-            released = (release.rollout_id, release.claim.claim_id)
-            release.claim = None  # released with the row, whatever happens to it
-        return self._journal.submit_row(rollout_id, row, released)
+        look = None
+        if release is not None:
+            look, release.look = release.look, None
+            if release.claim is not None:
+                released = (release.rollout_id, release.claim.claim_id)
+                release.claim = None  # released with the row, whatever happens to it
+        return self._journal.submit_row(rollout_id, row, released, look)
 
     def claim(
         self, rollout_id: str, model_call_id: str | None = None, ttl_s: float = DEFAULT_CLAIM_TTL_S

@@ -255,10 +255,10 @@ async def test_the_answer_waits_for_its_claim_but_the_call_does_not() -> None:
     writer = store.journal_writer_of("claims")
     commit = writer._commit
 
-    def slow_commit(headers: list[list[str]], lines: list[bytes]) -> int:
+    def slow_commit(headers: list[list[str]], lines: list[bytes], **how: Any) -> int:
         entered.set()
         gate.wait(10)
-        return commit(headers, lines)
+        return commit(headers, lines, **how)
 
     writer._commit = slow_commit  # type: ignore[method-assign]
     sent: list[dict[str, Any]] = []
@@ -721,3 +721,43 @@ def test_a_malformed_in_flight_setting_is_refused_when_the_producer_starts(
         writer_for(settings)
     assert repr(value) in str(raised.value)
     assert not (tmp_path / JOURNAL_DIR).exists()  # nothing written
+
+
+@pytest.fixture(params=["local", "s3", "gcs", "azure"])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any]]:
+    """A fresh capture root on a local disk, moto, fake-gcs-server or Azurite."""
+    if request.param == "local":
+        return str(tmp_path / "caps"), {}
+    from tests.conftest import open_store
+
+    opened = open_store(request, request.param)
+    return opened.url("caps"), opened.storage_options
+
+
+def test_a_row_lands_above_every_commit_that_existed_at_its_calls_start(
+    any_store: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 37: the look is taken at the call's start, beside its claim. A dead writer's commit 2
+    (the rollout's first row) stood above the hole 1 when the call began: the call's row lands
+    above it, the hole is filled with a tombstone, and the row's commit looks at nothing once the
+    upstream has answered (its look was done while the upstream answered: one put)."""
+    url, options = any_store
+    store = journal(url, options)
+    store.record("y-0", {**ROW, "model_call_id": "y-first"})  # commit 0: the writer's next is 1
+    backend = store._backend
+    backend.create(backend.path(commit_name(2)), _one_row("r-0", "dead-writers"))  # 1 never landed
+    call = store.claim("r-0", "y-second")
+    claimed = call.start()  # the call begins: its claim and its look
+    assert claimed is not None and call.look is not None
+    claimed.result(30)
+    assert call.look.result(30) == 2  # what existed above the writer's next number
+    looked: list[str] = []
+    for name in ("existing", "exists"):
+        real = getattr(backend, name)
+        monkeypatch.setattr(backend, name, lambda *a, _n=name, _real=real: looked.append(_n) or _real(*a))
+    seq = store.journal_record("r-0", {**ROW, "model_call_id": "y-second"}, release=call).result(30)
+    assert seq == 3 and looked == []  # above the dead writer's commit, with no look after the answer
+    assert _ids(reader(url, options).read("r-0")) == ["dead-writers", "y-second"]
+    assert reader(url, options).live_claims("r-0") == []  # released with the row
+    hole = backend.read_many([backend.path(commit_name(1))])[0]
+    assert hole is not None and decode_commit(1, hole).headers == []  # a tombstone, not a real commit

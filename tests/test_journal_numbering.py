@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from rollout_capture.journal.numbering import Numbering
 
-Op = st.sampled_from(["take", "land", "taken", "fail", "skip", "learn", "pay"])
+Op = st.sampled_from(["take", "land", "taken", "fail", "skip", "learn", "pay", "begin"])
 
 
 def _check(numbers: Numbering, exists: set[int]) -> None:
@@ -53,9 +53,15 @@ def test_the_bookkeeping_keeps_its_invariants(ops: list[tuple[str, int]]) -> Non
                 above = seq + 1 + k % 3
                 exists.add(above)
                 numbers.learn(above)
+                existed = seq in exists
                 new = numbers.skip(seq, [above])
-                assert new > above and seq in numbers.debts
+                assert new > above and (seq in numbers.debts) != existed  # filled unless it exists
+
                 out.append(new)
+        elif op == "begin" and numbers.next is None:
+            free = next(n for n in range(numbers.floor, 10_000) if n not in exists)
+            numbers.begin_at(free, {n for n in exists if n < free})
+            assert numbers.next == free and not numbers.trying
         elif op == "learn" and exists:
             numbers.learn(sorted(exists)[k % len(exists)])
         elif op == "pay" and numbers.debts:

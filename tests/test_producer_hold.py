@@ -41,11 +41,21 @@ class Producer:
     """A proxy (in front of its own scripted upstream) or the middleware (around it), writing the
     journal to the bucket behind ``via``; ``app`` is the upstream whose ``sent`` times are truth."""
 
-    def __init__(self, kind: str, via: S3, prefix: str, *, upstream: str | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        via: S3,
+        prefix: str,
+        *,
+        upstream: str | None = None,
+        max_body_bytes: int | None = None,
+    ) -> None:
         self.app = ScriptedUpstream()
         self.capture_dir = via.url(prefix)
         self.upstream: ThreadedServer | None = None
         common: dict[str, Any] = {"capture_dir": self.capture_dir, "storage_options": via.storage_options}
+        if max_body_bytes is not None:
+            common["max_body_bytes"] = max_body_bytes
         served: Any
         if kind == "proxy":
             self.upstream = ThreadedServer(self.app)
@@ -75,7 +85,8 @@ def producer(
     request: pytest.FixtureRequest, flaky_s3: tuple[S3, FaultProxy]
 ) -> Iterator[tuple[Producer, FaultProxy]]:
     via, wire = flaky_s3
-    served = Producer(request.param, via, "caps")
+    cap = request.node.get_closest_marker("body_cap")  # a test's own body cap, in bytes
+    served = Producer(request.param, via, "caps", max_body_bytes=cap.args[0] if cap is not None else None)
     try:
         with httpx.Client(base_url=served.url) as client:  # the journal's first commits, out of the way
             client.post("/ng-rollout/warm-0/v1/chat/completions", json={"model": "scripted"}).read()
@@ -153,6 +164,40 @@ def test_the_answer_waits_for_its_claim_and_is_timed_at_the_upstream(
     assert hold_s >= released - row["completed_at"] - 0.002
     assert row["latency_ttft_ms"] < row["capture_hold_ms"]
     assert served.store.claims(["held-1"]) == {}
+
+
+@pytest.mark.body_cap(256)
+def test_an_answer_past_the_body_cap_is_timed_at_the_upstream_not_the_hold(
+    producer: tuple[Producer, FaultProxy],
+) -> None:
+    """Past the body cap the answer no longer waits in memory: the upstream goes unread until the
+    claim is durable. That wait is ours, not the model's: ``latency_ms`` (and ``completed_at``)
+    leave it out, and the hold is recorded apart (issue 37: 2962 ms recorded, 2958 of it the hold)."""
+    served, wire = producer
+    tag = uuid.uuid4().hex
+    _hold_claims(wire, served)
+    request = {"model": "scripted-slow-0.01", "messages": [], "stream": True, "user": tag}
+    done: dict[str, Any] = {}
+
+    def call() -> None:
+        with httpx.Client(base_url=served.url, timeout=30) as client:
+            done["answer"] = client.post("/ng-rollout/capped-1/v1/chat/completions", json=request)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    wait_for(lambda: wire.held == 1, 10, "the claim commit held on the wire")
+    wait_for(lambda: "first" in served.sent(tag), 5, "the upstream's answer begun while the claim is held")
+    time.sleep(HELD_S)  # the claim stays on the wire: the answer is past the cap, the upstream unread
+    released = time.time()
+    wire.release_held()
+    thread.join(30)
+    assert done["answer"].status_code == 200 and done["answer"].text.endswith("data: [DONE]\n\n")
+    (row,) = wait_for(lambda: served.store.read("capped-1"), 10, "the row")
+    assert row["error_category"] is None and row["capture_hold_ms"] / 1000.0 >= HELD_S
+    # What the row says ends before the claim was let go: the hold is not in the answer's time
+    # (the upstream's 13 events 10 ms apart, against a hold of HELD_S).
+    assert row["completed_at"] < released
+    assert row["latency_ms"] < row["capture_hold_ms"]
 
 
 def _free_port() -> int:
@@ -241,8 +286,9 @@ async def test_a_middleware_call_cancelled_while_its_claim_is_on_the_wire_still_
 def test_a_claim_is_put_while_another_calls_claim_is_on_the_wire(
     producer: tuple[Producer, FaultProxy],
 ) -> None:
-    """The hold is one claim commit, not a queue of them: a call's claim goes on the wire while
-    another call's claim commit is still there (producers keep 4 in flight), not after it lands."""
+    """The hold is one claim commit, not a queue of them: while answers wait for their claims, a
+    call's claim goes on the wire while another call's claim commit is still there (producers
+    keep up to 4 in flight), not after it lands."""
     served, wire = producer
     _hold_claims(wire, served)
     first = Client(served.url, "queue-a", uuid.uuid4().hex, stream=False)
@@ -254,3 +300,44 @@ def test_a_claim_is_put_while_another_calls_claim_is_on_the_wire(
     for client in (first, second):
         client.thread.join(30)
         assert client.error is None and client.status == 200
+
+
+def test_claims_are_grouped_while_answers_do_not_wait_for_them(flaky_s3: tuple[S3, FaultProxy]) -> None:
+    """Claims pacing (issue 37): while almost no answer waits for its claim (the upstream slower
+    than a claim commit), claims keep one commit in flight, so the claims of calls that start while
+    one is on the wire ride in one put; once answers wait, they go at once again (up to 4)."""
+    from rollout_capture.producer.writer import CaptureWriter
+
+    via, wire = flaky_s3
+    store = CaptureStore(via.url("paced"), storage_options=via.storage_options, layout="journal")
+    writer = CaptureWriter(store, claim_ttl_s=60.0)
+    claims = store.journal_writer_of("claims")
+    store.claim("warm-0", "m").start().result(30)  # type: ignore[union-attr]
+    bucket_path = via.url("paced").removeprefix("s3://")
+
+    def claim_puts_while_one_is_held(calls: int) -> int:
+        before, held = wire.requests.get("PUT", 0), wire.held
+        wire.hold_on(f"PUT /{bucket_path}/_journal/claims/".encode())
+        first = store.claim("paced-0", "m").start()
+        wait_for(lambda: wire.held == held + 1, 10, "the first claim commit held on the wire")
+        rest = []
+        for n in range(1, calls):
+            rest.append(store.claim(f"paced-{n}", "m").start())
+            if claims.in_flight > 1:  # it goes at once: on the wire before the next starts
+                wait_for(lambda n=n: wire.requests.get("PUT", 0) >= before + n, 10, f"claim {n} put")
+        wire.release_held()
+        for future in [first, *rest]:
+            assert future is not None
+            future.result(30)
+        return wire.requests.get("PUT", 0) - before
+
+    for _ in range(200):
+        writer.answer_waited(False)
+    assert claims.in_flight == 1 and store.journal_writer_of("rows").look_delay_s > 0  # looks shared
+    assert claim_puts_while_one_is_held(4) == 2  # the held one; the three that started meanwhile: one
+    for _ in range(10):
+        writer.answer_waited(True)
+    rows = store.journal_writer_of("rows")
+    assert claims.in_flight == 4 and (rows.look_delay_s, rows.look_in_flight) == (0, 2)  # looks at once
+    assert claim_puts_while_one_is_held(4) == 4  # each at once, beside the one on the wire
+    writer.close()

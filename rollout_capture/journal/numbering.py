@@ -53,11 +53,18 @@ class Numbering:
         self._normalize()
         return self._hand_out(max(found, self.next or 0))
 
+    def begin_at(self, found: int, seen: set[int]) -> None:
+        """The tail was looked up (for a look, nothing handed out): hand out from ``found`` on."""
+        self.known |= seen
+        self._normalize()
+        self.next = max(found, self.next or 0)
+
     def skip(self, seq: int, above: list[int]) -> int:
-        """Give ``seq`` up (a debt: it is filled with a tombstone) because commits exist above it;
-        hand out the number past the highest of them."""
+        """Give ``seq`` up (a debt: it is filled with a tombstone, unless known to exist) because
+        commits exist above it; hand out the number past the highest of them."""
         self.trying.discard(seq)
-        self.debts.add(seq)
+        if seq >= self.floor and seq not in self.known:
+            self.debts.add(seq)
         return self._hand_out(max(self.next or 0, max(above) + 1))
 
     def _hand_out(self, seq: int) -> int:

@@ -70,11 +70,27 @@ def in_flight_bound(backend: Backend, stream: Stream = "rows") -> int:
     return setting[stream]
 
 
+LOOK_DELAY_S = 0.04
+"""How long a call's look (:meth:`JournalWriter.look`) may wait for others to share it: looks
+start one at a time, each serving every call that asked before it started, at the latest this
+long after the oldest asked, or at once when a row waits for one (the upstream was quick)."""
+_LOOK_WINDOW = 2 * commits.LOOK_AHEAD  # numbers one look's listing covers
+
+
 @dataclass(slots=True)
 class _Submission:
     entries: list[Entry]
     future: concurrent.futures.Future[int]
     rollouts: frozenset[str]
+    look: concurrent.futures.Future[int] | None = None
+
+    def above(self) -> int | None:
+        """The number this submission must land above, from its call's look; None when it has none
+        (or it failed): then its commit looks above its own number before the put."""
+        look = self.look
+        if look is None or look.cancelled() or look.exception() is not None:
+            return None
+        return look.result()
 
 
 class JournalWriter:
@@ -114,6 +130,9 @@ class JournalWriter:
         self.tries = 0
         self.tombstones = 0
         self.skips = 0  # numbers given up because commits existed above them
+        self.looks = 0  # looks at calls' starts done (each shared by the calls that asked)
+        self.look_delay_s = LOOK_DELAY_S  # producers set 0 while answers wait for the store
+        self.look_in_flight = 1  # looks at once at most (producers raise it with the delay at 0)
         self.peak_in_flight = 0  # the most commits this writer had in flight at once
 
     def _reset(self) -> None:
@@ -123,19 +142,33 @@ class JournalWriter:
         self._idle = 0
         self._busy: set[str] = set()  # rollouts of the commits in flight (not landed yet)
         self._active = 0  # commits taken, not landed or failed yet
+        self._looks: list[tuple[concurrent.futures.Future[int], float]] = []  # asked, not started
+        self._lookers = 0  # look threads running
+        self._looks_idle = 0  # of which waiting for a look to take
+        self._looks_active = 0  # looks in progress
+        self._look_hurry = False  # a row waits for a look not started yet
         self._landed_any = False
         self._starting = False  # a thread is looking the tail up
         self._numbers = Numbering()  # what is known of the stream's numbers (under the lock)
 
-    def submit(self, entries: Sequence[Entry]) -> concurrent.futures.Future[int]:
-        """Queue entries to land together in one commit; the future has the commit's number."""
+    def submit(
+        self, entries: Sequence[Entry], *, look: concurrent.futures.Future[int] | None = None
+    ) -> concurrent.futures.Future[int]:
+        """Queue entries to land together in one commit; the future has the commit's number.
+
+        ``look``: the :meth:`look` taken at the call's start. The commit then lands above every
+        commit that existed then, with no look of its own (one put); without it the commit looks
+        above its number before the put (spec 2: never below an existing commit)."""
         future: concurrent.futures.Future[int] = concurrent.futures.Future()
         listed = list(entries)
-        submission = _Submission(listed, future, frozenset(e.rollout_id for e in listed))
+        submission = _Submission(listed, future, frozenset(e.rollout_id for e in listed), look)
         with self._cond:
             if self._pid != os.getpid():  # a forked child: its parent's threads are not here
                 self._reset()
             self._queue.append(submission)
+            if look is not None and not look.done():
+                self._look_hurry = True  # the row is ready: its look goes now
+                look.add_done_callback(self._looked)
             self._cond.notify_all()
             if self._idle == 0 and self._workers < self.in_flight:
                 self._workers += 1
@@ -145,6 +178,105 @@ class JournalWriter:
     def write(self, entries: Sequence[Entry]) -> int:
         """Submit and wait: the entries are durable when this returns."""
         return self.submit(entries).result()
+
+    # -- looks: what existed at a call's start
+
+    def look(self) -> concurrent.futures.Future[int]:
+        """Look at the stream now, at a call's start: the future has the highest commit number
+        that existed (or was known to) above this writer's next number, -1 for none. A row
+        submitted with it (:meth:`submit`) lands above all of them: a row needs to be above only
+        what was durable before its call began, so the look is taken while the upstream answers,
+        and shared by the calls that start meanwhile (one listing, :data:`LOOK_DELAY_S`)."""
+        future: concurrent.futures.Future[int] = concurrent.futures.Future()
+        with self._cond:
+            if self._pid != os.getpid():
+                self._reset()
+            self._looks.append((future, self._clock.monotonic()))
+            if self._looks_idle == 0 and self._lookers < self.look_in_flight:
+                self._lookers += 1
+                self._clock.start_thread(self._look_run, "rollout-capture-journal-look")
+            self._cond.notify_all()
+        return future
+
+    def _looked(self, _: concurrent.futures.Future[int]) -> None:
+        with self._cond:
+            self._cond.notify_all()  # a row held for its look may go
+
+    def _look_run(self) -> None:
+        while True:
+            with self._cond:
+                self._looks_idle += 1
+                try:
+                    while True:
+                        if not self._looks or self._looks_active >= self.look_in_flight:
+                            if not self._cond.wait(timeout=30.0) and not self._looks:
+                                self._lookers -= 1  # idle: a later look starts a fresh thread
+                                return
+                            continue
+                        due = self._looks[0][1] + self.look_delay_s
+                        now = self._clock.monotonic()
+                        if self._look_hurry or now >= due:
+                            break
+                        self._cond.wait(timeout=due - now)
+                finally:
+                    self._looks_idle -= 1
+                taken, self._looks, self._look_hurry = self._looks, [], False
+                self._looks_active += 1
+            try:
+                mark = self._look_once()
+            except Exception as exc:  # the rows commit then looks itself
+                for future, _ in taken:
+                    future.set_exception(exc)
+            else:
+                self.looks += 1
+                for future, _ in taken:
+                    future.set_result(mark)
+            finally:
+                with self._cond:
+                    self._looks_active -= 1
+                    self._cond.notify_all()
+
+    def _look_once(self) -> int:
+        """The highest commit at or above this writer's next number (the tail looked up first);
+        listings of :data:`_LOOK_WINDOW` numbers, again above the highest found until one finds
+        none (a dead writer's commits stand at most :data:`~.commits.LOOK_AHEAD` above its hole)."""
+        with self._cond:
+            while self._starting:
+                self._cond.wait()
+            start = self._numbers.next
+            if start is None:
+                self._starting = True
+        if start is None:
+            try:
+                found, seen = self._lookup(None)
+            finally:
+                with self._cond:
+                    self._starting = False
+                    self._cond.notify_all()
+            with self._cond:
+                self._numbers.begin_at(found, seen)
+            start = found
+        mark = -1
+        low = start
+        while True:
+            ahead = list(range(low, low + _LOOK_WINDOW))
+            found_there = self._backend.existing(
+                [self._backend.path(commit_name(n, self.stream)) for n in ahead]
+            )
+            there = [n for n, exists in zip(ahead, found_there, strict=True) if exists]
+            for n in there:
+                self._note_existing(n, None)
+            if not there:
+                return mark
+            mark = max(mark, *there)
+            if len(there) == len(ahead):  # a long run: the tail looked up, then listed above it
+                seen = set()
+                low = first_free(self._backend, mark + 1, self.stream, seen=seen)
+                for n in seen:
+                    self._note_existing(n, None)
+                mark = max(mark, *seen) if seen else mark
+            else:
+                low = mark + 1
 
     # -- taking work
 
@@ -156,7 +288,8 @@ class JournalWriter:
         entries = 0
         for submission in self._queue:
             too_many = bool(taken) and entries + len(submission.entries) > MAX_COMMIT_ENTRIES
-            if too_many or not submission.rollouts.isdisjoint(blocked):
+            looking = submission.look is not None and not submission.look.done()
+            if too_many or looking or not submission.rollouts.isdisjoint(blocked):
                 blocked |= submission.rollouts  # later ones of these rollouts wait behind it
                 rest.append(submission)
                 continue
@@ -174,7 +307,8 @@ class JournalWriter:
                 while True:
                     # Until one commit of this writer has landed it keeps one in flight, so the
                     # first number of a journal is never a hole (readers need not look past it).
-                    taken = self._group() if self._landed_any or not self._active else []
+                    room = self._active < self.in_flight  # a bound lowered meanwhile holds the rest back
+                    taken = self._group() if room and (self._landed_any or not self._active) else []
                     if taken:
                         self._active += 1
                         self.peak_in_flight = max(self.peak_in_flight, self._active)
@@ -196,8 +330,14 @@ class JournalWriter:
                     continue
                 headers = [e.header() for s in ready for e in s.entries]
                 lines = [line for s in ready for line in held[id(s)]]
+                marks = [s.above() for s in ready]
+                unlooked = any(
+                    m is None and any(e.op != "claim" for e in s.entries)
+                    for m, s in zip(marks, ready, strict=True)
+                )
+                above = max((m for m in marks if m is not None), default=-1)
                 try:
-                    seq = self._commit(headers, lines)
+                    seq = self._commit(headers, lines, above=above, look=unlooked)
                 except BaseException as exc:
                     for submission in ready:
                         submission.future.set_exception(exc)
@@ -244,13 +384,21 @@ class JournalWriter:
 
     # -- numbers
 
-    def _commit(self, headers: list[list[str]], lines: list[bytes]) -> int:
-        """Land one commit and wait until every number below it exists; its number."""
+    def _commit(
+        self, headers: list[list[str]], lines: list[bytes], *, above: int = -1, look: bool = True
+    ) -> int:
+        """Land one commit and wait until every number below it exists; its number. ``above``: a
+        number it must land above (its calls' looks); ``look``: look above its number first (some
+        entry that orders something came with no look of its call's start)."""
         nonce = os.urandom(16).hex()
         seq = self._numbered(headers)
-        ordered = any(h[0] != "claim" for h in headers)
+        ordered = look and any(h[0] != "claim" for h in headers)
         taken = 0
         while True:
+            if seq <= above:
+                with self._cond:
+                    seq = self._numbers.skip(seq, [above])  # ``seq`` ours to fill, unless it exists
+                    self.skips += 1
             if ordered:
                 seq = self._above_all(seq, headers)
             self.tries += 1
@@ -304,27 +452,29 @@ class JournalWriter:
             self._starting = True
             start = self._numbers.next
         try:
-            seen: set[int] = set()
-            if start is None:
-                hint = self._tail_hint() if self._tail_hint is not None else 0
-                with self._cond:
-                    self._numbers.raise_floor(hint)  # what a reader read exists
-                start = hint
-            found = first_free(self._backend, start, self.stream, seen=seen)
-            below = None
-            if found > start:  # the header of the one below tells how far down all exist
-                below = self._backend.read_many([self._backend.path(commit_name(found - 1, self.stream))])[0]
-        except BaseException:
+            found, seen = self._lookup(start)
+        finally:
             with self._cond:
                 self._starting = False
                 self._cond.notify_all()
-            raise
-        if below is not None:
-            self._note_existing(found - 1, below)
         with self._cond:
-            self._starting = False
-            self._cond.notify_all()
             return self._numbers.start_at(found, seen)
+
+    def _lookup(self, start: int | None) -> tuple[int, set[int]]:
+        """The stream's tail from ``start`` (None: from the reader's hint): a free number just above
+        one that exists, and the numbers seen existing (the caller holds ``_starting``)."""
+        seen: set[int] = set()
+        if start is None:
+            hint = self._tail_hint() if self._tail_hint is not None else 0
+            with self._cond:
+                self._numbers.raise_floor(hint)  # what a reader read exists
+            start = hint
+        found = first_free(self._backend, start, self.stream, seen=seen)
+        if found > start:  # the header of the one below tells how far down all exist
+            below = self._backend.read_many([self._backend.path(commit_name(found - 1, self.stream))])[0]
+            if below is not None:
+                self._note_existing(found - 1, below)
+        return found, seen
 
     def _above_all(self, seq: int, headers: list[list[str]]) -> int:
         """A number above every commit that exists near ``seq``, for a commit whose place orders

@@ -84,6 +84,11 @@ class LayoutStrategy(ABC):
         journal); None where a claim is written by :meth:`acquire_claim` instead."""
         return None
 
+    def look(self) -> concurrent.futures.Future[int] | None:
+        """At a call's start, beside its claim: what its row must land above (the journal, spec 2);
+        None where rows are ordered otherwise."""
+        return None
+
     def submit_release(self, rollout_id: str, claim_id: str) -> concurrent.futures.Future[int] | None:
         """Submit the release of a claim and return at once with a future saying when it is
         durable (the journal); None where :meth:`release_claim` releases instead."""

@@ -57,13 +57,15 @@ class StoreJournal:
         rollout_id: str,
         row: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
         release: tuple[str, str] | None,
+        look: concurrent.futures.Future[int] | None = None,
     ) -> concurrent.futures.Future[int]:
         """Submit a row (built by the committer when ``row`` is a function) and, when ``release``
-        names a claim (``(rollout_id, claim_id)``), its release, to land in one commit."""
+        names a claim (``(rollout_id, claim_id)``), its release, to land in one commit; ``look``,
+        taken at the call's start, is what the commit lands above (no look of its own)."""
         entries = [row_entry(rollout_id, row)]
         if release is not None:
             entries.append(release_entry(*release))
-        return self.writer_of("rows").submit(entries)
+        return self.writer_of("rows").submit(entries, look=look)
 
     def _tail(self, stream: Stream) -> int:
         """Where the next commit may be: all below what this store has read exist already."""
@@ -95,6 +97,9 @@ class JournalLayout(LayoutStrategy):
 
     def submit_claim(self, rollout_id: str, claim: Claim) -> concurrent.futures.Future[int]:
         return self.journal.writer_of("claims").submit([claim_entry(rollout_id, claim)])
+
+    def look(self) -> concurrent.futures.Future[int]:
+        return self.journal.writer_of("rows").look()
 
     def release_claim(self, rollout_id: str, claim_id: str) -> None:
         self.journal.writer_of("rows").write([release_entry(rollout_id, claim_id)])

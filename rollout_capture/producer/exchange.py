@@ -91,6 +91,9 @@ class Exchange:
         self._claiming: asyncio.Future[ClaimContext | None] | None = None  # a claim written meanwhile
         self._gated = False  # the answer's first byte waits for a claim written meanwhile (spec 11)
         self._answer_ready: float | None = None  # when the answer's first message was ready to go
+        self._paused = 0.0  # seconds the upstream went unread, its answer past the cap waiting for the claim
+        self._paused_at_first = 0.0  # of which before its first byte
+        self._writer: CaptureWriter | None = None  # whose claim pacing hears if the answer waited
         self._claim_settled: float | None = None  # when the claim written meanwhile was durable
         self._raw_too = False  # an answer an exception carried: its body kept as text besides
         self._answer: HeldAnswer | None = None  # the client's side, when it waits for the claim
@@ -166,6 +169,7 @@ class Exchange:
             return b""
         if self._first_byte is None:
             self._first_byte = time.perf_counter()
+            self._paused_at_first = self._paused
         self._body_size += len(chunk)
         if self.relay is not None:
             if self.relay.bytes_seen < _RAW_STREAM_KEEP:
@@ -270,6 +274,7 @@ class Exchange:
         """
         if writer.claims_in_background:
             self._gated = True
+            self._writer = writer
             self._claiming = asyncio.ensure_future(writer.claim(self.rollout_id, self.model_call_id))
             self._claiming.add_done_callback(self._settled)
         else:
@@ -287,6 +292,14 @@ class Exchange:
         """The answer's first message is ready for the client (what waits from here is the hold)."""
         if self._answer_ready is None:
             self._answer_ready = time.perf_counter()
+            if self._writer is not None:
+                self._writer.answer_waited(self.claim_pending)
+
+    def paused(self, seconds: float) -> None:
+        """The upstream went unread this long (what came past the body cap waited for the claim):
+        our wait, left out of the answer's times (spec 11: the figures are the model's)."""
+        if self._ended is None:
+            self._paused += seconds
 
     def to_client(self, send: Send) -> Send:
         """``send`` as this call's answer must go: held until the claim is durable (spec 11)."""
@@ -407,10 +420,12 @@ class Exchange:
                 {"type": MODEL_REF_TYPE, "name": self.server_name} if self.server_name is not None else None
             ),
             "started_at": self.started_at,
-            "completed_at": self.started_at + (ended - self._arrived),
-            "latency_ms": round((ended - forwarded) * 1000.0, 3),
+            "completed_at": self.started_at + (ended - self._paused - self._arrived),
+            "latency_ms": round((ended - self._paused - forwarded) * 1000.0, 3),
             "latency_ttft_ms": (
-                round((self._first_byte - forwarded) * 1000.0, 3) if self._first_byte is not None else None
+                round((self._first_byte - self._paused_at_first - forwarded) * 1000.0, 3)
+                if self._first_byte is not None
+                else None
             ),
             "status_code": self.status_code,
             "error_category": None if category is None else str(category),
@@ -480,7 +495,14 @@ class HeldAnswer:
         if not flush.done() and message.get("more_body", False) and self._queued < exchange.max_body_bytes:
             self._hold(message)
             return
-        await flush  # what waited goes first (and what went wrong sending it is raised here)
+        if not flush.done():  # past the cap: the upstream goes unread until the claim is durable
+            waited = time.perf_counter()
+            try:
+                await flush  # what waited goes first (and what went wrong sending it is raised here)
+            finally:
+                exchange.paused(time.perf_counter() - waited)
+        else:
+            await flush
         await self._send(message)
 
     def _hold(self, message: Message) -> None:

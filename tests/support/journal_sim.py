@@ -89,9 +89,15 @@ class Call:
     process: str
     submit_step: int
     op: str = "row"
+    start_step: int | None = None  # the call's start, when its look was taken (else its submission)
     ack_step: int | None = None
     seq: int | None = None
     failed: str | None = None
+
+    @property
+    def began(self) -> int:
+        """The step from which this call's row must land above every commit durable (its look)."""
+        return self.submit_step if self.start_step is None else self.start_step
 
 
 class World:
@@ -478,6 +484,8 @@ def simulate(scenario: Scenario) -> Outcome:
         process.writer = JournalWriter(
             cast(Backend, store.view(readonly=False)), "rows", in_flight=in_flight, clock=clock
         )
+        process.writer.look_delay_s = rng.choice((0.0, writer_module.LOOK_DELAY_S))  # paced by answers
+        process.writer.look_in_flight = rng.choice((1, 1, 2, 3))
         processes.append(process)
         return process
 
@@ -488,6 +496,7 @@ def simulate(scenario: Scenario) -> Outcome:
 
     def agent(rollout_id: str, index: int) -> None:
         agent_rng = random.Random(scenario.seed * 1_000 + index)
+        clock = SimClock(world, None, f"agent-{rollout_id}")
         for n in range(scenario.calls):
             alive = [p for p in processes if not p.dead]
             if not alive or agent_rng.random() < 0.1:
@@ -495,8 +504,17 @@ def simulate(scenario: Scenario) -> Outcome:
             process = agent_rng.choice(alive)
             assert process.writer is not None
             key = f"{rollout_id}:{n}"
-            call = Call(key, (rollout_id,), process.name, world.step)
-            future = process.writer.submit([row_entry(rollout_id, {"key": key})])
+            look = None
+            started = world.step
+            if agent_rng.random() < 0.75:  # a producer's call: the look at its start, then the upstream
+                look = process.writer.look()
+                clock.sleep(agent_rng.choice((0.0, 0.001, 0.01, 0.05, 0.2)))
+                if process.dead:  # the proxy died while the upstream answered: no row
+                    last_submitted[0] += n == scenario.calls - 1
+                    outcome.calls.append(Call(key, (rollout_id,), process.name, world.step, failed="killed"))
+                    continue
+            call = Call(key, (rollout_id,), process.name, world.step, start_step=started if look else None)
+            future = process.writer.submit([row_entry(rollout_id, {"key": key})], look=look)
             last_submitted[0] += n == scenario.calls - 1
             await_call(call, process, future)
         done_agents[0] += 1
@@ -634,10 +652,10 @@ def check(outcome: Outcome) -> list[str]:
                         f"{rollout_id}: {a.key} acknowledged (step {a.ack_step}) before {b.key} was "
                         f"submitted (step {b.submit_step}) but read after it"
                     )
-                elif a.key in landed and landed[a.key][1] < b.submit_step:
+                elif a.key in landed and landed[a.key][1] < b.began:
                     problems.append(
                         f"{rollout_id}: {a.key} durable in commit {landed[a.key][0]} (step "
-                        f"{landed[a.key][1]}) before {b.key} was submitted (step {b.submit_step}), "
+                        f"{landed[a.key][1]}) before {b.key} began (step {b.began}), "
                         f"but {b.key} was put below it, in commit {landed.get(b.key, ('?',))[0]}"
                     )
         for clear in clears:
