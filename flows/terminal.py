@@ -25,7 +25,30 @@ from rich.progress import (
 )
 
 from rollout_capture.flows.report import listening_to_progress
-from rollout_capture.printable import printable
+from rollout_capture.printable import printable, printable_lines
+
+
+class _Printable(logging.Filter):
+    """Shows a record's message with its control characters escaped (a model name or gap detail
+    from a record in a log line acts on no terminal): the message is formatted once, here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        shown = printable_lines(message)
+        if shown != message:
+            record.msg, record.args = shown, None
+        return True
+
+
+_PRINTABLE = _Printable()
+
+
+def escape_console_logs() -> None:
+    """Every Prefect console handler of this process escapes control characters (once each): a
+    flow run's logs reach the terminal of whoever runs it (the command, a worker, serve)."""
+    for handler in prefect_console_handlers():
+        if _PRINTABLE not in handler.filters:
+            handler.addFilter(_PRINTABLE)
 
 
 def prefect_console_handlers() -> set[PrefectConsoleHandler]:
