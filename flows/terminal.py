@@ -7,11 +7,9 @@ they print through its console instead.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
-from prefect.logging.handlers import PrefectConsoleHandler
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import (
@@ -24,41 +22,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from rollout_capture.flows.console import prefect_console_handlers
 from rollout_capture.flows.report import listening_to_progress
-from rollout_capture.printable import printable, printable_lines
-
-
-class _Printable(logging.Filter):
-    """Shows a record's message with its control characters escaped (a model name or gap detail
-    from a record in a log line acts on no terminal): the message is formatted once, here."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        shown = printable_lines(message)
-        if shown != message:
-            record.msg, record.args = shown, None
-        return True
-
-
-_PRINTABLE = _Printable()
-
-
-def escape_console_logs() -> None:
-    """Every Prefect console handler of this process escapes control characters (once each): a
-    flow run's logs reach the terminal of whoever runs it (the command, a worker, serve)."""
-    for handler in prefect_console_handlers():
-        if _PRINTABLE not in handler.filters:
-            handler.addFilter(_PRINTABLE)
-
-
-def prefect_console_handlers() -> set[PrefectConsoleHandler]:
-    """Every handler through which Prefect prints to the terminal, on any logger."""
-    return {
-        handler
-        for name in [None, *logging.root.manager.loggerDict]
-        for handler in logging.getLogger(name).handlers
-        if isinstance(handler, PrefectConsoleHandler)
-    }
+from rollout_capture.printable import printable
 
 
 @contextmanager
