@@ -75,7 +75,7 @@ class _WithoutTraceback(logging.Formatter):
 
 def _terminal_logging() -> None:
     """At a terminal, a failed run is one line from Prefect and one ``error:`` line from us."""
-    from rollout_capture.flows.terminal import prefect_console_handlers
+    from rollout_capture.flows.console import prefect_console_handlers
 
     for handler in prefect_console_handlers():
         if not isinstance(handler.formatter, _WithoutTraceback):

@@ -49,6 +49,9 @@ def show_core_logs() -> None:
     logger = logging.getLogger(CORE_LOGGER)
     if not any(isinstance(handler, APILogHandler) for handler in logger.handlers):
         logger.addHandler(APILogHandler())
+    from rollout_capture.flows.console import escape_console_logs
+
+    escape_console_logs()  # a worker's or serve's terminal shows the flow's logs too
 
 
 def artifact_key(kind: str, output: str) -> str:

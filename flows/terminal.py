@@ -7,11 +7,9 @@ they print through its console instead.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
-from prefect.logging.handlers import PrefectConsoleHandler
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import (
@@ -24,18 +22,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from rollout_capture.flows.console import prefect_console_handlers
 from rollout_capture.flows.report import listening_to_progress
 from rollout_capture.printable import printable
-
-
-def prefect_console_handlers() -> set[PrefectConsoleHandler]:
-    """Every handler through which Prefect prints to the terminal, on any logger."""
-    return {
-        handler
-        for name in [None, *logging.root.manager.loggerDict]
-        for handler in logging.getLogger(name).handlers
-        if isinstance(handler, PrefectConsoleHandler)
-    }
 
 
 @contextmanager

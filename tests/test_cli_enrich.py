@@ -178,3 +178,26 @@ def test_names_from_captures_reach_the_terminal_escaped(prefect_api: str, tmp_pa
     assert "\x1b]0;pwned" not in text and "\x1b[2J" not in text and "pwned" in text
     shown = run_cli("inspect", "0-0", "-c", str(captures), api=prefect_api)
     assert shown.returncode == 0 and "\x1b" not in shown.stdout and escaped in shown.stdout, shown.stdout
+
+
+def test_a_flow_runs_logs_reach_a_workers_terminal_escaped(tmp_path: Path) -> None:
+    """A flow run's process (a worker's or serve's child) prints its logs to their terminal: once
+    a flow has started (``show_core_logs``), a log line carrying a record's text is escaped there."""
+    import subprocess
+    import sys
+
+    script = (
+        "import logging\n"
+        "import prefect\n"
+        "from rollout_capture.flows.report import show_core_logs\n"
+        "show_core_logs()\n"
+        "logger = logging.getLogger('prefect.rollout_capture_test')\n"
+        f"logger.warning('run r1 failed: model %s', {HOSTILE_MODEL!r})\n"
+    )
+    env = cli_env(None, PREFECT_HOME=str(tmp_path / "home"), PREFECT_LOGGING_LEVEL="INFO")
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "run r1 failed: model gpt\\x1b]0;pwned\\x07" in done.stderr, done.stderr
+    assert "\x1b]0;" not in done.stderr and "\x1b[2J" not in done.stderr

@@ -549,6 +549,9 @@ def test_one_model_is_one_row_under_the_name_it_asked_for() -> None:
         "policy-model-2026-01",
         "judge",
     }  # as recorded
+    assert (
+        "| policy-model (answered as policy-model-2026-01) | 45 | 15 |" in summary.to_markdown()
+    )  # artifact
 
 
 def test_a_note_explains_only_a_bar_that_is_drawn() -> None:

@@ -102,6 +102,11 @@ def figure(value: float | None, unit: str = "") -> str:
     return f"{shown} {unit}" if unit else shown
 
 
+def _answered_as(served: list[str]) -> str:
+    """`` (answered as a, b)`` beside a model asked for, when other names answered for it."""
+    return f" (answered as {', '.join(map(_escape, served))})" if served else ""
+
+
 def _sorted_counts(counts: Mapping[str, int]) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
@@ -475,10 +480,11 @@ class EvidenceSummary(TokenSums):
                 "| model | calls | failed | tokens in | tokens out | tokens total | tokens unknown (calls) |",
             ]
             lines += ["| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-            lines += [
-                f"| {_escape(name)} | {m.calls} | {m.failed_calls} | {_md(m.tokens_in)} "
-                f"| {_md(m.tokens_out)} | {_md(m.tokens_total)} | {m.tokens_total_unknown_calls} |"
-                for name, m in self.models_by_calls()[:MAX_ROWS]
+            lines += [  # a model as asked for, the names that answered for it beside (model_groups)
+                f"| {_escape(name)}{_answered_as(served)} | {m.calls} | {m.failed_calls} "
+                f"| {_md(m.tokens_in)} | {_md(m.tokens_out)} | {_md(m.tokens_total)} "
+                f"| {m.tokens_total_unknown_calls} |"
+                for name, served, m in self.model_groups()[:MAX_ROWS]
             ]
         all_gaps = {**self.gaps, **self.observation_gaps}
         if all_gaps:
