@@ -1,6 +1,7 @@
 """The journal's group committer: a few commits in flight per stream, never two holding one
 rollout, each acknowledged once every number below it exists; holes a dead writer left filled
-with tombstones after the grace (see :mod:`.commits`)."""
+with tombstones after the grace (see :mod:`.commits`); looks taken at calls' starts, so a row
+lands above what existed then with one put (issue 37)."""
 
 from __future__ import annotations
 
