@@ -304,8 +304,9 @@ def test_a_claim_is_put_while_another_calls_claim_is_on_the_wire(
 
 def test_claims_are_grouped_while_answers_do_not_wait_for_them(flaky_s3: tuple[S3, FaultProxy]) -> None:
     """Claims pacing (issue 37): while almost no answer waits for its claim (the upstream slower
-    than a claim commit), claims keep one commit in flight, so the claims of calls that start while
-    one is on the wire ride in one put; once answers wait, they go at once again (up to 4)."""
+    than a claim commit), claims (and rows) keep one commit in flight, so the claims of calls that
+    start while one is on the wire ride in one put; once answers wait, they go at once again (up
+    to 4 claims, 2 rows)."""
     from rollout_capture.producer.writer import CaptureWriter
 
     via, wire = flaky_s3
@@ -333,11 +334,12 @@ def test_claims_are_grouped_while_answers_do_not_wait_for_them(flaky_s3: tuple[S
 
     for _ in range(200):
         writer.answer_waited(False)
-    assert claims.in_flight == 1 and store.journal_writer_of("rows").look_delay_s > 0  # looks shared
+    rows = store.journal_writer_of("rows")
+    assert claims.in_flight == 1 and rows.in_flight == 1 and rows.look_delay_s > 0  # grouped, shared
     assert claim_puts_while_one_is_held(4) == 2  # the held one; the three that started meanwhile: one
     for _ in range(10):
         writer.answer_waited(True)
-    rows = store.journal_writer_of("rows")
-    assert claims.in_flight == 4 and (rows.look_delay_s, rows.look_in_flight) == (0, 2)  # looks at once
+    assert claims.in_flight == 4 and rows.in_flight == 2  # at once, beside those on the wire
+    assert (rows.look_delay_s, rows.look_in_flight) == (0, 2)  # looks at once
     assert claim_puts_while_one_is_held(4) == 4  # each at once, beside the one on the wire
     writer.close()

@@ -18,6 +18,11 @@ tombstone, put-if-absent (a late put there then lands higher, as any taken numbe
 Readers read commits in order from where they stopped (no listing: the first missing number is
 the end), index each rollout's entries by their header alone and keep a bounded cache of
 bodies, so a rollout's rows cost one GET per commit holding them.
+
+A row lands above every commit that existed when its call began: the writer's look
+(:meth:`JournalWriter.look`, a listing above its next number) is taken at the call's start,
+beside its claim, and shared by the calls that start meanwhile; the row's commit is then one put
+(a submission without a look looks above its number before its put).
 """
 
 from rollout_capture.journal.commits import (
@@ -46,6 +51,7 @@ from rollout_capture.journal.reader import JournalReadBatch, JournalReader, Jour
 from rollout_capture.journal.writer import (
     DEFAULT_IN_FLIGHT,
     IN_FLIGHT_ENV,
+    LOOK_DELAY_S,
     SETTLE_TIMEOUT_S,
     JournalWriter,
     first_free,
@@ -61,6 +67,7 @@ __all__ = [
     "IN_FLIGHT_ENV",
     "JOURNAL_DIR",
     "LOOK_AHEAD",
+    "LOOK_DELAY_S",
     "MAX_COMMIT_BYTES",
     "MAX_COMMIT_ENTRIES",
     "SEQ_WIDTH",

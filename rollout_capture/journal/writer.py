@@ -1,6 +1,7 @@
 """The journal's group committer: a few commits in flight per stream, never two holding one
 rollout, each acknowledged once every number below it exists; holes a dead writer left filled
-with tombstones after the grace (see :mod:`.commits`)."""
+with tombstones after the grace (see :mod:`.commits`); looks taken at calls' starts, so a row
+lands above what existed then with one put (issue 37)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ a quick fsync). Rows: 2, since a row finishing just after a commit started then 
 instead of waiting for it, and more only add PUTs that slow the store (measured, see
 docs/benchmarks.md); claims: 4, since the answer's first byte waits for its claim, and a claim
 submitted while another's commit is in flight then goes at once: one commit, not a queue of them
-(4 measured best of 1, 2, 4, 8; a commit of claims alone is one put, with no look above it).
+(4 measured best of 1, 2, 4, 8; a commit of claims alone is one put, with no look above it);
+producers pace claims between 1 and this by whether answers wait for them (issue 37).
 ``ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT`` overrides it: ``N`` for both streams, or ``ROWS/CLAIMS``
 (each 1 to :data:`~.commits.LOOK_AHEAD`: a dead writer's commits stand at most that far above the
 hole it left, and writers and readers look that far)."""
@@ -195,7 +197,8 @@ class JournalWriter:
             if self._looks_idle == 0 and self._lookers < self.look_in_flight:
                 self._lookers += 1
                 self._clock.start_thread(self._look_run, "rollout-capture-journal-look")
-            self._cond.notify_all()
+            elif self._looks_idle:  # a busy one finds it when done: wake no thread for nothing
+                self._cond.notify_all()
         return future
 
     def _looked(self, _: concurrent.futures.Future[int]) -> None:

@@ -159,8 +159,10 @@ class CaptureWriter:
         self._journal = store.layout_strategy.submits  # claims and rows acknowledged by futures
         # Claims pacing: commits in flight as recent answers need (None: fixed by the environment).
         self._claims_top: int | None = None
+        self._rows_top = 1
         if self._journal and in_flight_setting() is None and not store.writes_in_place:
             self._claims_top = store.journal_writer_of("claims").in_flight
+            self._rows_top = store.journal_writer_of("rows").in_flight
             rows = store.journal_writer_of("rows")  # as answers wait, until they show otherwise:
             rows.look_delay_s, rows.look_in_flight = 0.0, LOOKS_WAITED  # looks at once
         self._held_share = 1.0  # until answers show otherwise, claims go at once
@@ -295,9 +297,10 @@ class CaptureWriter:
         return not self._local
 
     def answer_waited(self, waited: bool) -> None:
-        """An answer's first message was ready: whether it had to wait for its claim. Claims are
-        grouped again (one commit in flight) while almost none wait, and go at once (every commit
-        in flight allowed) while more than :data:`HELD_SHARE` do: a slow store, a quick upstream."""
+        """An answer's first message was ready: whether it had to wait for its claim. Claims and
+        rows are grouped again (one commit in flight each) while almost none wait, and go at once
+        (every commit in flight allowed) while more than :data:`HELD_SHARE` do: a slow store, a
+        quick upstream."""
         top = self._claims_top
         if top is None:
             return
@@ -310,6 +313,9 @@ class CaptureWriter:
             # row's look too: looks then go at once, unshared by calls starting just after.
             rows = self.store.journal_writer_of("rows")
             rows.look_delay_s, rows.look_in_flight = (LOOK_DELAY_S, 1) if bound == 1 else (0.0, LOOKS_WAITED)
+            # Rows alike: one commit in flight while the store is quick beside the upstream (a
+            # row then rarely finds one on the wire, and the rest ride together: fewer puts).
+            rows.in_flight = 1 if bound == 1 else self._rows_top
 
     async def _committed(self, future: concurrent.futures.Future[int]) -> None:
         """Wait for a journal submission (a write in flight like any other)."""
