@@ -45,6 +45,17 @@ def deployments() -> dict[str, Any]:
         return {d.name: d for d in client.read_deployments()}
 
 
+def finished_then_enriched(run: Path, prefect_api: str) -> bool:
+    """The triggers service loads a new deployment's trigger when it does: an event before that
+    goes unseen (the tick would take the run), so `finish` again until the run is enriched."""
+    done = run_cli("finish", str(run), env=environment(prefect_api))
+    assert done.returncode == 0 and "the server was told" in done.stdout, done.stderr
+    try:
+        return wait_for(lambda: (run / "_ENRICHED").exists(), 30, "_ENRICHED", poll_s=0.2)
+    except AssertionError:
+        return False
+
+
 def test_the_deploy_command_registers_the_shipped_deployments(prefect_api: str, tmp_path: Path) -> None:
     """From any folder: the pool is created, the entrypoints are module paths, runs_root as given."""
     done = deploy(prefect_api, "--runs-root", "/data/runs", "--pool", "rollout-capture", cwd=tmp_path)
@@ -419,18 +430,10 @@ def test_a_finished_run_is_enriched_at_once_by_its_deployments_trigger(
         text=True,
     )
 
-    def finished_then_enriched() -> bool:
-        """The triggers service loads a new deployment's trigger when it does: an event before
-        that goes unseen (the tick would take the run), so finish again until it is enriched."""
-        done = run_cli("finish", str(run), env=environment(prefect_api))
-        assert done.returncode == 0 and "the server was told" in done.stdout, done.stderr
-        try:
-            return wait_for(lambda: (run / "_ENRICHED").exists(), 30, "_ENRICHED", poll_s=0.2)
-        except AssertionError:
-            return False
-
     try:
-        wait_for(finished_then_enriched, 120, "the finished run to be enriched", poll_s=0)
+        wait_for(
+            lambda: finished_then_enriched(run, prefect_api), 120, "the finished run to be enriched", poll_s=0
+        )
     finally:
         worker.send_signal(signal.SIGINT)
         output = worker.communicate(timeout=60)[0]
@@ -556,15 +559,6 @@ def test_deploy_never_takes_over_a_running_serve_and_its_ctrl_c_leaves_no_trigge
         text=True,
     )
 
-    def finished_then_enriched(run: Path) -> bool:
-        """A new deployment's trigger is loaded by the server when it is: finish again until enriched."""
-        done = run_cli("finish", str(run), env=environment(prefect_api))
-        assert done.returncode == 0 and "the server was told" in done.stdout, done.stderr
-        try:
-            return wait_for(lambda: (run / "_ENRICHED").exists(), 30, "_ENRICHED", poll_s=0.2)
-        except AssertionError:
-            return False
-
     output = ""
     try:
         wait_for(
@@ -584,7 +578,9 @@ def test_deploy_never_takes_over_a_running_serve_and_its_ctrl_c_leaves_no_trigge
         assert "names ending so are `rollout-capture serve`'s" in taken.stderr
         own = deployments()["runs-c-served"]
         assert own.work_pool_name is None and own.parameters["runs_root"] == str(root_c) and not own.paused
-        wait_for(lambda: finished_then_enriched(root_c / "c1"), 180, "serve to enrich c1", poll_s=0)
+        wait_for(
+            lambda: finished_then_enriched(root_c / "c1", prefect_api), 180, "serve to enrich c1", poll_s=0
+        )
     finally:
         served.send_signal(signal.SIGINT)
         output = served.communicate(timeout=120)[0]
@@ -599,7 +595,12 @@ def test_deploy_never_takes_over_a_running_serve_and_its_ctrl_c_leaves_no_trigge
         assert "disabled their triggers: runs-c-served: a run finished" in output, output
         assert not found["runs-a"].paused and all(a.enabled for a in _automations_of("runs-a"))
         make_run(root_a, "a1", finished=False, rollouts=1)
-        wait_for(lambda: finished_then_enriched(root_a / "a1"), 180, "the worker to enrich a1", poll_s=0)
+        wait_for(
+            lambda: finished_then_enriched(root_a / "a1", prefect_api),
+            180,
+            "the worker to enrich a1",
+            poll_s=0,
+        )
     finally:
         worker.send_signal(signal.SIGINT)
         worker_output = worker.communicate(timeout=60)[0]

@@ -240,6 +240,18 @@ def test_poor_runs_look_poor_and_good_runs_do_not(corpus: tuple[Path, Path], tmp
     assert good.failed_calls == 0
 
 
+def _dom_and_screenshot(
+    report: Path, trap: _RequestTrap, tmp_path: Path, *, height: int
+) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str], Path]:
+    """The page's DOM and a screenshot of it (1280 px wide), both through the request trap."""
+    home = tmp_path / "home"
+    dom = _chromium(report.as_uri(), "--dump-dom", proxy_port=trap.port, home=home)
+    shot = tmp_path / "report.png"
+    size = f"--window-size=1280,{height}"
+    taken = _chromium(report.as_uri(), f"--screenshot={shot}", size, proxy_port=trap.port, home=home)
+    return dom, taken, shot
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium: apt-get install -y chromium")
 def test_the_report_renders_in_headless_chromium_without_a_request(
     corpus: tuple[Path, Path], tmp_path: Path
@@ -256,15 +268,7 @@ def test_the_report_renders_in_headless_chromium_without_a_request(
         _chromium(probe.as_uri(), "--dump-dom", proxy_port=trap.port, home=tmp_path / "home")
         assert "probe.example" in trap.hosts()  # the trap sees what a page asks for
         trap.requests.clear()
-        dom = _chromium(report.as_uri(), "--dump-dom", proxy_port=trap.port, home=tmp_path / "home")
-        shot = tmp_path / "report.png"
-        taken = _chromium(
-            report.as_uri(),
-            f"--screenshot={shot}",
-            "--window-size=1280,2600",
-            proxy_port=trap.port,
-            home=tmp_path / "home",
-        )
+        dom, taken, shot = _dom_and_screenshot(report, trap, tmp_path, height=2600)
     finally:
         trap.close()
     assert dom.returncode == 0, dom.stderr[-2000:]
@@ -576,15 +580,7 @@ def test_the_grouped_models_render_in_headless_chromium(tmp_path: Path) -> None:
     write_report(_policy_run(no_status=True), report, title="policy run")
     trap = _RequestTrap()
     try:
-        dom = _chromium(report.as_uri(), "--dump-dom", proxy_port=trap.port, home=tmp_path / "home")
-        shot = tmp_path / "report.png"
-        taken = _chromium(
-            report.as_uri(),
-            f"--screenshot={shot}",
-            "--window-size=1280,2200",
-            proxy_port=trap.port,
-            home=tmp_path / "home",
-        )
+        dom, taken, shot = _dom_and_screenshot(report, trap, tmp_path, height=2200)
     finally:
         trap.close()
     assert dom.returncode == 0 and taken.returncode == 0, dom.stderr[-2000:] + taken.stderr[-2000:]
