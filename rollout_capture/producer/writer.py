@@ -146,6 +146,45 @@ class _Threads:
             thread.join()
 
 
+class _Wakes:
+    """Journal acknowledgements handed to one event loop in batches: a commit resolves the
+    futures of every call riding in it on a journal thread, and each ``asyncio.wrap_future``
+    would wake the loop on its own (a self-pipe write and a loop pass per call); here the first
+    one wakes it and the rest ride along."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._ready: list[tuple[asyncio.Future[Any], concurrent.futures.Future[Any]]] = []
+        self._lock = threading.Lock()
+
+    def watch(self, future: concurrent.futures.Future[T]) -> asyncio.Future[T]:
+        """A future of this loop with ``future``'s outcome (call on the loop)."""
+        waiter: asyncio.Future[T] = self.loop.create_future()
+        future.add_done_callback(lambda done: self._done(waiter, done))
+        return waiter
+
+    def _done(self, waiter: asyncio.Future[Any], future: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._ready.append((waiter, future))
+            if len(self._ready) > 1:  # a wake-up is already on its way
+                return
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for waiter, future in ready:
+            if waiter.done():
+                continue
+            if future.cancelled():
+                waiter.cancel()
+            elif (error := future.exception()) is not None:
+                waiter.set_exception(error)
+            else:
+                waiter.set_result(future.result())
+
+
 class CaptureWriter:
     """Claims, rows and incomplete markers of one capture root, for one producer."""
 
@@ -167,6 +206,7 @@ class CaptureWriter:
             rows.look_delay_s, rows.look_in_flight = 0.0, LOOKS_WAITED  # looks at once
         self._held_share = 1.0  # until answers show otherwise, claims go at once
         self._threads = _Threads(io_threads, "rollout-capture")
+        self._wakes: _Wakes | None = None  # the serving loop's (journal acknowledgements)
         self._pending = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -319,7 +359,11 @@ class CaptureWriter:
 
     async def _committed(self, future: concurrent.futures.Future[int]) -> None:
         """Wait for a journal submission (a write in flight like any other)."""
-        await self._in_flight(asyncio.wrap_future(future))
+        loop = asyncio.get_running_loop()
+        wakes = self._wakes
+        if wakes is None or wakes.loop is not loop:
+            wakes = self._wakes = _Wakes(loop)
+        await self._in_flight(wakes.watch(future))
 
     async def _mark_later(self, rollout_id: str) -> None:
         await self._shielded(self._mark, rollout_id)
