@@ -267,6 +267,8 @@ def test_existing_says_which_of_several_files_exist(subject: Subject) -> None:
     for n in (1, 2, 5):
         b.create(b.path(names[n]), b"x")
     b.create(b.path("_journal/000000000003.jsonl.tmp"), b"between")  # sorts among them
+    for n in range(20):  # a subfolder's keys sort after the numbers (the claims stream's): more than a page
+        b.create(b.path(f"_journal/claims/{n:012d}.jsonl"), b"c")
     assert b.existing([b.path(name) for name in names[1:]]) == [True, True, False, False, True]
     assert b.existing([b.path(names[0])]) == [False] and b.existing([]) == []
 

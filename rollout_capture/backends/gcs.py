@@ -34,6 +34,7 @@ class GCSBackend(ObjectStoreBackend):
             "b/{}/o",
             bucket,
             prefix=f"{folder}/",
+            delimiter="/",  # a subfolder's names (the claims stream's beside the rows') come as one prefix
             startOffset=first,
             maxResults=limit,
             fields="items(name),nextPageToken",

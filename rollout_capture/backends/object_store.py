@@ -322,7 +322,8 @@ class ObjectStoreBackend(Backend):
 
     def _page_from(self, bucket: str, folder: str, first: str, limit: int) -> tuple[set[str], bool] | None:
         """A hook: the keys of one listing page of ``folder/`` from the key ``first`` (inclusive) on,
-        at most ``limit``, and whether more follow; ``None`` where the store cannot list from a name."""
+        at most ``limit``, and whether more follow; ``None`` where the store cannot list from a name.
+        A subfolder's keys need not be listed (only ``folder/``'s own are asked for)."""
         return None
 
     def modified(self, paths: Sequence[str]) -> list[float | None]:

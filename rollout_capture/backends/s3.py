@@ -67,6 +67,7 @@ class S3Backend(ObjectStoreBackend):
             "list_objects_v2",
             Bucket=bucket,
             Prefix=f"{folder}/",
+            Delimiter="/",  # a subfolder's keys (the claims stream's beside the rows') come as one prefix
             StartAfter=first[:-1],  # sorts just before the first name, and nothing else does
             MaxKeys=limit,
         )
