@@ -72,7 +72,7 @@ def in_flight_bound(backend: Backend, stream: Stream = "rows") -> int:
     return setting[stream]
 
 
-LOOK_DELAY_S = 0.04
+LOOK_DELAY_S = 0.06
 """How long a call's look (:meth:`JournalWriter.look`) may wait for others to share it: looks
 start one at a time, each serving every call that asked before it started, at the latest this
 long after the oldest asked, or at once when a row waits for one (the upstream was quick)."""
