@@ -198,6 +198,10 @@ def test_an_answer_past_the_body_cap_is_timed_at_the_upstream_not_the_hold(
     # (the upstream's 13 events 10 ms apart, against a hold of HELD_S).
     assert row["completed_at"] < released
     assert row["latency_ms"] < row["capture_hold_ms"]
+    # What the connection buffered meanwhile is timed as read, less the hold: a lower bound of
+    # the upstream's own end, short by at most the hold (contract section 11).
+    last, hold_s = served.sent(tag)["last"], row["capture_hold_ms"] / 1000.0
+    assert last - hold_s - 0.002 <= row["completed_at"] <= last + SLACK_S
 
 
 def _free_port() -> int:
