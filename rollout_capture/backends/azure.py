@@ -58,8 +58,8 @@ class AzureBackend(ObjectStoreBackend):
 
     async def _list_from(self, container: str, folder: str, first: str, limit: int) -> tuple[set[str], bool]:
         async with self.fs.service_client.get_container_client(container) as client:
-            pages: Any = client.list_blobs(
-                name_starts_with=f"{folder}/", start_from=first, results_per_page=limit
+            pages: Any = client.walk_blobs(  # a subfolder's names (the claims stream's) come as one prefix
+                name_starts_with=f"{folder}/", delimiter="/", start_from=first, results_per_page=limit
             ).by_page()
             try:
                 page = await pages.__anext__()
