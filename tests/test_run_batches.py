@@ -15,9 +15,10 @@ import pytest
 from rollout_capture import CaptureStore
 from rollout_capture.flows import enrich_completed_runs
 from rollout_capture.flows.enrich_runs import RunsFailed, RunsSummary
+from rollout_capture.flows.enrich_runs import _batches as cut_into_batches
 from rollout_capture.flows.events import COMPLETED, FAILED, RESOURCE_PREFIX
 from rollout_capture.flows.report import artifact_key, task_run_link
-from rollout_capture.run_folders import RunsRoot
+from rollout_capture.run_folders import RunFolder, RunsRoot
 
 from .conftest import S3, wait_for
 from .support.prefect_api import (
@@ -35,6 +36,28 @@ from .support.spawned import run_tick_reporting
 
 def _batches(flow_run_id: Any) -> list[Any]:
     return task_runs(flow_run_id, "enrich_runs ")
+
+
+@pytest.mark.parametrize(
+    ("runs", "per_batch", "parallel", "sizes"),
+    [
+        (5, 50, 2, [3, 2]),  # rounded up: two batches share them, never a third
+        (4, 50, 2, [2, 2]),
+        (7, 50, 3, [3, 3, 1]),
+        (1, 50, 4, [1]),
+        (5, 50, 8, [1, 1, 1, 1, 1]),  # more workers than runs: one run a batch
+        (10, 3, 2, [3, 3, 3, 1]),  # never more than runs_per_batch
+        (0, 50, 2, []),
+    ],
+)
+def test_the_ready_runs_are_cut_into_batches_the_parallel_ones_share(
+    runs: int, per_batch: int, parallel: int, sizes: list[int]
+) -> None:
+    """``max_parallel_runs`` batches share the ready runs, at most ``runs_per_batch`` a batch, in order."""
+    ready = [RunFolder(name=f"r{i}", url=f"/runs/r{i}", finished=True, enriched=False) for i in range(runs)]
+    batches = cut_into_batches(ready, per_batch, parallel)
+    assert [len(batch) for batch in batches] == sizes
+    assert [run for batch in batches for run in batch] == ready
 
 
 @pytest.mark.usefixtures("prefect_api")
