@@ -518,6 +518,69 @@ def test_finish_on_an_enriched_run_says_nothing_will_happen(prefect_api: str, tm
     assert not (run / "_SUCCESS").exists()  # nothing written
 
 
+def finish_here(*args: str) -> Any:
+    """``rollout-capture finish`` run in this process with no Prefect API set (the unit tier's way:
+    what it refuses, and an enriched run, are answered before Prefect is loaded)."""
+    from typer.testing import CliRunner
+
+    from rollout_capture.cli.app import app
+
+    return CliRunner().invoke(app, ["finish", *args], env={"PREFECT_API_URL": None})
+
+
+@pytest.mark.parametrize("link", ["folder", "_SUCCESS", "rollouts.jsonl", "_ENRICHED"])
+def test_finish_never_follows_a_link_at_the_run_folder_or_in_it(link: str, tmp_path: Path) -> None:
+    """The run folder reached through a link, or a part of it (_SUCCESS where it would write,
+    rollouts.jsonl, _ENRICHED where it looks) that is a link out of the root: refused, exit 2, and
+    nothing is written through it (a tick would never enrich it; a write would land outside)."""
+    root, outside = tmp_path / "runs", tmp_path / "elsewhere"
+    elsewhere = outside / "r"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "rollouts.jsonl").write_bytes(b"{}\n")
+    root.mkdir()
+    run = root / "r"
+    if link == "folder":
+        run.symlink_to(elsewhere)
+    else:
+        run.mkdir()
+        if link != "rollouts.jsonl":
+            (run / "rollouts.jsonl").write_bytes(b"{}\n")
+        (run / link).symlink_to(elsewhere / ("rollouts.jsonl" if link == "rollouts.jsonl" else "planted"))
+    done = finish_here("--json", str(run))
+    assert done.exit_code == 2, done.output
+    assert "symbolic link" in done.output and "Traceback" not in done.output
+    assert "_SUCCESS" not in {p.name for p in run.iterdir()} - ({link} if link == "_SUCCESS" else set())
+    assert sorted(p.name for p in outside.rglob("*")) == ["r", "rollouts.jsonl"]  # nothing written there
+
+
+def json_documents(text: str) -> list[Any]:
+    """Every JSON document in ``text``, one after another (however each is laid out)."""
+    import json
+
+    decoder, found, at = json.JSONDecoder(), [], 0
+    while rest := text[at:].lstrip():
+        document, at = decoder.raw_decode(text, len(text) - len(rest))
+        found.append(document)
+    return found
+
+
+def test_finish_on_an_enriched_run_answers_once_and_writes_nothing(tmp_path: Path) -> None:
+    """One result (a script reading the JSON reads one document), no _SUCCESS, nothing sent."""
+    run = tmp_path / "runs" / "done"
+    run.mkdir(parents=True)
+    (run / "rollouts.jsonl").write_bytes(b"{}\n")
+    (run / "_ENRICHED").write_bytes(b"{}")
+    done = finish_here("--json", str(run))
+    assert done.exit_code == 0, done.output
+    assert json_documents(done.stdout) == [
+        {"ok": True, "run": str(run), "event_sent": False, "already_enriched": True}
+    ]
+    assert not (run / "_SUCCESS").exists()
+    shown = finish_here(str(run))
+    assert shown.exit_code == 0 and shown.stdout.count("already enriched") == 1, shown.output
+    assert "finished" not in shown.output and not (run / "_SUCCESS").exists()
+
+
 def _automations_of(deployment_name: str) -> list[Any]:
     """The automations a deployment's triggers made (owned by it)."""
     from prefect.client.orchestration import get_client
