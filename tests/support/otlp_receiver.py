@@ -241,6 +241,30 @@ def too_large_over(limit: int) -> Script:
     return script
 
 
+def too_many_spans_over(most: int) -> Script:
+    """Requests carrying more than ``most`` spans answered 413 (a limit a batch of two can pass)."""
+
+    def script(receiver: OtlpReceiver, index: int, request: Received, handler: Any) -> bool:
+        if span_count(request.body) <= most:
+            return False
+        write_raw(
+            receiver,
+            handler,
+            b"HTTP/1.1 413 Request Entity Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        )
+        return True
+
+    return script
+
+
+def span_count(body: bytes) -> int:
+    """How many spans one request's body carries (an empty body, the probe's: none)."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    decoded = ExportTraceServiceRequest.FromString(body)
+    return sum(len(scope.spans) for resource in decoded.resource_spans for scope in resource.scope_spans)
+
+
 def other_loopback_host() -> str:
     """Another loopback address than 127.0.0.1 when this machine routes one (Linux routes all of
     127/8), else 127.0.0.1: either way another origin than the receiver's."""
