@@ -5,10 +5,13 @@ and the shipped automation firing on an event."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -674,6 +677,94 @@ def test_deploy_never_takes_over_a_running_serve_and_its_ctrl_c_leaves_no_trigge
                 if name == "runs-a" or name.startswith("runs-c-"):
                     client.delete_deployment(deployment.id)
     assert "Traceback" not in worker_output, worker_output[-4000:]
+
+
+def test_stopping_a_serve_disables_its_own_triggers_and_never_a_users_automation(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """The user's own automation acting on a served deployment (a rerun, an alert) is related to it
+    as the serve's trigger is: stopping the serve pauses its deployments and disables its trigger,
+    and leaves the user's automation enabled. No serve process: its deployments as serve registers
+    them (on no work pool), then what its Ctrl-C does."""
+    from prefect.client.orchestration import get_client
+    from prefect.events.actions import RunDeployment
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger
+
+    from rollout_capture.deployments.serve import stop_served
+    from rollout_capture.deployments.shipped import shipped_deployments
+
+    served = shipped_deployments(str(tmp_path / "runs"), served=True, name="own-alerts")
+    ids = [d.apply() for d in served]  # as serve registers them: triggers made automations
+    scheduled = served[0].full_name
+    with get_client(sync_client=True) as client:
+        users = client.create_automation(
+            AutomationCore(
+                name="rerun the nightly enrichment when the lab says so",
+                trigger=EventTrigger(expect={"lab.rerun"}, posture="Reactive", threshold=1),
+                actions=[RunDeployment(deployment_id=ids[0])],
+            )
+        )
+        try:
+            related = client.read_resource_related_automations(f"prefect.deployment.{ids[0]}")
+            assert sorted(a.name for a in related) == [
+                "own-alerts-served: a run finished",
+                "rerun the nightly enrichment when the lab says so",
+            ]
+            stopped = stop_served(served)
+            assert stopped.paused == [d.full_name for d in served] and scheduled in stopped.paused
+            assert stopped.triggers_disabled == ["own-alerts-served: a run finished"]
+            found = {
+                a.name: a for a in client.read_resource_related_automations(f"prefect.deployment.{ids[0]}")
+            }
+            assert not found["own-alerts-served: a run finished"].enabled
+            assert found["rerun the nightly enrichment when the lab says so"].enabled  # the user's: untouched
+        finally:
+            client.delete_automation(users)
+            for deployment_id in ids:
+                client.delete_deployment(deployment_id)
+
+
+@pytest.mark.parametrize("made_by", ["an older serve", "an older serve, on demand", "flow.serve()"])
+def test_deploy_never_takes_over_a_deployment_on_no_work_pool(
+    prefect_api: str, made_by: str, tmp_path: Path
+) -> None:
+    """A deployment of a name deploy registers, on no work pool: an older serve's (serve used deploy's
+    names then: the scheduled one and the on-demand ones), or one a user's ``flow.serve()`` made.
+    A process may be serving it: deploy refuses, naming it, and changes nothing (not even the pool)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    from rollout_capture.deployments.register import Served, register
+    from rollout_capture.deployments.shipped import shipped_deployments
+
+    root = str(tmp_path / "runs")
+    name = f"served-before-{uuid.uuid4().hex[:8]}"
+    if made_by == "flow.serve()":  # what flow.serve(name) registers before it polls
+        there = enrich_completed_runs.to_deployment(name=name, parameters={"runs_root": "/theirs"})
+    else:
+        older = shipped_deployments("/theirs", name=name)  # deploy's names, on no work pool
+        there = older[0] if made_by == "an older serve" else older[1]
+        there.job_variables = {}  # served: its environment was its own process's
+    pool = f"{name}-pool"
+    with get_client(sync_client=True) as client:
+        if made_by == "an older serve, on demand":  # the on-demand name every deploy registers
+            with contextlib.suppress(ObjectNotFound):
+                client.delete_deployment(client.read_deployment_by_name(there.full_name).id)
+        there_id = there.apply()
+        before = client.read_deployment(there_id)
+        try:
+            assert before.work_pool_name is None
+            with pytest.raises(Served, match=f"deployment {re.escape(there.full_name)} is on no work pool"):
+                register(root, pool=pool, cron="0 0 1 1 *", parameters={}, name=name)
+            after = client.read_deployment(there_id)
+            assert after.work_pool_name is None and after.parameters == before.parameters
+            assert after.updated == before.updated  # not written at all
+            with pytest.raises(ObjectNotFound):
+                client.read_work_pool(pool)  # refused before anything was written
+        finally:
+            client.delete_deployment(there_id)
+            with contextlib.suppress(ObjectNotFound):  # taken over, had the refusal failed
+                client.delete_deployment(client.read_deployment_by_name(f"enrich_completed_runs/{name}").id)
 
 
 def test_finish_tells_a_plain_server_without_loading_prefect(prefect_api: str, tmp_path: Path) -> None:
