@@ -141,6 +141,44 @@ def test_a_transient_fault_retries_the_batch_and_not_its_finished_runs(
     assert len(events(COMPLETED, output)) == 1  # a was enriched in the first try only
 
 
+@pytest.mark.usefixtures("prefect_api")
+def test_a_batchs_last_try_runs_and_only_a_failure_in_it_is_final(
+    flaky_s3: tuple[S3, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three tries (two retries): every answer to the run's rollouts is lost (a fault that heals)
+    until Prefect decides the second retry, the last try. No try before it reports the fault as
+    final (no ``failed`` event, no failed run); the last try runs and enriches the run."""
+    from rollout_capture.flows import enrich_runs
+    from rollout_capture.tasks.retry import retry_on_transient
+
+    via, proxy = flaky_s3
+    local = make_run(tmp_path, "b", finished=True)
+    via.fs().put(str(local), f"{via.bucket}/runs/b", recursive=True)
+    proxy.lose_answer_on(f"GET /{via.bucket}/runs/b/rollouts.jsonl".encode(), times=1_000_000)
+
+    def healed_before_the_last_try(task: Any, task_run: Any, state: Any) -> bool:
+        """The shipped condition; the fault heals once the last try is decided (before it runs)."""
+        retried = retry_on_transient(task, task_run, state)
+        if retried and task_run.run_count == task.retries:
+            proxy.lose_answer_on(b"", times=0)
+        return retried
+
+    three_tries = enrich_runs.enrich_runs_batch.with_options(
+        retries=2, retry_delay_seconds=0, retry_condition_fn=healed_before_the_last_try
+    )
+    monkeypatch.setattr(enrich_runs, "enrich_runs_batch", three_tries)
+
+    state = enrich_completed_runs(via.url("runs"), storage_options=via.storage_options, return_state=True)
+
+    assert state.is_completed(), state.message
+    assert state.result().enriched == ["b"] and proxy.lost >= 2
+    (batch,) = _batches(state.state_details.flow_run_id)
+    assert batch.run_count == 3 and state_history(batch.id).count("Retrying") == 2
+    output = f"{RESOURCE_PREFIX}{via.url('runs')}/b/rollouts.enriched.jsonl"
+    wait_for_events(COMPLETED, output)
+    assert events(FAILED, output) == []  # automations heard of no failure
+
+
 def test_two_ticks_at_once_enrich_each_run_once(prefect_api: str, tmp_path: Path) -> None:
     """A tick that outlives its schedule meets the next one: every run is enriched by exactly one."""
     root = tmp_path / "runs"
