@@ -679,6 +679,51 @@ def test_deploy_never_takes_over_a_running_serve_and_its_ctrl_c_leaves_no_trigge
     assert "Traceback" not in worker_output, worker_output[-4000:]
 
 
+_CUT_SHORT = """
+import os, signal, sys
+from prefect.runner import Runner
+from rollout_capture.cli.app import main
+
+registered = Runner.add_deployment
+def register_then_ctrl_c(self, deployment):
+    deployment_id = registered(self, deployment)
+    if deployment.name == "cut-short-served":  # the first: Ctrl-C while the others register
+        os.kill(os.getpid(), signal.SIGINT)
+    return deployment_id
+Runner.add_deployment = register_then_ctrl_c
+sys.argv = ["rollout-capture", "serve", "--name", "cut-short", "--cron", "0 0 1 1 *"]
+main()
+"""
+
+
+def test_a_serve_stopped_while_it_registers_stops_all_it_registered(prefect_api: str, tmp_path: Path) -> None:
+    """Ctrl-C as serve registers its deployments (seconds on a loaded server): it registers them
+    whole, then stops them all, as when stopped serving. Cut short, one stayed active with its
+    schedule and nothing serving it; the others, or its trigger, were never made."""
+    from prefect.client.orchestration import get_client
+
+    (tmp_path / "runs").mkdir()
+    env = environment(prefect_api, ROLLOUT_CAPTURE_RUNS_ROOT=str(tmp_path / "runs"))
+    done = subprocess.run(
+        [sys.executable, "-c", _CUT_SHORT], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    said = done.stdout + done.stderr
+    assert done.returncode == 130 and "stopped before serving began" in said, said
+    names = ["cut-short-served", "cut-short-enrich-rollouts-served", "cut-short-prepare-dispatch-served"]
+    found = deployments()
+    try:
+        assert all(found[name].paused for name in names), said
+        triggers = _automations_of("cut-short-served")
+        assert [(a.name, a.enabled) for a in triggers] == [("cut-short-served: a run finished", False)]
+        assert "stopped: paused enrich_completed_runs/cut-short-served, " in said
+        assert " until Ctrl-C" not in said  # it never served
+    finally:
+        with get_client(sync_client=True) as client:
+            for name in names:
+                if name in found:
+                    client.delete_deployment(found[name].id)
+
+
 def test_stopping_a_serve_disables_its_own_triggers_and_never_a_users_automation(
     prefect_api: str, tmp_path: Path
 ) -> None:
