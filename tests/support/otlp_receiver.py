@@ -227,25 +227,19 @@ def huge_body(status: int, size: int, after: int = 0, reason: str = "Bad Request
 
 def too_large_over(limit: int) -> Script:
     """Requests whose body passes ``limit`` bytes answered 413 (a collector's request size limit)."""
-
-    def script(receiver: OtlpReceiver, index: int, request: Received, handler: Any) -> bool:
-        if len(request.body) <= limit:
-            return False
-        write_raw(
-            receiver,
-            handler,
-            b"HTTP/1.1 413 Request Entity Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
-        )
-        return True
-
-    return script
+    return too_large_when(lambda body: len(body) > limit)
 
 
 def too_many_spans_over(most: int) -> Script:
     """Requests carrying more than ``most`` spans answered 413 (a limit a batch of two can pass)."""
+    return too_large_when(lambda body: span_count(body) > most)
+
+
+def too_large_when(refused: Callable[[bytes], bool]) -> Script:
+    """Requests whose body ``refused`` says is too large answered 413 Request Entity Too Large."""
 
     def script(receiver: OtlpReceiver, index: int, request: Received, handler: Any) -> bool:
-        if span_count(request.body) <= most:
+        if not refused(request.body):
             return False
         write_raw(
             receiver,
