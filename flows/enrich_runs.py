@@ -195,7 +195,7 @@ def enrich_completed_runs(
     show_core_logs()
     check_runner(runner, dask_address, ray_address)
     runs = Location.of(runs_root, storage_options, credentials_block)  # refused here if bad
-    options = _with_traces_project(options, runs_root)
+    options = with_traces_project(options, runs_root)
     check_traces(options)
     captures = runs.at(capture_dir) if capture_dir else None
     summary, ready = _sorted_runs(find_runs(runs, full_scan, recheck))
@@ -212,7 +212,7 @@ def enrich_completed_runs(
     return summary
 
 
-def _with_traces_project(options: EnrichOptions, runs_root: str) -> EnrichOptions:
+def with_traces_project(options: EnrichOptions, runs_root: str) -> EnrichOptions:
     """Every run of one root in one project: the one named, else the root folder's name."""
     if not options.otlp_endpoint or options.otlp_project:
         return options

@@ -144,7 +144,7 @@ def stage_rollouts(
     if _is_plain_local(fs, path):
         return StagedRollouts(source=source, path=path, size=os.path.getsize(path), temporary=False)
     refuse_wrong_compression(fs, path, source)
-    fd, spooled = _local_spool("rollouts-", spool_dir)
+    fd, spooled = local_spool("rollouts-", spool_dir)
     try:
         with os.fdopen(fd, "wb") as out:
             size = _copy_decompressed(fs, path, source, out, spooled)
@@ -288,7 +288,7 @@ def split_lines(blob: bytes) -> list[bytes]:
     return lines
 
 
-def _local_spool(prefix: str, folder: str | None = None) -> tuple[int, str]:
+def local_spool(prefix: str, folder: str | None = None) -> tuple[int, str]:
     """A new spool file on this host's temporary disk, named after its writer; the spools that
     dead writers of this host left there (a killed run's decompressed input, say) go first."""
     folder = folder or tempfile.gettempdir()
@@ -467,7 +467,7 @@ class OutputSpool:
             remove_stale_temp_files(path)
             self.path, fd = _create_locked(folder, os.path.basename(path))
         else:
-            fd, self.path = _local_spool("enriched-")
+            fd, self.path = local_spool("enriched-")
         self._handle = os.fdopen(fd, "wb")
         self.lines = 0
 
