@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from rollout_capture.cli.commands import captures, enrich, operate, outputs, proxy
+from rollout_capture.cli.commands import captures, enrich, follow, operate, outputs, proxy
 
 HELP_MAX_WIDTH = 1000
 """No cap of our own: Click wraps help to the terminal's width (``COLUMNS`` when set), asked as it prints."""
@@ -69,6 +69,8 @@ app.command()(outputs.export)
 app.command()(proxy.proxy)
 app.command()(operate.deploy)
 app.command()(operate.serve)
+app.command()(operate.start)
+app.command()(follow.follow)
 app.command()(operate.finish)
 
 
