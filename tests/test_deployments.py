@@ -261,7 +261,7 @@ def save_dummy_block(name: str, endpoint: str = "http://127.0.0.1:9") -> None:
 
 
 def test_two_serves_of_two_runs_roots_share_no_deployment_name() -> None:
-    """serve --name: the default names as they were; another names all three after it (a served
+    """serve --name: the default names as they were; another names all four after it (a served
     deployment belongs to its process: one serve's Ctrl-C pauses only its own)."""
     from rollout_capture.deployments.shipped import shipped_deployments
 
@@ -269,10 +269,21 @@ def test_two_serves_of_two_runs_roots_share_no_deployment_name() -> None:
         return [d.name for d in shipped_deployments("/data/runs", **options)]
 
     first = names(served=True)
-    assert first == ["enrich-completed-runs-served", "enrich-rollouts-served", "prepare-dispatch-served"]
+    assert first == [
+        "enrich-completed-runs-served",
+        "follow-runs-served",
+        "enrich-rollouts-served",
+        "prepare-dispatch-served",
+    ]
     second = names(served=True, name="lab")
-    assert second == ["lab-served", "lab-enrich-rollouts-served", "lab-prepare-dispatch-served"]
-    assert names(name="lab") == ["lab", "enrich-rollouts", "prepare-dispatch"]  # deploy's: shared
+    assert second == [
+        "lab-served",
+        "lab-follow-runs-served",
+        "lab-enrich-rollouts-served",
+        "lab-prepare-dispatch-served",
+    ]
+    # deploy's on-demand ones are shared; a root's follower is its own
+    assert names(name="lab") == ["lab", "lab-follow-runs", "enrich-rollouts", "prepare-dispatch"]
 
 
 def test_serve_never_changes_what_deploy_registered(prefect_api: str, tmp_path: Path) -> None:
