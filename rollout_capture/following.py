@@ -166,6 +166,9 @@ class Follower:
         self._held: set[str] = set()
         self._names: Listing = {}
         self._folder_requests = 0
+        self._finished = False
+        self._next_look = 0.0
+        self._idle = False
 
     @property
     def stores(self) -> list[CaptureStore]:
@@ -176,24 +179,35 @@ class Follower:
 
     def run(self) -> FollowEnd:
         """Follow until the run is finished and every line of it is live, or until stopped."""
-        finished = self._look()
-        self._resume(finished)
-        next_look = self.clock() + self.settings.state_s
-        while True:
-            self.check()
-            if self.stop.is_set():
-                return "stopped"
-            if self.clock() >= next_look:
-                finished = self._look()
-                next_look = self.clock() + self.settings.state_s
-            more = self._read(finished)
-            wrote = self._round() if self._landed else False
-            self._tell()
-            if finished and not more and not self._landed:
-                self.progress.finished = True
-                return "finished"
-            if not (wrote or more):
+        self.start()
+        while (end := self.step()) is None:
+            if self._idle:
                 self.stop.wait(self.settings.poll_s)
+        return end
+
+    def start(self) -> None:
+        """Take the live output and go on from where it stands (what :meth:`run` does first)."""
+        self._finished = self._look()
+        self._resume(self._finished)
+        self._next_look = self.clock() + self.settings.state_s
+
+    def step(self) -> FollowEnd | None:
+        """One turn of the loop: look at the run folder when due, read what landed, write a round;
+        how it ended, or None while it goes on (``_idle``: nothing to do until the next poll)."""
+        self.check()
+        if self.stop.is_set():
+            return "stopped"
+        if self.clock() >= self._next_look:
+            self._finished = self._look()
+            self._next_look = self.clock() + self.settings.state_s
+        more = self._read(self._finished)
+        wrote = self._round() if self._landed else False
+        self._tell()
+        if self._finished and not more and not self._landed:
+            self.progress.finished = True
+            return "finished"
+        self._idle = not (wrote or more)
+        return None
 
     def _look(self) -> bool:
         """List the run folder: whether the run has finished (what was read after this is all of it)."""
@@ -233,16 +247,17 @@ class Follower:
         self.progress.live = self.progress.landed = self.progress.resumed = count
 
     def _read(self, finished: bool) -> bool:
-        """Take what landed since the last read (bounded); whether more is there already."""
+        """Take what landed since the last read (bounded); whether more is there already. Once the
+        run has finished and all was read, a last line without its newline lands too."""
         limit = MAX_WAITING_BATCHES * self.settings.batch_size
         more = True
         while more and len(self._landed) < limit:
             lines, more = self.tail.read(self._names)
-            if not lines and not more and finished:
-                lines = self.tail.rest()
             self._land(lines)
-            if not lines:
+            if not (lines or more):
                 break
+        if finished and not more:
+            self._land(self.tail.rest())
         return more
 
     def _land(self, lines: list[bytes]) -> None:
