@@ -463,6 +463,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 SLOWEST_FIRST = (
+    "test_follow.py",
     "test_journal.py",
     "test_install.py",
     "test_cli.py",
