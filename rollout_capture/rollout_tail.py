@@ -20,8 +20,8 @@ from typing import Any
 from rollout_capture.backends import Backend, Named
 from rollout_capture.filesystem import join, local_path, open_filesystem
 from rollout_capture.rollout_files import CHUNK_BYTES, RolloutsFileError
-from rollout_capture.rollout_parts import PartsReader, lines_of
-from rollout_capture.run_folders import PARTS, ROLLOUTS, rollouts_kind
+from rollout_capture.rollout_parts import PartsReader, lines_of, part_name
+from rollout_capture.run_folders import ROLLOUTS, rollouts_kind
 
 Listing = Mapping[str, Named]
 """A run folder's names, as its last listing showed them."""
@@ -182,8 +182,6 @@ class PartsTail(RolloutsTail):
         self._reader = PartsReader(backend)
 
     def _read(self, folder: Listing) -> tuple[list[bytes], bool]:
-        if PARTS not in folder and self._reader.next == 0:  # none yet: no read until the folder shows one
-            return [], False
         bodies, more = self._reader.read_new()
         self.requests = self._reader.requests
         return lines_of(bodies), more
@@ -205,11 +203,19 @@ class RunRollouts(RolloutsTail):
         self.backend, self.run = backend, run
         self._options, self._credentials = storage_options, credentials
         self.inner: RolloutsTail | None = None
+        self._probes = 0  # reads looking for a first part, before any rollouts showed
 
     def _read(self, folder: Listing) -> tuple[list[bytes], bool]:
         if self.inner is None:
             kind = rollouts_kind(folder, self.run)
+            if kind is None and local_path(self.run) is None:
+                # On an object store the first part is looked for at every poll (one read), not
+                # only once a listing of the folder shows it: the first records are not kept waiting.
+                self._probes += 1
+                if self.backend.read_many([self.backend.path(part_name(0))])[0] is not None:
+                    kind = "parts"
             if kind is None:
+                self.requests = self._probes
                 return [], False
             self.inner = (
                 PartsTail(self.backend)
@@ -217,7 +223,7 @@ class RunRollouts(RolloutsTail):
                 else FileTail(join(self.run, ROLLOUTS), self._options, credentials=self._credentials)
             )
         lines, more = self.inner.read(folder)
-        self.requests = self.inner.requests
+        self.requests = self._probes + self.inner.requests
         return lines, more
 
     def rest(self) -> list[bytes]:
