@@ -164,11 +164,22 @@ def follow_run(
         otlp_run_name: Names the root's runs <otlp_run_name>/<run folder>; default the output's location.
 
     Examples:
-        ```python
-        from rollout_capture.flows.follow import follow_run
+        A run that has finished already is followed to its end at once (a started one would be
+        followed until its ``_SUCCESS``):
 
-        summary = follow_run("/data/runs/r1")  # returns once r1 has finished and is published
-        print(summary.status, summary.live, summary.late)  # published 1200 0
+        ```python
+        import shutil
+        import tempfile
+        from importlib.resources import files
+        from pathlib import Path
+
+        from rollout_capture.flows import follow_run
+
+        run = Path(tempfile.mkdtemp()) / "r1"  # a run folder: rollouts.jsonl, captures/
+        shutil.copytree(str(files("rollout_capture") / "sample"), run)
+        (run / "_SUCCESS").touch()
+        summary = follow_run(str(run))  # returns once r1 is published
+        print(summary.status, summary.live, summary.late)  # published 12 0
         ```
     """
     options = EnrichOptions.from_parameters(locals())  # first: its locals are its parameters

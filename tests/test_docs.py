@@ -24,14 +24,16 @@ EXAMPLE_MODULES = [
     "rollout_capture.flows.dispatch",
     "rollout_capture.flows.enrich_runs",
     "rollout_capture.flows.run_batch",
+    "rollout_capture.flows.follow",
     "rollout_capture.tasks.capture",
     "rollout_capture.tasks.rollout_files",
     "rollout_capture.tasks.run_folders",
     "rollout_capture.tasks.retry",
     "rollout_capture.tasks.credentials",
 ]
-# Started only by enrich_completed_runs (they need the lease it took): its example covers them.
-INTERNAL = {"enrich_runs_batch"}
+# Started only by enrich_completed_runs and follow_run (they need the lease these took): their
+# examples cover them.
+INTERNAL = {"enrich_runs_batch", "publish_followed_run"}
 
 
 def test_mkdocs_builds_strictly_with_the_api_reference(tmp_path: Path) -> None:
