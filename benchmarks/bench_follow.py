@@ -13,14 +13,17 @@ and lands each rollout's record as its last call returns, at ``--rates`` records
 collection does); on S3 (moto, its own process, behind tests/support/fault_proxy.py's FaultProxy
 adding ``--latency-ms`` to every request) as the run's next part, the records finished in the last
 100 ms in one part (the time a record lands is when its part's PUT returned). A reader in this
-process watches the live output (the local file every 5 ms; on S3, its parts listed and read
-every 20 ms straight from moto, uncounted) and notes when each record's enriched line is
-readable. Before the load, ``--idle-s`` seconds of an idle, followed run.
+process watches the live output (the local file every 5 ms; on S3, the next part read every 50 ms
+straight from moto, uncounted: up to 50 ms of what it measures there is its own) and notes when
+each record's enriched line is readable. Before the load, ``--idle-s`` seconds of an idle, followed run.
 
 Per store and rate: landing to readable p50 / p90 / p99 / max (ms); the follower's CPU (its process
 and threads, from /proc) per record under load and per second idle; its store requests a second,
 by kind, idle and under load (S3: counted by its own FaultProxy; the proxy's and the harness's
-requests go through another); the rate achieved; then ``finish`` to the published end (seconds).
+requests go through another); a store request's round trip midway through the load (HEADs through
+the follower's FaultProxy: the added latency and what the machine's load adds to it); the CPU share
+of the bench's other processes (moto, the proxies, the harness); the rate achieved; then
+``finish`` to the published end (seconds).
 JSON on stdout, a table on stderr; the host's load average before and after.
 """
 
@@ -92,21 +95,16 @@ class Reader(threading.Thread):
 
             fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False, **self.s3)
             folder = self.folder.removeprefix("s3://") + "/rollouts.enriched.live"
-            done: set[str] = set()
-            while not self.halt.wait(0.02):
+            first = 1  # the next part starts at the line after those read: one GET a probe, no listing
+            while not self.halt.wait(0.05):
                 try:
-                    names = sorted(fs.ls(folder, detail=False, refresh=True))
+                    body = fs.cat_file(f"{folder}/{first:012d}.jsonl")
                 except FileNotFoundError:
                     continue
-                new = [name for name in names if name not in done]
-                if not new:
-                    continue
-                bodies = fs.cat(new)
                 seen = time.time()
-                for name in new:
-                    done.add(name)
-                    for line in bodies[name].splitlines():
-                        yield seen, orjson.loads(line)
+                for line in body.splitlines():
+                    first += 1
+                    yield seen, orjson.loads(line)
 
     def run(self) -> None:
         for seen, record in self._lines():
@@ -171,7 +169,13 @@ class Harness:
             conn = await pool.get()
             try:
                 for _ in range(CALLS):
-                    await conn.post(f"/ng-rollout/{index}-0/v1/chat/completions", host, body)
+                    path = f"/ng-rollout/{index}-0/v1/chat/completions"
+                    try:
+                        await conn.post(path, host, body)
+                    except (asyncio.IncompleteReadError, ConnectionError):  # idle past its keep-alive
+                        conn.writer.close()
+                        conn = await Connection.open(self.proxy)
+                        await conn.post(path, host, body)
             finally:
                 pool.put_nowait(conn)
             self._land(index)
@@ -253,8 +257,14 @@ def scenario(store: str, rate: float, args: argparse.Namespace, shared: dict[str
         idle_requests = counter.reset() if counter is not None else {}
 
         harness = Harness(proxy_url, run, producer_options)
+        others = _others(shared, proxy, counter)
+        others_before = {name: cpu_seconds(pid) for name, pid in others.items()}
         cpu_before = cpu_seconds(follower.pid)
         load_started = time.perf_counter()
+        rtt: list[float] = []
+        if counter is not None:  # what a request costs under this load, midway (uncounted HEADs)
+            timer = threading.Timer(args.seconds / 2, lambda: rtt.extend(counter.round_trips_ms(BUCKET)))
+            timer.start()
         landing_s = asyncio.run(harness.load(rate, args.seconds))
         total = len(harness.landed)
         deadline = time.monotonic() + 300
@@ -262,6 +272,9 @@ def scenario(store: str, rate: float, args: argparse.Namespace, shared: dict[str
             time.sleep(0.05)
         load_s = time.perf_counter() - load_started
         load_cpu_s = cpu_seconds(follower.pid) - cpu_before
+        shares = {
+            name: round((cpu_seconds(pid) - others_before[name]) / load_s, 3) for name, pid in others.items()
+        }
         load_requests = counter.reset() if counter is not None else {}
 
         finished_at = time.perf_counter()
@@ -299,9 +312,24 @@ def scenario(store: str, rate: float, args: argparse.Namespace, shared: dict[str
         "requests_per_s_idle": _per_second(idle_requests, args.idle_s) if counter is not None else None,
         "requests_per_s_load": _per_second(load_requests, load_s) if counter is not None else None,
         "requests_per_record": round(sum(load_requests.values()) / max(total, 1), 2) if counter else None,
+        "cpu_share_of_the_others_under_load": shares,
+        "store_round_trip_ms_under_load": round(statistics.median(rtt), 1) if rtt else None,
         "finish_to_published_s": round(end_s, 2),
         "follower_exit": follower.returncode,
     }
+
+
+def _others(
+    shared: dict[str, Any], proxy: subprocess.Popen[str], counter: CountingProxy | None
+) -> dict[str, int | None]:
+    """The bench's other processes, whose CPU shares the machine with the follower's (None: this one)."""
+    found: dict[str, int | None] = {"capture proxy": proxy.pid, "harness and reader": None}
+    if "moto" in shared:
+        found["moto"] = shared["moto"].proc.pid
+        found["the producers' latency proxy"] = shared["producer"].proc.pid
+    if counter is not None:
+        found["the follower's latency proxy"] = counter.proc.pid
+    return found
 
 
 def _wait_following(run: str, s3: dict[str, Any] | None, follower: subprocess.Popen[bytes]) -> None:
@@ -336,7 +364,8 @@ def _table(results: list[dict[str, Any]]) -> str:
         rows.append(
             f"{r['store']:<6} {r['rate_achieved']:>5} {r['records']:>8} {q.get('p50_ms', '-'):>7} "
             f"{q.get('p99_ms', '-'):>7} {q.get('max_ms', '-'):>7} {r['cpu_ms_per_record']:>11} "
-            f"{r['cpu_share_idle']:>9} {idle!s:>11} {load!s:>11} {r['requests_per_record']!s:>8}"
+            f"{r['cpu_share_idle']:>9} {idle!s:>11} {load!s:>11} {r['requests_per_record']!s:>8} "
+            f"{r['store_round_trip_ms_under_load']!s:>7}"
         )
     return "\n".join(rows)
 
