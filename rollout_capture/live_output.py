@@ -14,17 +14,15 @@ where it stands: a restarted follower counts its lines and goes on from the next
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import os
 import re
-import stat
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 
 from rollout_capture.backends import Backend
 from rollout_capture.filesystem import join
-from rollout_capture.rollout_files import CHUNK_BYTES, OutputPathError, StorageWriteError
+from rollout_capture.rollout_files import CHUNK_BYTES, OutputPathError, StorageWriteError, open_regular
 from rollout_capture.rollout_parts import MAX_WINDOW, part_lines
 from rollout_capture.run_folders import LIVE_PARTS
 
@@ -102,25 +100,16 @@ class LiveFile(LiveOutput):
         self._fd: int | None = None
 
     def open(self) -> Iterator[bytes]:
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        fd = open_regular(
+            self.where,
+            os.O_RDWR | os.O_CREAT,
+            lambda why: OutputPathError(f"live output {self.where} is {why}: never written through"),
+        )
         try:
-            fd = os.open(self.where, flags, 0o644)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise OutputPathError(
-                    f"live output {self.where} is a symbolic link: never written through"
-                ) from None
-            raise
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OutputPathError(f"live output {self.where} is not a regular file")
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise LiveOutputBusy(f"{self.where} is written by another follower now") from None
-        except BaseException:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
             os.close(fd)
-            raise
+            raise LiveOutputBusy(f"{self.where} is written by another follower now") from None
         self._fd = fd
         return _lines(fd, _cut_to_last_line(fd))
 

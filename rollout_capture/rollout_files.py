@@ -27,7 +27,7 @@ import stat
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any
 
 import fsspec
@@ -203,16 +203,40 @@ def _copy_decompressed(
                     f"rollouts file {source} is not valid {compression} data (truncated or not "
                     f"{compression} at all?): {detail}"
                 ) from exc
-            try:
+            with spool_faults(source, spooled):
                 if not chunk:
                     out.flush()
                     return size
                 out.write(chunk)
-            except OSError as exc:
-                raise StorageWriteError(
-                    exc.errno, f"{exc.strerror}: copying {source} to the local spool {spooled}"
-                ) from exc
             size += len(chunk)
+
+
+@contextlib.contextmanager
+def spool_faults(source: str, spooled: str) -> Iterator[None]:
+    """A storage fault writing a local spool (a full disk) as a :class:`StorageWriteError` naming
+    what was being copied and where."""
+    try:
+        yield
+    except OSError as exc:
+        raise StorageWriteError(
+            exc.errno, f"{exc.strerror}: copying {source} to the local spool {spooled}"
+        ) from exc
+
+
+def open_regular(path: str, flags: int, refused: Callable[[str], Exception], mode: int = 0o644) -> int:
+    """``path`` opened as a regular file only, never through a symbolic link (``O_NOFOLLOW``) and never
+    blocking on a FIFO (``O_NONBLOCK``); ``refused(why)`` is raised otherwise ("a symbolic link",
+    "not a regular file"). A missing file raises ``FileNotFoundError`` as ``open`` does."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise refused("a symbolic link") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise refused("not a regular file")
+    return fd
 
 
 class LineRange(BaseModel):

@@ -18,7 +18,7 @@ from typing import Any
 
 from rollout_capture.backends import Backend, open_backend
 from rollout_capture.filesystem import join
-from rollout_capture.rollout_files import CHUNK_BYTES, StagedRollouts, StorageWriteError, local_spool
+from rollout_capture.rollout_files import CHUNK_BYTES, StagedRollouts, local_spool, spool_faults
 from rollout_capture.run_folders import PARTS
 from rollout_capture.sequence import create_numbered, first_absent
 
@@ -114,12 +114,8 @@ def stage_parts(
                     if body is None:
                         raise FileNotFoundError(f"{path} vanished while the run's parts were read")
                     data = part_bytes(body)
-                    try:
+                    with spool_faults(f"{run}'s parts", spooled):
                         out.write(data)
-                    except OSError as exc:
-                        raise StorageWriteError(
-                            exc.errno, f"{exc.strerror}: copying {run}'s parts to {spooled}"
-                        ) from exc
                     size += len(data)
     except BaseException:
         os.unlink(spooled)

@@ -10,16 +10,14 @@ rollout_parts`, an object store's way) are read in order, one read a poll when n
 
 from __future__ import annotations
 
-import errno
 import os
-import stat
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
 from rollout_capture.backends import Backend, Named
 from rollout_capture.filesystem import join, local_path, open_filesystem
-from rollout_capture.rollout_files import CHUNK_BYTES, RolloutsFileError
+from rollout_capture.rollout_files import CHUNK_BYTES, RolloutsFileError, open_regular
 from rollout_capture.rollout_parts import PartsReader, lines_of, part_name
 from rollout_capture.run_folders import ROLLOUTS, rollouts_kind
 
@@ -107,21 +105,17 @@ class FileTail(RolloutsTail):
     def _open(self) -> bool:
         """Open the local file once it is there (never through a link, never a FIFO)."""
         assert self._local is not None
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
         try:
-            fd = os.open(self._local, flags)
+            fd = open_regular(
+                self._local,
+                os.O_RDONLY,
+                lambda why: RolloutsFileError(
+                    f"rollouts file {self.url} is {why}: only a regular file is followed"
+                ),
+            )
         except FileNotFoundError:
             return False
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise RolloutsFileError(
-                    f"rollouts file {self.url} is a symbolic link: never followed"
-                ) from None
-            raise
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            os.close(fd)
-            raise RolloutsFileError(f"rollouts file {self.url} is not a regular file")
         self._fd, self._identity = fd, (info.st_dev, info.st_ino)
         return True
 

@@ -19,7 +19,7 @@ from rollout_capture import CaptureStore
 from rollout_capture.flows import enrich_completed_runs, enrich_rollouts
 
 from .conftest import ROOT, S3, wait_for
-from .support.cli import CLI, run_cli
+from .support.cli import CLI, run_cli, start_worker
 from .support.prefect_api import wait_for_events
 from .support.runs_helpers import make_run
 
@@ -431,15 +431,7 @@ def test_a_finished_run_is_enriched_at_once_by_its_deployments_trigger(
     (run / "rollouts.jsonl").write_bytes(orjson.dumps({"_ng_task_index": 0, "_ng_rollout_index": 0}) + b"\n")
     pool = "rollout-capture-trigger"
     register(str(tmp_path / "runs"), pool=pool, cron="0 0 1 1 *", parameters={}, name="on-finish")
-    worker_env = environment(prefect_api, PREFECT_HOME=str(tmp_path / "worker-home"))
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
-        cwd=tmp_path,
-        env=worker_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    worker = start_worker(pool, prefect_api, tmp_path)
 
     try:
         wait_for(
@@ -552,14 +544,7 @@ def test_deploy_never_takes_over_a_running_serve_and_its_ctrl_c_leaves_no_trigge
     root_a, root_c = tmp_path / "A", tmp_path / "C"
     pool = "rollout-capture-i36"
     register(str(root_a), pool=pool, cron="0 0 1 1 *", parameters={}, name="runs-a")
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
-        cwd=tmp_path,
-        env=environment(prefect_api, PREFECT_HOME=str(tmp_path / "worker-home")),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    worker = start_worker(pool, prefect_api, tmp_path)
     make_run(root_c, "c1", finished=False, rollouts=1)
     served = subprocess.Popen(
         [*CLI, "serve", "--name", "runs-c", "--cron", "0 0 1 1 *"],

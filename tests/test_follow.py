@@ -11,7 +11,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from rollout_capture.rollout_parts import PartsWriter
 from rollout_capture.run_folders import ENRICHED, LIVE, OUTPUT, STARTED, SUCCESS, RunsRoot, run_folder
 
 from .conftest import S3, Clock, wait_for
-from .support.cli import CLI, cli_env, run_cli
+from .support.cli import CLI, cli_env, run_cli, start_worker
 from .support.prefect_api import artifacts, wait_for_events
 from .support.spawned import KILL_POINTS, follow_reporting, follow_until_killed
 
@@ -354,14 +353,7 @@ def test_a_started_run_is_followed_by_its_deployment_and_published_once(
     root.mkdir()
     pool = "rollout-capture-follow"
     register(str(root), pool=pool, cron="0 0 1 1 *", parameters={}, name="on-start", automation=False)
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
-        cwd=tmp_path,
-        env=cli_env(prefect_api, PREFECT_HOME=str(tmp_path / "worker-home")),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    worker = start_worker(pool, prefect_api, tmp_path)
     run_url = str(root / "r1")
     try:
         started = run_cli("start", run_url, api=prefect_api)

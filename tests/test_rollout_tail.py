@@ -70,7 +70,7 @@ def test_a_file_replaced_shrunk_or_removed_while_followed_is_refused_naming_it(
 def test_a_rollouts_file_that_is_a_link_is_never_followed(tmp_path: Path) -> None:
     (tmp_path / "elsewhere.jsonl").write_bytes(b"secret\n")
     (tmp_path / "rollouts.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
-    with pytest.raises(RolloutsFileError, match="symbolic link: never followed"):
+    with pytest.raises(RolloutsFileError, match="is a symbolic link: only a regular file is followed"):
         FileTail(str(tmp_path / "rollouts.jsonl")).read({})
 
 
