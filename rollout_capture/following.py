@@ -28,13 +28,16 @@ import orjson
 from rollout_capture.attachment import ATTACHMENT_KEY
 from rollout_capture.backends import Backend
 from rollout_capture.batch import BatchStats, EnrichedBatch, LineProblem, enrich_lines
+from rollout_capture.call_records_fast import Untyped
 from rollout_capture.enrich_options import DEFAULT_BATCH_SIZE
+from rollout_capture.identity import rollout_id_of
+from rollout_capture.identity_fast import identify_line
 from rollout_capture.live_output import LiveOutput, LiveOutputBusy
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, claimed_now
 from rollout_capture.rollout_tail import Listing, RolloutsTail
 from rollout_capture.run_folders import SUCCESS
 from rollout_capture.store import CaptureStore
-from rollout_capture.summary import EvidenceSummary
+from rollout_capture.summary import EvidenceShapeError, EvidenceSummary
 
 LOCAL_POLL_S = 0.1
 """How often a follower looks for new lines when its run folder is on a local disk (an ``fstat``)."""
@@ -99,6 +102,22 @@ def line_digest(line: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(line, digest_size=8).digest(), "little")
 
 
+def _identity(line: bytes) -> str | bytes:
+    """What a rollouts line and its enrichment have in common: the rollout id of a record, else the
+    line itself (a line enrichment passes through unchanged)."""
+    try:
+        found = identify_line(line)
+        return line if found is None else found[0]
+    except Untyped:
+        pass
+    try:
+        record = orjson.loads(line)
+        rollout_id = rollout_id_of(record) if isinstance(record, dict) else None
+    except (orjson.JSONDecodeError, ValueError):
+        rollout_id = None
+    return line if rollout_id is None else rollout_id
+
+
 def stats_of_enriched(lines: Iterable[bytes], first_line: int = 1) -> BatchStats:
     """The counts and evidence of enriched lines already written (a live output found at start)."""
     stats = BatchStats()
@@ -115,6 +134,11 @@ def stats_of_enriched(lines: Iterable[bytes], first_line: int = 1) -> BatchStats
         attachment = record.get(ATTACHMENT_KEY) if isinstance(record, dict) else None
         if not isinstance(attachment, dict):
             continue
+        try:
+            evidence.add(record)
+        except EvidenceShapeError as exc:  # not ours (then the live output is refused as not this run's)
+            stats.problems.append(LineProblem(line=number, reason=str(exc)))
+            continue
         stats.rollouts += 1
         stats.calls += int((attachment.get("metrics") or {}).get("num_calls") or 0)
         codes = [gap.get("code") for gap in attachment.get("gaps") or [] if isinstance(gap, dict)]
@@ -122,7 +146,6 @@ def stats_of_enriched(lines: Iterable[bytes], first_line: int = 1) -> BatchStats
             stats.rollouts_with_gaps += 1
             for code in codes:
                 gaps[str(code)] = gaps.get(str(code), 0) + 1
-        evidence.add(record)
     stats.gaps = dict(sorted(gaps.items()))
     stats.evidence = evidence
     return stats
@@ -234,15 +257,27 @@ class Follower:
                 self.digests.append(line_digest(line))
                 yield line
 
-        stats = stats_of_enriched(fingerprinted())  # one pass, a line at a time
+        last: list[bytes] = []
+
+        def kept_last(lines: Iterator[bytes]) -> Iterator[bytes]:
+            for line in lines:
+                last[:] = [line]
+                yield line
+
+        stats = stats_of_enriched(kept_last(fingerprinted()))  # one pass, a line at a time
         count = len(self.digests)
         if count:
             self.progress.stats = stats
-            skipped = self.tail.skip(count, self._names, finished)
-            if skipped < count:
+            skipped, rollout = self.tail.skip(count, self._names, finished)
+            if skipped < count or rollout is None or _identity(rollout) != _identity(last[0]):
+                where = (
+                    f"line {count:,} is not the enrichment of theirs"
+                    if skipped == count
+                    else (f"the rollouts hold only {skipped:,}")
+                )
                 raise ValueError(
-                    f"the live output {self.live.where} holds {count:,} lines but the run's rollouts only "
-                    f"{skipped:,}: it is not this run's (remove it to follow the run afresh)"
+                    f"the live output {self.live.where} holds {count:,} line(s) but {where}: it is not "
+                    "this run's, or the run's rollouts were rewritten (remove it to follow the run afresh)"
                 )
         self.progress.live = self.progress.landed = self.progress.resumed = count
 

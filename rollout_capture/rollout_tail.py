@@ -52,10 +52,10 @@ class RolloutsTail(ABC):
     def close(self) -> None:  # noqa: B027 - only a local file holds something open
         """Let go of what the tail holds open."""
 
-    def skip(self, count: int, folder: Listing, finished: bool) -> int:
+    def skip(self, count: int, folder: Listing, finished: bool) -> tuple[int, bytes | None]:
         """Pass over the first ``count`` lines (enriched already, by an earlier follower); returns
-        how many there were (fewer when the rollouts hold fewer lines)."""
-        skipped = 0
+        how many there were (fewer when the rollouts hold fewer lines) and the last of them."""
+        skipped, last = 0, None
         while skipped < count:
             lines, more = self.read(folder)
             if not lines:
@@ -68,8 +68,9 @@ class RolloutsTail(ABC):
                     break
             take = min(count - skipped, len(lines))
             skipped += take
+            last = lines[take - 1]
             self._ahead = lines[take:]
-        return skipped
+        return skipped, last
 
 
 def _split(buffer: bytes) -> tuple[list[bytes], bytes]:

@@ -463,8 +463,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 SLOWEST_FIRST = (
-    "test_follow.py",
     "test_journal.py",
+    "test_follow.py",
     "test_install.py",
     "test_cli.py",
     "test_cli_outputs.py",

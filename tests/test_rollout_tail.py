@@ -99,7 +99,7 @@ def test_parts_are_read_in_order_as_they_land_and_a_restart_skips_into_a_part(tm
     assert everything(tail, listed) == [b"4", b"5"]
 
     again = PartsTail(backend)
-    assert again.skip(2, listed, finished=False) == 2  # a restart whose live output holds 2 lines
+    assert again.skip(2, listed, finished=False) == (2, b"2")  # a restart whose live output holds 2 lines
     assert everything(again, listed) == [b"3", b"4", b"5"]
 
 
