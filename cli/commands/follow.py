@@ -35,8 +35,9 @@ STOPPED_EXIT = 130
 def _stopped_by_signals() -> Iterator[None]:
     """Ctrl-C (SIGINT) and SIGTERM stop the follower after the round in hand; a second one stops
     the command at once (the signal's own way)."""
-    from rollout_capture.flows.follow import stop_following
+    from rollout_capture.flows.follow import STOP, stop_following
 
+    STOP.clear()  # this command's follower starts unstopped
     previous: dict[int, Any] = {}
 
     def stop(signum: int, frame: FrameType | None) -> None:
