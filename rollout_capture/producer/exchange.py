@@ -61,12 +61,14 @@ class Exchange:
         server_name: str | None,
         max_body_bytes: int,
         verifier_invocation_id: str | None = None,
+        client_session_id: str | None = None,
     ) -> None:
         self.rollout_id = rollout_id
         self.dialect = dialect
         self.server_name = server_name
         self.max_body_bytes = max_body_bytes
         self.verifier_invocation_id = verifier_invocation_id
+        self.client_session_id = client_session_id
         self.model_call_id = os.urandom(16).hex()  # 32 hex digits, as uuid4().hex without its cost
         self.started_at = time.time()
         self._arrived = time.perf_counter()
@@ -432,6 +434,8 @@ class Exchange:
             "request": self.request,
             "response": response,
         }
+        if self.client_session_id is not None:
+            row["client_session_id"] = self.client_session_id
         self._app_execution()
         if self.execution is not None:
             row.update(self.execution)
@@ -535,6 +539,17 @@ class HeldAnswer:
             self._flush.cancel()
 
 
+SESSION_HEADER = b"x-session-id"
+"""The header by which NeMo Gym 0.7's agents name the session (the invocation) a call belongs to."""
+
+
+def session_of(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
+    """The call's ``client_session_id``: its one ``X-Session-Id`` value, as NeMo Gym 0.7.0's capture
+    takes it (none when absent, empty or given twice with different values)."""
+    values = {value.decode("latin-1") for key, value in headers if key.lower() == SESSION_HEADER and value}
+    return values.pop() if len(values) == 1 else None
+
+
 async def start_exchange(
     scope: Scope, found: Route, receive: Receive, settings: ProducerSettings
 ) -> tuple[Exchange, bytes, bool, bytes] | None:
@@ -544,13 +559,15 @@ async def start_exchange(
     client left before its request was whole, so no call was made and nothing is written.
     """
     assert found.rollout_id is not None and found.dialect is not None
-    verifier = header(scope.get("headers") or (), VERIFIER_HEADER)
+    headers = scope.get("headers") or ()
+    verifier = header(headers, VERIFIER_HEADER)
     exchange = Exchange(
         found.rollout_id,
         found.dialect,
         server_name=settings.server_name,
         max_body_bytes=settings.max_body_bytes,
         verifier_invocation_id=None if verifier is None else verifier.decode("latin-1"),
+        client_session_id=session_of(headers),
     )
     body, whole, gone = await read_body(receive, settings.max_body_bytes)
     if gone:
