@@ -17,6 +17,7 @@ from rollout_capture.claims import partition
 from rollout_capture.evidence import Evidence
 from rollout_capture.metrics import aggregate_call_dicts
 from rollout_capture.ownership import join_ownership
+from rollout_capture.projections import carries_projection, payloads_wanted, reproject
 from rollout_capture.snapshot import RolloutSnapshot
 
 logger = logging.getLogger(__name__)
@@ -183,23 +184,45 @@ def metrics_by_owner(calls: list[dict[str, Any]], judged: list[dict[str, Any]]) 
     return {"policy": aggregate_call_dicts(policy), "verifiers": aggregate_call_dicts(judged)}
 
 
+def add_gap(attachment: dict[str, Any], gap: dict[str, str]) -> None:
+    """Put a gap on the attachment, its key order kept: gaps come before the verifier invocations
+    and the owners' metrics (as :func:`build_attachment` writes them)."""
+    gaps = attachment.pop("gaps", [])
+    gaps.append(gap)
+    verifiers = attachment.pop("verifier_invocations", None)
+    owners = attachment.pop(OWNERS_KEY, None)
+    attachment["gaps"] = gaps
+    if verifiers is not None:
+        attachment["verifier_invocations"] = verifiers
+    if owners is not None:
+        attachment[OWNERS_KEY] = owners
+
+
+def payloads_to_read(record: dict[str, Any], include_payloads: bool) -> bool:
+    """Whether a record's calls are read with their payloads: asked for, or wanted by the NeMo Gym
+    trajectory it carries (:func:`rollout_capture.projections.payloads_wanted`)."""
+    return include_payloads or payloads_wanted(record)
+
+
 def attach(record: dict[str, Any], attachment: dict[str, Any]) -> dict[str, Any]:
-    """Put the attachment on the record and run the ownership join; returns the record."""
+    """Put the attachment on the record, run the ownership join and rebuild the NeMo Gym
+    projections it carries (``ng_trajectory``, ``ng_perf``: :mod:`rollout_capture.projections`);
+    returns the record. The attachment's calls hold payloads as :func:`payloads_to_read` said."""
+    previous = record.get(ATTACHMENT_KEY)
     observations = record.get(OBSERVATIONS_KEY)
     if observations is not None:
         try:
             record[OBSERVATIONS_KEY] = join_ownership(observations, attachment["calls"])
         except Exception as exc:
             logger.warning("could not join agent observations of %s: %s", attachment["rollout_id"], exc)
-            gaps = attachment.pop("gaps", [])
-            gaps.append(_gap(GAP_JOIN_FAILED))
-            # Keep key order stable: gaps come before verifier invocations and the owners' metrics.
-            verifiers = attachment.pop("verifier_invocations", None)
-            owners = attachment.pop(OWNERS_KEY, None)
-            attachment["gaps"] = gaps
-            if verifiers is not None:
-                attachment["verifier_invocations"] = verifiers
-            if owners is not None:
-                attachment[OWNERS_KEY] = owners
+            add_gap(attachment, _gap(GAP_JOIN_FAILED))
     record[ATTACHMENT_KEY] = attachment
+    if carries_projection(record):
+        reproject(
+            record,
+            attachment,
+            previous=previous,
+            observations_before=observations,
+            add_gap=lambda gap: add_gap(attachment, gap),
+        )
     return record

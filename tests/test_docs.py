@@ -186,11 +186,8 @@ def test_the_tiers_documented_differences_are_the_contracts_own() -> None:
     """Every difference tests/test_nemo_gym_070.py lets pass between NeMo Gym 0.7.0 and ours is
     one the contract names (issue 34), and the other way round: a difference added to one and not
     to the other fails here, so none goes undocumented."""
-    from tests.test_nemo_gym_070 import (
-        DOCUMENTED_ATTACHMENT_KEYS,
-        DOCUMENTED_CALL_FIELDS,
-        DOCUMENTED_PRODUCER_DIFFERENCES,
-    )
+    from tests.support.nemo_gym_compare import DOCUMENTED_ATTACHMENT_KEYS, DOCUMENTED_CALL_FIELDS
+    from tests.test_nemo_gym_070 import DOCUMENTED_PRODUCER_DIFFERENCES
 
     contract = (ROOT / "docs" / "contract.md").read_text()
     beside = contract.split("- **Our producers beside NeMo Gym's.**", 1)[1].split("\n## ", 1)[0]
