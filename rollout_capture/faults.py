@@ -64,6 +64,19 @@ def is_transient_storage_error(exc: BaseException) -> bool:
     return False
 
 
+NO_CAPTURE_CAUSES = (
+    "the producer writes elsewhere (compare its capture dir), or it saw no /ng-rollout/<id> prefix "
+    "(NeMo Gym's agents add it only while observability_enabled is true; a producer behind NeMo Gym's "
+    "model server sees none, and its log says 'forwarded uncaptured': see docs/nemo-gym.md), or no "
+    "model call was made"
+)
+"""Why a capture root or a rollout can hold nothing: what a user checks first."""
+
+
 def missing_capture_dir(url: str, allow: str = "--allow-empty") -> str:
-    """The one message for a capture root that is not there (a mistyped path, a wrong prefix)."""
-    return f"capture dir {url} does not exist or holds no capture (pass {allow} if that is expected)"
+    """The one message for a capture root that is not there (a mistyped path, a wrong prefix, a
+    producer that captured nothing), naming the likely causes."""
+    return (
+        f"capture dir {url} does not exist or holds no capture: {NO_CAPTURE_CAUSES} "
+        f"(pass {allow} if that is expected)"
+    )
