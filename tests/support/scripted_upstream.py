@@ -30,6 +30,7 @@ import asyncio
 import copy
 import gzip
 import logging
+import re
 import threading
 import time
 from typing import Any
@@ -415,6 +416,11 @@ class _QuietAborts(logging.Filter):
 
 
 DIALECTS = {"/v1/chat/completions": "chat", "/v1/responses": "responses", "/v1/messages": "messages"}
+AZURE_DEPLOYMENT = re.compile(r"^/openai/deployments/[^/]+/chat/completions$")
+"""Azure OpenAI's chat path (``AsyncAzureOpenAI``, NeMo Gym's ``azure_openai_model``): a chat call."""
+LITELLM_HEALTH = "/health/readiness/details"
+"""Where NeMo Gym's ``litellm_model`` asks a LiteLLM proxy its version before it serves."""
+LITELLM_VERSION = "1.83.0"
 
 
 def _timed(send: Any, sent: dict[str, float]) -> Any:
@@ -489,7 +495,10 @@ class ScriptedUpstream:
             }
         )
         send = _timed(send, sent)
-        dialect = DIALECTS.get(scope["path"])
+        dialect = DIALECTS.get(scope["path"]) or ("chat" if AZURE_DEPLOYMENT.match(scope["path"]) else None)
+        if scope["path"] == LITELLM_HEALTH:
+            await self._json(send, 200, {"status": "connected", "litellm_version": LITELLM_VERSION})
+            return
         if dialect is None or scope["method"] != "POST":
             await self._json(
                 send,
