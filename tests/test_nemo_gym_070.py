@@ -569,7 +569,7 @@ def test_e_every_nemo_gym_model_server_captured_by_the_recipe(tmp_path: Path) ->
     upstream = ThreadedServer(ScriptedUpstream())
     command = [NG_PYTHON, str(SIDE), "serve-ours", "--upstream", upstream.url, "--capture-dir", str(captures)]
     command += ["--decoy", str(decoy), "--workdir", str(work), *RECIPE_SERVERS]
-    side = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    side = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=work)
     try:
         assert side.stdout is not None and side.stdin is not None
         ports = json.loads(side.stdout.readline())["ports"]
@@ -611,6 +611,7 @@ def test_the_projection_cases_are_what_nemo_gym_builds(tmp_path: Path) -> None:
     what NeMo Gym 0.7.0's own merge and projection build from tests/support/projection_cases.py."""
     assert NG_PYTHON is not None
     built = tmp_path / "projections.json"
-    subprocess.run([NG_PYTHON, str(SIDE), "project", "--output", str(built)], check=True, timeout=600)
+    command = [NG_PYTHON, str(SIDE), "project", "--output", str(built)]
+    subprocess.run(command, check=True, timeout=600, cwd=tmp_path)
     committed = Path(__file__).resolve().parent / "data" / "nemo_gym_070_projections.json"
     assert json.loads(built.read_text()) == json.loads(committed.read_text())

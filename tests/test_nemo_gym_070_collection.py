@@ -211,6 +211,7 @@ def _what_nemo_gym_sees(records: Path) -> dict[str, Any]:
     assert NG_PYTHON is not None
     done = subprocess.run(
         [NG_PYTHON, str(SIDE), "health", "--records", str(records)],
+        cwd=records.parent,
         check=True,
         timeout=600,
         capture_output=True,
