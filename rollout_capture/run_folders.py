@@ -10,7 +10,8 @@ to know. The job keeps an index at the root (``_rollout_capture_index.json``, th
 has seen enriched), so an idle tick over enriched runs costs the root's pages and one GET;
 a folder missing from the index (new, or written by hand) is listed as before. The index
 is a cache of ``_ENRICHED``, never the truth: an entry is added only once ``_ENRICHED`` has
-been seen, so a lost entry costs one listing later and never a second enrichment.
+been seen, so a lost entry costs one listing later and never a second enrichment; finishing a
+run it names without ``_ENRICHED`` (a folder made again under its name) drops the entry.
 
 **Leases** are generations ``_ENRICHING.<n>``, each created put-if-absent. Taking over
 an expired generation ``n`` and renewing a live one both mean creating ``n + 1``: of two
@@ -194,9 +195,16 @@ def finish_run(
 ) -> RunFolder:
     """Write the run's empty ``_SUCCESS`` (what a harness does once its rollouts file is whole),
     unless it is enriched already (then nothing is written: nothing would come of it); returns
-    the run folder as it was found (:func:`run_folder`, which names what it refuses)."""
+    the run folder as it was found (:func:`run_folder`, which names what it refuses).
+
+    An unenriched run the root's index names is a folder deleted and made again under its name:
+    its entry is dropped first, or no tick would list it again (one GET of the index, and a PUT
+    when the entry is there)."""
     state, backend = run_folder(run, storage_options, credentials=credentials)
     if not state.enriched:
+        parent, _, name = state.url.rpartition("/")
+        if parent and not parent.endswith("/"):  # a folder under a root (not a bucket, not /)
+            RunsRoot(parent, storage_options, credentials=credentials).forget_enriched([name])
         backend.put(backend.path(SUCCESS), b"")  # never through a link: a rename in the folder
     return state
 
@@ -319,8 +327,10 @@ class RunsRoot:
         for name, why in sorted(refused.items()):
             logger.warning("%s/%s is left alone: %s", self.url, name, why)
         if update_index:
-            enriched = sorted(run.name for run in runs if run.enriched)
-            if enriched != sorted(set(index or ())):
+            enriched = {run.name for run in runs if run.enriched}
+            if enriched != set(index or ()):
+                if known:  # taken on trust from the index read before listing: kept only if still there
+                    enriched -= known - set(self._read_index() or ())
                 self._write_index(enriched)
         return Discovery(runs=runs, listed=len(to_list), indexed=len(known), refused=refused)
 
@@ -343,6 +353,14 @@ class RunsRoot:
         # enriched, so an entry can be lost (one listing later) but never invented.
         body = RunsIndex(enriched=sorted(set(enriched))).model_dump()
         self.backend.put(self._folder(INDEX), orjson.dumps(body))
+
+    def forget_enriched(self, names: Collection[str]) -> None:
+        """Drop runs from the index (read, rewritten if it names any): folders made again under a
+        name it remembers enriched. A tick rewriting the index meanwhile keeps what it took on trust
+        only if the index still names it (:meth:`discover`)."""
+        current = set(self._read_index() or ())
+        if current & set(names):
+            self._write_index(current - set(names))
 
     def remember_enriched(self, names: Collection[str]) -> None:
         """Add runs just enriched to the index (read, merged, rewritten)."""
