@@ -143,23 +143,27 @@ def preflight(
     block's absence is bad input too.
     """
     from rollout_capture.backends import open_backend
-    from rollout_capture.faults import missing_capture_dir
+    from rollout_capture.faults import missing_capture_dir, refusal_named
 
     every = [*(where for where, _ in files), *capture_dirs, *(where for where, _ in folders)]
     block = next((where.credentials_block for where in every if where.credentials_block), None)
     resolved = credentials(block, prefect)
     for where, what in files:
-        check_file(where, resolved, what)
+        with refusal_named(where.url, block, what):  # a refusal names the store and the credentials
+            check_file(where, resolved, what)
     for where in capture_dirs:
-        if not where.capture_store(resolved, shared=False).root_found():
-            raise InputError(missing_capture_dir(where.url))
+        with refusal_named(where.url, block, "capture dir"):
+            if not where.capture_store(resolved, shared=False).root_found():
+                raise InputError(missing_capture_dir(where.url))
     for where, what in folders:
-        backend = open_backend(where.url, where.storage_options, credentials=resolved)
-        found = backend.root_found()  # one LIST: on an object store, the credentials proved here
+        with refusal_named(where.url, block, what):
+            backend = open_backend(where.url, where.storage_options, credentials=resolved)
+            found = backend.root_found()  # one LIST: on an object store, the credentials proved here
         if backend.folders_exist and not found:
             raise InputError(f"{what} not found: {where}")
     for where in creates:  # a store ignoring put-if-absent: refused (exit 2) before anything is written
-        open_backend(where.url, where.storage_options, credentials=resolved).require_put_if_absent()
+        with refusal_named(where.url, block):
+            open_backend(where.url, where.storage_options, credentials=resolved).require_put_if_absent()
     if prefect and not block:
         start_prefect()
 

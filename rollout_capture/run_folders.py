@@ -477,14 +477,14 @@ class RunsRoot:
         names = self._names(run)
         mine = self._lease_path(run, lease.generation)
         if ENRICHED in names:
-            self.backend.remove([mine])
+            self._clean_up(run, [mine])
             raise AlreadyEnriched(f"{run.name} was enriched by another holder")
         generations = _generations(names)
         newer = [g for g in generations if g > lease.generation]
         if newer or lease.generation not in generations:
-            self.backend.remove([mine])
+            self._clean_up(run, [mine])
             raise LeaseLost(f"{run.name}: its lease was taken over (generation {max(newer, default='?')})")
-        self.backend.remove([entry.path for g, entry in generations.items() if g < lease.generation])
+        self._clean_up(run, [entry.path for g, entry in generations.items() if g < lease.generation])
 
     def renew(self, run: RunFolder, lease: Lease) -> Lease:
         """The lease's next generation: proof that its holder is still the current one.
@@ -502,7 +502,7 @@ class RunsRoot:
             self._create(run, lease.successor(released=True, clock=self._clock))
         except LeaseLost:
             return  # taken over: nothing of ours to give back
-        self.backend.remove([self._lease_path(run, lease.generation)])
+        self._clean_up(run, [self._lease_path(run, lease.generation)])
 
     def mark_enriched(self, run: RunFolder, lease: Lease, summary: Mapping[str, Any]) -> None:
         """Write ``_ENRICHED`` (a small JSON summary naming the holder) once, put-if-absent."""
@@ -531,7 +531,16 @@ class RunsRoot:
 
     def drop_leases(self, run: RunFolder) -> None:
         """Delete every lease generation of an enriched run (its ``_ENRICHED`` keeps others off)."""
-        self.backend.remove([entry.path for entry in _generations(self._names(run)).values()])
+        self._clean_up(run, [entry.path for entry in _generations(self._names(run)).values()])
+
+    def _clean_up(self, run: RunFolder, paths: list[str]) -> None:
+        """Remove lease generations no longer needed. A store refusing deletes (credentials without
+        the right) leaves them, said in a warning naming them: harmless, since the newest generation
+        and ``_ENRICHED`` decide, so no reason to fail the run."""
+        try:
+            self.backend.remove(paths)
+        except PermissionError as exc:
+            logger.warning("%s: lease generation(s) left behind, not deleted: %s", run.url, exc)
 
 
 class LeaseKeeper:
