@@ -58,19 +58,20 @@ class _WithoutTraceback(logging.Formatter):
     control characters escaped."""
 
     def __init__(self, inner: logging.Formatter | None) -> None:
-        from rollout_capture.printable import printable_lines
+        from rollout_capture.printable import printable_lines, printable_log_message
 
-        self._printable = printable_lines
+        self._printable, self._message = printable_lines, printable_log_message
         super().__init__()
         self.inner = inner or logging.Formatter()
 
     def format(self, record: logging.LogRecord) -> str:
-        saved = record.exc_info, record.exc_text
+        saved = record.exc_info, record.exc_text, record.msg, record.args
         record.exc_info, record.exc_text = None, None
+        record.msg, record.args = self._message(record), None  # a line break in a name splits no line
         try:  # a model name or detail from a record in a log line acts on no terminal
             return self._printable(self.inner.format(record))
         finally:
-            record.exc_info, record.exc_text = saved
+            record.exc_info, record.exc_text, record.msg, record.args = saved
 
 
 def _terminal_logging() -> None:

@@ -156,7 +156,8 @@ def run_folder(
 
     Refused as a tick would leave it: ``FileNotFoundError`` when the folder does not exist or holds
     no ``rollouts.jsonl``; ``ValueError`` when it is a symbolic link, or holds one where a run's part
-    belongs (a tick never follows links, and a write through one lands outside the runs root).
+    belongs (a tick never follows links, and a write through one lands outside the runs root);
+    ``IsADirectoryError`` when its ``_SUCCESS`` is a folder (no file can be written there).
     """
     run = absolute_location(run).rstrip("/")
     local = local_path(run)
@@ -182,6 +183,12 @@ def run_folder(
     rollouts = names.get(ROLLOUTS)
     if rollouts is None or rollouts.folder:
         raise FileNotFoundError(f"run folder {run} has no {ROLLOUTS}: not a run folder")
+    success = names.get(SUCCESS)
+    if success is not None and success.folder:  # writing the file would meet it as a temporary name's error
+        raise IsADirectoryError(
+            f"run folder {run}: {SUCCESS} is a folder, not the empty file that marks a run finished: "
+            "remove it, then finish the run"
+        )
     name = run.rsplit("/", 1)[-1]
     state = RunFolder(name=name, url=run, finished=SUCCESS in names, enriched=ENRICHED in names)
     return state, backend
