@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from .conftest import SAMPLE
-from .support.otlp_receiver import OtlpReceiver
+from .support.otlp_receiver import OtlpReceiver, rejecting
 from .support.prefect_api import artifacts, flow_run, logs, wait_for_logs
 
 pytest.importorskip("opentelemetry.sdk.trace")
@@ -128,6 +128,30 @@ def test_a_refused_export_leaves_the_output_written_and_the_run_failed(block: st
     assert output.exists() and len(output.read_text().splitlines()) == 12
     assert state.message is not None and f"{refusing.url}/v1/traces" in state.message, state.message
     assert "HTTP 400" in state.message and SECRET not in state.message
+
+
+def test_an_endpoint_rejecting_every_span_fails_the_run_and_leaves_the_output(tmp_path: Path) -> None:
+    """Every span rejected in 200 answers (OTLP's partial success): the run fails saying so."""
+    from rollout_capture.flows import enrich_rollouts
+
+    rejecting_all = OtlpReceiver(script=rejecting(SAMPLE_SPANS))
+    try:
+        output = tmp_path / "sample.enriched.jsonl"
+        state = enrich_rollouts(
+            str(SAMPLE / "rollouts.jsonl"),
+            str(SAMPLE / "captures"),
+            output=str(output),
+            otlp_endpoint=rejecting_all.url,
+            return_state=True,
+        )
+    finally:
+        rejecting_all.stop()
+    assert state.is_failed()
+    assert output.exists() and len(output.read_text().splitlines()) == 12
+    assert (
+        state.message is not None
+        and f"rejected {SAMPLE_SPANS} of the {SAMPLE_SPANS} span(s)" in state.message
+    )
 
 
 def test_the_scheduled_job_sends_each_run_s_traces(
