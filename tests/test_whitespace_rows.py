@@ -5,6 +5,7 @@ its reader step for step; ``make test-nemo-gym`` runs the real one on the same c
 
 from __future__ import annotations
 
+import multiprocessing
 import tracemalloc
 import zlib
 from pathlib import Path
@@ -17,7 +18,9 @@ from rollout_capture import CaptureStore, merge_model_call_capture_into_record
 from rollout_capture.whitespace_rows import read_whitespace_row, whitespace_line
 
 from .support.hostile_rows import VERSIONS, inflating_row, nemo_gym_reads, whitespace_row
+from .support.runs_helpers import make_run
 from .support.scripted_upstream import CHAT
+from .support.spawned import run_tick_measured
 
 VERIFY = {"kind": "verifier_invocation", "verifier_invocation_id": "v1", "reward": 1.0, "response": CHAT}
 
@@ -126,3 +129,65 @@ def test_a_model_call_hidden_in_a_whitespace_row_is_damage_not_a_call(tmp_path: 
     assert capture["gaps"] == [{"code": "model_call_capture_records_unreadable", "detail": detail}]
     with pytest.raises(ValueError, match="holds a verifier_invocation row only"):
         whitespace_line(hidden)  # and our writer writes none
+
+
+LIMIT_KIB = 1 << 20  # the memory a tick may have (a container's limit): 1 GiB
+
+
+def _rss_kib(pid: int) -> int:
+    """A live process's resident set, KiB (0 once it is gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+
+
+def _watch(processes: list[Any], limit_kib: int) -> set[int]:
+    """Wait for every process to exit, killing any whose RSS passes ``limit_kib`` (an OOM killer's
+    part); the indexes of those killed."""
+    killed: set[int] = set()
+    while any(process.is_alive() for process in processes):
+        for index, process in enumerate(processes):
+            if process.is_alive() and _rss_kib(process.pid) > limit_kib:
+                process.kill()
+                killed.add(index)
+        processes[0].join(0.01)  # a poll of the watchdog, not a window anything waits out
+    return killed
+
+
+def test_a_tick_beside_an_inflating_row_enriches_every_run_in_the_memory_of_one_without(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """Issue 46: a line of 4 MB inflating to 512 MiB in one rollout of one run, under enrich-runs in
+    a process of its own with a 1 GiB limit (the adversary's ticks died at 3 GB, three in a row, the
+    run never enriched): every run is enriched, the bomb's rollout with its gap naming the row, and
+    the tick peaks within twice the same tick's peak without the bomb, run beside it."""
+    roots = {kind: tmp_path / kind for kind in ("plain", "bomb")}
+    for root in roots.values():
+        for name in ("r1", "r2", "r3"):
+            make_run(root, name, finished=True)
+    with (roots["bomb"] / "r2" / "captures" / "1-0.capture.jsonl").open("ab") as capture:
+        capture.write(inflating_row(512, "rcw1"))  # a first version's row, as captures already hold
+    spawn = multiprocessing.get_context("spawn")
+    reports = {kind: tmp_path / f"{kind}.json" for kind in roots}
+    ticks = [
+        spawn.Process(target=run_tick_measured, args=(prefect_api, str(roots[kind]), str(reports[kind])))
+        for kind in roots
+    ]
+    for tick in ticks:
+        tick.start()
+    killed = _watch(ticks, LIMIT_KIB)
+    assert not killed and [tick.exitcode for tick in ticks] == [0, 0]
+    plain, bomb = (orjson.loads(reports[kind].read_bytes()) for kind in roots)
+    assert plain["summary"]["enriched"] == bomb["summary"]["enriched"] == ["r1", "r2", "r3"]
+    assert bomb["peak_kib"] <= 2 * plain["peak_kib"], (bomb["peak_kib"], plain["peak_kib"])
+    enriched = [
+        orjson.loads(line)
+        for line in (roots["bomb"] / "r2" / "rollouts.enriched.jsonl").read_bytes().splitlines()
+    ]
+    captures = {c["rollout_id"]: c for c in (record["ng_model_call_capture"] for record in enriched)}
+    assert [len(c["calls"]) for c in captures.values()] == [1, 1, 1]
+    detail = "count=1; 1-0.capture.jsonl:2: a whitespace row inflating past 256 MiB"
+    assert captures["1-0"]["gaps"] == [{"code": "model_call_capture_records_unreadable", "detail": detail}]
+    assert "gaps" not in captures["0-0"] and "gaps" not in captures["2-0"]
