@@ -298,15 +298,15 @@ class Exchange:
                 self._writer.answer_waited(self.claim_pending)
 
     def paused(self, seconds: float) -> None:
-        """The upstream went unread this long (what came past the body cap waited for the claim):
-        our wait, left out of the answer's times (spec 11: the figures are the model's)."""
+        """The upstream went unread this long (what came past the body cap waited for the claim, or
+        for a client slower than the upstream): our wait, left out of the answer's times (spec 11:
+        the figures are the model's)."""
         if self._ended is None:
             self._paused += seconds
 
     def to_client(self, send: Send) -> Send:
-        """``send`` as this call's answer must go: held until the claim is durable (spec 11)."""
-        if not self._gated:
-            return send
+        """``send`` as this call's answer must go: held until the claim is durable, and paced by
+        the client without holding the upstream back, up to the body cap (spec 11)."""
         self._answer = HeldAnswer(self, send)
         return self._answer
 
@@ -467,12 +467,14 @@ class Exchange:
 
 
 class HeldAnswer:
-    """The client's ``send`` of a call whose claim is written while it is forwarded (spec 11).
+    """The client's ``send`` of a captured call (spec 11).
 
-    Until the claim is durable the answer's messages wait, in order, and ``send`` returns at once:
-    the producer reads on from the upstream (or the app runs on), so its answer is timed as it
-    arrives, not as the hold lets it go. Up to the body cap waits; past it, and for the last
-    message, the sender waits for the hold too. Once the claim is durable they go as they come.
+    The answer's messages wait, in order, while the claim written meanwhile is not durable (object
+    stores) or the client has not yet taken the messages before them (a client slower than the
+    upstream), and ``send`` returns at once: the producer reads on from the upstream (or the app runs
+    on), so its answer is timed as it arrives, not as the hold or the client lets it go. Up to the
+    body cap waits; past it the sender waits until what waits has gone (left out of the answer's
+    times: :meth:`Exchange.paused`), and the last message goes after all of it.
     """
 
     __slots__ = ("_dropped", "_exchange", "_flush", "_queue", "_queued", "_send")
@@ -490,24 +492,27 @@ class HeldAnswer:
         flush = self._flush
         if flush is None:
             exchange.answer_ready()
-            if not exchange.claim_pending:  # durable (or failed) already: nothing is held
-                await self._send(message)
-                return
-            self._hold(message)
-            self._flush = asyncio.ensure_future(self._flushing())
+        kind = message["type"]
+        part = kind == "http.response.start" or (
+            kind == "http.response.body" and message.get("more_body", False)
+        )
+        if flush is not None:
+            if not flush.done():
+                if part and self._queued < exchange.max_body_bytes:
+                    self._hold(message)
+                    return
+                waited = time.perf_counter()  # past the cap: the upstream goes unread meanwhile
+                try:
+                    await flush  # what waited goes first (and what went wrong sending it is raised here)
+                finally:
+                    exchange.paused(time.perf_counter() - waited)
+            else:
+                await flush
+        if not part:  # the last message: after everything else, as it comes
+            await self._send(message)
             return
-        if not flush.done() and message.get("more_body", False) and self._queued < exchange.max_body_bytes:
-            self._hold(message)
-            return
-        if not flush.done():  # past the cap: the upstream goes unread until the claim is durable
-            waited = time.perf_counter()
-            try:
-                await flush  # what waited goes first (and what went wrong sending it is raised here)
-            finally:
-                exchange.paused(time.perf_counter() - waited)
-        else:
-            await flush
-        await self._send(message)
+        self._hold(message)
+        self._flush = asyncio.ensure_future(self._flushing())
 
     def _hold(self, message: Message) -> None:
         self._queue.append(message)
