@@ -12,7 +12,8 @@ import collections
 import contextlib
 import os
 import time
-from collections.abc import Sequence
+import types
+from collections.abc import Awaitable, Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -474,28 +475,35 @@ class HeldAnswer:
     upstream), and ``send`` returns at once: the producer reads on from the upstream (or the app runs
     on), so its answer is timed as it arrives, not as the hold or the client lets it go. Up to the
     body cap waits; past it the sender waits until what waits has gone (left out of the answer's
-    times: :meth:`Exchange.paused`), and the last message goes after all of it.
+    times: :meth:`Exchange.paused`), and the last message goes after all of it. A message the client
+    takes at once costs no task (:func:`_begun`).
     """
 
-    __slots__ = ("_dropped", "_exchange", "_flush", "_queue", "_queued", "_send")
+    __slots__ = ("_begun", "_dropped", "_exchange", "_flush", "_queue", "_queued", "_send")
 
     def __init__(self, exchange: Exchange, send: Send) -> None:
         self._exchange = exchange
         self._send = send
         self._queue: collections.deque[Message] = collections.deque()
         self._queued = 0
-        self._flush: asyncio.Task[None] | None = None
+        self._flush: asyncio.Future[None] | None = None  # what waits, going to the client
+        self._begun = False
         self._dropped = False
 
     async def __call__(self, message: Message) -> None:
         exchange = self._exchange
-        flush = self._flush
-        if flush is None:
-            exchange.answer_ready()
         kind = message["type"]
         part = kind == "http.response.start" or (
             kind == "http.response.body" and message.get("more_body", False)
         )
+        if not self._begun:
+            self._begun = True
+            exchange.answer_ready()
+            if exchange.claim_pending:  # the answer waits for the claim, in order
+                self._hold(message)
+                self._flush = asyncio.ensure_future(self._flushing(None))
+                return
+        flush = self._flush
         if flush is not None:
             if not flush.done():
                 if part and self._queued < exchange.max_body_bytes:
@@ -508,18 +516,21 @@ class HeldAnswer:
                     exchange.paused(time.perf_counter() - waited)
             else:
                 await flush
+            self._flush = None
         if not part:  # the last message: after everything else, as it comes
             await self._send(message)
             return
-        self._hold(message)
-        self._flush = asyncio.ensure_future(self._flushing())
+        rest = _begun(self._send(message))
+        if rest is not None:  # the client is slower: what comes meanwhile waits behind it
+            self._flush = asyncio.ensure_future(self._flushing(rest))
 
     def _hold(self, message: Message) -> None:
         self._queue.append(message)
         self._queued += len(message.get("body", b""))
 
-    async def _flushing(self) -> None:
-        await self._exchange.claim_settled()
+    async def _flushing(self, first: Awaitable[None] | None) -> None:
+        """What waits, to the client: after the claim (None) or the send it was slow to take."""
+        await (self._exchange.claim_settled() if first is None else first)
         while self._queue:
             message = self._queue.popleft()
             self._queued -= len(message.get("body", b""))
@@ -542,6 +553,41 @@ class HeldAnswer:
         self._dropped = True
         if self._flush is not None and not self._flush.done():
             self._flush.cancel()
+
+
+def _begun(sending: Awaitable[None]) -> Awaitable[None] | None:
+    """``sending`` run at once until it first waits: None when it ended without waiting (a send the
+    client took at once: no task, no turn of the loop), else an awaitable that goes on with it, as
+    awaiting it would have (Python 3.12's eager tasks do this; 3.11 has none). What it raises before
+    waiting is raised here."""
+    steps = sending.__await__()
+    try:
+        waiting = steps.send(None)
+    except StopIteration:
+        return None
+    return _going_on(steps, waiting)
+
+
+@types.coroutine
+def _going_on(steps: Generator[Any, Any, None], waiting: Any) -> Generator[Any, Any, None]:
+    """``yield from steps`` for steps already waiting on ``waiting`` (what they yielded: the
+    awaiting task waits on it as they would have); what is thrown in (a cancel) goes on into them."""
+    while True:
+        try:
+            sent = yield waiting
+        except GeneratorExit:
+            steps.close()
+            raise
+        except BaseException as exc:
+            try:
+                waiting = steps.throw(exc)
+            except StopIteration:
+                return
+        else:
+            try:
+                waiting = steps.send(sent)
+            except StopIteration:
+                return
 
 
 SESSION_HEADER = b"x-session-id"
