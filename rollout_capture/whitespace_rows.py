@@ -129,10 +129,10 @@ def _bytes_of(line: bytes) -> bytes:
         if chunk.translate(None, alphabet):
             raise ValueError("a whitespace row holding other characters")
         parts.append(int(chunk.translate(digits), 1 << bits).to_bytes(len(chunk) // per_byte, "big"))
-    data = b"".join(parts)
-    if not data.startswith(version):
+    if not parts[0].startswith(version):
         raise ValueError("a whitespace row of an unknown version")
-    return data[len(version) :]
+    parts[0] = parts[0][len(version) :]
+    return b"".join(parts)
 
 
 def _inflated_size(data: bytes) -> int:
