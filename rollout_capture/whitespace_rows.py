@@ -57,7 +57,6 @@ def _symbols(data: bytes) -> bytes:
     return bytes(out)
 
 
-_MARK = START + _symbols(MAGIC)
 _MARK_V1 = format(int.from_bytes(MAGIC_V1, "big"), "032b").translate(str.maketrans("01", " \t")).encode()
 
 
@@ -73,7 +72,7 @@ def whitespace_line(row: Mapping[str, Any]) -> bytes:
         )
     data = MAGIC + zlib.compress(text)
     del text
-    parts = [_MARK[:1]]
+    parts = [START]
     parts.extend(_symbols(data[at : at + _CHUNK]) for at in range(0, len(data), _CHUNK))
     parts.append(b"\n")
     return b"".join(parts)
@@ -89,8 +88,8 @@ def torn_before(line: bytes) -> bool:
     """Whether a line that is not blank starts with a whitespace row cut short by its writer, the
     next row glued to it (a writer that starts no fresh line: NeMo Gym's). NeMo Gym's reader strips
     it off and reads that row; the verify call's row is lost, and is damage. Today's rows start
-    with FF, which no other writer puts there; a first version's with its magic's 32 spaces and
-    tabs (a kill tears a write at a page's end, never that early)."""
+    with FF, which no other writer puts there, so any tear tells; a first version's row with its
+    magic's 32 spaces and tabs, so one torn within them reads as leading whitespace."""
     return line.startswith(START) or line.startswith(_MARK_V1)
 
 
