@@ -491,6 +491,11 @@ class HeldAnswer:
         self._dropped = False
 
     async def __call__(self, message: Message) -> None:
+        if self._flush is None and self._begun and message.get("more_body", False):
+            rest = _begun(self._send(message))  # nothing waits: the common case, a body part
+            if rest is not None:  # the client is slower: what comes meanwhile waits behind it
+                self._flush = asyncio.ensure_future(self._flushing(rest))
+            return
         exchange = self._exchange
         kind = message["type"]
         part = kind == "http.response.start" or (
