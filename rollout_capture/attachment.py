@@ -18,6 +18,7 @@ from rollout_capture.evidence import Evidence
 from rollout_capture.metrics import aggregate_call_dicts
 from rollout_capture.ownership import join_ownership
 from rollout_capture.projections import carries_projection, payloads_wanted, reproject
+from rollout_capture.rows import Damage
 from rollout_capture.snapshot import RolloutSnapshot
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ def build_attachment(
     else:
         rows, damage = snap.record_rows(include_payloads)
         damaged = len(damage) + _read_rows(rows, include_payloads, calls, verifiers)
-        _snapshot_gaps(snap, calls, damaged, now, gaps)
+        _snapshot_gaps(snap, calls, damaged, now, gaps, [d for d in damage if d.whitespace])
     judged = [call for call in calls if call["verifier_invocation_id"]] if calls else []
     if verifiers:
         _judge_metrics(verifiers, judged)
@@ -143,10 +144,11 @@ def _snapshot_gaps(
     damaged: int,
     now: float | None,
     gaps: list[dict[str, str]],
+    hidden: list[Damage],
 ) -> None:
     """The gaps a snapshot's evidence has: damage, the marker, no records, claims, holes, timing."""
     if damaged:
-        gaps.append(_gap(GAP_RECORDS_UNREADABLE, f"count={damaged}"))
+        gaps.append(_gap(GAP_RECORDS_UNREADABLE, f"count={damaged}" + _naming(hidden)))
     if snap.incomplete:
         gaps.append(_gap(GAP_INCOMPLETE))
     elif not calls and not damaged:
@@ -161,6 +163,17 @@ def _snapshot_gaps(
         gaps.append(_gap(GAP_PENDING, f"journal hole: {hole}"))
     if calls:
         gaps.extend(impossible_timing_gaps(calls))
+
+
+def _naming(hidden: list[Damage]) -> str:
+    """The first damaged whitespace row, named (file, line, why) after the count: NeMo Gym's reader
+    skips its line, so nothing else would tell what was lost (spec 7)."""
+    if not hidden:
+        return ""
+    first = hidden[0]
+    where = first.source.rsplit("/", 1)[-1] + ("" if first.line is None else f":{first.line}")
+    more = f" (and {len(hidden) - 1} more)" if len(hidden) > 1 else ""
+    return f"; {where}: {first.reason}{more}"
 
 
 def _judge_metrics(verifiers: dict[str, dict[str, Any]], judged: list[dict[str, Any]]) -> None:

@@ -42,12 +42,13 @@ from rollout_capture.producer import CaptureMiddleware
 from rollout_capture.producer.proxy import CaptureProxy
 from rollout_capture.producer.settings import ProxySettings
 
+from .support.hostile_rows import VERSIONS, inflating_row, whitespace_row
 from .support.nemo_gym_compare import (
     Tally,
     compare,
     print_counts,
 )
-from .support.scripted_upstream import ScriptedUpstream
+from .support.scripted_upstream import CHAT, ScriptedUpstream
 from .support.servers import ThreadedServer
 
 NG_PYTHON = os.environ.get("NEMO_GYM_PYTHON")
@@ -615,3 +616,53 @@ def test_the_projection_cases_are_what_nemo_gym_builds(tmp_path: Path) -> None:
     subprocess.run(command, check=True, timeout=600, cwd=tmp_path)
     committed = Path(__file__).resolve().parent / "data" / "nemo_gym_070_projections.json"
     assert json.loads(built.read_text()) == json.loads(committed.read_text())
+
+
+def test_whitespace_rows_a_writer_left_damaged_count_the_same_calls_in_nemo_gym(tmp_path: Path) -> None:
+    """Issue 46 (1, 4, 5): whitespace rows of both versions, whole, torn by a killed writer with the
+    next row glued to it, hiding a model call, inflating past the cap: NeMo Gym 0.7.0's own merge
+    and ours count the same calls at the same indexes, with the same metrics; ours alone names
+    what was lost (NeMo Gym skips the blank lines and strips the torn rows off)."""
+    assert NG_PYTHON is not None
+
+    def call(name: str) -> bytes:
+        return json.dumps({"model_call_id": name, "dialect": "chat", "response": CHAT}).encode() + b"\n"
+
+    verify = {"kind": "verifier_invocation", "verifier_invocation_id": "v", "reward": 1.0}
+    hidden = {"model_call_id": "hidden", "dialect": "chat", "response": CHAT}
+    cases: dict[str, list[bytes]] = {}
+    for n, version in enumerate(VERSIONS):
+        whole = whitespace_row(verify, version)
+        cases[f"{n}-0"] = [call("p0"), whole, call("p1")]
+        cases[f"{n}-1"] = [call("p0"), whole[: len(whole) // 2], call("p1"), call("p2")]  # torn, glued
+        cases[f"{n}-2"] = [call("p0"), whitespace_row(hidden, version), call("p1")]
+        cases[f"{n}-3"] = [call("p0"), inflating_row(300, version), call("p1")]
+    captures = tmp_path / "captures"
+    captures.mkdir()
+    for rollout, lines in cases.items():
+        (captures / f"{rollout}.capture.jsonl").write_bytes(b"".join(lines))
+    given = [
+        {"_ng_task_index": int(r.split("-")[0]), "_ng_rollout_index": int(r.split("-")[1])} for r in cases
+    ]
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in given))
+    out = tmp_path / "merged.jsonl"
+    command = [
+        NG_PYTHON,
+        str(SIDE),
+        "merge",
+        "--records",
+        str(tmp_path / "records.jsonl"),
+        f"{captures}={out}",
+    ]
+    subprocess.run(command, check=True, timeout=900)
+    _, *theirs = (json.loads(line) for line in out.read_text().splitlines())
+    ours = [merge_model_call_capture_into_record(r, [captures]) for r in given]
+    for rollout, gym, mine in zip(cases, theirs, ours, strict=True):
+        gym_capture, my_capture = gym["ng_model_call_capture"], mine["ng_model_call_capture"]
+        assert [(c["model_call_id"], c["call_index"]) for c in gym_capture["calls"]] == [
+            (c["model_call_id"], c["call_index"]) for c in my_capture["calls"]
+        ], rollout
+        assert gym_capture["metrics"] == my_capture["metrics"], rollout
+        assert "gaps" not in gym_capture, rollout
+        named = rollout.endswith("-0") or my_capture["gaps"][0]["detail"].startswith("count=1; ")
+        assert named, rollout
