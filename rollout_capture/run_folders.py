@@ -10,7 +10,8 @@ to know. The job keeps an index at the root (``_rollout_capture_index.json``, th
 has seen enriched), so an idle tick over enriched runs costs the root's pages and one GET;
 a folder missing from the index (new, or written by hand) is listed as before. The index
 is a cache of ``_ENRICHED``, never the truth: an entry is added only once ``_ENRICHED`` has
-been seen, so a lost entry costs one listing later and never a second enrichment.
+been seen, so a lost entry costs one listing later and never a second enrichment; finishing a
+run it names without ``_ENRICHED`` (a folder made again under its name) drops the entry.
 
 **Leases** are generations ``_ENRICHING.<n>``, each created put-if-absent. Taking over
 an expired generation ``n`` and renewing a live one both mean creating ``n + 1``: of two
@@ -191,7 +192,8 @@ def run_folder(
     Refused as a tick would leave it: ``FileNotFoundError`` when the folder does not exist or holds
     no rollouts (``rollouts.jsonl`` or ``rollouts.parts/``; see ``needs``); ``ValueError`` when it is
     a symbolic link, or holds one where a run's part belongs (a tick never follows links, and a
-    write through one lands outside the runs root), or holds both kinds of rollouts.
+    write through one lands outside the runs root), or holds both kinds of rollouts;
+    ``IsADirectoryError`` when its ``_SUCCESS`` is a folder (no file can be written there).
     """
     run = absolute_location(run).rstrip("/")
     local = local_path(run)
@@ -220,6 +222,12 @@ def run_folder(
     started = STARTED in names
     if kind is None and needs != "any" and not (needs == "started" and started):
         raise FileNotFoundError(f"run folder {run} has no {ROLLOUTS}: not a run folder")
+    success = names.get(SUCCESS)
+    if success is not None and success.folder:  # writing the file would meet it as a temporary name's error
+        raise IsADirectoryError(
+            f"run folder {run}: {SUCCESS} is a folder, not the empty file that marks a run finished: "
+            "remove it, then finish the run"
+        )
     name = run.rsplit("/", 1)[-1]
     state = RunFolder(
         name=name,
@@ -259,9 +267,16 @@ def finish_run(
 ) -> RunFolder:
     """Write the run's empty ``_SUCCESS`` (what a harness does once its rollouts file is whole),
     unless it is enriched already (then nothing is written: nothing would come of it); returns
-    the run folder as it was found (:func:`run_folder`, which names what it refuses)."""
+    the run folder as it was found (:func:`run_folder`, which names what it refuses).
+
+    An unenriched run the root's index names is a folder deleted and made again under its name:
+    its entry is dropped first, or no tick would list it again (one GET of the index, and a PUT
+    when the entry is there)."""
     state, backend = run_folder(run, storage_options, credentials=credentials)
     if not state.enriched:
+        parent, _, name = state.url.rpartition("/")
+        if parent and not parent.endswith("/"):  # a folder under a root (not a bucket, not /)
+            RunsRoot(parent, storage_options, credentials=credentials).forget_enriched([name])
         backend.put(backend.path(SUCCESS), b"")  # never through a link: a rename in the folder
     return state
 
@@ -412,8 +427,10 @@ class RunsRoot:
         for name, why in sorted(refused.items()):
             logger.warning("%s/%s is left alone: %s", self.url, name, why)
         if update_index:
-            enriched = sorted(run.name for run in runs if run.enriched)
-            if enriched != sorted(set(index or ())):
+            enriched = {run.name for run in runs if run.enriched}
+            if enriched != set(index or ()):
+                if known:  # taken on trust from the index read before listing: kept only if still there
+                    enriched -= known - set(self._read_index() or ())
                 self._write_index(enriched)
         return Discovery(runs=runs, listed=len(to_list), indexed=len(known), refused=refused)
 
@@ -436,6 +453,14 @@ class RunsRoot:
         # enriched, so an entry can be lost (one listing later) but never invented.
         body = RunsIndex(enriched=sorted(set(enriched))).model_dump()
         self.backend.put(self._folder(INDEX), orjson.dumps(body))
+
+    def forget_enriched(self, names: Collection[str]) -> None:
+        """Drop runs from the index (read, rewritten if it names any): folders made again under a
+        name it remembers enriched. A tick rewriting the index meanwhile keeps what it took on trust
+        only if the index still names it (:meth:`discover`)."""
+        current = set(self._read_index() or ())
+        if current & set(names):
+            self._write_index(current - set(names))
 
     def remember_enriched(self, names: Collection[str]) -> None:
         """Add runs just enriched to the index (read, merged, rewritten)."""
@@ -552,14 +577,14 @@ class RunsRoot:
         names = self._names(run)
         mine = self._lease_path(run, lease.generation)
         if ENRICHED in names:
-            self.backend.remove([mine])
+            self._clean_up(run, [mine])
             raise AlreadyEnriched(f"{run.name} was enriched by another holder")
         generations = _generations(names)
         newer = [g for g in generations if g > lease.generation]
         if newer or lease.generation not in generations:
-            self.backend.remove([mine])
+            self._clean_up(run, [mine])
             raise LeaseLost(f"{run.name}: its lease was taken over (generation {max(newer, default='?')})")
-        self.backend.remove([entry.path for g, entry in generations.items() if g < lease.generation])
+        self._clean_up(run, [entry.path for g, entry in generations.items() if g < lease.generation])
 
     def renew(self, run: RunFolder, lease: Lease) -> Lease:
         """The lease's next generation: proof that its holder is still the current one.
@@ -577,7 +602,7 @@ class RunsRoot:
             self._create(run, lease.successor(released=True, clock=self._clock))
         except LeaseLost:
             return  # taken over: nothing of ours to give back
-        self.backend.remove([self._lease_path(run, lease.generation)])
+        self._clean_up(run, [self._lease_path(run, lease.generation)])
 
     def mark_enriched(self, run: RunFolder, lease: Lease, summary: Mapping[str, Any]) -> None:
         """Write ``_ENRICHED`` (a small JSON summary naming the holder) once, put-if-absent."""
@@ -606,7 +631,16 @@ class RunsRoot:
 
     def drop_leases(self, run: RunFolder) -> None:
         """Delete every lease generation of an enriched run (its ``_ENRICHED`` keeps others off)."""
-        self.backend.remove([entry.path for entry in _generations(self._names(run)).values()])
+        self._clean_up(run, [entry.path for entry in _generations(self._names(run)).values()])
+
+    def _clean_up(self, run: RunFolder, paths: list[str]) -> None:
+        """Remove lease generations no longer needed. A store refusing deletes (credentials without
+        the right) leaves them, said in a warning naming them: harmless, since the newest generation
+        and ``_ENRICHED`` decide, so no reason to fail the run."""
+        try:
+            self.backend.remove(paths)
+        except PermissionError as exc:
+            logger.warning("%s: lease generation(s) left behind, not deleted: %s", run.url, exc)
 
 
 class LeaseKeeper:

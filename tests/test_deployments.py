@@ -474,6 +474,47 @@ def test_a_bad_name_is_refused_as_bad_input_before_any_server(
     assert "\x1b" not in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("command", ["deploy", "serve"])
+@pytest.mark.parametrize("runs_root", ["/data/runs\x1b]0;PWNED\x07", "/data/runs\nINJECTED"])
+def test_a_runs_root_with_a_control_character_is_refused_before_any_server(
+    command: str, runs_root: str
+) -> None:
+    """A runs root the deployment stores (its parameters, its trigger's match, the UI): refused as
+    ``--name`` is, exit 2, shown escaped, the API (which nobody answers) never asked."""
+    done = run_cli(command, "--runs-root", runs_root, env=environment(UNREACHABLE_API))
+    assert done.returncode == 2, done.stderr
+    shown = runs_root.replace("\x1b", "\\x1b").replace("\x07", "\\x07").replace("\n", "\\n")
+    assert f"--runs-root '{shown}' holds a control character" in done.stderr, done.stderr
+    assert "\x1b" not in done.stderr and "\nINJECTED" not in done.stderr
+
+
+def test_finish_shows_a_hostile_run_name_escaped_and_names_a_success_folder(tmp_path: Path) -> None:
+    """A run folder named with an escape sequence, a BEL and a carriage return: ``finish`` shows it
+    as the characters it holds. A ``_SUCCESS`` that is a folder is named as such, not as the
+    temporary file the write went through."""
+    root = tmp_path / "runs"
+    hostile = root / "evil\x1b]0;PWNED\x07RED\rOVER"
+    hostile.mkdir(parents=True)
+    (hostile / "rollouts.jsonl").write_bytes(b"{}\n")
+    done = run_cli("finish", str(hostile), env=environment(None))
+    assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stdout + done.stderr and "\x07" not in done.stdout and "\r" not in done.stdout
+    assert f"finished {root}/evil\\x1b]0;PWNED\\x07RED\\rOVER" in done.stdout, done.stdout
+    assert (hostile / "_SUCCESS").is_file()
+
+    folder = root / "r2"
+    (folder / "_SUCCESS").mkdir(parents=True)
+    (folder / "rollouts.jsonl").write_bytes(b"{}\n")
+    refused = run_cli("finish", str(folder), env=environment(None))
+    assert refused.returncode == 2, refused.stderr
+    (error,) = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert error == (
+        f"error: run folder {folder}: _SUCCESS is a folder, not the empty file that marks a run "
+        "finished: remove it, then finish the run"
+    )
+    assert ".tmp-" not in refused.stderr
+
+
 def test_finish_refuses_a_missing_folder_and_a_link_writing_nothing_outside_the_root(tmp_path: Path) -> None:
     """A missing folder is said not to exist; a run folder that is a link (to a run outside the
     root), or holds a ``_SUCCESS`` link, is refused: no ``_SUCCESS`` lands outside the root. All

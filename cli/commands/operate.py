@@ -18,6 +18,7 @@ from rollout_capture.cli.options import (
     addresses_match,
     deploy_name,
     prefect_name,
+    printable_input,
     scheduled_options,
     storage_options,
     traces_options,
@@ -41,6 +42,8 @@ def _scheduled(
     dask_address, ray_address = options.dask_address, options.ray_address
     if not runs_root:
         raise InputError("no runs root: give --runs-root or set ROLLOUT_CAPTURE_RUNS_ROOT")
+    printable_input("--runs-root", runs_root, "a runs root the deployment stores")
+    printable_input("--capture-dir", capture_dir, "a capture dir the deployment stores")
     local = local_path(runs_root)
     if local is not None and not os.path.isabs(local):
         raise InputError(f"--runs-root must be absolute or a URL (workers resolve it): {runs_root}")

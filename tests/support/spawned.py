@@ -76,6 +76,24 @@ def run_tick_reporting(api_url: str, root: str, lease_s: float, report: str) -> 
     Path(report).write_text(summary.model_dump_json())
 
 
+def run_tick_measured(api_url: str, root: str, report: str) -> None:
+    """``run_tick`` on a local runs root (threads: one process), then its summary and this
+    process's peak RSS (``VmHWM``, KiB: ``ru_maxrss`` would count the forking parent's) written as
+    JSON to ``report``."""
+    import json
+    import os
+
+    os.environ["PREFECT_API_URL"] = api_url  # before Prefect is imported here
+    from pathlib import Path
+
+    from rollout_capture.flows import enrich_completed_runs
+
+    summary = enrich_completed_runs(root, quiescence_timeout_s=600.0)
+    status = Path("/proc/self/status").read_text().splitlines()
+    peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    Path(report).write_text(json.dumps({"summary": summary.model_dump(mode="json"), "peak_kib": peak}))
+
+
 KILL_POINTS = ("mid-append", "after-append", "before-marker", "after-marker")
 """Where a killed follower dies: halfway through writing a round to its live output, right after a
 round, after publishing its output but before ``_ENRICHED``, after ``_ENRICHED`` but before its
