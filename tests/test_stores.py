@@ -229,3 +229,25 @@ def test_where_a_second_create_overwrites_no_lease_is_taken_and_reads_still_work
     with pytest.raises(UnsafeStoreError):
         backend.create(backend.path("x.json"), b"{}")
     assert not backend.exists(backend.path("x.json"))
+
+
+@pytest.mark.parametrize("store", ["gcs"], indirect=True)
+def test_a_journal_run_is_read_once_and_as_on_a_local_disk(store: Store, tmp_path: Path) -> None:
+    """Issue 48's read plan on another store than S3 (its own client, gcsfs): one listing and one
+    GET a commit for an enrichment in batches, none answered 404, the bytes a local copy gives."""
+    from .support.fault_proxy import FaultProxy
+    from .support.journal_runs import enriched, journal_run
+
+    lines = journal_run(CaptureStore(store.url("caps"), storage_options=store.storage_options), 40, 2)
+    commits = len(store.fs().find(f"{store.bucket}/caps/_journal"))
+    host, port = store.endpoint.removeprefix("http://").split(":")
+    proxy = FaultProxy(host, int(port))
+    try:
+        via = CaptureStore(store.url("caps"), storage_options={"endpoint_url": proxy.endpoint})
+        out = enriched(lines, via, "job")
+        assert proxy.reset_counts() == {"LIST": 1, "GET": commits}
+        assert set(proxy.reset_answers()["statuses"]) == {200}
+    finally:
+        proxy.close()
+    store.download("caps", tmp_path / "copy")
+    assert out == enriched(lines, CaptureStore(str(tmp_path / "copy")), "local")
