@@ -24,7 +24,9 @@ logger = logging.getLogger(__name__)
 
 SWITCH_AFTER = 3
 """Objects s3fs had to read after obstore failed on them, before this filesystem's GETs stay with s3fs."""
-_CREDENTIALS_FOR = timedelta(minutes=5)  # how long obstore may use credentials before asking again
+_STATIC_FOR = timedelta(
+    hours=12
+)  # how long obstore may keep credentials that never expire before asking again
 _WHOLE = 1 << 50  # a range from 0 this long is the whole object: one future, where a plain GET takes two
 
 
@@ -109,15 +111,22 @@ class ObstoreGets:
         )
 
     async def refresh(self) -> None:
-        """Take the credentials s3fs's client signs with now (botocore refreshes expiring ones)."""
+        """Take the credentials s3fs's client signs with now (botocore refreshes expiring ones); a
+        failure leaves the last ones (obstore's requests then fail over to s3fs, which says why)."""
         if self.active:
-            self._credential = await credentials_of(self._fs)
+            try:
+                self._credential = await credentials_of(self._fs)
+            except Exception as exc:
+                logger.debug("credentials not taken afresh for obstore: %s", exc)
 
     def _provide(self) -> dict[str, Any]:
+        """The credentials, until when they hold (obstore asks again 5 minutes before; asked each
+        request if that moment were closer, so credentials that never expire get 12 hours)."""
         credential = self._credential
         if credential is None:  # asked before refresh(): nothing to sign with
             raise RuntimeError("no credentials resolved yet")
-        return {**credential, "expires_at": datetime.now(UTC) + _CREDENTIALS_FOR}
+        expiry = credential.get("expires_at") or datetime.now(UTC) + _STATIC_FOR
+        return {**credential, "expires_at": expiry}
 
     async def _store(self, bucket: str) -> Any:
         store = self._stores.get(bucket)
@@ -155,9 +164,12 @@ async def credentials_of(fs: Any) -> dict[str, Any]:
     frozen = credentials.get_frozen_credentials()
     if hasattr(frozen, "__await__"):  # aiobotocore's refreshable credentials
         frozen = await frozen
-    out = {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key}
+    out: dict[str, Any] = {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key}
     if frozen.token:
         out["token"] = frozen.token
+    expiry = getattr(credentials, "_expiry_time", None)  # refreshable (a role, SSO): when they lapse
+    if isinstance(expiry, datetime):
+        out["expires_at"] = expiry if expiry.tzinfo else expiry.replace(tzinfo=UTC)
     return out
 
 
