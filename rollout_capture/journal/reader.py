@@ -337,24 +337,44 @@ class JournalReader:
         return [detail for _, detail in self._stuck.values()]
 
     def view(self, rollout_ids: Collection[str]) -> JournalView:
-        """What the journal holds for these rollouts, with the bodies it needs read (one pass)."""
+        """What the journal holds for these rollouts, with the lines it needs cut from their commits
+        (the commits themselves not kept: a batch holds its rows, never every commit it touches)."""
         with self._lock:
             held = {
                 r: _Held(array("q", h.rows), dict(h.claims)) for r in rollout_ids if (h := self._held.get(r))
             }
-            needed: set[Loc] = {("rows", packed >> _INDEX_BITS) for h in held.values() for packed in h.rows}
-            needed |= {("claims", seq) for h in held.values() for seq, _ in h.claims.values()}
-        commits = {loc: commit for loc in needed if (commit := self._bodies.get(loc)) is not None}
-        missing = sorted(needed - set(commits))
+        wanted: dict[Loc, list[int]] = {}
+        for h in held.values():
+            for packed in h.rows:
+                seq, index = _unpack(packed)
+                wanted.setdefault(("rows", seq), []).append(index)
+            for seq, index in h.claims.values():
+                wanted.setdefault(("claims", seq), []).append(index)
+        lines: dict[tuple[Stream, int, int], bytes] = {}
+
+        def cut(loc: Loc, commit: Commit) -> None:
+            stream, seq = loc
+            for index in wanted[loc]:
+                lines[(stream, seq, index)] = commit.line(index)
+
+        missing = []
+        for loc in sorted(wanted):
+            commit = self._bodies.get(loc)
+            if commit is None:
+                missing.append(loc)
+            else:
+                cut(loc, commit)
         if missing:  # bodies let go since they were read (an earlier enrichment's)
             paths = [self._backend.path(commit_name(seq, stream)) for stream, seq in missing]
-            for loc, body in zip(missing, self._backend.read_many(paths), strict=True):
-                if body is not None:
-                    with contextlib.suppress(BadCommit):
-                        commits[loc] = decode_commit(loc[1], body)
-                        self._bodies.keep(loc, commits[loc])
+            with contextlib.closing(self._backend.read_iter(paths)) as bodies:
+                for loc, body in zip(missing, bodies, strict=True):
+                    if body is not None:
+                        with contextlib.suppress(BadCommit):
+                            commit = decode_commit(loc[1], body)
+                            self._bodies.keep(loc, commit)
+                            cut(loc, commit)
         claimed = sorted({seq for h in held.values() for seq, _ in h.claims.values()})
-        return JournalView(self._backend, held, commits, self._claim_times(claimed), self.holes)
+        return JournalView(self._backend, held, lines, self._claim_times(claimed), self.holes)
 
     def _claim_times(self, seqs: list[int]) -> dict[int, float | None]:
         """Modification times of the claims commits holding open claims, by the store's clock where
@@ -376,13 +396,13 @@ class JournalView:
         self,
         backend: Backend,
         held: dict[str, _Held],
-        commits: dict[Loc, Commit],
+        lines: dict[tuple[Stream, int, int], bytes],
         mtimes: dict[int, float | None],
         holes: list[str] | None = None,
     ) -> None:
         self._backend = backend
         self._held = held
-        self._commits = commits
+        self._lines = lines  # (stream, commit, entry) -> its line, for the entries held
         self._mtimes = mtimes
         self.holes = holes or []
 
@@ -396,11 +416,11 @@ class JournalView:
             return
         for seq, index in held.row_places():
             source = self._backend.path(commit_name(seq))
-            commit = self._commits.get(("rows", seq))
-            if commit is None:  # unreadable since its header was read
+            line = self._lines.get(("rows", seq, index))
+            if line is None:  # unreadable since its header was read
                 parsed.add_damage(Damage(source, index + 2, "journal commit vanished or damaged"))
                 continue
-            add_journal_row(parsed, commit.line(index), source, index + 2)
+            add_journal_row(parsed, line, source, index + 2)
 
     def claims(self, rollout_id: str) -> list[Claim]:
         """The rollout's claims not released yet (live or abandoned)."""
@@ -410,8 +430,7 @@ class JournalView:
         out = []
         trust = self._backend.trust_mtime
         for claim_id, (seq, index) in held.claims.items():
-            commit = self._commits.get(("claims", seq))
-            body = commit.line(index) if commit is not None else None
+            body = self._lines.get(("claims", seq, index))
             out.append(read_claim(claim_id, body, self._mtimes.get(seq), trust_mtime=trust))
         return out
 
