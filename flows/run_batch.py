@@ -50,6 +50,7 @@ from rollout_capture.rollout_files import (
     remove_staged,
     stage_rollouts,
 )
+from rollout_capture.rollout_parts import stage_parts
 from rollout_capture.run_folders import LeaseKeeper, LeaseLost, RunFolder, RunsRoot
 from rollout_capture.store import end_scope
 from rollout_capture.tasks.credentials import credentials_for
@@ -225,8 +226,11 @@ def _check_capture_dir(captures: Location, allow_empty: bool) -> None:
         raise FileNotFoundError(missing_capture_dir(captures.url, "allow_empty=True / --allow-empty"))
 
 
-def _staged(rollouts: Location) -> StagedRollouts:
+def _staged(run: RunFolder, rollouts: Location) -> StagedRollouts:
+    """The run's rollouts as one local file: its rollouts file, or its parts in order."""
     with credentials_for(rollouts) as credentials:
+        if run.parts:
+            return stage_parts(run.url, rollouts.storage_options, credentials=credentials)
         return stage_rollouts(rollouts.url, rollouts.storage_options, credentials=credentials)
 
 
@@ -240,7 +244,7 @@ def _enrich_under_lease(
     captures = (job.capture_dir or job.runs_root.at(run.captures)).absolute()
     _check_capture_dir(captures, options.allow_empty)
     refuse_unsafe_output(output.url, output.storage_options)
-    staged = _staged(rollouts)
+    staged = _staged(run, rollouts)
     try:
         pieces = iter_line_ranges(staged.path, options.batch_size)
         first = next(pieces, None)
@@ -265,10 +269,15 @@ def _give_back(keeper: LeaseKeeper) -> None:
         get_run_logger().warning("%s: lease not released (%s); it lapses by itself", keeper.run.name, exc)
 
 
-def enrich_one_run(root: RunsRoot, run: RunFolder, owner: str, job: RunsJob) -> RunOutcome:
-    """Take one run and enrich it, publishing only as the current holder of its lease.
+def enrich_one_run(
+    root: RunsRoot, run: RunFolder, owner: str, job: RunsJob, *, artifacts: bool = False
+) -> RunOutcome:
+    """Take one run and enrich it, publishing only as the current holder of its lease (``owner``
+    taking it again adopts the lease it holds: a follower's end, a retry).
 
     Never raises for the run's own failure (its outcome says it), so its neighbours go on.
+    ``artifacts``: the enrichment's own artifacts (a flow run of its own: a followed run), not a
+    row of a batch's table.
     """
     logger = get_run_logger()
     try:
@@ -304,7 +313,7 @@ def enrich_one_run(root: RunsRoot, run: RunFolder, owner: str, job: RunsJob) -> 
                 _give_back(keeper)
     output = job.runs_root.at(run.output)
     failed = send_traces(summary, output, job.options, traces_run(job.options, run, output))
-    end = report_enrichment(summary, job.options, artifacts=False, name=run.name)
+    end = report_enrichment(summary, job.options, artifacts=artifacts, name=run.name)
     outcome = RunOutcome.of_marker({**marker, "traces": summary.traces}, job.options)
     outcome.state_name = end.name if isinstance(end, State) else "Completed"
     if failed is not None:
@@ -323,7 +332,7 @@ def traces_run(options: EnrichOptions, run: RunFolder, output: Location) -> str 
     return folder_run(options.otlp_run_name, run.name, output.url)
 
 
-def _last_try() -> bool:
+def last_try() -> bool:
     """Whether this task run has no retry left (then failures are reported, not retried)."""
     context = TaskRunContext.get()
     if context is None:
@@ -350,7 +359,7 @@ def enrich_runs_batch(runs: list[RunFolder], label: str, owner: str, job: RunsJo
     root = runs_root_at(job.runs_root, renewing=True)
     context = TaskRunContext.get()
     task_run_id = context.task_run.id if context is not None else None
-    last = _last_try()
+    last = last_try()
     outcomes = []
     for run in runs:
         outcome = enrich_one_run(root, run, owner, job)

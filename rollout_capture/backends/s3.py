@@ -74,6 +74,45 @@ class S3Backend(ObjectStoreBackend):
     def exists(self, path: str) -> bool:
         return self._head(path) is not None
 
+    def remove(self, paths: Sequence[str]) -> None:
+        """DeleteObjects, 1,000 keys a request, raising for the keys its answer says were not
+        deleted: s3fs drops them, so a store refusing deletes (no ``s3:DeleteObject``) would leave
+        objects behind in silence. ``PermissionError`` when every one was refused as access denied."""
+        if not paths:
+            return
+        refused: list[tuple[str, str, str]] = fsspec_sync(self.fs.loop, self._delete, list(paths))
+        if refused:
+            codes = sorted({code for _, code, _ in refused})
+            shown = ", ".join(f"s3://{path}" for path, _, _ in refused[:3])
+            more = f" and {len(refused) - 3} more" if len(refused) > 3 else ""
+            message = (
+                f"{refused[0][2]} ({', '.join(codes)}): {len(refused)} object(s) not deleted: {shown}{more}"
+            )
+            raise (PermissionError if codes == ["AccessDenied"] else OSError)(message)
+
+    async def _delete(self, paths: list[str]) -> list[tuple[str, str, str]]:
+        by_bucket: dict[str, list[str]] = {}
+        for path in paths:
+            bucket, key, _ = self.fs.split_path(path)
+            by_bucket.setdefault(bucket, []).append(key)
+            self.fs.invalidate_cache(path)
+        refused = []
+        for bucket, keys in by_bucket.items():
+            for start in range(0, len(keys), 1000):
+                objects = [{"Key": key} for key in keys[start : start + 1000]]
+                answer = await self.fs._call_s3(
+                    "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True}
+                )
+                refused += [
+                    (
+                        f"{bucket}/{error.get('Key', '?')}",
+                        error.get("Code", "?"),
+                        error.get("Message", "not deleted"),
+                    )
+                    for error in answer.get("Errors", [])
+                ]
+        return refused
+
     def _page_from(self, bucket: str, folder: str, first: str, limit: int) -> tuple[set[str], bool]:
         listed: dict[str, Any] = fsspec_sync(
             self.fs.loop,

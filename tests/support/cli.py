@@ -79,3 +79,16 @@ def refused_unechoed(code: int, output: str) -> None:
     assert code == 2, output
     assert URL_SECRET not in output and "AKIAEXAMPLE" not in output, output
     assert "starting a temporary Prefect server" not in output  # refused before any server
+
+
+def start_worker(pool: str, api: str, folder: Path) -> subprocess.Popen[str]:
+    """A Prefect process worker of ``pool`` on ``api``, started in ``folder`` with a Prefect home of
+    its own there, its output captured as text (stop it with SIGINT, as Ctrl-C does)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
+        cwd=folder,
+        env=cli_env(api, PREFECT_HOME=str(folder / "worker-home")),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
