@@ -82,7 +82,7 @@ $(NG_VENV)/.rollout-capture-stamp: $(NG_STAMP) $(PACKAGE_SOURCES)
 	$(BIN)/pip wheel -q --no-deps --no-input -w $(NG_WHEEL) .
 	rm -rf build/lib build/bdist.*
 	$(BIN)/uv pip install -q --python $(NG_VENV)/bin/python --reinstall-package rollout-capture \
-	  "$$(ls $(NG_WHEEL)/rollout_capture-*.whl)[proxy]"
+	  "$$(ls $(NG_WHEEL)/rollout_capture-*.whl)[proxy,azure]"
 	touch $@
 
 # Each module whole on one xdist worker (--dist loadfile): A and B share one run of the scenario

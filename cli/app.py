@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from rollout_capture.cli.commands import captures, enrich, operate, outputs, proxy
+from rollout_capture.cli.commands import captures, enrich, follow, nemo_gym, operate, outputs, proxy
 
 HELP_MAX_WIDTH = 1000
 """No cap of our own: Click wraps help to the terminal's width (``COLUMNS`` when set), asked as it prints."""
@@ -67,8 +67,11 @@ app.command()(captures.inspect)
 app.command()(outputs.report)
 app.command()(outputs.export)
 app.command()(proxy.proxy)
+app.command("nemo-gym-dir")(nemo_gym.nemo_gym_dir)
 app.command()(operate.deploy)
 app.command()(operate.serve)
+app.command()(operate.start)
+app.command()(follow.follow)
 app.command()(operate.finish)
 
 

@@ -152,8 +152,7 @@ def prefect_name(option: str, value: str | None, *, block: bool = False) -> None
     shown = printable(value)
     if not value.strip():
         raise InputError(f"{option} is empty: give a name")
-    if not value.isprintable():
-        raise InputError(f"{option} '{shown}' holds a control character: a name is printable text")
+    printable_input(option, value, "a name")
     if banned := sorted({c for c in value if c in PREFECT_BANNED}):
         raise InputError(
             f"{option} '{shown}' holds {' '.join(banned)}: "
@@ -163,6 +162,16 @@ def prefect_name(option: str, value: str | None, *, block: bool = False) -> None
         raise InputError(f"{option} '{shown}' starts or ends with a space")
     if block and not all(c.islower() or c.isdigit() or c == "-" for c in value):
         raise InputError(f"{option} '{shown}': a block's name is lowercase letters, digits and dashes")
+
+
+def printable_input(option: str, value: str | None, what: str) -> None:
+    """Refuse (exit 2) a value a server will store and show (a name, a deployment's runs root)
+    holding a control character: an escape acts on every terminal it reaches, a line break forges
+    log lines. Shown escaped."""
+    if value is not None and not value.isprintable():
+        from rollout_capture.printable import printable
+
+        raise InputError(f"{option} '{printable(value)}' holds a control character: {what} is printable text")
 
 
 def deploy_name(value: str) -> None:

@@ -55,7 +55,9 @@ class Output:
         elif callable(text):
             text()
         else:
-            typer.echo(text)
+            from rollout_capture.printable import printable_lines
+
+            typer.echo(printable_lines(text))  # a run's folder name acts on no terminal
 
     @contextmanager
     def exits(self) -> Iterator[None]:

@@ -58,19 +58,20 @@ class _WithoutTraceback(logging.Formatter):
     control characters escaped."""
 
     def __init__(self, inner: logging.Formatter | None) -> None:
-        from rollout_capture.printable import printable_lines
+        from rollout_capture.printable import printable_lines, printable_log_message
 
-        self._printable = printable_lines
+        self._printable, self._message = printable_lines, printable_log_message
         super().__init__()
         self.inner = inner or logging.Formatter()
 
     def format(self, record: logging.LogRecord) -> str:
-        saved = record.exc_info, record.exc_text
+        saved = record.exc_info, record.exc_text, record.msg, record.args
         record.exc_info, record.exc_text = None, None
+        record.msg, record.args = self._message(record), None  # a line break in a name splits no line
         try:  # a model name or detail from a record in a log line acts on no terminal
             return self._printable(self.inner.format(record))
         finally:
-            record.exc_info, record.exc_text = saved
+            record.exc_info, record.exc_text, record.msg, record.args = saved
 
 
 def _terminal_logging() -> None:
@@ -143,23 +144,27 @@ def preflight(
     block's absence is bad input too.
     """
     from rollout_capture.backends import open_backend
-    from rollout_capture.faults import missing_capture_dir
+    from rollout_capture.faults import missing_capture_dir, refusal_named
 
     every = [*(where for where, _ in files), *capture_dirs, *(where for where, _ in folders)]
     block = next((where.credentials_block for where in every if where.credentials_block), None)
     resolved = credentials(block, prefect)
     for where, what in files:
-        check_file(where, resolved, what)
+        with refusal_named(where.url, block, what):  # a refusal names the store and the credentials
+            check_file(where, resolved, what)
     for where in capture_dirs:
-        if not where.capture_store(resolved, shared=False).root_found():
-            raise InputError(missing_capture_dir(where.url))
+        with refusal_named(where.url, block, "capture dir"):
+            if not where.capture_store(resolved, shared=False).root_found():
+                raise InputError(missing_capture_dir(where.url))
     for where, what in folders:
-        backend = open_backend(where.url, where.storage_options, credentials=resolved)
-        found = backend.root_found()  # one LIST: on an object store, the credentials proved here
+        with refusal_named(where.url, block, what):
+            backend = open_backend(where.url, where.storage_options, credentials=resolved)
+            found = backend.root_found()  # one LIST: on an object store, the credentials proved here
         if backend.folders_exist and not found:
             raise InputError(f"{what} not found: {where}")
     for where in creates:  # a store ignoring put-if-absent: refused (exit 2) before anything is written
-        open_backend(where.url, where.storage_options, credentials=resolved).require_put_if_absent()
+        with refusal_named(where.url, block):
+            open_backend(where.url, where.storage_options, credentials=resolved).require_put_if_absent()
     if prefect and not block:
         start_prefect()
 

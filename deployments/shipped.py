@@ -14,11 +14,12 @@ from prefect.deployments.runner import RunnerDeployment
 from prefect.events import DeploymentEventTrigger
 from prefect.types.entrypoint import EntrypointType
 
-from rollout_capture.deployments.names import ON_DEMAND, SCHEDULED, SERVED_SUFFIX
+from rollout_capture.deployments.names import ON_DEMAND, SCHEDULED, SERVED_SUFFIX, follow_name
 from rollout_capture.flows.dispatch import prepare_dispatch
 from rollout_capture.flows.enrich import enrich_rollouts
 from rollout_capture.flows.enrich_runs import enrich_completed_runs
-from rollout_capture.run_events import RUN_FINISHED, runs_under
+from rollout_capture.flows.follow import follow_run
+from rollout_capture.run_events import RUN_FINISHED, RUN_PREFIX, RUN_STARTED, runs_under
 
 DEFAULT_CRON = "*/15 * * * *"
 TAGS = ["rollout-capture"]
@@ -34,7 +35,8 @@ def shipped_deployments(
     name: str = SCHEDULED,
     served: bool = False,
 ) -> list[RunnerDeployment]:
-    """The scheduled enrichment of ``runs_root`` (deployment ``name``) plus the two on-demand flows.
+    """The scheduled enrichment of ``runs_root`` (deployment ``name``), its follower of started runs
+    (``follow-runs``, or ``<name>-follow-runs``), plus the two on-demand flows.
 
     ``scheduled_parameters`` are the scheduled flow's other parameters (capture dir,
     runner, credentials block name: never a secret, the parameter schema refuses them).
@@ -76,6 +78,21 @@ def shipped_deployments(
         ],
         **common,
     )
+    follower = follow_run.to_deployment(
+        name=follow_name(name) + suffix,
+        description=f"Follow each run started under {runs_root} while it runs, then publish it.",
+        parameters=_follow_parameters(scheduled_parameters or {}),
+        # A run started under this root (``rollout-capture start``): followed now, a flow run a run.
+        triggers=[
+            DeploymentEventTrigger(
+                name=f"{follow_name(name) + suffix}: a run started",
+                expect={RUN_STARTED},
+                match={"prefect.resource.id": runs_under(runs_root)},
+                parameters={"run": STARTED_RUN},
+            )
+        ],
+        **common,
+    )
     rollouts_name, dispatch_name = ON_DEMAND
     if served and name != SCHEDULED:  # a second serve's own, not the first one's
         rollouts_name, dispatch_name = f"{name}-{rollouts_name}", f"{name}-{dispatch_name}"
@@ -89,4 +106,16 @@ def shipped_deployments(
             **common,
         ),
     ]
-    return [d for d in (scheduled, *on_demand) if isinstance(d, RunnerDeployment)]
+    return [d for d in (scheduled, follower, *on_demand) if isinstance(d, RunnerDeployment)]
+
+
+STARTED_RUN = f"{{{{ event.resource.id[{len(RUN_PREFIX)}:] }}}}"
+"""The run a ``rollout-capture.run.started`` event names (its resource id past the prefix), as the
+follower's trigger hands it to the flow run it starts."""
+
+
+def _follow_parameters(scheduled: dict[str, Any]) -> dict[str, Any]:
+    """The scheduled deployment's parameters that the follower takes too (capture dir, credentials
+    block, storage options, runner, thresholds, traces): one root, read and judged one way."""
+    accepted = set(follow_run.parameters.properties) - {"run"}
+    return {key: value for key, value in scheduled.items() if key in accepted}

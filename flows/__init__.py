@@ -1,4 +1,5 @@
-"""Prefect flows: clearing before dispatch, enriching rollouts, scheduled enrichment of runs.
+"""Prefect flows: clearing before dispatch, enriching rollouts, scheduled enrichment of runs,
+following a run while it runs.
 
 Imported lazily, so commands that need no Prefect (``rollout-capture proxy``) start fast.
 """
@@ -11,13 +12,15 @@ if TYPE_CHECKING:
     from rollout_capture.flows.dispatch import prepare_dispatch
     from rollout_capture.flows.enrich import enrich_rollouts
     from rollout_capture.flows.enrich_runs import enrich_completed_runs
+    from rollout_capture.flows.follow import follow_run
 
-__all__ = ["enrich_completed_runs", "enrich_rollouts", "prepare_dispatch"]
+__all__ = ["enrich_completed_runs", "enrich_rollouts", "follow_run", "prepare_dispatch"]
 
 _WHERE = {
     "prepare_dispatch": "rollout_capture.flows.dispatch",
     "enrich_rollouts": "rollout_capture.flows.enrich",
     "enrich_completed_runs": "rollout_capture.flows.enrich_runs",
+    "follow_run": "rollout_capture.flows.follow",
 }
 
 

@@ -10,7 +10,7 @@ import logging
 
 from prefect.logging.handlers import PrefectConsoleHandler
 
-from rollout_capture.printable import printable_lines
+from rollout_capture.printable import printable_log_message
 
 
 def prefect_console_handlers() -> set[PrefectConsoleHandler]:
@@ -24,11 +24,12 @@ def prefect_console_handlers() -> set[PrefectConsoleHandler]:
 
 
 class _Printable(logging.Filter):
-    """Shows a record's message with its control characters escaped (formatted once, here)."""
+    """Shows a record's message with its control characters escaped, a line break in an argument
+    too (formatted once, here)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        shown = printable_lines(message)
+        shown = printable_log_message(record)
         if shown != message:
             record.msg, record.args = shown, None
         return True

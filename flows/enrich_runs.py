@@ -10,7 +10,6 @@ The tick's summary artifact names the runs needing a look and links every batch.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from typing import Annotated, Any
 
 from prefect import get_run_logger
@@ -32,13 +31,20 @@ from rollout_capture.flows.report import (
     start_progress,
     task_run_link,
 )
-from rollout_capture.flows.run_batch import RunOutcome, RunsJob, RunStatus, enrich_runs_batch, outcome_row
+from rollout_capture.flows.run_batch import (
+    RunOutcome,
+    RunsJob,
+    RunStatus,
+    enrich_runs_batch,
+    hold,
+    outcome_row,
+)
 from rollout_capture.flows.runners import check_runner
 from rollout_capture.location import Location
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
-from rollout_capture.run_folders import DEFAULT_LEASE_S, RunFolder, new_owner
+from rollout_capture.run_folders import DEFAULT_LEASE_S, Discovery, RunFolder, new_owner
 from rollout_capture.secret_options import shown_url
-from rollout_capture.tasks.run_folders import MAX_NAMED_RUNS, find_runs, remember_enriched
+from rollout_capture.tasks.run_folders import MAX_NAMED_RUNS, find_runs, remember_enriched, runs_root_at
 
 __all__ = ["RunOutcome", "RunStatus", "RunsFailed", "RunsSummary", "enrich_completed_runs"]
 
@@ -57,6 +63,14 @@ class RunsSummary(BaseModel):
     failed: dict[str, str] = Field(default_factory=dict)
     lost: list[str] = Field(default_factory=list)
     """Runs whose lease another holder took while they were enriched (nothing was published)."""
+    refused: dict[str, str] = Field(default_factory=dict)
+    """Run folders left alone, and why: one holding a link where its parts belong. The tick fails
+    naming them, as it does failed runs, and holds them (their ``_REFUSED``)."""
+    links: dict[str, str] = Field(default_factory=dict)
+    """Names under the root that are links (never followed out of it): named, not run folders."""
+    held: dict[str, str] = Field(default_factory=dict)
+    """Runs an earlier tick refused for their own input (a link, no captures), and why: named and
+    left alone, without failing this tick, until finished again (``finish``) or rechecked."""
     outcomes: dict[str, RunOutcome] = Field(default_factory=dict)
     """Each run this invocation tried to take, by name."""
 
@@ -73,7 +87,8 @@ class RunsSummary(BaseModel):
         return (
             f"enriched {len(self.enriched)} run(s), {len(self.busy)} busy, {len(self.unfinished)} "
             f"unfinished, {len(self.already_enriched)} already enriched, {len(self.lost)} lost, "
-            f"{len(self.failed)} failed"
+            f"{len(self.failed)} failed, {len(self.refused)} left alone (links), "
+            f"{len(self.held)} held (refused before)"
         )
 
 
@@ -87,7 +102,16 @@ def needing_a_look(summary: RunsSummary) -> list[Row]:
         {**outcome_row(name, o), "batch": task_run_link(o.task_run_id)}
         for name, o in summary.outcomes.items()
     ]
-    return [row for row in rows if needs_a_look(row)]
+    left = [
+        {**outcome_row(name, RunOutcome(status="failed", error=why)), "status": status, "batch": None}
+        for status, named in (
+            ("left alone", summary.refused),
+            ("held: refused before", summary.held),
+            ("a link: left alone", summary.links),
+        )
+        for name, why in named.items()
+    ]
+    return [row for row in rows if needs_a_look(row)] + left
 
 
 def batch_rows(summary: RunsSummary) -> list[Row]:
@@ -195,24 +219,33 @@ def enrich_completed_runs(
     show_core_logs()
     check_runner(runner, dask_address, ray_address)
     runs = Location.of(runs_root, storage_options, credentials_block)  # refused here if bad
-    options = _with_traces_project(options, runs_root)
+    options = with_traces_project(options, runs_root)
     check_traces(options)
     captures = runs.at(capture_dir) if capture_dir else None
     summary, ready = _sorted_runs(find_runs(runs, full_scan, recheck))
+    _hold_refused(runs, summary.refused)
     job = RunsJob(runs_root=runs, lease_s=lease_s, capture_dir=captures, options=options)
     batches = _batches(ready, runs_per_batch, max_parallel_runs)
     _enrich_ready(summary, ready, job, runs_root, batches, max_parallel_runs)
     _publish_tick(summary, runs_root, runs)
     get_run_logger().info("%s", summary.tally())
+    problems = []
     if summary.failed:
         first = dict(list(summary.failed.items())[:MAX_NAMED_RUNS])
         more = len(summary.failed) - len(first)
         tail = f" and {more} more (their batches' tables list them)" if more > 0 else ""
-        raise RunsFailed(f"{len(summary.failed)} run(s) failed: {first}{tail}")
+        problems.append(f"{len(summary.failed)} run(s) failed: {first}{tail}")
+    if summary.refused:
+        first = dict(list(summary.refused.items())[:MAX_NAMED_RUNS])
+        more = len(summary.refused) - len(first)
+        tail = f" and {more} more (the tick's summary lists them)" if more > 0 else ""
+        problems.append(f"{len(summary.refused)} left alone under the runs root: {first}{tail}")
+    if problems:
+        raise RunsFailed("; ".join(problems))
     return summary
 
 
-def _with_traces_project(options: EnrichOptions, runs_root: str) -> EnrichOptions:
+def with_traces_project(options: EnrichOptions, runs_root: str) -> EnrichOptions:
     """Every run of one root in one project: the one named, else the root folder's name."""
     if not options.otlp_endpoint or options.otlp_project:
         return options
@@ -223,7 +256,7 @@ def _with_traces_project(options: EnrichOptions, runs_root: str) -> EnrichOption
 
 def _publish_tick(summary: RunsSummary, runs_root: str, runs: Location) -> None:
     """What a tick leaves behind: its summary (in the UI) and the root's index of enriched runs."""
-    if summary.outcomes:
+    if summary.outcomes or summary.refused or summary.held or summary.links:
         publish_tick_summary(runs_root, summary.tally(), needing_a_look(summary), batch_rows(summary))
     if summary.enriched:
         remember_enriched(runs, summary.enriched)
@@ -297,11 +330,21 @@ def _outcomes(future: PrefectFuture[list[RunOutcome]], batch: list[RunFolder]) -
         return [RunOutcome(status="failed", error=error, task_run_id=future.task_run_id) for _ in batch]
 
 
-def _sorted_runs(found: Iterable[RunFolder]) -> tuple[RunsSummary, list[RunFolder]]:
-    """A tick's summary with the runs it skips (enriched, unfinished) filed, and the runs ready."""
-    summary = RunsSummary()
+def _hold_refused(runs: Location, refused: dict[str, str]) -> None:
+    """Hold the run folders refused now for a link where a part belongs: this tick fails naming
+    them, the next ones name them without failing (docs/scheduled.md)."""
+    if refused:
+        root = runs_root_at(runs)
+        for name, why in refused.items():
+            hold(root, name, why)
+
+
+def _sorted_runs(found: Discovery) -> tuple[RunsSummary, list[RunFolder]]:
+    """A tick's summary with the runs it skips (enriched, unfinished, left alone) filed, and the
+    runs ready."""
+    summary = RunsSummary(refused=found.refused, links=found.links, held=found.held)
     ready = []
-    for run in found:
+    for run in found.runs:
         if run.enriched:
             summary.already_enriched.append(run.name)
         elif not run.finished:

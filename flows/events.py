@@ -20,6 +20,7 @@ from rollout_capture.filesystem import absolute_location
 from rollout_capture.flows.report import shares_exceeded
 from rollout_capture.run_events import RUN_FINISHED as RUN_FINISHED
 from rollout_capture.run_events import RUN_PREFIX as RUN_PREFIX
+from rollout_capture.run_events import RUN_STARTED as RUN_STARTED
 from rollout_capture.run_events import run_resource as run_resource
 from rollout_capture.run_events import runs_under as runs_under
 from rollout_capture.secret_options import shown_url
@@ -49,6 +50,28 @@ def mark_run_finished(
     state = finish_run(run, storage_options, credentials=credentials_from_block(credentials_block))
     if not state.enriched and emit_event(RUN_FINISHED, resource=run_resource(state.url)) is not None:
         _sent()  # before the caller (a harness, a command) moves on or exits
+    return state.url
+
+
+def mark_run_started(
+    run: str, *, storage_options: dict[str, Any] | None = None, credentials_block: str | None = None
+) -> str:
+    """Mark a run started (its empty ``_STARTED``, the folder made on a local disk) and emit
+    ``rollout-capture.run.started`` naming it, so a deployment of its runs root follows it while it
+    runs; returns the run. A run already started, finished or enriched is left as it is, no event sent.
+
+    Example:
+        ```python
+        mark_run_started("s3://my-runs/runs/r1", credentials_block="rollout-capture")
+        ```
+    """
+    from rollout_capture.run_folders import start_run
+    from rollout_capture.tasks.credentials import credentials_from_block
+
+    state = start_run(run, storage_options, credentials=credentials_from_block(credentials_block))
+    fresh = not (state.started or state.finished or state.enriched)
+    if fresh and emit_event(RUN_STARTED, resource=run_resource(state.url)) is not None:
+        _sent()
     return state.url
 
 
@@ -131,6 +154,43 @@ def emit_completed(
             resource=resource(source, output),
             payload={**payload, "max_failed_share": max_failed_share},
         )
+
+
+LIVE_MIN_ROLLOUTS = 20
+"""Rollouts live before a followed run's shares are judged mid-run: one gap among the first three
+rollouts is no share worth waking anyone for."""
+
+
+class LiveThresholds:
+    """A followed run's ``gaps-exceeded`` and ``failed-calls-exceeded``, mid-run: each sent when its
+    share crosses its threshold on the way up (and again should it fall back under and cross again),
+    once :data:`LIVE_MIN_ROLLOUTS` are live, so an automation hears an hour into a ten-hour run, not
+    at its end. Their payload is the evidence so far, ``"live": true``; the end's events follow as
+    after any enrichment."""
+
+    def __init__(self, source: str, output: str, max_gap_share: float | None, max_failed_share: float | None):
+        self.source, self.output = source, output
+        self.max_gap_share, self.max_failed_share = max_gap_share, max_failed_share
+        self._above = (False, False)
+        self.sent: list[str] = []
+
+    def check(self, stats: BatchStats, seconds: float) -> None:
+        """Send what this evidence so far newly crosses."""
+        if stats.rollouts < LIVE_MIN_ROLLOUTS:
+            return
+        gaps, failed = shares_exceeded(stats, self.max_gap_share, self.max_failed_share)
+        crossed: list[tuple[str, dict[str, Any]]] = []
+        if gaps and not self._above[0]:
+            crossed.append((GAPS_EXCEEDED, {"max_gap_share": self.max_gap_share}))
+        if failed and not self._above[1]:
+            crossed.append((FAILED_CALLS_EXCEEDED, {"max_failed_share": self.max_failed_share}))
+        self._above = (gaps, failed)
+        if not crossed:
+            return
+        payload = {**counts(stats, 0, seconds), "live": True}
+        for name, extra in crossed:
+            emit_event(name, resource=resource(self.source, self.output), payload={**payload, **extra})
+            self.sent.append(name)
 
 
 def emit_failed(source: str, output: str, error: BaseException) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from uuid import UUID
@@ -21,6 +22,8 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.client.schemas.objects import State
 from prefect.logging.handlers import APILogHandler
 from prefect.states import Completed
@@ -30,6 +33,7 @@ from pydantic import BaseModel, Field
 
 from rollout_capture.batch import BatchStats
 from rollout_capture.filesystem import absolute_location, is_local, local_path, open_filesystem
+from rollout_capture.following import FollowProgress
 from rollout_capture.location import Location
 from rollout_capture.report import default_report_path, render_report, write_report
 from rollout_capture.rollout_files import refuse_unsafe_output
@@ -383,3 +387,79 @@ def _figure(value: object) -> str:
 
 def _linked(text: str, link: object) -> str:
     return f"[{text}]({link})" if link and link != "-" else "-"
+
+
+LIVE_UPDATE_S = 2.0
+"""How often a followed run's artifacts are updated, at most (two API requests each time)."""
+
+
+class LiveView:
+    """What a followed run's flow run shows while it runs: a progress artifact (lines live of those
+    landed) and its evidence so far (a markdown artifact keyed ``following-<run>``: records, calls,
+    failed calls, gap share, latency and TTFT p50/p99, tokens, the gaps), both updated in place,
+    at most every :data:`LIVE_UPDATE_S`. An API that refuses an update is logged; following goes on."""
+
+    def __init__(self, run: str, live_output: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.run, self.live_output, self.clock = run, live_output, clock
+        self._next = 0.0
+        progress_id = create_progress_artifact(progress=0.0, description=f"Following {run}")
+        evidence_id = create_markdown_artifact(
+            markdown=f"# Following `{run}`\n\nNothing has landed yet.\n",
+            key=artifact_key("following", absolute_location(run)),
+            description=f"{run}: its evidence so far, while it runs",
+        )
+        assert isinstance(progress_id, UUID) and isinstance(evidence_id, UUID)  # the sync variants
+        self.progress_id, self.evidence_id = progress_id, evidence_id
+
+    def update(self, progress: FollowProgress, *, now: bool = False) -> None:
+        """Show ``progress``, unless the last update was less than :data:`LIVE_UPDATE_S` ago."""
+        moment = self.clock()
+        if not now and moment < self._next:
+            return
+        self._next = moment + LIVE_UPDATE_S
+        try:
+            share = 100.0 * progress.live / progress.landed if progress.landed else 0.0
+            update_progress_artifact(
+                artifact_id=self.progress_id, progress=share, description=live_headline(self.run, progress)
+            )
+            with get_client(sync_client=True) as client:
+                client.update_artifact(
+                    artifact_id=self.evidence_id,
+                    artifact=ArtifactUpdate(data=live_markdown(self.run, self.live_output, progress)),
+                )
+        except Exception as exc:  # shown progress: the run is followed whatever the API says
+            get_run_logger().warning("%s: its live artifacts were not updated: %s", self.run, exc)
+
+
+def live_headline(run: str, progress: FollowProgress) -> str:
+    """One line: how many lines are live of those landed, and what the next one waits on."""
+    line = f"Following {run}: {progress.live:,} of {progress.landed:,} line(s) live"
+    if progress.waiting_on:
+        line += f"; {progress.waiting:,} waiting on the claims of {', '.join(progress.waiting_on[:3])}"
+    elif progress.waiting:
+        line += f"; {progress.waiting:,} being enriched"
+    return line + (" (finished)" if progress.finished else "")
+
+
+def live_markdown(run: str, live_output: str, progress: FollowProgress) -> str:
+    """The evidence so far of a followed run, as its live artifact shows it."""
+    stats = progress.stats
+    evidence = stats.evidence
+    lines = [
+        f"# Following `{run}`",
+        "",
+        f"- {live_headline(run, progress)}",
+        f"- live output: `{live_output}`",
+        f"- {stats.rollouts:,} rollout(s) with {stats.calls:,} model call(s)",
+        f"- failed calls: {evidence.failed_calls:,} ({100 * evidence.failed_share:.1f}%)",
+        f"- rollouts with any gap: {stats.rollouts_with_gaps:,} ({100 * stats.gap_share:.1f}%)",
+        f"- latency p50 / p99: {evidence.latency_ms.p50_p99('ms')}",
+        f"- TTFT p50 / p99: {evidence.ttft_ms.p50_p99('ms')}",
+        f"- tokens in / out / total: {evidence.tokens_line()}",
+        f"- updated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
+        "",
+        "## Evidence so far",
+        "",
+        evidence.to_markdown(),
+    ]
+    return "\n".join(lines) + "\n"

@@ -50,6 +50,7 @@ from rollout_capture.rollout_files import (
     remove_staged,
     stage_rollouts,
 )
+from rollout_capture.rollout_parts import stage_parts
 from rollout_capture.run_folders import LeaseKeeper, LeaseLost, RunFolder, RunsRoot
 from rollout_capture.store import end_scope
 from rollout_capture.tasks.credentials import credentials_for
@@ -217,16 +218,24 @@ def _at_once(
     return Spooled(spool=spool, stats=stats, batches=1 if first else 0)
 
 
+class RunRefused(FileNotFoundError):
+    """A run refused for its own input (its capture dir holds nothing): held from the next tick on
+    (its ``_REFUSED``), so one such run does not fail every tick over the root."""
+
+
 def _check_capture_dir(captures: Location, allow_empty: bool) -> None:
     """``check_capture_dir``'s refusal, without its task run."""
     with credentials_for(captures) as credentials:
         found = captures.capture_store(credentials).root_found()
     if not found and not allow_empty:
-        raise FileNotFoundError(missing_capture_dir(captures.url, "allow_empty=True / --allow-empty"))
+        raise RunRefused(missing_capture_dir(captures.url, "allow_empty=True / --allow-empty"))
 
 
-def _staged(rollouts: Location) -> StagedRollouts:
+def _staged(run: RunFolder, rollouts: Location) -> StagedRollouts:
+    """The run's rollouts as one local file: its rollouts file, or its parts in order."""
     with credentials_for(rollouts) as credentials:
+        if run.parts:
+            return stage_parts(run.url, rollouts.storage_options, credentials=credentials)
         return stage_rollouts(rollouts.url, rollouts.storage_options, credentials=credentials)
 
 
@@ -240,7 +249,7 @@ def _enrich_under_lease(
     captures = (job.capture_dir or job.runs_root.at(run.captures)).absolute()
     _check_capture_dir(captures, options.allow_empty)
     refuse_unsafe_output(output.url, output.storage_options)
-    staged = _staged(rollouts)
+    staged = _staged(run, rollouts)
     try:
         pieces = iter_line_ranges(staged.path, options.batch_size)
         first = next(pieces, None)
@@ -257,6 +266,22 @@ def _enrich_under_lease(
     return summary, done.stats
 
 
+def hold(root: RunsRoot, name: str, why: str) -> None:
+    """Hold a run refused for its own input (a failure to do so is only logged: the next tick
+    refuses it again, and fails again)."""
+    try:
+        root.hold(name, why)
+    except Exception as exc:
+        get_run_logger().warning("%s: not held (%s); the next tick refuses it again", name, exc)
+
+
+def _release(root: RunsRoot, name: str) -> None:
+    try:
+        root.unhold(name)
+    except Exception as exc:
+        get_run_logger().warning("%s: its _REFUSED stays (%s); finish it again to drop it", name, exc)
+
+
 def _give_back(keeper: LeaseKeeper) -> None:
     """Release after a failure without hiding it: a lease that cannot be released lapses anyway."""
     try:
@@ -265,10 +290,15 @@ def _give_back(keeper: LeaseKeeper) -> None:
         get_run_logger().warning("%s: lease not released (%s); it lapses by itself", keeper.run.name, exc)
 
 
-def enrich_one_run(root: RunsRoot, run: RunFolder, owner: str, job: RunsJob) -> RunOutcome:
-    """Take one run and enrich it, publishing only as the current holder of its lease.
+def enrich_one_run(
+    root: RunsRoot, run: RunFolder, owner: str, job: RunsJob, *, artifacts: bool = False
+) -> RunOutcome:
+    """Take one run and enrich it, publishing only as the current holder of its lease (``owner``
+    taking it again adopts the lease it holds: a follower's end, a retry).
 
     Never raises for the run's own failure (its outcome says it), so its neighbours go on.
+    ``artifacts``: the enrichment's own artifacts (a flow run of its own: a followed run), not a
+    row of a batch's table.
     """
     logger = get_run_logger()
     try:
@@ -298,13 +328,17 @@ def enrich_one_run(root: RunsRoot, run: RunFolder, owner: str, job: RunsJob) -> 
         except Exception as exc:
             outcome = _failed(run, exc)
             outcome._enrichment_error = exc
+            if isinstance(exc, RunRefused):
+                hold(root, run.name, str(exc))
             return outcome
         finally:
             if not finished:
                 _give_back(keeper)
+    if run.held:  # rechecked and enriched after all
+        _release(root, run.name)
     output = job.runs_root.at(run.output)
     failed = send_traces(summary, output, job.options, traces_run(job.options, run, output))
-    end = report_enrichment(summary, job.options, artifacts=False, name=run.name)
+    end = report_enrichment(summary, job.options, artifacts=artifacts, name=run.name)
     outcome = RunOutcome.of_marker({**marker, "traces": summary.traces}, job.options)
     outcome.state_name = end.name if isinstance(end, State) else "Completed"
     if failed is not None:
@@ -323,7 +357,7 @@ def traces_run(options: EnrichOptions, run: RunFolder, output: Location) -> str 
     return folder_run(options.otlp_run_name, run.name, output.url)
 
 
-def _last_try() -> bool:
+def last_try() -> bool:
     """Whether this task run has no retry left (then failures are reported, not retried)."""
     context = TaskRunContext.get()
     if context is None:
@@ -350,7 +384,7 @@ def enrich_runs_batch(runs: list[RunFolder], label: str, owner: str, job: RunsJo
     root = runs_root_at(job.runs_root, renewing=True)
     context = TaskRunContext.get()
     task_run_id = context.task_run.id if context is not None else None
-    last = _last_try()
+    last = last_try()
     outcomes = []
     for run in runs:
         outcome = enrich_one_run(root, run, owner, job)

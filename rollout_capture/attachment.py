@@ -17,6 +17,8 @@ from rollout_capture.claims import partition
 from rollout_capture.evidence import Evidence
 from rollout_capture.metrics import aggregate_call_dicts
 from rollout_capture.ownership import join_ownership
+from rollout_capture.projections import carries_projection, payloads_wanted, reproject
+from rollout_capture.rows import Damage
 from rollout_capture.snapshot import RolloutSnapshot
 
 logger = logging.getLogger(__name__)
@@ -89,7 +91,7 @@ def build_attachment(
     else:
         rows, damage = snap.record_rows(include_payloads)
         damaged = len(damage) + _read_rows(rows, include_payloads, calls, verifiers)
-        _snapshot_gaps(snap, calls, damaged, now, gaps)
+        _snapshot_gaps(snap, calls, damaged, now, gaps, [d for d in damage if d.whitespace])
     judged = [call for call in calls if call["verifier_invocation_id"]] if calls else []
     if verifiers:
         _judge_metrics(verifiers, judged)
@@ -142,10 +144,11 @@ def _snapshot_gaps(
     damaged: int,
     now: float | None,
     gaps: list[dict[str, str]],
+    hidden: list[Damage],
 ) -> None:
     """The gaps a snapshot's evidence has: damage, the marker, no records, claims, holes, timing."""
     if damaged:
-        gaps.append(_gap(GAP_RECORDS_UNREADABLE, f"count={damaged}"))
+        gaps.append(_gap(GAP_RECORDS_UNREADABLE, f"count={damaged}" + _naming(hidden)))
     if snap.incomplete:
         gaps.append(_gap(GAP_INCOMPLETE))
     elif not calls and not damaged:
@@ -160,6 +163,17 @@ def _snapshot_gaps(
         gaps.append(_gap(GAP_PENDING, f"journal hole: {hole}"))
     if calls:
         gaps.extend(impossible_timing_gaps(calls))
+
+
+def _naming(hidden: list[Damage]) -> str:
+    """The first damaged whitespace row, named (file, line, why) after the count: NeMo Gym's reader
+    skips its line, so nothing else would tell what was lost (spec 7)."""
+    if not hidden:
+        return ""
+    first = hidden[0]
+    where = first.source.rsplit("/", 1)[-1] + ("" if first.line is None else f":{first.line}")
+    more = f" (and {len(hidden) - 1} more)" if len(hidden) > 1 else ""
+    return f"; {where}: {first.reason}{more}"
 
 
 def _judge_metrics(verifiers: dict[str, dict[str, Any]], judged: list[dict[str, Any]]) -> None:
@@ -183,23 +197,45 @@ def metrics_by_owner(calls: list[dict[str, Any]], judged: list[dict[str, Any]]) 
     return {"policy": aggregate_call_dicts(policy), "verifiers": aggregate_call_dicts(judged)}
 
 
+def add_gap(attachment: dict[str, Any], gap: dict[str, str]) -> None:
+    """Put a gap on the attachment, its key order kept: gaps come before the verifier invocations
+    and the owners' metrics (as :func:`build_attachment` writes them)."""
+    gaps = attachment.pop("gaps", [])
+    gaps.append(gap)
+    verifiers = attachment.pop("verifier_invocations", None)
+    owners = attachment.pop(OWNERS_KEY, None)
+    attachment["gaps"] = gaps
+    if verifiers is not None:
+        attachment["verifier_invocations"] = verifiers
+    if owners is not None:
+        attachment[OWNERS_KEY] = owners
+
+
+def payloads_to_read(record: dict[str, Any], include_payloads: bool) -> bool:
+    """Whether a record's calls are read with their payloads: asked for, or wanted by the NeMo Gym
+    trajectory it carries (:func:`rollout_capture.projections.payloads_wanted`)."""
+    return include_payloads or payloads_wanted(record)
+
+
 def attach(record: dict[str, Any], attachment: dict[str, Any]) -> dict[str, Any]:
-    """Put the attachment on the record and run the ownership join; returns the record."""
+    """Put the attachment on the record, run the ownership join and rebuild the NeMo Gym
+    projections it carries (``ng_trajectory``, ``ng_perf``: :mod:`rollout_capture.projections`);
+    returns the record. The attachment's calls hold payloads as :func:`payloads_to_read` said."""
+    previous = record.get(ATTACHMENT_KEY)
     observations = record.get(OBSERVATIONS_KEY)
     if observations is not None:
         try:
             record[OBSERVATIONS_KEY] = join_ownership(observations, attachment["calls"])
         except Exception as exc:
             logger.warning("could not join agent observations of %s: %s", attachment["rollout_id"], exc)
-            gaps = attachment.pop("gaps", [])
-            gaps.append(_gap(GAP_JOIN_FAILED))
-            # Keep key order stable: gaps come before verifier invocations and the owners' metrics.
-            verifiers = attachment.pop("verifier_invocations", None)
-            owners = attachment.pop(OWNERS_KEY, None)
-            attachment["gaps"] = gaps
-            if verifiers is not None:
-                attachment["verifier_invocations"] = verifiers
-            if owners is not None:
-                attachment[OWNERS_KEY] = owners
+            add_gap(attachment, _gap(GAP_JOIN_FAILED))
     record[ATTACHMENT_KEY] = attachment
+    if carries_projection(record):
+        reproject(
+            record,
+            attachment,
+            previous=previous,
+            observations_before=observations,
+            add_gap=lambda gap: add_gap(attachment, gap),
+        )
     return record

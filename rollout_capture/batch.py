@@ -21,12 +21,19 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, Field, computed_field
 
-from rollout_capture.attachment import ATTACHMENT_KEY, OBSERVATIONS_KEY, attach, build_attachment
+from rollout_capture.attachment import (
+    ATTACHMENT_KEY,
+    OBSERVATIONS_KEY,
+    attach,
+    build_attachment,
+    payloads_to_read,
+)
 from rollout_capture.backends import ListingScope
 from rollout_capture.call_records_fast import Untyped
 from rollout_capture.evidence import EvidenceReader
 from rollout_capture.identity import rollout_id_of
 from rollout_capture.identity_fast import identify_line
+from rollout_capture.projections import carries_projection
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
 from rollout_capture.rollout_files import split_lines
 from rollout_capture.spilled_ids import SpilledIds
@@ -309,7 +316,11 @@ def _identify(line: bytes, number: int, problems: list[LineProblem]) -> tuple[st
         return None
     if rollout_id is None:
         return None
-    return rollout_id, ATTACHMENT_KEY not in record and record.get(OBSERVATIONS_KEY) is None
+    return rollout_id, (
+        ATTACHMENT_KEY not in record
+        and record.get(OBSERVATIONS_KEY) is None
+        and not carries_projection(record)
+    )
 
 
 def enrich_lines(
@@ -372,15 +383,18 @@ def _enrich(
         rollout_id, only_added = item
         id_lines.setdefault(rollout_id, []).append(number)
         evidence = reader.evidence(rollout_id)
-        attachment = build_attachment(rollout_id, evidence, include_payloads=include_payloads)
-        metrics = attachment["metrics"]
         if only_added:
+            attachment = build_attachment(rollout_id, evidence, include_payloads=include_payloads)
             out.append(splice_attachment(line, attachment))
             fold.add_built_attachment(attachment)  # as built: counted without looking it over
-        else:  # the record already has our key or agent observations: merge into it
-            record = attach(orjson.loads(line), attachment)
+        else:  # our key, agent observations or a NeMo Gym projection are there: merge into it
+            record = orjson.loads(line)
+            payloads = payloads_to_read(record, include_payloads)
+            attachment = build_attachment(rollout_id, evidence, include_payloads=payloads)
+            record = attach(record, attachment)
             out.append(orjson.dumps(record))
             fold.add(attachment, observation_gap_codes(record))
+        metrics = attachment["metrics"]
         rollouts += 1
         calls += metrics["num_calls"]
         if "gaps" in attachment:

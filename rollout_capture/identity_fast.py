@@ -28,6 +28,8 @@ class _RolloutLine(TypedDict, total=False):
     _ng_attempt_index: Scalar
     ng_model_call_capture: Raw
     ng_agent_observations: Raw
+    ng_trajectory: Raw
+    ng_perf: Raw
 
 
 _decode_line = msgspec.json.Decoder(_RolloutLine).decode
@@ -54,7 +56,10 @@ def identify_line(line: bytes) -> tuple[str, bool] | None:
     if rollout_id is None:
         return None
     observations = record.get("ng_agent_observations")
-    only_added = "ng_model_call_capture" not in record and (
-        observations is None or bytes(observations) == b"null"
+    only_added = (
+        "ng_model_call_capture" not in record
+        and (observations is None or bytes(observations) == b"null")
+        and "ng_trajectory" not in record
+        and "ng_perf" not in record
     )
     return rollout_id, only_added

@@ -1,7 +1,8 @@
 """Merging captures into rollout records (spec section 7): the one-record entry point.
 
 A merge adds exactly one key, ``ng_model_call_capture`` (and may update
-``ng_agent_observations``), and merging twice gives the same record.
+``ng_agent_observations``, and rebuild the ``ng_trajectory`` and ``ng_perf`` NeMo Gym's collection
+left: :mod:`rollout_capture.projections`), and merging twice gives the same record.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rollout_capture.attachment import attach, build_attachment
+from rollout_capture.attachment import attach, build_attachment, payloads_to_read
 from rollout_capture.evidence import rollout_evidence
 from rollout_capture.identity import rollout_id_of
 from rollout_capture.store import CaptureDir, as_store
@@ -29,4 +30,5 @@ def merge_model_call_capture_into_record(
     if rollout_id is None:
         return record
     evidence = rollout_evidence(rollout_id, [as_store(d) for d in capture_dirs])
-    return attach(record, build_attachment(rollout_id, evidence, include_payloads=include_payloads))
+    payloads = payloads_to_read(record, include_payloads)
+    return attach(record, build_attachment(rollout_id, evidence, include_payloads=payloads))

@@ -97,8 +97,11 @@ def join_ownership(observations: Any, calls: Sequence[Mapping[str, Any]]) -> dic
     """A new ``ng_agent_observations`` with refs resolved against ``calls`` and gaps updated.
 
     ``calls`` are dumped call records. Calls made by a verifier (they carry a
-    ``verifier_invocation_id``) are owned by it and never reported as unowned.
-    Raises :class:`ObservationError` when the observations are malformed.
+    ``verifier_invocation_id``) are owned by it and never reported as unowned. As NeMo Gym
+    0.7.0's join, a call whose ``client_session_id`` names an invocation is referenced by it
+    (the agent declared the session), and context compactions' references are resolved against
+    the calls their invocation owns. Raises :class:`ObservationError` when the observations
+    are malformed.
     """
     if not isinstance(observations, Mapping):
         raise ObservationError("ng_agent_observations must be an object")
@@ -107,25 +110,140 @@ def join_ownership(observations: Any, calls: Sequence[Mapping[str, Any]]) -> dic
         raise ObservationError("ng_agent_observations.gaps must be a list")
     result = dict(observations)
     index = _CallIndex(calls)
-    owned: set[int] = set()
+    owners: dict[int, str] = {}
     join_gaps: list[dict[str, Any]] = []
-    new_invocations = {
-        id(invocation): _resolved(invocation, index, owned, join_gaps)
-        for invocation in _invocations(observations)
+    invocations = _with_session_calls(_invocations(observations), calls)
+    new_records = {
+        id(invocation): _resolved(with_calls, index, owners, join_gaps)
+        for invocation, with_calls in invocations
     }
+    compactions = [
+        r
+        for r in observations.get("records", [])
+        if isinstance(r, dict) and r.get("kind") == "context_compaction"
+    ]
+    new_records.update(
+        {
+            id(compaction): _compaction_resolved(compaction, index, owners, join_gaps)
+            for compaction in compactions
+        }
+    )
     for key in ("invocations", "records"):
         if key in observations:
-            result[key] = [new_invocations.get(id(item), item) for item in observations[key]]
+            result[key] = [new_records.get(id(item), item) for item in observations[key]]
 
     gaps = [gap for gap in gaps_in if not _written_by_join(gap)]
     gaps.extend(join_gaps)
     for position, call in enumerate(calls):
-        if position in owned or call.get("verifier_invocation_id"):
+        if position in owners or call.get("verifier_invocation_id"):
             continue
         label = call.get("model_call_id") or call.get("response_id") or "unknown"
         gaps.append(_gap(UNOWNED_CODE, None, f"capture:{label}:call_index={call['call_index']}"))
     result["gaps"] = _dedupe(gaps)
     return result
+
+
+def _with_session_calls(
+    invocations: list[dict[str, Any]], calls: Sequence[Mapping[str, Any]]
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each invocation with a reference added for every call whose ``client_session_id`` is its
+    id and which none of its references names yet (NeMo Gym 0.7.0's join)."""
+    by_id = {invocation["invocation_id"]: invocation for invocation in invocations}
+    added: dict[str, list[dict[str, Any]]] = {}
+    known: dict[str, set[tuple[Any, Any, Any]]] = {}
+    for call in calls:
+        session, call_id = call.get("client_session_id"), call.get("model_call_id")
+        if not session or not call_id or session not in by_id:
+            continue
+        if session not in known:
+            known[session] = {
+                (ref.get("model_call_id"), _ref_key(ref.get("model_ref")), ref.get("response_id"))
+                for ref in by_id[session].get("model_calls", [])
+                if isinstance(ref, Mapping)
+            }
+        model_ref, response_id = call.get("model_ref"), call.get("response_id")
+        ref_key = _ref_key(model_ref)
+        names = {
+            (call_id, None, None),
+            (call_id, ref_key, None),
+            (call_id, None, response_id),
+            (call_id, ref_key, response_id),
+        }
+        if ref_key is not None and response_id is not None:
+            names.add((None, ref_key, response_id))
+        if names & known[session]:
+            continue
+        added.setdefault(session, []).append(
+            {"model_call_id": call_id, "model_ref": model_ref, "response_id": response_id}
+        )
+        known[session].add((call_id, ref_key, response_id))
+    return [
+        (
+            invocation,
+            {
+                **invocation,
+                "model_calls": [*invocation.get("model_calls", []), *added[invocation["invocation_id"]]],
+            }
+            if invocation["invocation_id"] in added
+            else invocation,
+        )
+        for invocation in invocations
+    ]
+
+
+def _compaction_resolved(
+    compaction: dict[str, Any], index: _CallIndex, owners: dict[int, str], join_gaps: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A context compaction with its references resolved: its compaction calls only to calls its
+    own invocation owns, the calls before and after it to calls no other invocation owns."""
+    invocation_id = compaction.get("invocation_id")
+    resolved: list[Any] = []
+    for n, ref in enumerate(compaction.get("model_calls", []) or []):
+        _check_ref(ref, f"context compaction of {invocation_id!r} model_calls[{n}]")
+        candidates = index.matches(ref)
+        if len(candidates) != 1:
+            code = "model_call_reference_ambiguous" if candidates else "model_call_reference_unmatched"
+            detail = f"model_calls:{ref.get('model_call_id') or ref.get('response_id')}"
+            join_gaps.append(_gap(code, invocation_id, detail))
+            resolved.append(ref)
+            continue
+        call = index.calls[candidates[0]]
+        owner = owners.get(candidates[0])
+        if owner != invocation_id:
+            code = "model_call_reference_conflict" if owner is not None else UNOWNED_CODE
+            detail = f"model_calls:{call.get('model_call_id') or call.get('response_id')}"
+            join_gaps.append(_gap(code, invocation_id, detail))
+            resolved.append(ref)
+            continue
+        resolved.append(_canonical(call))
+    result = {**compaction, "model_calls": resolved}
+    for field in ("before_model_call", "after_model_call"):
+        ref = compaction.get(field)
+        if ref is None:
+            continue
+        _check_ref(ref, f"context compaction of {invocation_id!r} {field}")
+        candidates = index.matches(ref)
+        if len(candidates) == 1:
+            call = index.calls[candidates[0]]
+            owner = owners.get(candidates[0])
+            if owner is not None and owner != invocation_id:
+                detail = f"{field}:{call.get('model_call_id') or call.get('response_id')}"
+                join_gaps.append(_gap("model_call_reference_conflict", invocation_id, detail))
+                continue
+            result[field] = _canonical(call)
+        else:
+            code = "model_call_reference_ambiguous" if candidates else "model_call_reference_unmatched"
+            detail = f"{field}:{ref.get('model_call_id') or ref.get('response_id')}"
+            join_gaps.append(_gap(code, invocation_id, detail))
+    return result
+
+
+def _canonical(call: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "model_call_id": call.get("model_call_id"),
+        "model_ref": call.get("model_ref"),
+        "response_id": call.get("response_id"),
+    }
 
 
 class _CallIndex:
@@ -162,10 +280,10 @@ class _CallIndex:
 
 
 def _resolved(
-    invocation: dict[str, Any], index: _CallIndex, owned: set[int], join_gaps: list[dict[str, Any]]
+    invocation: dict[str, Any], index: _CallIndex, owners: dict[int, str], join_gaps: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """The invocation with each reference resolved to the one call it names (added to
-    ``owned``), or left as it was with a gap in ``join_gaps`` saying why."""
+    """The invocation with each reference resolved to the one call it names (its owner recorded
+    in ``owners``), or left as it was with a gap in ``join_gaps`` saying why."""
     resolved: list[Any] = []
     invocation_id = invocation["invocation_id"]
     for position_in_list, ref in enumerate(invocation.get("model_calls", [])):
@@ -178,12 +296,12 @@ def _resolved(
             continue
         position = candidates[0]
         call = index.calls[position]
-        if position in owned:
+        if position in owners:
             detail = call.get("model_call_id") or call.get("response_id")
             join_gaps.append(_gap("model_call_reference_conflict", invocation_id, detail))
             resolved.append(ref)
             continue
-        owned.add(position)
+        owners[position] = invocation_id
         resolved.append(
             {
                 **ref,

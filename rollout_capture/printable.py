@@ -8,6 +8,7 @@ it reads as the characters it holds (``\\x1b]0;title\\x07``) and does nothing.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 
@@ -33,3 +34,19 @@ def printable_lines(text: Any) -> str:
     if shown.isprintable():
         return shown
     return "\n".join(printable(line) for line in shown.split("\n"))
+
+
+def printable_log_message(record: logging.LogRecord) -> str:
+    """A log record's message with each argument shown by :func:`printable` (one line: a name from
+    a record holding a line break cannot start a forged log line) and the template's own line
+    breaks kept (:func:`printable_lines`); an argument whose text is printable is left as it is."""
+    args = record.args
+    if isinstance(args, tuple) and args:
+        shown = tuple(
+            arg if isinstance(arg, int | float) or str(arg).isprintable() else printable(arg) for arg in args
+        )
+        try:
+            return printable_lines(str(record.msg) % shown)
+        except (TypeError, ValueError):  # a format the escaped text no longer fits (%d of a str)
+            pass
+    return printable_lines(record.getMessage())

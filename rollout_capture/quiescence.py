@@ -19,6 +19,19 @@ CAPTURE_DRAIN_TIMEOUT_S = 10.0
 DEFAULT_POLL_S = 0.05
 
 
+def claimed_now(rollout_ids: Iterable[str], capture_dirs: Sequence[CaptureDir]) -> set[str]:
+    """The ids that hold a live claim in any dir right now: one look, no wait (a follower looks
+    again at its next poll instead of blocking on one rollout)."""
+    pending = sorted({validate_rollout_id(r) for r in rollout_ids})
+    still: set[str] = set()
+    if not pending:
+        return still
+    now = time.time()
+    for store in (as_store(d) for d in capture_dirs):
+        still |= live_ids(store.claims(pending), now)
+    return still
+
+
 async def await_quiescence_many(
     rollout_ids: Iterable[str],
     capture_dirs: Sequence[CaptureDir],
@@ -33,11 +46,7 @@ async def await_quiescence_many(
     stores = [as_store(d) for d in capture_dirs]
     deadline = time.monotonic() + max(0.0, timeout_s)
     while True:
-        still: set[str] = set()
-        for store in stores:
-            claims = await asyncio.to_thread(store.claims, sorted(pending))
-            still |= live_ids(claims, time.time())
-        pending = still
+        pending = await asyncio.to_thread(claimed_now, pending, stores)
         if not pending:
             return set()
         remaining = deadline - time.monotonic()

@@ -27,7 +27,7 @@ import stat
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any
 
 import fsspec
@@ -144,7 +144,7 @@ def stage_rollouts(
     if _is_plain_local(fs, path):
         return StagedRollouts(source=source, path=path, size=os.path.getsize(path), temporary=False)
     refuse_wrong_compression(fs, path, source)
-    fd, spooled = _local_spool("rollouts-", spool_dir)
+    fd, spooled = local_spool("rollouts-", spool_dir)
     try:
         with os.fdopen(fd, "wb") as out:
             size = _copy_decompressed(fs, path, source, out, spooled)
@@ -203,16 +203,40 @@ def _copy_decompressed(
                     f"rollouts file {source} is not valid {compression} data (truncated or not "
                     f"{compression} at all?): {detail}"
                 ) from exc
-            try:
+            with spool_faults(source, spooled):
                 if not chunk:
                     out.flush()
                     return size
                 out.write(chunk)
-            except OSError as exc:
-                raise StorageWriteError(
-                    exc.errno, f"{exc.strerror}: copying {source} to the local spool {spooled}"
-                ) from exc
             size += len(chunk)
+
+
+@contextlib.contextmanager
+def spool_faults(source: str, spooled: str) -> Iterator[None]:
+    """A storage fault writing a local spool (a full disk) as a :class:`StorageWriteError` naming
+    what was being copied and where."""
+    try:
+        yield
+    except OSError as exc:
+        raise StorageWriteError(
+            exc.errno, f"{exc.strerror}: copying {source} to the local spool {spooled}"
+        ) from exc
+
+
+def open_regular(path: str, flags: int, refused: Callable[[str], Exception], mode: int = 0o644) -> int:
+    """``path`` opened as a regular file only, never through a symbolic link (``O_NOFOLLOW``) and never
+    blocking on a FIFO (``O_NONBLOCK``); ``refused(why)`` is raised otherwise ("a symbolic link",
+    "not a regular file"). A missing file raises ``FileNotFoundError`` as ``open`` does."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise refused("a symbolic link") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise refused("not a regular file")
+    return fd
 
 
 class LineRange(BaseModel):
@@ -288,7 +312,7 @@ def split_lines(blob: bytes) -> list[bytes]:
     return lines
 
 
-def _local_spool(prefix: str, folder: str | None = None) -> tuple[int, str]:
+def local_spool(prefix: str, folder: str | None = None) -> tuple[int, str]:
     """A new spool file on this host's temporary disk, named after its writer; the spools that
     dead writers of this host left there (a killed run's decompressed input, say) go first."""
     folder = folder or tempfile.gettempdir()
@@ -467,7 +491,7 @@ class OutputSpool:
             remove_stale_temp_files(path)
             self.path, fd = _create_locked(folder, os.path.basename(path))
         else:
-            fd, self.path = _local_spool("enriched-")
+            fd, self.path = local_spool("enriched-")
         self._handle = os.fdopen(fd, "wb")
         self.lines = 0
 

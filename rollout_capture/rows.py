@@ -21,7 +21,7 @@ from rollout_capture.call_records_fast import (
     typed_record,
     typed_row,
 )
-from rollout_capture.whitespace_rows import is_whitespace_row, read_whitespace_row
+from rollout_capture.whitespace_rows import is_whitespace_row, read_whitespace_row, torn_before
 
 Row = dict[str, Any]
 
@@ -31,11 +31,13 @@ NONCE_KEY = "_capture_nonce"
 
 @dataclass(frozen=True, slots=True)
 class Damage:
-    """One unreadable row: the file it sits in, its line (JSONL only) and why."""
+    """One unreadable row: the file it sits in, its line (JSONL only) and why; ``whitespace``: a
+    whitespace row's (NeMo Gym skips its line, so it takes no position and NeMo Gym counts none)."""
 
     source: str
     line: int | None
     reason: str
+    whitespace: bool = False
 
     def describe(self) -> str:
         where = self.source if self.line is None else f"{self.source}:{self.line}"
@@ -175,6 +177,17 @@ def _read_jsonl(
             line, start = data[start:], end
         else:
             line, start = data[start:stop], stop + 1
+        if line[:1] in _BLANK_FIRST or line[-1:] in _BLANK_LAST:  # NeMo Gym reads it stripped
+            if not line or line.isspace():  # never parsed: orjson's error costs 12 times a line
+                if is_whitespace_row(line):  # a row NeMo Gym skips: no position of its own (spec 4)
+                    try:
+                        append((position, read_whitespace_row(line)))
+                    except ValueError as exc:
+                        damaged.append(Damage(source, number, str(exc), True))
+                continue  # any other blank line is no row
+            if torn_before(line):  # the row glued to it reads on, as NeMo Gym reads it
+                damaged.append(Damage(source, number, "a whitespace row cut short, a row glued to it", True))
+            line = line.strip()
         if checked:
             try:
                 row = typed_decode(line)
@@ -201,21 +214,20 @@ def _read_jsonl(
         try:
             parsed = loads(line)
         except orjson.JSONDecodeError:
-            if line and not line.isspace():
-                damaged.append(Damage(source, number, "torn final line" if stop < 0 else "not JSON"))
-                position += 1
-            elif is_whitespace_row(line):  # a row NeMo Gym skips: no position of its own (spec 4)
-                try:
-                    append((position, read_whitespace_row(line)))
-                except ValueError as exc:
-                    damaged.append(Damage(source, number, str(exc)))
-            continue  # any other blank line is no row
+            damaged.append(Damage(source, number, "torn final line" if stop < 0 else "not JSON"))
+            position += 1
+            continue
         if type(parsed) is dict:
             append((position, parsed))
         else:
             damaged.append(Damage(source, number, f"not a JSON object ({type(parsed).__name__})"))
         position += 1
     return position
+
+
+# What NeMo Gym's reader strips off a line (bytes.strip()), where JSON allows only some of it.
+_BLANK_FIRST = (b"", b" ", b"\t", b"\r", b"\v", b"\f")
+_BLANK_LAST = (b"\v", b"\f")
 
 
 def add_journal_row(parsed: ParsedRows, data: bytes, source: str, line: int) -> None:

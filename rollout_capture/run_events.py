@@ -1,9 +1,10 @@
-"""A finished run as a Prefect event (``rollout-capture.run.finished``), without Prefect.
+"""A run that started or finished as a Prefect event (``rollout-capture.run.started``,
+``.finished``), without Prefect.
 
 The event names a run folder as workers name it; a deployment's trigger matches the runs under
-its root. :func:`post_run_finished` sends it with one HTTP request to a self-hosted Prefect
-server's ``POST /events``, so ``rollout-capture finish`` need not load Prefect (1.5 s of its time)
-in the plain case; anything else (an API key, custom client settings, a refusal) is left to
+its root. :func:`post_run_event` sends it with one HTTP request to a self-hosted Prefect server's
+``POST /events``, so ``rollout-capture start`` and ``finish`` need not load Prefect (1.5 s of their
+time) in the plain case; anything else (an API key, custom client settings, a refusal) is left to
 Prefect's own client.
 """
 
@@ -16,6 +17,8 @@ from datetime import UTC, datetime
 from rollout_capture.filesystem import absolute_location
 
 RUN_FINISHED = "rollout-capture.run.finished"
+RUN_STARTED = "rollout-capture.run.started"
+"""A run began (``rollout-capture start``): a deployment of its root follows it while it runs."""
 RUN_PREFIX = "rollout-capture.run."
 """A finished run's event: its resource id is this prefix and the run folder's location, so a
 deployment's trigger matches the runs under its root (``rollout-capture.run.<root>/*``)."""
@@ -59,12 +62,24 @@ def plain_api_url() -> str | None:
 
 
 def post_run_finished(api_url: str, run: str) -> bool:
-    """Send ``rollout-capture.run.finished`` naming ``run`` in one ``POST {api}/events``; whether the
-    server took it (False: refused or unreachable, so the caller sends it Prefect's way instead).
+    """Send ``rollout-capture.run.finished`` naming ``run`` (:func:`post_run_event`).
 
     Example:
         ```python
         post_run_finished("http://127.0.0.1:4200/api", "/data/runs/r1")
+        ```
+    """
+    return post_run_event(api_url, run, RUN_FINISHED)
+
+
+def post_run_event(api_url: str, run: str, event_name: str) -> bool:
+    """Send ``event_name`` (``RUN_STARTED``, ``RUN_FINISHED``) naming ``run`` in one ``POST
+    {api}/events``; whether the server took it (False: refused or unreachable, so the caller sends
+    it Prefect's way instead).
+
+    Example:
+        ```python
+        post_run_event("http://127.0.0.1:4200/api", "/data/runs/r1", RUN_STARTED)
         ```
     """
     import httpx
@@ -72,7 +87,7 @@ def post_run_finished(api_url: str, run: str) -> bool:
     event = {
         "id": str(uuid.uuid4()),
         "occurred": datetime.now(UTC).isoformat(),
-        "event": RUN_FINISHED,
+        "event": event_name,
         "resource": run_resource(run),
         "related": [],
         "payload": {},

@@ -10,7 +10,8 @@ to know. The job keeps an index at the root (``_rollout_capture_index.json``, th
 has seen enriched), so an idle tick over enriched runs costs the root's pages and one GET;
 a folder missing from the index (new, or written by hand) is listed as before. The index
 is a cache of ``_ENRICHED``, never the truth: an entry is added only once ``_ENRICHED`` has
-been seen, so a lost entry costs one listing later and never a second enrichment.
+been seen, so a lost entry costs one listing later and never a second enrichment; finishing a
+run it names without ``_ENRICHED`` (a folder made again under its name) drops the entry.
 
 **Leases** are generations ``_ENRICHING.<n>``, each created put-if-absent. Taking over
 an expired generation ``n`` and renewing a live one both mean creating ``n + 1``: of two
@@ -43,18 +44,34 @@ from rollout_capture.faults import is_transient_storage_error
 from rollout_capture.filesystem import absolute_location, join, local_path
 
 ROLLOUTS = "rollouts.jsonl"
+PARTS = "rollouts.parts"
+"""A run's rollouts written as numbered parts (an object store has no append): read in number
+order as one file (:mod:`rollout_capture.rollout_parts`)."""
 CAPTURES = "captures"
+STARTED = "_STARTED"
+HELD = "_REFUSED"
+"""A run an earlier tick refused for its own input (a link where its parts belong, no captures):
+why, as JSON. Later ticks leave it alone, naming it, without failing, until it is finished again
+(``finish`` removes it) or rechecked."""
+"""Written when a run starts (``rollout-capture start``): a run to follow while it runs."""
 SUCCESS = "_SUCCESS"
 ENRICHED = "_ENRICHED"
 LEASE = "_ENRICHING"
 OUTPUT = "rollouts.enriched.jsonl"
+LIVE = "rollouts.enriched.live.jsonl"
+"""A followed run's records enriched as they land (a local disk): appended, whole lines only."""
+LIVE_PARTS = "rollouts.enriched.live"
+"""A followed run's records enriched as they land (object stores): a part per round, named after
+its first line (:mod:`rollout_capture.live_output`)."""
 INDEX = "_rollout_capture_index.json"
 DEFAULT_LEASE_S = 120.0
 BEATS_PER_LEASE = 3
 """Renewals per lease period: two may fail (a storage hiccup) before the lease lapses."""
 
 Taken = Literal["busy", "enriched"]
-_RUN_PARTS = frozenset({ROLLOUTS, CAPTURES, SUCCESS, ENRICHED, OUTPUT})
+_RUN_PARTS = frozenset(
+    {ROLLOUTS, PARTS, CAPTURES, STARTED, SUCCESS, ENRICHED, OUTPUT, LIVE, LIVE_PARTS, HELD}
+)
 _LINKED = "a symbolic link, never followed inside a runs root"
 logger = logging.getLogger(__name__)
 
@@ -69,10 +86,18 @@ class RunFolder(BaseModel):
     rollouts_bytes: int | None = None
     """The size of its rollouts file when listed unenriched (what a tick weighs its work by); None
     for an enriched run, or when the store did not say."""
+    started: bool = False
+    """Whether the run said it started (``_STARTED``): one to follow while it runs."""
+    parts: bool = False
+    """Whether its rollouts are numbered parts (``rollouts.parts/``) rather than one file."""
+    held: bool = False
+    """Whether an earlier tick refused it (``_REFUSED``): said by :func:`run_folder`, and by a
+    tick's discovery of a run it was told to recheck."""
 
     @property
     def rollouts(self) -> str:
-        return join(self.url, ROLLOUTS)
+        """Where its rollouts are: the file, or the folder of its parts."""
+        return join(self.url, PARTS if self.parts else ROLLOUTS)
 
     @property
     def captures(self) -> str:
@@ -140,8 +165,31 @@ class Discovery(BaseModel):
     indexed: int
     """Runs taken from the index as enriched, without listing their folders."""
     refused: dict[str, str] = Field(default_factory=dict)
-    """Names under the root left alone, and why: a link (never followed out of the root), or
-    a run folder holding one where its parts belong."""
+    """Run folders left alone, and why: one holding a link where its parts belong (found now)."""
+    links: dict[str, str] = Field(default_factory=dict)
+    """Names under the root that are links, left alone (never followed out of the root): no run
+    folder of this root."""
+    held: dict[str, str] = Field(default_factory=dict)
+    """Runs an earlier tick refused (their ``_REFUSED``), and why: left alone until finished again."""
+
+
+def rollouts_kind(names: Mapping[str, Named], where: str) -> Literal["file", "parts"] | None:
+    """How a run folder's rollouts come, from its listed names: ``rollouts.jsonl``, numbered parts
+    (``rollouts.parts/``), or None (none yet); a folder holding both is refused (``ValueError``):
+    which of them is the run would be a guess."""
+    file, parts = names.get(ROLLOUTS), names.get(PARTS)
+    has_file = file is not None and not file.folder and not file.link
+    has_parts = parts is not None and parts.folder
+    if has_file and has_parts:
+        raise ValueError(
+            f"run folder {where} holds both {ROLLOUTS} and {PARTS}/: a run's rollouts are one or the other"
+        )
+    return "file" if has_file else "parts" if has_parts else None
+
+
+RunNeeds = Literal["rollouts", "started", "any"]
+"""What makes a folder a run to :func:`run_folder`: rollouts (a tick's, ``finish``'s), rollouts or
+``_STARTED`` (``follow``: a run that has begun may have no rollouts yet), or anything (``start``)."""
 
 
 def run_folder(
@@ -149,41 +197,80 @@ def run_folder(
     storage_options: Mapping[str, Any] | None = None,
     *,
     credentials: Mapping[str, Any] | None = None,
+    needs: RunNeeds = "rollouts",
 ) -> tuple[RunFolder, Backend]:
-    """The run folder as it is now (finished? enriched?), named as every worker names it (a local
-    path made absolute), and its storage opened at it.
+    """The run folder as it is now (started? finished? enriched?), named as every worker names it (a
+    local path made absolute), and its storage opened at it.
 
     Refused as a tick would leave it: ``FileNotFoundError`` when the folder does not exist or holds
-    no ``rollouts.jsonl``; ``ValueError`` when it is a symbolic link, or holds one where a run's part
-    belongs (a tick never follows links, and a write through one lands outside the runs root).
+    no rollouts (``rollouts.jsonl`` or ``rollouts.parts/``; see ``needs``); ``ValueError`` when it is
+    a symbolic link, or holds one where a run's part belongs (a tick never follows links, and a
+    write through one lands outside the runs root), or holds both kinds of rollouts;
+    ``IsADirectoryError`` when its ``_SUCCESS`` is a folder (no file can be written there).
     """
     run = absolute_location(run).rstrip("/")
     local = local_path(run)
     if local is not None:  # the folder itself: a link to it is never followed by a tick
         try:
-            mode = os.lstat(local).st_mode
+            mode: int | None = os.lstat(local).st_mode
         except FileNotFoundError:
-            raise FileNotFoundError(f"run folder {run} does not exist") from None
-        if stat.S_ISLNK(mode):
+            if needs != "any":
+                raise FileNotFoundError(f"run folder {run} does not exist") from None
+            mode = None  # a run about to start: ``start_run`` makes it
+        if mode is not None and stat.S_ISLNK(mode):
             raise ValueError(
                 f"run folder {run} is {_LINKED}: nothing written through it (it leads outside "
-                "its runs root, and no tick enriches it); finish the folder it leads to under its own root"
+                "its runs root, and no tick enriches it); use the folder it leads to under its own root"
             )
-        if not stat.S_ISDIR(mode):
+        if mode is not None and not stat.S_ISDIR(mode):
             raise ValueError(f"run folder {run} is not a folder")
     backend = open_backend(run, storage_options, credentials=credentials)
     (names,) = backend.list_names([backend.root])
-    if not names and local is None:
+    if not names and local is None and needs != "any":
         raise FileNotFoundError(f"run folder {run} does not exist (nothing under it)")
     linked = sorted(part for part, entry in names.items() if entry.link and _is_run_part(part))
     if linked:
         raise ValueError(f"run folder {run}: {', '.join(linked)}: {_LINKED}, so no tick enriches it")
-    rollouts = names.get(ROLLOUTS)
-    if rollouts is None or rollouts.folder:
+    kind = rollouts_kind(names, run)
+    started = STARTED in names
+    if kind is None and needs != "any" and not (needs == "started" and started):
         raise FileNotFoundError(f"run folder {run} has no {ROLLOUTS}: not a run folder")
+    success = names.get(SUCCESS)
+    if success is not None and success.folder:  # writing the file would meet it as a temporary name's error
+        raise IsADirectoryError(
+            f"run folder {run}: {SUCCESS} is a folder, not the empty file that marks a run finished: "
+            "remove it, then finish the run"
+        )
     name = run.rsplit("/", 1)[-1]
-    state = RunFolder(name=name, url=run, finished=SUCCESS in names, enriched=ENRICHED in names)
+    state = RunFolder(
+        name=name,
+        url=run,
+        finished=SUCCESS in names,
+        enriched=ENRICHED in names,
+        started=started,
+        parts=kind == "parts",
+        held=HELD in names,
+    )
     return state, backend
+
+
+def start_run(
+    run: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    credentials: Mapping[str, Any] | None = None,
+) -> RunFolder:
+    """Write the run's empty ``_STARTED`` (what a harness does as it begins: its run may then be
+    followed), making the folder on a local disk; nothing when the run is started, finished or
+    enriched already. Returns the run folder as it was found, refused as :func:`run_folder` refuses
+    (a link is never written through)."""
+    local = local_path(absolute_location(run))
+    if local is not None and not os.path.lexists(local):
+        os.makedirs(local, exist_ok=True)
+    state, backend = run_folder(run, storage_options, credentials=credentials, needs="any")
+    if not (state.started or state.finished or state.enriched):
+        backend.put(backend.path(STARTED), b"")
+    return state
 
 
 def finish_run(
@@ -194,9 +281,18 @@ def finish_run(
 ) -> RunFolder:
     """Write the run's empty ``_SUCCESS`` (what a harness does once its rollouts file is whole),
     unless it is enriched already (then nothing is written: nothing would come of it); returns
-    the run folder as it was found (:func:`run_folder`, which names what it refuses)."""
+    the run folder as it was found (:func:`run_folder`, which names what it refuses).
+
+    An unenriched run the root's index names is a folder deleted and made again under its name:
+    its entry is dropped first, or no tick would list it again (one GET of the index, and a PUT
+    when the entry is there)."""
     state, backend = run_folder(run, storage_options, credentials=credentials)
     if not state.enriched:
+        parent, _, name = state.url.rpartition("/")
+        if parent and not parent.endswith("/"):  # a folder under a root (not a bucket, not /)
+            RunsRoot(parent, storage_options, credentials=credentials).forget_enriched([name])
+        if state.held:  # finished again: the next tick tries it again
+            backend.remove([backend.path(HELD)])
         backend.put(backend.path(SUCCESS), b"")  # never through a link: a rename in the folder
     return state
 
@@ -226,6 +322,20 @@ def _parse_lease(body: bytes | None) -> Lease | None:
         return Lease.model_validate(orjson.loads(body))
     except (orjson.JSONDecodeError, ValidationError):
         return None
+
+
+_HELD_REASON_BYTES = 4096
+
+
+def _held_reason(body: bytes | None) -> str:
+    """Why an earlier tick refused a run, from its ``_REFUSED`` (what it says, bounded)."""
+    try:
+        reason = (
+            orjson.loads(body or b"{}").get("reason") if body and len(body) <= _HELD_REASON_BYTES else None
+        )
+    except (orjson.JSONDecodeError, AttributeError):
+        reason = None
+    return reason if isinstance(reason, str) else "refused by an earlier tick"
 
 
 def _is_run_part(name: str) -> bool:
@@ -280,9 +390,26 @@ class RunsRoot:
     def _folder(self, name: str) -> str:
         return self.backend.path(name)
 
-    def _run(self, name: str, *, finished: bool, enriched: bool, size: int | None = None) -> RunFolder:
+    def _run(
+        self,
+        name: str,
+        *,
+        finished: bool,
+        enriched: bool,
+        size: int | None = None,
+        started: bool = False,
+        parts: bool = False,
+        held: bool = False,
+    ) -> RunFolder:
         return RunFolder(
-            name=name, url=f"{self.url}/{name}", finished=finished, enriched=enriched, rollouts_bytes=size
+            name=name,
+            url=f"{self.url}/{name}",
+            finished=finished,
+            enriched=enriched,
+            rollouts_bytes=size,
+            started=started,
+            parts=parts,
+            held=held,
         )
 
     def discover(
@@ -295,7 +422,9 @@ class RunsRoot:
         differs from it (``update_index``).
         """
         (top,) = self.backend.list_names([self.root])
-        refused = {name: _LINKED for name, entry in top.items() if entry.link}
+        links = {name: _LINKED for name, entry in top.items() if entry.link}
+        refused: dict[str, str] = {}
+        held: dict[str, str] = {}
         folders = sorted(name for name, entry in top.items() if entry.folder)
         index = self._read_index() if use_index and INDEX in top and not top[INDEX].link else None
         known = set(index or ()) & set(folders)
@@ -305,24 +434,64 @@ class RunsRoot:
         for name, names in zip(
             to_list, self.backend.list_names([self._folder(n) for n in to_list]), strict=True
         ):
-            rollouts = names.get(ROLLOUTS)
-            if rollouts is None or rollouts.folder:
+            hold = names.get(HELD)
+            if (
+                hold is not None
+                and not (hold.link or hold.folder)
+                and ENRICHED not in names
+                and name not in recheck
+            ):
+                held[name] = hold.path
+                continue
+            try:
+                kind = rollouts_kind(names, f"{self.url}/{name}")
+            except ValueError as exc:
+                refused[name] = str(exc)
+                continue
+            if kind is None:
                 continue  # not a run (yet)
             linked = sorted(part for part, entry in names.items() if entry.link and _is_run_part(part))
             if linked:
                 refused[name] = f"{', '.join(linked)}: {_LINKED}"
                 continue
             done = ENRICHED in names
-            size = None if done else rollouts.size
-            runs.append(self._run(name, finished=SUCCESS in names, enriched=done, size=size))
+            size = None if done or kind == "parts" else names[ROLLOUTS].size
+            runs.append(
+                self._run(
+                    name,
+                    finished=SUCCESS in names,
+                    enriched=done,
+                    size=size,
+                    started=STARTED in names,
+                    parts=kind == "parts",
+                    held=hold is not None,  # rechecked: its _REFUSED goes once it is enriched
+                )
+            )
         runs.sort(key=lambda run: run.name)
-        for name, why in sorted(refused.items()):
+        held = dict(zip(held, map(_held_reason, self.backend.read_many(list(held.values()))), strict=True))
+        for name, why in sorted({**links, **refused}.items()):
             logger.warning("%s/%s is left alone: %s", self.url, name, why)
+        for name, why in sorted(held.items()):
+            logger.warning("%s/%s is left alone, refused by an earlier tick: %s", self.url, name, why)
         if update_index:
-            enriched = sorted(run.name for run in runs if run.enriched)
-            if enriched != sorted(set(index or ())):
+            enriched = {run.name for run in runs if run.enriched}
+            if enriched != set(index or ()):
+                if known:  # taken on trust from the index read before listing: kept only if still there
+                    enriched -= known - set(self._read_index() or ())
                 self._write_index(enriched)
-        return Discovery(runs=runs, listed=len(to_list), indexed=len(known), refused=refused)
+        return Discovery(
+            runs=runs, listed=len(to_list), indexed=len(known), refused=refused, links=links, held=held
+        )
+
+    def unhold(self, name: str) -> None:
+        """A held run enriched after all (rechecked): its ``_REFUSED`` goes."""
+        self.backend.remove([join(self._folder(name), HELD)])
+
+    def hold(self, name: str, why: str) -> None:
+        """Leave a run alone from the next tick on, saying why (its ``_REFUSED``): it was refused
+        for its own input, and refusing it again each tick would fail every tick for one run."""
+        body = {"reason": why, "at": self._now(), "by": new_owner()}
+        self.backend.put(join(self._folder(name), HELD), orjson.dumps(body))
 
     def runs(self) -> list[RunFolder]:
         """Every run folder, each listed now (the index neither read nor written)."""
@@ -343,6 +512,14 @@ class RunsRoot:
         # enriched, so an entry can be lost (one listing later) but never invented.
         body = RunsIndex(enriched=sorted(set(enriched))).model_dump()
         self.backend.put(self._folder(INDEX), orjson.dumps(body))
+
+    def forget_enriched(self, names: Collection[str]) -> None:
+        """Drop runs from the index (read, rewritten if it names any): folders made again under a
+        name it remembers enriched. A tick rewriting the index meanwhile keeps what it took on trust
+        only if the index still names it (:meth:`discover`)."""
+        current = set(self._read_index() or ())
+        if current & set(names):
+            self._write_index(current - set(names))
 
     def remember_enriched(self, names: Collection[str]) -> None:
         """Add runs just enriched to the index (read, merged, rewritten)."""
@@ -459,14 +636,14 @@ class RunsRoot:
         names = self._names(run)
         mine = self._lease_path(run, lease.generation)
         if ENRICHED in names:
-            self.backend.remove([mine])
+            self._clean_up(run, [mine])
             raise AlreadyEnriched(f"{run.name} was enriched by another holder")
         generations = _generations(names)
         newer = [g for g in generations if g > lease.generation]
         if newer or lease.generation not in generations:
-            self.backend.remove([mine])
+            self._clean_up(run, [mine])
             raise LeaseLost(f"{run.name}: its lease was taken over (generation {max(newer, default='?')})")
-        self.backend.remove([entry.path for g, entry in generations.items() if g < lease.generation])
+        self._clean_up(run, [entry.path for g, entry in generations.items() if g < lease.generation])
 
     def renew(self, run: RunFolder, lease: Lease) -> Lease:
         """The lease's next generation: proof that its holder is still the current one.
@@ -484,7 +661,7 @@ class RunsRoot:
             self._create(run, lease.successor(released=True, clock=self._clock))
         except LeaseLost:
             return  # taken over: nothing of ours to give back
-        self.backend.remove([self._lease_path(run, lease.generation)])
+        self._clean_up(run, [self._lease_path(run, lease.generation)])
 
     def mark_enriched(self, run: RunFolder, lease: Lease, summary: Mapping[str, Any]) -> None:
         """Write ``_ENRICHED`` (a small JSON summary naming the holder) once, put-if-absent."""
@@ -513,7 +690,16 @@ class RunsRoot:
 
     def drop_leases(self, run: RunFolder) -> None:
         """Delete every lease generation of an enriched run (its ``_ENRICHED`` keeps others off)."""
-        self.backend.remove([entry.path for entry in _generations(self._names(run)).values()])
+        self._clean_up(run, [entry.path for entry in _generations(self._names(run)).values()])
+
+    def _clean_up(self, run: RunFolder, paths: list[str]) -> None:
+        """Remove lease generations no longer needed. A store refusing deletes (credentials without
+        the right) leaves them, said in a warning naming them: harmless, since the newest generation
+        and ``_ENRICHED`` decide, so no reason to fail the run."""
+        try:
+            self.backend.remove(paths)
+        except PermissionError as exc:
+            logger.warning("%s: lease generation(s) left behind, not deleted: %s", run.url, exc)
 
 
 class LeaseKeeper:

@@ -11,7 +11,7 @@ import os
 import re
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote_plus, urlsplit, urlunsplit
 
 SECRET_KEY_WORDS = (
     "secret",
@@ -29,6 +29,7 @@ SECRET_KEY_WORDS = (
     "sas",
     "connection[-_]?str",  # Azure's connection string carries the account key
     "^key$",
+    "^sig$",  # a SAS token's signature (``?sv=...&sig=...``), as X-Amz-Signature is S3's
 )
 """Patterns of option names that hold credentials (matched in any case, at any depth)."""
 _SECRET_KEY_RE = re.compile("|".join(SECRET_KEY_WORDS), re.IGNORECASE)
@@ -43,9 +44,11 @@ def _looks_secret(name: object, value: Any) -> bool:
 
 
 def _secret_query(rest: str) -> bool:
-    """Whether a URL's query names a credential (``?api_key=...``, ``&token=...``), with a value."""
+    """Whether a URL's query names a credential (``?api_key=...``, ``&token=...``, a SAS token's
+    ``&sig=...``, its name percent-encoded or not), with a value."""
     query = rest.partition("?")[2].partition("#")[0]
-    return any(_looks_secret(name, value) for name, _, value in (p.partition("=") for p in query.split("&")))
+    pairs = (p.partition("=") for p in query.split("&"))
+    return any(_looks_secret(unquote_plus(name), value) for name, _, value in pairs)
 
 
 def url_credentials(url: str | os.PathLike[str]) -> str | None:

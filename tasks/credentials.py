@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
+from rollout_capture.faults import refusal_named
+
 if TYPE_CHECKING:
     from rollout_capture.location import Location
 
@@ -111,24 +113,27 @@ def _load_block(block_name: str) -> Any:
 @contextmanager
 def credentials_for(where: Location) -> Iterator[dict[str, Any] | None]:
     """The location's credentials, resolved here from its block; a refused request inside names them."""
-    with access_denied_names(where.credentials_block):
+    with access_denied_names(where.credentials_block, where.url):
         yield credentials_from_block(where.credentials_block)
 
 
 @contextmanager
-def access_denied_names(block_name: str | None) -> Iterator[None]:
-    """A refused request (wrong key, expired token, no permission) says which credentials were used.
+def access_denied_names(
+    block_name: str | None, url: str | None = None, what: str | None = None
+) -> Iterator[None]:
+    """A refused request (wrong key, expired token, no permission) says which credentials were used
+    and, given ``url``, on which store (:func:`rollout_capture.faults.refusal_named`).
 
     It is never retried (see tasks/retry.py): no retry storm on a bad key.
     """
     try:
-        yield
-    except PermissionError as exc:
+        with refusal_named(url, block_name, what):
+            yield
+    except PermissionError:
         if block_name:  # the block may be fixed before the next run: load it afresh then
             with _resolved_lock:
                 _resolved.pop(block_name, None)
-        source = f"credentials block {block_name!r}" if block_name else "the AWS credential chain"
-        raise PermissionError(f"access denied with {source}: {exc}") from exc
+        raise
 
 
 AWS_CREDENTIALS_SLUG = "aws-credentials"

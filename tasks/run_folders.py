@@ -12,7 +12,15 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rollout_capture.location import Location, LocationLike
-from rollout_capture.run_folders import DEFAULT_LEASE_S, Lease, LeaseKeeper, RunFolder, RunsRoot, Taken
+from rollout_capture.run_folders import (
+    DEFAULT_LEASE_S,
+    Discovery,
+    Lease,
+    LeaseKeeper,
+    RunFolder,
+    RunsRoot,
+    Taken,
+)
 from rollout_capture.tasks.credentials import credentials_from_block
 from rollout_capture.tasks.naming import run_name
 from rollout_capture.tasks.retry import storage_retries
@@ -50,8 +58,9 @@ def find_runs(
     runs_root: LocationLike,
     full_scan: bool = False,
     recheck: list[str] | None = None,
-) -> list[RunFolder]:
-    """Every run folder under the root, finished or not; the index spares listing enriched ones.
+) -> Discovery:
+    """Every run folder under the root, finished or not (``.runs``); the index spares listing
+    enriched ones. What is left alone for a link is in ``.refused``, each with why.
 
     Examples:
         ```python
@@ -71,7 +80,7 @@ def find_runs(
 
         @flow
         def listed() -> list[tuple[str, bool, bool]]:
-            return [(run.name, run.finished, run.enriched) for run in find_runs(str(runs))]
+            return [(run.name, run.finished, run.enriched) for run in find_runs(str(runs)).runs]
 
 
         print(listed())  # [('r1', True, False)]
@@ -92,7 +101,7 @@ def find_runs(
         found.indexed,
         named_few(ready) or "none",
     )
-    return found.runs
+    return found
 
 
 @task(name="take_run", task_run_name="take_run {run.name}", cache_policy=NO_CACHE, **storage_retries())
@@ -126,7 +135,7 @@ def take_run(
 
         @flow
         def take_twice() -> list[object]:
-            run = find_runs(str(runs))[0]
+            run = find_runs(str(runs)).runs[0]
             first = take_run(str(runs), run, lease_s=60)  # a Lease, generation 0
             second = take_run(str(runs), run, lease_s=60)  # another owner, while the lease lives
             return [first.generation, second]
@@ -164,7 +173,7 @@ def fence_run(keeper: LeaseKeeper) -> Lease:
 
         @flow
         def fenced() -> int:
-            run = find_runs(str(runs))[0]
+            run = find_runs(str(runs)).runs[0]
             with LeaseKeeper(RunsRoot(str(runs)), run, take_run(str(runs), run)) as keeper:
                 lease = fence_run(keeper)  # publish the output right after this
                 release_run(keeper)
@@ -210,7 +219,7 @@ def finish_run(keeper: LeaseKeeper, summary: dict[str, Any]) -> None:
 
         @flow
         def finished() -> list[str]:
-            run = find_runs(str(runs))[0]
+            run = find_runs(str(runs)).runs[0]
             with LeaseKeeper(RunsRoot(str(runs)), run, take_run(str(runs), run)) as keeper:
                 finish_run(keeper, {"rollouts": 10})  # the marker's body
             return sorted(p.name for p in (runs / "r1").iterdir() if p.name.startswith("_"))
@@ -251,7 +260,7 @@ def release_run(keeper: LeaseKeeper) -> None:
 
         @flow
         def given_back() -> object:
-            run = find_runs(str(runs))[0]
+            run = find_runs(str(runs)).runs[0]
             with LeaseKeeper(RunsRoot(str(runs)), run, take_run(str(runs), run)) as keeper:
                 release_run(keeper)  # the enrichment failed: let the next flow run take it
             return take_run(str(runs), run).generation
@@ -296,7 +305,7 @@ def remember_enriched(
         @flow
         def indexed() -> list[str]:
             remember_enriched(str(runs), ["r1"])  # next time r1 is not listed at all
-            return [run.name for run in find_runs(str(runs)) if run.enriched]
+            return [run.name for run in find_runs(str(runs)).runs if run.enriched]
 
 
         print(indexed(), (runs / "_rollout_capture_index.json").exists())  # ['r1'] True

@@ -464,6 +464,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 SLOWEST_FIRST = (
     "test_journal.py",
+    "test_follow.py",
     "test_install.py",
     "test_cli.py",
     "test_cli_outputs.py",

@@ -29,6 +29,21 @@ def test_wait_and_inspect(tmp_path: Path) -> None:
     assert run_cli("inspect", "../x", "--capture-dir", str(tmp_path)).returncode == 2
 
 
+def test_a_rollout_or_a_root_with_no_capture_names_the_likely_causes(tmp_path: Path) -> None:
+    """Never zero in silence (issue 45): a producer that saw no rollout prefix, or wrote elsewhere,
+    leaves nothing; inspect says what to check, and so does a capture dir that is not there."""
+    store = CaptureStore(tmp_path)
+    store.record("4-2", ROW)
+    shown = run_cli("inspect", "4-3", "--capture-dir", str(tmp_path))
+    assert shown.returncode == 0, shown.stderr
+    assert "gap: model_call_capture_no_records" in shown.stdout
+    assert "observability_enabled" in shown.stdout and "writes elsewhere" in shown.stdout
+    missing = run_cli("inspect", "4-2", "--capture-dir", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2
+    assert "holds no capture: the producer writes elsewhere" in missing.stderr
+    assert "nemo-gym" in missing.stderr
+
+
 def test_clear(prefect_api: str, tmp_path: Path) -> None:
     store = CaptureStore(tmp_path / "caps")
     store.record("0-0", ROW)

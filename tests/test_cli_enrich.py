@@ -180,6 +180,33 @@ def test_names_from_captures_reach_the_terminal_escaped(prefect_api: str, tmp_pa
     assert shown.returncode == 0 and "\x1b" not in shown.stdout and escaped in shown.stdout, shown.stdout
 
 
+def test_a_line_break_in_a_recorded_name_never_splits_enrichs_summary_log_line(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """An error category recorded with a newline and a carriage return: the summary log line (a
+    WARNING: every call failed) stays one line, the category shown escaped, no forged line after it."""
+    from rollout_capture import CaptureStore
+
+    captures = tmp_path / "caps"
+    CaptureStore(captures).record(
+        "0-0",
+        {"model_call_id": "a", "dialect": "chat", "status_code": 500, "error_category": "boom\nINJECTED\rX"},
+    )
+    rollouts = tmp_path / "r.jsonl"
+    rollouts.write_text('{"_ng_task_index": 0, "_ng_rollout_index": 0}\n')
+    done = run_cli(
+        "enrich", str(rollouts), "--capture-dir", str(captures), "--output", str(tmp_path / "o.jsonl"),
+        "--max-failed-share", "0.5", api=prefect_api,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (summary,) = [line for line in done.stderr.splitlines() if "enriched 1 rollout(s)" in line]
+    assert "(1 failed: boom\\nINJECTED\\rX 1" in summary, summary
+    assert not [
+        line for line in (done.stdout + done.stderr).splitlines() if line.startswith(("INJECTED", "X"))
+    ]
+    assert "\r" not in done.stderr
+
+
 def test_a_flow_runs_logs_reach_a_workers_terminal_escaped(tmp_path: Path) -> None:
     """A flow run's process (a worker's or serve's child) prints its logs to their terminal: once
     a flow has started (``show_core_logs``), a log line carrying a record's text is escaped there."""

@@ -178,7 +178,6 @@ def test_export_sends_every_rollout_as_a_trace_with_the_headers_never_echoed(
         "project": "p1",
         "run": "exp 7",
         "calls_cut": 0,
-        "rejected_spans": 0,
     }
 
 

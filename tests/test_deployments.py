@@ -23,7 +23,7 @@ from rollout_capture import CaptureStore
 from rollout_capture.flows import enrich_completed_runs, enrich_rollouts
 
 from .conftest import ROOT, S3, wait_for
-from .support.cli import CLI, interrupted, run_cli, running_until, still_running
+from .support.cli import CLI, interrupted, run_cli, running_until, start_worker, still_running
 from .support.prefect_api import wait_for_events
 from .support.runs_helpers import make_run
 
@@ -312,7 +312,7 @@ def save_dummy_block(name: str, endpoint: str = "http://127.0.0.1:9") -> None:
 
 
 def test_two_serves_of_two_runs_roots_share_no_deployment_name() -> None:
-    """serve --name: the default names as they were; another names all three after it (a served
+    """serve --name: the default names as they were; another names all four after it (a served
     deployment belongs to its process: one serve's Ctrl-C pauses only its own)."""
     from rollout_capture.deployments.shipped import shipped_deployments
 
@@ -320,10 +320,21 @@ def test_two_serves_of_two_runs_roots_share_no_deployment_name() -> None:
         return [d.name for d in shipped_deployments("/data/runs", **options)]
 
     first = names(served=True)
-    assert first == ["enrich-completed-runs-served", "enrich-rollouts-served", "prepare-dispatch-served"]
+    assert first == [
+        "enrich-completed-runs-served",
+        "follow-runs-served",
+        "enrich-rollouts-served",
+        "prepare-dispatch-served",
+    ]
     second = names(served=True, name="lab")
-    assert second == ["lab-served", "lab-enrich-rollouts-served", "lab-prepare-dispatch-served"]
-    assert names(name="lab") == ["lab", "enrich-rollouts", "prepare-dispatch"]  # deploy's: shared
+    assert second == [
+        "lab-served",
+        "lab-follow-runs-served",
+        "lab-enrich-rollouts-served",
+        "lab-prepare-dispatch-served",
+    ]
+    # deploy's on-demand ones are shared; a root's follower is its own
+    assert names(name="lab") == ["lab", "lab-follow-runs", "enrich-rollouts", "prepare-dispatch"]
 
 
 @pytest.mark.timeout(OPERATOR_TIMEOUT_S)
@@ -463,15 +474,7 @@ def test_a_finished_run_is_enriched_at_once_by_its_deployments_trigger(
     (run / "rollouts.jsonl").write_bytes(orjson.dumps({"_ng_task_index": 0, "_ng_rollout_index": 0}) + b"\n")
     pool = "rollout-capture-trigger"
     register(str(tmp_path / "runs"), pool=pool, cron="0 0 1 1 *", parameters={}, name="on-finish")
-    worker_env = environment(prefect_api, PREFECT_HOME=str(tmp_path / "worker-home"))
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
-        cwd=tmp_path,
-        env=worker_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    worker = start_worker(pool, prefect_api, tmp_path)
 
     try:
         finish_until_enriched(run, prefect_api, "on-finish", worker)
@@ -509,6 +512,47 @@ def test_a_bad_name_is_refused_as_bad_input_before_any_server(
     done = run_cli(*args, "--runs-root", str(tmp_path), env=environment(UNREACHABLE_API))
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert "\x1b" not in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", ["deploy", "serve"])
+@pytest.mark.parametrize("runs_root", ["/data/runs\x1b]0;PWNED\x07", "/data/runs\nINJECTED"])
+def test_a_runs_root_with_a_control_character_is_refused_before_any_server(
+    command: str, runs_root: str
+) -> None:
+    """A runs root the deployment stores (its parameters, its trigger's match, the UI): refused as
+    ``--name`` is, exit 2, shown escaped, the API (which nobody answers) never asked."""
+    done = run_cli(command, "--runs-root", runs_root, env=environment(UNREACHABLE_API))
+    assert done.returncode == 2, done.stderr
+    shown = runs_root.replace("\x1b", "\\x1b").replace("\x07", "\\x07").replace("\n", "\\n")
+    assert f"--runs-root '{shown}' holds a control character" in done.stderr, done.stderr
+    assert "\x1b" not in done.stderr and "\nINJECTED" not in done.stderr
+
+
+def test_finish_shows_a_hostile_run_name_escaped_and_names_a_success_folder(tmp_path: Path) -> None:
+    """A run folder named with an escape sequence, a BEL and a carriage return: ``finish`` shows it
+    as the characters it holds. A ``_SUCCESS`` that is a folder is named as such, not as the
+    temporary file the write went through."""
+    root = tmp_path / "runs"
+    hostile = root / "evil\x1b]0;PWNED\x07RED\rOVER"
+    hostile.mkdir(parents=True)
+    (hostile / "rollouts.jsonl").write_bytes(b"{}\n")
+    done = run_cli("finish", str(hostile), env=environment(None))
+    assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stdout + done.stderr and "\x07" not in done.stdout and "\r" not in done.stdout
+    assert f"finished {root}/evil\\x1b]0;PWNED\\x07RED\\rOVER" in done.stdout, done.stdout
+    assert (hostile / "_SUCCESS").is_file()
+
+    folder = root / "r2"
+    (folder / "_SUCCESS").mkdir(parents=True)
+    (folder / "rollouts.jsonl").write_bytes(b"{}\n")
+    refused = run_cli("finish", str(folder), env=environment(None))
+    assert refused.returncode == 2, refused.stderr
+    (error,) = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert error == (
+        f"error: run folder {folder}: _SUCCESS is a folder, not the empty file that marks a run "
+        "finished: remove it, then finish the run"
+    )
+    assert ".tmp-" not in refused.stderr
 
 
 def test_finish_refuses_a_missing_folder_and_a_link_writing_nothing_outside_the_root(tmp_path: Path) -> None:
@@ -643,14 +687,7 @@ def test_deploy_never_takes_over_a_running_serve_and_its_ctrl_c_leaves_no_trigge
     root_a, root_c = tmp_path / "A", tmp_path / "C"
     pool = "rollout-capture-i36"
     register(str(root_a), pool=pool, cron="0 0 1 1 *", parameters={}, name="runs-a")
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
-        cwd=tmp_path,
-        env=environment(prefect_api, PREFECT_HOME=str(tmp_path / "worker-home")),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    worker = start_worker(pool, prefect_api, tmp_path)
     make_run(root_c, "c1", finished=False, rollouts=1)
     served = subprocess.Popen(
         [*CLI, "serve", "--name", "runs-c", "--cron", "0 0 1 1 *"],

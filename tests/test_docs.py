@@ -24,14 +24,16 @@ EXAMPLE_MODULES = [
     "rollout_capture.flows.dispatch",
     "rollout_capture.flows.enrich_runs",
     "rollout_capture.flows.run_batch",
+    "rollout_capture.flows.follow",
     "rollout_capture.tasks.capture",
     "rollout_capture.tasks.rollout_files",
     "rollout_capture.tasks.run_folders",
     "rollout_capture.tasks.retry",
     "rollout_capture.tasks.credentials",
 ]
-# Started only by enrich_completed_runs (they need the lease it took): its example covers them.
-INTERNAL = {"enrich_runs_batch"}
+# Started only by enrich_completed_runs and follow_run (they need the lease these took): their
+# examples cover them.
+INTERNAL = {"enrich_runs_batch", "publish_followed_run"}
 
 
 def test_mkdocs_builds_strictly_with_the_api_reference(tmp_path: Path) -> None:
@@ -186,11 +188,8 @@ def test_the_tiers_documented_differences_are_the_contracts_own() -> None:
     """Every difference tests/test_nemo_gym_070.py lets pass between NeMo Gym 0.7.0 and ours is
     one the contract names (issue 34), and the other way round: a difference added to one and not
     to the other fails here, so none goes undocumented."""
-    from tests.test_nemo_gym_070 import (
-        DOCUMENTED_ATTACHMENT_KEYS,
-        DOCUMENTED_CALL_FIELDS,
-        DOCUMENTED_PRODUCER_DIFFERENCES,
-    )
+    from tests.support.nemo_gym_compare import DOCUMENTED_ATTACHMENT_KEYS, DOCUMENTED_CALL_FIELDS
+    from tests.test_nemo_gym_070 import DOCUMENTED_PRODUCER_DIFFERENCES
 
     contract = (ROOT / "docs" / "contract.md").read_text()
     beside = contract.split("- **Our producers beside NeMo Gym's.**", 1)[1].split("\n## ", 1)[0]
@@ -200,3 +199,34 @@ def test_the_tiers_documented_differences_are_the_contracts_own() -> None:
     record, attachment = allowed.split("in an attachment,", 1)
     assert set(re.findall(r"`([a-z_]+)`", record)) == DOCUMENTED_CALL_FIELDS
     assert set(re.findall(r"`([a-z_]+)`", attachment)) == DOCUMENTED_ATTACHMENT_KEYS
+
+
+def test_what_we_create_stays_below_the_clients_single_request_uploads() -> None:
+    """docs/stores.md says what the put-if-absent proof cannot tell: the clients switch to a
+    multi-request upload above a size (s3fs 100 MiB, gcsfs 50 MiB, azure-storage-blob above 64 MiB)
+    the proof never sends, and what we create stays far below. Pinned here, so a client changing
+    its threshold, or our limits growing, shows."""
+
+    import gcsfs
+    import s3fs
+    from azure.storage.blob import BlobServiceClient
+
+    from rollout_capture.journal import MAX_COMMIT_BYTES
+    from rollout_capture.producer.settings import DEFAULT_MAX_BODY_BYTES
+
+    mib = 1 << 20
+    s3_single = 2 * inspect.signature(s3fs.S3FileSystem._pipe_file).parameters["chunksize"].default
+    gcs_single = inspect.signature(gcsfs.GCSFileSystem._pipe_file).parameters["chunksize"].default
+    azure_single = BlobServiceClient("http://127.0.0.1:9/devstoreaccount1")._config.max_single_put_size
+    assert (s3_single, gcs_single, azure_single) == (100 * mib, 50 * mib, 64 * mib)
+    assert (8 * mib, 16 * mib) == (MAX_COMMIT_BYTES, DEFAULT_MAX_BODY_BYTES)
+    assert min(s3_single, gcs_single, azure_single) > 2 * DEFAULT_MAX_BODY_BYTES
+    text = (ROOT / "docs" / "stores.md").read_text()
+    for said in (
+        "s3fs from 100 MiB",
+        "gcsfs from 50 MiB",
+        "above 64 MiB",
+        "at most 8 MiB",
+        "16 MiB by default",
+    ):
+        assert said in text

@@ -15,6 +15,7 @@ from rollout_capture.attachment import ATTACHMENT_KEY, OBSERVATIONS_KEY
 from rollout_capture.call_records_fast import Untyped
 from rollout_capture.identity import rollout_id_of
 from rollout_capture.identity_fast import _RolloutLine, identify_line
+from rollout_capture.projections import PERF_KEY, TRAJECTORY_KEY
 from tests.test_call_records_fast import TRICKY, values
 
 
@@ -33,7 +34,12 @@ def identify_whole(line: bytes) -> tuple[str, bool] | str | None:
         return "problem"
     if rollout_id is None:
         return None
-    return rollout_id, ATTACHMENT_KEY not in record and record.get(OBSERVATIONS_KEY) is None
+    return rollout_id, (
+        ATTACHMENT_KEY not in record
+        and record.get(OBSERVATIONS_KEY) is None
+        and TRAJECTORY_KEY not in record
+        and PERF_KEY not in record
+    )
 
 
 id_values = st.one_of(
@@ -51,6 +57,8 @@ rollout_records = st.fixed_dictionaries(
         "_ng_attempt_index": id_values,
         ATTACHMENT_KEY: values,
         OBSERVATIONS_KEY: values,
+        TRAJECTORY_KEY: values,
+        PERF_KEY: values,
         "responses_create_params": values,
         "reward": values,
     },
@@ -81,6 +89,8 @@ def test_the_identity_keys_read_are_the_ones_identity_and_attachment_name() -> N
         identity.ATTEMPT_INDEX_KEY,
         ATTACHMENT_KEY,
         OBSERVATIONS_KEY,
+        TRAJECTORY_KEY,
+        PERF_KEY,
     }
     assert set(_RolloutLine.__annotations__) == expected
 

@@ -790,3 +790,29 @@ def test_a_row_lands_above_every_commit_that_existed_at_its_calls_start(
     assert reader(url, options).live_claims("r-0") == []  # released with the row
     hole = backend.read_many([backend.path(commit_name(1))])[0]
     assert hole is not None and decode_commit(1, hole).headers == []  # a tombstone, not a real commit
+
+
+def test_a_hole_in_a_jobs_listing_is_filled_once_old_and_read_past(
+    s3: S3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read plan (a job's listing of the root showing commits 0 and 2): the missing 1 is waited
+    on while young (the record's gap names it), filled with a tombstone once old, and read past."""
+    import rollout_capture.journal as journal_module
+    from rollout_capture.backends import ListingScope
+
+    backend = CaptureStore(s3.url("caps"), storage_options=s3.storage_options)._backend
+    backend.create(backend.path(commit_name(0)), _one_row("x-0", "a"))
+    backend.create(backend.path(commit_name(2)), _one_row("x-0", "c"))  # 1 never landed
+    lines = [orjson.dumps({"_ng_task_index": "x", "_ng_rollout_index": r}) for r in range(40)]
+    monkeypatch.setattr(journal_module.commits, "HOLE_GRACE_S", 3600.0)
+    young = reader(s3.url("caps"), s3.storage_options)
+    batch = enrich_lines(lines, [young], scope=ListingScope("young", 40), quiescence_timeout_s=0)
+    gaps = orjson.loads(batch.lines[0])["ng_model_call_capture"]["gaps"]
+    assert any(commit_name(1) in str(gap) for gap in gaps) and backend.read_many(
+        [backend.path(commit_name(1))]
+    ) == [None]
+    monkeypatch.setattr(journal_module.commits, "HOLE_GRACE_S", 0.0)  # as if the grace had passed
+    store = reader(s3.url("caps"), s3.storage_options)
+    batch = enrich_lines(lines, [store], scope=ListingScope("old", 40), quiescence_timeout_s=0)
+    assert orjson.loads(batch.lines[0])["ng_model_call_capture"]["metrics"]["num_calls"] == 2
+    assert decode_commit(1, backend.read_many([backend.path(commit_name(1))])[0] or b"").headers == []

@@ -42,7 +42,13 @@ from rollout_capture.producer import CaptureMiddleware
 from rollout_capture.producer.proxy import CaptureProxy
 from rollout_capture.producer.settings import ProxySettings
 
-from .support.scripted_upstream import ScriptedUpstream
+from .support.hostile_rows import VERSIONS, inflating_row, whitespace_row
+from .support.nemo_gym_compare import (
+    Tally,
+    compare,
+    print_counts,
+)
+from .support.scripted_upstream import CHAT, ScriptedUpstream
 from .support.servers import ThreadedServer
 
 NG_PYTHON = os.environ.get("NEMO_GYM_PYTHON")
@@ -52,11 +58,6 @@ pytestmark = [
     pytest.mark.timeout(1800),  # NeMo Gym's servers and imports start slowly on a busy machine
     pytest.mark.skipif(not NG_PYTHON, reason="NeMo Gym 0.7.0's own tier: run by `make test-nemo-gym`"),
 ]
-
-DOCUMENTED_CALL_FIELDS = frozenset({"verifier_invocation_id", "capture_hold_ms"})
-"""Call-record fields ours adds (contract section 5, extensions)."""
-DOCUMENTED_ATTACHMENT_KEYS = frozenset({"verifier_invocations", "metrics_by_owner"})
-"""Attachment keys ours adds (contract section 7, extensions), only where there are verifier calls."""
 
 # ---------------------------------------------------------------- the scenario
 
@@ -309,75 +310,6 @@ def our_merge(capture_dir: Path, *, payloads: bool = True) -> list[dict[str, Any
     ]
 
 
-# ---------------------------------------------------------------- comparing
-
-
-class Tally:
-    """What a comparison counted: records, calls, calls equal field by field, and each difference."""
-
-    def __init__(self) -> None:
-        self.records = self.calls = self.equal = 0
-        self.differences: list[str] = []
-
-    def __str__(self) -> str:
-        return f"{self.records} records, {self.calls} calls, {self.equal} equal"
-
-
-def compare(theirs: list[dict[str, Any]], ours: list[dict[str, Any]], tally: Tally) -> None:
-    """Every record field by field; ours may only add the documented fields."""
-    assert len(theirs) == len(ours)
-    for index, (gym, mine) in enumerate(zip(theirs, ours, strict=True)):
-        tally.records += 1
-        where = f"record {index}"
-        gym, mine = dict(gym), dict(mine)
-        gym_capture, my_capture = (
-            gym.pop("ng_model_call_capture", None),
-            mine.pop("ng_model_call_capture", None),
-        )
-        _note_differences(gym, mine, where, tally.differences)
-        if gym_capture is None or my_capture is None:
-            if gym_capture is not my_capture:
-                tally.differences.append(f"{where}: attached by one merge only")
-            continue
-        gym_capture, my_capture = dict(gym_capture), dict(my_capture)  # the records stay as they came
-        for key in set(my_capture) - set(gym_capture):
-            if key not in DOCUMENTED_ATTACHMENT_KEYS:
-                tally.differences.append(f"{where}: ours adds {key}")
-        gym_calls, my_calls = gym_capture.pop("calls"), my_capture.pop("calls")
-        _note_differences(
-            gym_capture, {k: my_capture[k] for k in gym_capture if k in my_capture}, where, tally.differences
-        )
-        if len(gym_calls) != len(my_calls):
-            tally.differences.append(f"{where}: {len(gym_calls)} calls against our {len(my_calls)}")
-            continue
-        for n, (gym_call, my_call) in enumerate(zip(gym_calls, my_calls, strict=True)):
-            tally.calls += 1
-            found: list[str] = []
-            for key in set(my_call) - set(gym_call):
-                if key not in DOCUMENTED_CALL_FIELDS:
-                    found.append(f"{where} call {n}: ours adds {key}")
-            _note_differences(
-                gym_call, {k: my_call.get(k, "<missing>") for k in gym_call}, f"{where} call {n}", found
-            )
-            tally.equal += not found
-            tally.differences += found
-
-
-def _note_differences(theirs: Any, ours: Any, where: str, found: list[str]) -> None:
-    """Each place where ``ours`` is not ``theirs`` into ``found``: equal values of equal types (a
-    float is not an int, 11.03 is not 11.030000000000001), dicts and lists compared item by item."""
-    if isinstance(theirs, dict) and isinstance(ours, dict):
-        for key in sorted(set(theirs) | set(ours)):
-            _note_differences(
-                theirs.get(key, "<missing>"), ours.get(key, "<missing>"), f"{where}.{key}", found
-            )
-    elif isinstance(theirs, list) and isinstance(ours, list) and len(theirs) == len(ours):
-        for n, (a, b) in enumerate(zip(theirs, ours, strict=True)):
-            _note_differences(a, b, f"{where}[{n}]", found)
-    elif type(theirs) is not type(ours) or theirs != ours:
-        found.append(f"{where}: NeMo Gym {theirs!r}, ours {ours!r}")
-
-
 @pytest.fixture(scope="module")
 def captures(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     root = tmp_path_factory.mktemp("nemo-gym-070")
@@ -388,11 +320,6 @@ def captures(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Pat
 def gym_merged(captures: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Each capture dir as NeMo Gym 0.7.0's merge reads it."""
     return nemo_gym_merge(captures, tmp_path_factory.mktemp("nemo-gym-merged"))
-
-
-def print_counts(name: str, tally: Tally) -> None:
-    """One line in the test's output for the closing note."""
-    print(f"\n[nemo-gym 0.7.0] {name}: {tally}", file=sys.stderr)
 
 
 def test_a_nemo_gyms_captures_read_the_same_in_ours(
@@ -617,3 +544,129 @@ def test_b_ours_read_in_nemo_gym_as_its_own_producers_captures(
         assert [c["error_category"] for c in (mine or {}).get("calls", [])] == [
             c["error_category"] for c in (gym or {}).get("calls", [])
         ]
+
+
+# ---------------------------------------------------------------- E: NeMo Gym's servers, ours around them
+
+RECIPE_SERVERS = ("vllm_model", "openai_model", "azure_openai_model", "litellm_model")
+"""NeMo Gym 0.7.0's model servers whose calls its own capture records (docs/nemo-gym.md)."""
+
+
+def test_e_every_nemo_gym_model_server_captured_by_the_recipe(tmp_path: Path) -> None:
+    """E (issue 45): each of NeMo Gym 0.7.0's model servers run as rollout-capture's
+    ``rollout_capture_model`` (``serves: <it>``), with two uvicorn workers or one, started as ``gym env
+    start`` starts servers (the folder found through NEMO_GYM_EXTRA_ROOTS). A prefixed call is
+    captured by ours, its ``model_ref`` the server's name; what vLLM's server answers itself (a
+    prompt past the context) keeps NeMo Gym's execution facts; NeMo Gym's own capture folder stays
+    empty; a call without the prefix is forwarded uncaptured, and each server says so."""
+    import openai
+
+    from rollout_capture import read_model_call_records
+
+    assert NG_PYTHON is not None
+    captures, decoy, work = tmp_path / "captures", tmp_path / "nemo-gym-captures", tmp_path / "work"
+    for folder in (captures, decoy, work):
+        folder.mkdir()
+    upstream = ThreadedServer(ScriptedUpstream())
+    command = [NG_PYTHON, str(SIDE), "serve-ours", "--upstream", upstream.url, "--capture-dir", str(captures)]
+    # Two uvicorn workers where NeMo Gym's own app.py has a worker entry (vllm_model) and where it
+    # has none (openai_model: ours gives one); one for the others.
+    serving = ["vllm_model:2", "openai_model:2", "azure_openai_model:1", "litellm_model:1"]
+    assert [name.partition(":")[0] for name in serving] == list(RECIPE_SERVERS)
+    command += ["--decoy", str(decoy), "--workdir", str(work), *serving]
+    side = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=work)
+    try:
+        assert side.stdout is not None and side.stdin is not None
+        ports = json.loads(side.stdout.readline())["ports"]
+        for serves, port in ports.items():
+            base = f"http://127.0.0.1:{port}"
+            client = openai.OpenAI(base_url=f"{base}/ng-rollout/{serves}-1/v1", api_key="k", max_retries=0)
+            answer = client.responses.create(model="scripted", input="weather in Paris?")
+            assert answer.output, serves
+            unprefixed = openai.OpenAI(base_url=f"{base}/v1", api_key="k", max_retries=0)
+            unprefixed.responses.create(model="scripted", input="weather in Paris?")
+            if serves == "vllm_model":  # a prompt past the context: vLLM answers 400, the server itself 200
+                client.responses.create(model="scripted", input="scripted-context-overflow " * 3)
+        side.stdin.close()
+        assert side.wait(300) == 0
+    finally:
+        if side.poll() is None:
+            side.kill()
+        upstream.stop()
+    assert list(decoy.iterdir()) == []  # NeMo Gym's own capture wrote nothing
+    for serves in RECIPE_SERVERS:
+        calls = read_model_call_records(str(captures), f"{serves}-1")  # raises on a damaged row
+        assert len(calls) == (2 if serves == "vllm_model" else 1), serves
+        first = calls[0]
+        assert first.model_ref is not None and first.model_ref.name == f"{serves}_policy"
+        assert (first.dialect, first.status_code, first.error_category) == ("responses", 200, None)
+        # Its answer's usage, as the server gives it (azure_openai_model builds a response without one).
+        assert (first.tokens_in is None) == (serves == "azure_openai_model"), serves
+        log = (work / f"{serves}.log").read_text()
+        assert "model call(s) forwarded uncaptured" in log and "POST /v1/responses" in log, serves
+    vllm = read_model_call_records(str(captures), "vllm_model-1")
+    assert (vllm[0].response_source, vllm[0].upstream_attempted) == ("upstream", True)
+    local = vllm[1]
+    assert (local.response_source, local.local_response_reason) == ("local", "context_length_exceeded")
+    assert local.error_category == "context_length_exceeded" and local.status_code == 200
+
+
+def test_the_projection_cases_are_what_nemo_gym_builds(tmp_path: Path) -> None:
+    """tests/data/nemo_gym_070_projections.json, which the projections' unit tests hold ours to, is
+    what NeMo Gym 0.7.0's own merge and projection build from tests/support/projection_cases.py."""
+    assert NG_PYTHON is not None
+    built = tmp_path / "projections.json"
+    command = [NG_PYTHON, str(SIDE), "project", "--output", str(built)]
+    subprocess.run(command, check=True, timeout=600, cwd=tmp_path)
+    committed = Path(__file__).resolve().parent / "data" / "nemo_gym_070_projections.json"
+    assert json.loads(built.read_text()) == json.loads(committed.read_text())
+
+
+def test_whitespace_rows_a_writer_left_damaged_count_the_same_calls_in_nemo_gym(tmp_path: Path) -> None:
+    """Issue 46 (1, 4, 5): whitespace rows of both versions, whole, torn by a killed writer with the
+    next row glued to it, hiding a model call, inflating past the cap: NeMo Gym 0.7.0's own merge
+    and ours count the same calls at the same indexes, with the same metrics; ours alone names
+    what was lost (NeMo Gym skips the blank lines and strips the torn rows off)."""
+    assert NG_PYTHON is not None
+
+    def call(name: str) -> bytes:
+        return json.dumps({"model_call_id": name, "dialect": "chat", "response": CHAT}).encode() + b"\n"
+
+    verify = {"kind": "verifier_invocation", "verifier_invocation_id": "v", "reward": 1.0}
+    hidden = {"model_call_id": "hidden", "dialect": "chat", "response": CHAT}
+    cases: dict[str, list[bytes]] = {}
+    for n, version in enumerate(VERSIONS):
+        whole = whitespace_row(verify, version)
+        cases[f"{n}-0"] = [call("p0"), whole, call("p1")]
+        cases[f"{n}-1"] = [call("p0"), whole[: len(whole) // 2], call("p1"), call("p2")]  # torn, glued
+        cases[f"{n}-2"] = [call("p0"), whitespace_row(hidden, version), call("p1")]
+        cases[f"{n}-3"] = [call("p0"), inflating_row(300, version), call("p1")]
+    captures = tmp_path / "captures"
+    captures.mkdir()
+    for rollout, lines in cases.items():
+        (captures / f"{rollout}.capture.jsonl").write_bytes(b"".join(lines))
+    given = [
+        {"_ng_task_index": int(r.split("-")[0]), "_ng_rollout_index": int(r.split("-")[1])} for r in cases
+    ]
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in given))
+    out = tmp_path / "merged.jsonl"
+    command = [
+        NG_PYTHON,
+        str(SIDE),
+        "merge",
+        "--records",
+        str(tmp_path / "records.jsonl"),
+        f"{captures}={out}",
+    ]
+    subprocess.run(command, check=True, timeout=900)
+    _, *theirs = (json.loads(line) for line in out.read_text().splitlines())
+    ours = [merge_model_call_capture_into_record(r, [captures]) for r in given]
+    for rollout, gym, mine in zip(cases, theirs, ours, strict=True):
+        gym_capture, my_capture = gym["ng_model_call_capture"], mine["ng_model_call_capture"]
+        assert [(c["model_call_id"], c["call_index"]) for c in gym_capture["calls"]] == [
+            (c["model_call_id"], c["call_index"]) for c in my_capture["calls"]
+        ], rollout
+        assert gym_capture["metrics"] == my_capture["metrics"], rollout
+        assert "gaps" not in gym_capture, rollout
+        named = rollout.endswith("-0") or my_capture["gaps"][0]["detail"].startswith("count=1; ")
+        assert named, rollout

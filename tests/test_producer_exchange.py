@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -157,3 +158,70 @@ def test_the_proxy_keeps_the_upstreams_status_from_400_on(status: int, kept: int
     )
     assert (row["upstream_attempted"], row["response_source"]) == (True, "upstream")
     assert row["upstream_status_code"] == kept and row["local_response_reason"] is None
+
+
+class SlowClient:
+    """An ASGI ``send`` whose client takes each body message only when let (its ``taken`` in order)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.taken: list[Any] = []
+        self.let = asyncio.Event()
+        self.fail = fail
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and not self.let.is_set():
+            await self.let.wait()
+            if self.fail:
+                raise OSError("the client is gone")
+        self.taken.append(message.get("body", b"start"))
+
+
+async def turns(n: int = 10) -> None:
+    """A few turns of the loop: what can run without the client, has run."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def test_what_a_slow_client_has_not_taken_waits_in_order_and_the_producer_reads_on() -> None:
+    """Spec 11 (issue 46): the answer's messages wait for a client slower than the upstream, up to
+    the body cap, ``send`` returning at once, and go in order; past the cap the sender waits, and
+    that wait is left out of the answer's times; the last message goes after all of them."""
+    call = exchange(cap=10)
+    client = SlowClient()
+    send = call.to_client(client)
+    call.forwarding()
+    await send({"type": "http.response.start", "status": 200, "headers": JSON})
+    for body in (b"a" * 6, b"b" * 6, b"c" * 6):  # the client takes none of them: each returns at once
+        await asyncio.wait_for(send({"type": "http.response.body", "body": body, "more_body": True}), 5)
+    assert client.taken == [b"start"]
+    past_cap = asyncio.ensure_future(send({"type": "http.response.body", "body": b"d", "more_body": True}))
+    await turns()
+    assert not past_cap.done()  # 12 bytes wait, past the cap of 10: the sender waits for the client
+    client.let.set()
+    await asyncio.wait_for(past_cap, 5)
+    await send({"type": "http.response.body", "body": b"e", "more_body": False})
+    assert client.taken == [b"start", b"a" * 6, b"b" * 6, b"c" * 6, b"d", b"e"]
+    assert call._paused > 0  # the wait past the cap, out of the figures
+
+
+async def test_a_send_that_failed_while_waiting_is_raised_at_the_next_and_a_cancel_drops_the_rest() -> None:
+    call = exchange()
+    client = SlowClient(fail=True)
+    send = call.to_client(client)
+    await send({"type": "http.response.start", "status": 200, "headers": JSON})
+    await send({"type": "http.response.body", "body": b"a", "more_body": True})  # waits for the client
+    client.let.set()
+    await turns()
+    with pytest.raises(OSError, match="the client is gone"):
+        await send({"type": "http.response.body", "body": b"b", "more_body": True})
+    held = exchange()
+    slow = SlowClient()
+    answer = held.to_client(slow)
+    await answer({"type": "http.response.start", "status": 200, "headers": JSON})
+    await answer({"type": "http.response.body", "body": b"a", "more_body": True})
+    await answer({"type": "http.response.body", "body": b"b", "more_body": True})
+    held.answer_dropped()
+    slow.let.set()
+    await held.answer_settled()
+    await turns()
+    assert slow.taken == [b"start"]  # the call was cancelled: what waited is dropped

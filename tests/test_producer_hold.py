@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -347,3 +348,90 @@ def test_claims_are_grouped_while_answers_do_not_wait_for_them(flaky_s3: tuple[S
     assert (rows.look_delay_s, rows.look_in_flight) == (0, 2)  # looks at once
     assert claim_puts_while_one_is_held(4) == 4  # each at once, beside the one on the wire
     writer.close()
+
+
+BIG = 8_000_000  # the answer's padding: 8 MB, handed over at once
+
+
+def _slow_client(port: int, rollout_id: str, tag: str) -> socket.socket:
+    """A client that asks for a big plain answer and reads nothing yet (a small receive buffer)."""
+    request = orjson.dumps({"model": f"scripted-big-{BIG}", "messages": [], "user": tag})
+    head = f"POST /ng-rollout/{rollout_id}/v1/chat/completions HTTP/1.1\r\nhost: x\r\n".encode()
+    head += b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(request)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(60)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(head + request)
+    return sock
+
+
+def _read_answer(sock: socket.socket) -> tuple[bytes, bytes]:
+    """The whole answer: its head and its body (by its Content-Length)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(1 << 16)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(
+        next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))[15:]
+    )
+    while len(body) < length:
+        chunk = sock.recv(1 << 20)
+        assert chunk, "the answer was cut short"
+        body += chunk
+    return head, body
+
+
+@pytest.mark.parametrize("cap", [None, 1 << 20], ids=["within-the-cap", "past-the-cap"])
+@pytest.mark.parametrize("kind", ["proxy", "middleware"])
+def test_a_client_slower_than_the_upstream_is_not_in_the_answers_time_on_a_local_disk(
+    tmp_path: Path, kind: str, cap: int | None
+) -> None:
+    """Issue 46 (9): on a local disk a client reading an 8 MB plain answer slowly had 3,182 ms
+    recorded, the upstream having sent it at once. The answer waits for the client in the producer,
+    up to the body cap, while the upstream is read on: the row is written (before the client's last
+    byte) at the upstream's own end, before the client has read a byte. Past the cap the producer
+    waits for the client, and leaves that wait out: the figures end before the client read on."""
+    app = ScriptedUpstream()
+    upstream = ThreadedServer(app) if kind == "proxy" else None
+    common: dict[str, Any] = {"capture_dir": str(tmp_path)}
+    if cap is not None:
+        common["max_body_bytes"] = cap
+    served: Any
+    if upstream is not None:
+        served = CaptureProxy(ProxySettings(upstream=upstream.url, **common))
+    else:
+        served = CaptureMiddleware(app, settings=ProducerSettings(**common))
+    server = ThreadedServer(served)
+    store = CaptureStore(tmp_path)
+    tag = uuid.uuid4().hex
+    try:
+        with _slow_client(server.port, "slow-1", tag) as sock:
+            if cap is None:  # all of it waits in the producer: the row lands before a byte is read
+                wait_for(lambda: store.read("slow-1"), 30, "the row, the client having read nothing")
+            else:  # past the cap the producer waits for the client, which does not read yet
+                wait_for(
+                    lambda: "first" in next((s["sent"] for s in app.seen if _tagged(s, tag)), {}),
+                    30,
+                    "the answer",
+                )
+                time.sleep(HELD_S)
+            released = time.time()
+            head, body = _read_answer(sock)
+        assert head.startswith(b"HTTP/1.1 200") and len(orjson.loads(body)["padding"]) == BIG
+        (row,) = wait_for(lambda: store.read("slow-1"), 10, "the row")
+        assert row["status_code"] == 200 and row["error_category"] is None
+        assert row["completed_at"] < released  # the client's pace is not the model's
+        sent = next(s["sent"] for s in app.seen if _tagged(s, tag))
+        if cap is None:
+            assert sent["first"] - 0.002 <= row["completed_at"] <= sent["last"] + SLACK_S
+        else:
+            assert row["completed_at"] - row["latency_ms"] / 1000.0 <= sent["first"]
+    finally:
+        server.stop()
+        if upstream is not None:
+            upstream.stop()
+
+
+def _tagged(seen: dict[str, Any], tag: str) -> bool:
+    return isinstance(seen["body"], dict) and seen["body"].get("user") == tag

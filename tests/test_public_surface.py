@@ -96,9 +96,14 @@ def test_the_producer_exports_exist_and_load_neither_the_proxys_stack_nor_prefec
     assert done.stdout.strip() == "[]"
 
 
-def test_the_flows_package_exports_its_three_flows_lazily() -> None:
+def test_the_flows_package_exports_its_four_flows_lazily() -> None:
     flows = importlib.import_module("rollout_capture.flows")
-    assert sorted(flows.__all__) == ["enrich_completed_runs", "enrich_rollouts", "prepare_dispatch"]
+    assert sorted(flows.__all__) == [
+        "enrich_completed_runs",
+        "enrich_rollouts",
+        "follow_run",
+        "prepare_dispatch",
+    ]
 
 
 INTERNAL = ["call_records", "claims", "merge", "ownership", "read_calls", "rows", "snapshot"]

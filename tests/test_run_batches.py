@@ -91,14 +91,14 @@ def test_a_failed_run_fails_neither_its_neighbours_nor_its_batch(tmp_path: Path)
         ("broken", "failed"),
         ("c", "enriched"),
     ]
-    assert rows["broken"]["error"].startswith("FileNotFoundError: capture dir") and rows["a"]["error"] is None
+    assert rows["broken"]["error"].startswith("RunRefused: capture dir") and rows["a"]["error"] is None
     assert rows["broken"]["task_run_id"] == batch.id
     filed = {a.key: a for a in artifacts(state.state_details.flow_run_id) if a.key}
     tick = filed[artifact_key("enriched-runs", str(root))].data  # the tick's summary names it
     assert "| broken | failed |" in tick and "capture dir" in tick and "| a | enriched" not in tick
     assert f"[logs]({task_run_link(batch.id)})" in tick
     (failed,) = wait_for_events(FAILED, RESOURCE_PREFIX + str(broken / "rollouts.enriched.jsonl"))
-    assert failed.payload["error"] == "FileNotFoundError"
+    assert failed.payload["error"] == "RunRefused"  # a FileNotFoundError: the run's own input, held
     for name in ("a", "c"):
         wait_for_events(COMPLETED, RESOURCE_PREFIX + str(root / name / "rollouts.enriched.jsonl"))
 

@@ -3,12 +3,14 @@ index spares the enriched ones even that; hand-written folders and rechecks are 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
-from rollout_capture.run_folders import INDEX, RunsRoot
+from rollout_capture.run_folders import INDEX, RunsRoot, finish_run
 
 from .conftest import S3
 from .support.runs_helpers import make_run, run_objects
@@ -59,7 +61,9 @@ def test_discovery_on_s3_lists_each_folder_once_then_the_index_spares_enriched_o
     proxy.reset_counts()
     third = statuses(root, recheck=["done-07"])
     assert third["by-hand"] == "ready" and third["done-07"] == "ready"
-    assert proxy.reset_counts() == {"LIST": 1 + 8, "GET": 1, "PUT": 1}  # the index loses done-07
+    # The index loses done-07: read again before it is rewritten (what the tick took on trust from
+    # it stays only if it is still there: finish may have dropped a run meanwhile).
+    assert proxy.reset_counts() == {"LIST": 1 + 8, "GET": 2, "PUT": 1}
     assert statuses(root)["done-07"] == "ready"
 
 
@@ -90,3 +94,50 @@ def test_discovery_on_local_disk_and_a_full_scan(tmp_path: Path) -> None:
     assert root.discover().indexed == 1
     root.remember_enriched(["c"])  # what a tick does after enriching c
     assert orjson.loads((tmp_path / INDEX).read_bytes())["enriched"] == ["a", "c"]
+
+
+def test_a_run_finish_drops_from_the_index_while_a_tick_lists_stays_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``b`` deleted and made again, then finished (its index entry dropped) while a tick lists the
+    folders it did not find in the index: the tick's rewrite does not bring ``b`` back."""
+    for name in ("a", "b"):
+        make_run(tmp_path, name, finished=True, enriched=True)
+    root = RunsRoot(str(tmp_path))
+    root.discover()
+    make_run(tmp_path, "c", finished=True, enriched=True)  # new: the tick lists it, then rewrites the index
+    shutil.rmtree(tmp_path / "b")
+    make_run(tmp_path, "b", finished=True)
+    backend, listing = root.backend, root.backend.list_names
+
+    def list_while_b_is_finished(paths: list[str]) -> Any:
+        if paths == [backend.path("c")]:
+            finish_run(str(tmp_path / "b"))  # another process, between the tick's read and its write
+        return listing(paths)
+
+    monkeypatch.setattr(backend, "list_names", list_while_b_is_finished)
+    assert statuses(root) == {"a": "enriched", "b": "enriched", "c": "enriched"}  # read before finish
+    monkeypatch.undo()
+    assert orjson.loads((tmp_path / INDEX).read_bytes())["enriched"] == ["a", "c"]
+    assert statuses(root)["b"] == "ready"
+
+
+def test_a_held_run_is_named_not_listed_until_finished_again_or_rechecked(tmp_path: Path) -> None:
+    """A run an earlier tick refused for its own input (issue 45) says why in its ``_REFUSED``:
+    discovery names it held and leaves it out of the runs, a recheck lists it (marked held), and
+    ``finish`` drops the marker so the next tick tries it again. Root-level links are named apart."""
+    root = tmp_path / "runs"
+    make_run(root, "r1", finished=True)
+    make_run(root, "r2", finished=True)
+    (root / "latest").symlink_to(root / "r2")
+    runs = RunsRoot(str(root))
+    runs.hold("r1", "capture dir r1/captures holds no capture")
+    found = runs.discover()
+    assert [r.name for r in found.runs] == ["r2"]
+    assert found.held == {"r1": "capture dir r1/captures holds no capture"}
+    assert list(found.links) == ["latest"] and found.refused == {}
+    rechecked = runs.discover(recheck=["r1"])
+    assert [(r.name, r.held) for r in rechecked.runs] == [("r1", True), ("r2", False)]
+    assert finish_run(str(root / "r1")).held
+    assert not (root / "r1" / "_REFUSED").exists()
+    assert [r.name for r in runs.discover().runs] == ["r1", "r2"]

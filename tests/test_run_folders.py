@@ -266,7 +266,8 @@ def test_a_tick_past_its_lease_keeps_its_run_and_a_killed_one_is_taken_over(
 @pytest.mark.usefixtures("prefect_api")
 def test_a_failing_run_fails_the_tick_but_not_the_others(tmp_path: Path) -> None:
     """One run's capture dir is missing: that run fails (named, its lease given back, no
-    _ENRICHED, tried again next tick); the other run is enriched; the tick fails, saying which."""
+    _ENRICHED, held from then on: its own input, not a fault to retry every tick); the other run
+    is enriched; the tick fails, saying which. Rechecked, it is taken again."""
     from rollout_capture.flows.enrich_runs import RunsFailed
 
     root = tmp_path / "runs"
@@ -286,5 +287,29 @@ def test_a_failing_run_fails_the_tick_but_not_the_others(tmp_path: Path) -> None
     assert not [
         p for p in broken.iterdir() if p.name.startswith("_ENRICHING") and "released" not in p.read_text()
     ]
-    again = enrich_completed_runs(str(root), allow_empty=True)  # the next tick takes it again
+    held = enrich_completed_runs(str(root), allow_empty=True)  # the next tick names it, and passes
+    assert held.enriched == [] and list(held.held) == ["broken"]
+    again = enrich_completed_runs(str(root), allow_empty=True, recheck=["broken"])
     assert again.enriched == ["broken"] and again.already_enriched == ["good"]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"], indirect=True)
+@pytest.mark.usefixtures("prefect_api")
+def test_a_run_deleted_and_made_again_under_its_name_is_enriched_once_finished(where: Where) -> None:
+    """The index of enriched runs remembers the first ``r1``; finishing the second one (what
+    ``finish`` does) tells the next tick to look at it again, so it is enriched, not skipped as
+    ``already_enriched``."""
+    from rollout_capture.run_folders import mark_finished
+
+    where.make_run("r1")
+    assert enrich_completed_runs(where.url, storage_options=where.options).enriched == ["r1"]
+    where.delete_run("r1")
+    where.make_run("r1", finished=False, rollouts=2)  # made again: other rollouts
+    mark_finished(f"{where.url}/r1", where.options)
+
+    tick = enrich_completed_runs(where.url, storage_options=where.options)
+
+    assert tick.enriched == ["r1"] and tick.already_enriched == []
+    assert "_ENRICHED" in where.names("r1")
+    assert len(where.read("r1", "rollouts.enriched.jsonl").splitlines()) == 2
+    assert enrich_completed_runs(where.url, storage_options=where.options).already_enriched == ["r1"]

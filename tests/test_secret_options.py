@@ -69,6 +69,13 @@ def test_ordinary_options_and_empty_secrets_pass() -> None:
         (f"gs://a:{SECRET}@b@bucket/x", "gs://bucket"),
         (f"http://127.0.0.1:4318/v1/traces?api_key={SECRET}", "http://127.0.0.1:4318"),  # a query's key
         (f"https://host/v1/traces?project=p&Token={SECRET}#top", "https://host"),
+        (f"az://cont/caps?sv=2021-08-06&sp=rl&sig={SECRET}", "az://cont"),  # a SAS token's signature
+        (f"abfs://cont@acct.dfs.core.windows.net/p?se=2099&SIG={SECRET}", "abfs://acct.dfs.core.windows.net"),
+        (
+            f"https://acct.blob.core.windows.net/cont/p?sv=2021&%73ig={SECRET}",
+            "https://acct.blob.core.windows.net",
+        ),
+        (f"https://bucket.s3.amazonaws.com/k?X-Amz-Signature={SECRET}", "https://bucket.s3.amazonaws.com"),
     ],
 )
 def test_a_url_with_credentials_is_told_by_its_scheme_and_host_alone(url: str, shown: str) -> None:
@@ -87,6 +94,7 @@ def test_a_url_with_credentials_is_told_by_its_scheme_and_host_alone(url: str, s
         "file:///data/x",
         "memory://caps",
         "http://127.0.0.1:4318/v1/traces?project=p&token=",  # a query naming no secret, or none given
+        "az://cont/caps?design=x&signal=y",  # words holding "sig" are no signature
     ],
 )
 def test_urls_without_credentials_pass(url: str) -> None:

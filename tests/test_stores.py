@@ -5,6 +5,7 @@ rollout give 60 of 60, a lease race has one winner, and a scheduled enrichment o
 writes what the same captures give on a local disk. ``rclone serve s3`` (an S3-compatible server
 that overwrites on ``PutObject`` with ``If-None-Match: *``): both proxies refuse at startup (exit 2
 naming the missing put-if-absent), ``enrich-runs`` refuses to take a lease, and reads still work.
+A SAS token in an Azure URL is refused by every command, on no stream, in no blob name or record.
 """
 
 from __future__ import annotations
@@ -229,3 +230,69 @@ def test_where_a_second_create_overwrites_no_lease_is_taken_and_reads_still_work
     with pytest.raises(UnsafeStoreError):
         backend.create(backend.path("x.json"), b"{}")
     assert not backend.exists(backend.path("x.json"))
+
+
+# ---------------------------------------------------------------------- a SAS token in a URL
+
+SAS_SIGNATURE = "SASsignatureHunter2%3D"
+SAS = f"sv=2021-08-06&ss=b&srt=co&sp=rwdlac&se=2099-01-01T00:00:00Z&sig={SAS_SIGNATURE}"
+
+
+@pytest.mark.parametrize("store", ["azure"], indirect=True)
+def test_a_sas_token_in_a_url_is_refused_never_echoed_written_or_recorded(
+    store: Store, tmp_path: Path, prefect_api: str, scripted_upstream: tuple[str, Any]
+) -> None:
+    """Azure's SAS token (``?sv=...&sig=...``) is a credential as ``X-Amz-Signature`` is: every
+    command refuses a URL carrying one (exit 2, the scheme and container named, the token on no
+    stream), before a blob is written, a flow run recorded or a deployment registered."""
+    run = make_run(tmp_path, "r", finished=True)
+    store.upload(run / "captures", "caps")
+    before = sorted(store.fs().find(store.bucket))
+    rollouts = str(run / "rollouts.jsonl")
+    sas, output = f"{store.url('caps')}?{SAS}", f"{store.url('out/e.jsonl')}?{SAS}"
+    commands = [
+        ["inspect", "0-0", "--capture-dir", sas],
+        ["inspect", "0-0", "--capture-dir", f"abfs://{store.bucket}/caps?{SAS}"],
+        ["enrich", rollouts, "--capture-dir", store.url("caps"), "--output", output],
+        ["enrich", rollouts, "--capture-dir", sas, "--output", str(tmp_path / "e.jsonl")],
+        ["enrich-runs", f"{store.url('runs')}?{SAS}"],
+        ["deploy", "--runs-root", f"{store.url('runs')}?{SAS}", "--name", f"sas-{uuid.uuid4().hex[:8]}"],
+        ["proxy", "--upstream", scripted_upstream[0], "--capture-dir", sas, "--port", "0"],
+    ]
+    environment = {**store.process_environment(), "PREFECT_API_URL": prefect_api}
+    wrong = []
+    for command in commands:
+        done = subprocess.run(
+            cli(*command, store=store), capture_output=True, text=True, cwd=ROOT, env=environment, timeout=120
+        )
+        shown = done.stdout + done.stderr
+        refused = "credentials in the URL are not allowed" in shown and f"://{store.bucket})" in shown
+        if done.returncode != 2 or SAS_SIGNATURE in shown or "sig=" in shown or not refused:
+            wrong.append((command[0], done.returncode, shown[-600:]))
+    assert wrong == []
+    assert sorted(store.fs().find(store.bucket)) == before  # no blob written, none named with the token
+    for what in ("flow_runs", "deployments"):
+        recorded = httpx.post(f"{prefect_api}/{what}/filter", json={"limit": 200}, timeout=60)
+        assert recorded.status_code == 200 and SAS_SIGNATURE not in recorded.text
+
+
+@pytest.mark.parametrize("store", ["gcs"], indirect=True)
+def test_a_journal_run_is_read_once_and_as_on_a_local_disk(store: Store, tmp_path: Path) -> None:
+    """Issue 48's read plan on another store than S3 (its own client, gcsfs): one listing and one
+    GET a commit for an enrichment in batches, none answered 404, the bytes a local copy gives."""
+    from .support.fault_proxy import FaultProxy
+    from .support.journal_runs import enriched, journal_run
+
+    lines = journal_run(CaptureStore(store.url("caps"), storage_options=store.storage_options), 40, 2)
+    commits = len(store.fs().find(f"{store.bucket}/caps/_journal"))
+    host, port = store.endpoint.removeprefix("http://").split(":")
+    proxy = FaultProxy(host, int(port))
+    try:
+        via = CaptureStore(store.url("caps"), storage_options={"endpoint_url": proxy.endpoint})
+        out = enriched(lines, via, "job")
+        assert proxy.reset_counts() == {"LIST": 1, "GET": commits}
+        assert set(proxy.reset_answers()["statuses"]) == {200}
+    finally:
+        proxy.close()
+    store.download("caps", tmp_path / "copy")
+    assert out == enriched(lines, CaptureStore(str(tmp_path / "copy")), "local")

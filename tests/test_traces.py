@@ -621,6 +621,30 @@ def test_who_answered_a_call_is_on_its_span_when_the_record_says(corpus: Corpus)
         rollout_spans(record)
 
 
+def test_the_payloads_of_a_nemo_gym_record_are_read_from_its_trajectory(tmp_path: Path) -> None:
+    """Enrichment leaves a NeMo Gym record's payloads in its ``ng_trajectory`` alone, as NeMo Gym's
+    collection does (issue 45): its calls' spans still carry them when asked."""
+    from .support.projection_cases import cases
+
+    case = next(c for c in cases() if c["name"] == "simple_agent")
+    captures = tmp_path / "captures"
+    captures.mkdir()
+    (captures / "3-1.capture.jsonl").write_text("".join(json.dumps(row) + "\n" for row in case["rows"]))
+    built = json.loads((ROOT / "tests" / "data" / "nemo_gym_070_projections.json").read_text())
+    empty = next(c for c in built["cases"] if c["name"] == "simple_agent")["empty"]
+    record = merge_model_call_capture_into_record(empty, [str(captures)])
+    assert all("request" not in call for call in record["ng_model_call_capture"]["calls"])
+    llm = [
+        s
+        for s in rollout_spans(record, include_payloads=True)
+        if s.attributes["openinference.span.kind"] == "LLM"
+    ]
+    assert len(llm) == 2
+    assert all(s.attributes["llm.input_messages.0.message.content"] == "weather in sf?" for s in llm)
+    assert all("output.value" in s.attributes for s in llm)
+    assert not [k for s in rollout_spans(record) for k in s.attributes if k.startswith("llm.input")]
+
+
 def test_a_malformed_attachment_is_refused_naming_the_field(corpus: Corpus) -> None:
     record = orjson.loads(orjson.dumps(corpus.records["1-0"]))
     record["ng_model_call_capture"]["calls"][0]["tokens_in"] = 3.7

@@ -26,6 +26,7 @@ from .support.otlp_receiver import (
     huge_body,
     other_loopback_host,
     redirect,
+    rejecting,
     span_count,
     too_large_over,
     too_many_spans_over,
@@ -236,26 +237,28 @@ def test_an_endpoint_quoting_the_key_back_never_gets_it_shown(sample: Path) -> N
     _clean(str(caught.value))
 
 
-def _partial(rejected: int) -> Any:
-    """Batches answered 200 with OTLP's partial success: ``rejected`` spans rejected."""
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
-
-    answer = ExportTraceServiceResponse()
-    answer.partial_success.rejected_spans = rejected
-    answer.partial_success.error_message = "too old"
-    body = answer.SerializeToString()
-
-    def script(receiver: OtlpReceiver, index: int, request: Received, handler: Any) -> bool:
-        return index > 0 and answer_raw(receiver, handler, "200 OK", "application/x-protobuf", body)
-
-    return script
+@pytest.mark.parametrize("rejected", [SAMPLE_SPANS, 3])
+def test_spans_the_endpoint_rejects_in_an_accepted_batch_fail_the_export(sample: Path, rejected: int) -> None:
+    """Every span rejected (OTLP's partial success, in a 200 answer) or some: the export fails
+    once everything was sent, naming how many, what the endpoint said, and how many landed."""
+    with (
+        _serving(rejecting(rejected)) as endpoint,
+        pytest.raises(OtlpEndpointError, match=f"rejected {rejected} of the {SAMPLE_SPANS} span") as caught,
+    ):
+        export_traces(sample, endpoint.url, headers=HEADERS)
+    assert "(too old)" in str(caught.value) and f"{SAMPLE_SPANS - rejected} landed" in str(caught.value)
+    _clean(str(caught.value))
 
 
-def test_spans_the_endpoint_rejects_in_an_accepted_batch_are_counted(sample: Path) -> None:
-    with _serving(_partial(3)) as endpoint:
-        counts = export_traces(sample, endpoint.url)
-    assert counts.rejected_spans == 3
-    assert "the endpoint rejected 3 span(s)" in counts.sent(endpoint.url)
+def test_export_exits_1_when_the_endpoint_rejects_every_span(sample: Path) -> None:
+    from typer.testing import CliRunner
+
+    from rollout_capture.cli.app import app
+
+    with _serving(rejecting(SAMPLE_SPANS)) as endpoint:
+        done = CliRunner().invoke(app, ["export", str(sample), "--otlp", endpoint.url, "--json"])
+    assert done.exit_code == 1, done.output
+    assert f"rejected {SAMPLE_SPANS} of the {SAMPLE_SPANS} span(s)" in done.output
 
 
 # ---------------------------------------------------------------------- requests too large

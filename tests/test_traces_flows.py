@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from .conftest import SAMPLE
-from .support.otlp_receiver import OtlpReceiver
+from .support.otlp_receiver import OtlpReceiver, rejecting
 from .support.prefect_api import artifacts, flow_run, logs, wait_for_logs
 
 pytest.importorskip("opentelemetry.sdk.trace")
@@ -108,10 +108,24 @@ def test_a_missing_block_is_named(receiver: OtlpReceiver, tmp_path: Path) -> Non
     assert receiver.received == []
 
 
-def test_a_refused_export_leaves_the_output_written_and_the_run_failed(block: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("answers", "said"),
+    [
+        ({"refuse": 400}, "HTTP 400"),  # the batch refused
+        (
+            {"script": rejecting(SAMPLE_SPANS)},
+            f"rejected {SAMPLE_SPANS} of the {SAMPLE_SPANS} span(s)",
+        ),  # 200s
+    ],
+)
+def test_a_refused_export_leaves_the_output_written_and_the_run_failed(
+    block: str, tmp_path: Path, answers: dict[str, Any], said: str
+) -> None:
+    """A batch refused, or every span rejected in 200 answers (OTLP's partial success): the run
+    fails saying so, its output written."""
     from rollout_capture.flows import enrich_rollouts
 
-    refusing = OtlpReceiver(refuse=400)
+    refusing = OtlpReceiver(**answers)
     try:
         output = tmp_path / "sample.enriched.jsonl"
         state = enrich_rollouts(
@@ -127,7 +141,7 @@ def test_a_refused_export_leaves_the_output_written_and_the_run_failed(block: st
     assert state.is_failed()
     assert output.exists() and len(output.read_text().splitlines()) == 12
     assert state.message is not None and f"{refusing.url}/v1/traces" in state.message, state.message
-    assert "HTTP 400" in state.message and SECRET not in state.message
+    assert said in state.message and SECRET not in state.message
 
 
 def test_the_scheduled_job_sends_each_run_s_traces(

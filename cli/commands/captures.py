@@ -105,7 +105,11 @@ CALL_FIELDS = (
 
 
 def _show_attachment(attachment: dict[str, Any]) -> None:
-    """A row per call and one for the rollout, then its verifier invocations and gaps."""
+    """A row per call and one for the rollout, then its verifier invocations and gaps (a rollout
+    with no capture at all: the likely causes)."""
+    from rollout_capture.attachment import GAP_NO_RECORDS
+    from rollout_capture.faults import NO_CAPTURE_CAUSES
+
     rows = [
         (str(call["call_index"]), *(num(call[field]) for field in CALL_FIELDS))
         for call in attachment["calls"]
@@ -125,3 +129,5 @@ def _show_attachment(attachment: dict[str, Any]) -> None:
         )
     for gap in attachment.get("gaps", []):
         typer.echo(printable(f"gap: {gap['code']}" + (f" ({gap['detail']})" if "detail" in gap else "")))
+        if gap["code"] == GAP_NO_RECORDS:
+            typer.echo(f"  no capture of this rollout: {NO_CAPTURE_CAUSES}")

@@ -4,6 +4,8 @@ a run is done."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -16,6 +18,7 @@ from rollout_capture.cli.options import (
     addresses_match,
     deploy_name,
     prefect_name,
+    printable_input,
     scheduled_options,
     storage_options,
     traces_options,
@@ -23,9 +26,11 @@ from rollout_capture.cli.options import (
 from rollout_capture.cli.output import InputError, Output, show
 from rollout_capture.cli.prefect_env import api_url, block_exists, credentials, prefect_env, preflight
 from rollout_capture.filesystem import local_path
+from rollout_capture.run_events import RUN_FINISHED, RUN_STARTED
 
 if TYPE_CHECKING:
     from rollout_capture.location import Location
+    from rollout_capture.run_folders import RunFolder, RunNeeds
 
 
 def _scheduled(
@@ -37,6 +42,8 @@ def _scheduled(
     dask_address, ray_address = options.dask_address, options.ray_address
     if not runs_root:
         raise InputError("no runs root: give --runs-root or set ROLLOUT_CAPTURE_RUNS_ROOT")
+    printable_input("--runs-root", runs_root, "a runs root the deployment stores")
+    printable_input("--capture-dir", capture_dir, "a capture dir the deployment stores")
     local = local_path(runs_root)
     if local is not None and not os.path.isabs(local):
         raise InputError(f"--runs-root must be absolute or a URL (workers resolve it): {runs_root}")
@@ -191,6 +198,134 @@ def serve(
             raise typer.Exit(130)
 
 
+@dataclass(frozen=True)
+class _Said:
+    """What ``start`` and ``finish`` tell a run's deployments: the marker they write, the event."""
+
+    verb: str
+    event: str
+    needs: RunNeeds
+    mark: Callable[[str, dict[str, Any] | None, Any], str]
+    """Writes the marker without Prefect: (run, storage options, credentials) -> the run."""
+    mark_and_tell: str
+    """The name of the function of ``rollout_capture.flows.events`` writing it and sending the event."""
+    nothing: Callable[[RunFolder], str | None]
+    """Why nothing is written or sent for a run as it is (None: something is)."""
+    unheard: str
+    """What happens anyway when no server is told (no ``PREFECT_API_URL``)."""
+
+
+def _finished(run: str, options: dict[str, Any] | None, credentials: Any) -> str:
+    from rollout_capture.run_folders import mark_finished
+
+    return mark_finished(run, options, credentials=credentials)
+
+
+def _started(run: str, options: dict[str, Any] | None, credentials: Any) -> str:
+    from rollout_capture.run_folders import start_run
+
+    return start_run(run, options, credentials=credentials).url
+
+
+def _enriched_already(state: RunFolder) -> str | None:
+    if state.enriched:
+        return (
+            f"{state.url} is already enriched (its _ENRICHED): nothing written, nothing sent, "
+            "nothing will happen"
+        )
+    return None
+
+
+def _begun_already(state: RunFolder) -> str | None:
+    if state.enriched or state.finished:
+        done = "enriched (its _ENRICHED)" if state.enriched else "finished (its _SUCCESS)"
+        return f"{state.url} is already {done}: nothing written, nothing sent, nothing to follow"
+    if state.started:
+        return f"{state.url} is already started (its _STARTED): nothing written, nothing sent"
+    return None
+
+
+FINISHED = _Said(
+    "finished",
+    RUN_FINISHED,
+    "rollouts",
+    _finished,
+    "mark_run_finished",
+    _enriched_already,
+    "a scheduled tick over its runs root enriches it, if a deployment of that root is served or deployed",
+)
+STARTED = _Said(
+    "started",
+    RUN_STARTED,
+    "any",
+    _started,
+    "mark_run_started",
+    _begun_already,
+    "no deployment follows it; follow it yourself (rollout-capture follow RUN)",
+)
+
+
+def _tell(storage: Storage, run: str, out: Output, said: _Said) -> None:
+    """Write the run's marker and tell the Prefect server (``start``, ``finish``): the run folder is
+    checked before Prefect loads; a plain self-hosted server is told in one request, any other
+    through Prefect's client; without ``PREFECT_API_URL`` the marker alone, and it says so."""
+    where = storage.at(run)
+    resolved = None
+    if where.credentials_block:  # the block lives in Prefect's API (none without one: the AWS chain)
+        prefect_env()
+        if api_url():
+            resolved = credentials(where.credentials_block, prefect=False)  # a missing block named, exit 2
+    from rollout_capture.run_folders import run_folder
+
+    state, _ = run_folder(where.url, where.storage_options, credentials=resolved, needs=said.needs)
+    nothing = said.nothing(state)
+    if nothing is not None:
+        out.result({"run": state.url, "event_sent": False, "already_enriched": state.enriched}, text=nothing)
+        return
+    from rollout_capture.run_events import plain_api_url, post_run_event
+
+    plain = None if where.credentials_block else plain_api_url()
+    if plain is not None:  # a self-hosted server named in the environment: no Prefect to load
+        marked = said.mark(where.url, where.storage_options, None)
+        if post_run_event(plain, marked, said.event):
+            out.result(
+                {"run": marked, "event_sent": True, "already_enriched": False},
+                text=f"{said.verb} {marked}: the server was told",
+            )
+            return
+    prefect_env()  # Prefect's client: its settings, its own reports if the server is unreachable
+    if not api_url():  # an event on a server started for this command would reach nobody
+        marked = said.mark(where.url, where.storage_options, resolved)
+        typer.echo(f"no PREFECT_API_URL: no event sent; {said.unheard}", err=True)
+        sent = False
+    else:
+        import importlib
+
+        events = importlib.import_module("rollout_capture.flows.events")
+        marked = getattr(events, said.mark_and_tell)(where.url, **where.flow_parameters())
+        sent = True
+    out.result(
+        {"run": marked, "event_sent": sent, "already_enriched": False},
+        text=f"{said.verb} {marked}" + (": the server was told" if sent else ""),
+    )
+
+
+@storage_options(captures=False)
+def start(
+    storage: Storage,
+    run: Annotated[
+        str, typer.Argument(help="Run folder (<runs_root>/<run>), made if missing on a local disk.")
+    ],
+    as_json: JsonOpt = False,
+) -> None:
+    """Mark a run started: write its _STARTED and tell the Prefect server, whose deployments of its
+    runs root then follow it while it runs (rollout-capture follow, on a worker or serve). A run
+    already started, finished or enriched is left as it is; a folder reached through a link is refused."""
+    out = Output(json=as_json)
+    with out.exits():
+        _tell(storage, run, out, STARTED)
+
+
 @storage_options(captures=False)
 def finish(
     storage: Storage,
@@ -202,54 +337,4 @@ def finish(
     enriched run is left as it is; a missing folder, or one reached through a link, is refused."""
     out = Output(json=as_json)
     with out.exits():
-        where = storage.at(run)
-        resolved = None
-        if where.credentials_block:  # the block lives in Prefect's API (none without one: the AWS chain)
-            prefect_env()
-            if api_url():
-                resolved = credentials(
-                    where.credentials_block, prefect=False
-                )  # a missing block named, exit 2
-        from rollout_capture.run_folders import run_folder
-
-        state, _ = run_folder(where.url, where.storage_options, credentials=resolved)  # before Prefect
-        if state.enriched:
-            out.result(
-                {"run": state.url, "event_sent": False, "already_enriched": True},
-                text=f"{state.url} is already enriched (its _ENRICHED): nothing written, nothing sent, "
-                "nothing will happen",
-            )
-            return
-        from rollout_capture.run_events import plain_api_url, post_run_finished
-
-        plain = None if where.credentials_block else plain_api_url()
-        if plain is not None:  # a self-hosted server named in the environment: no Prefect to load
-            from rollout_capture.run_folders import mark_finished
-
-            finished = mark_finished(where.url, where.storage_options)
-            if post_run_finished(plain, finished):
-                out.result(
-                    {"run": finished, "event_sent": True, "already_enriched": False},
-                    text=f"finished {finished}: the server was told",
-                )
-                return
-        prefect_env()  # Prefect's client: its settings, its own reports if the server is unreachable
-        if not api_url():  # an event on a server started for this command would reach nobody
-            from rollout_capture.run_folders import mark_finished
-
-            finished = mark_finished(where.url, where.storage_options, credentials=resolved)
-            typer.echo(
-                "no PREFECT_API_URL: no event sent; a scheduled tick over its runs root enriches it, "
-                "if a deployment of that root is served or deployed",
-                err=True,
-            )
-            sent = False
-        else:
-            from rollout_capture.flows.events import mark_run_finished
-
-            finished = mark_run_finished(where.url, **where.flow_parameters())
-            sent = True
-        out.result(
-            {"run": finished, "event_sent": sent, "already_enriched": False},
-            text=f"finished {finished}" + (": the server was told" if sent else ""),
-        )
+        _tell(storage, run, out, FINISHED)

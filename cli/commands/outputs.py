@@ -171,7 +171,6 @@ def export(
                 "project": traces.project,
                 "run": traces.run,
                 "calls_cut": traces.calls_cut,
-                "rejected_spans": traces.rejected_spans,
             }
         out.result(value, text=written)
 

@@ -14,6 +14,7 @@ and what to do instead; nothing of the caller's is written first, and reading st
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 _SAFE_STORES = "AWS S3, MinIO, Google Cloud Storage, Azure Blob Storage or a local disk"
 
+logger = logging.getLogger(__name__)
 _outcomes: dict[Hashable, UnsafeStoreError | None] = {}  # store -> None (proven) or its refusal
 _locks: dict[Hashable, threading.Lock] = {}
 _guard = threading.Lock()
@@ -93,11 +95,28 @@ def prove_put_if_absent(backend: Backend, path: str) -> None:
         else:
             refusal = ignored_condition(backend)
     finally:
-        backend.remove([path])
+        _remove_probe(backend, path)
     if backend.capabilities.proven_before_use:
         _outcomes[backend.store_key()] = refusal
     if refusal is not None:
         raise refusal
+
+
+def _remove_probe(backend: Backend, path: str) -> None:
+    """The probe removed; a store refusing deletes (credentials without the right) leaves it, said
+    in a warning naming it, rather than failing the proof it took no part in."""
+    try:
+        backend.remove([path])
+    except PermissionError as exc:
+        probe = f"{backend.store_url()}/{path.rsplit('/', 1)[-1]}"
+        logger.warning(
+            "put-if-absent of %s proven, but its probe %s could not be removed (%s): it stays there "
+            "(nothing reads it; each process proving the store leaves one): delete it by hand, or let "
+            "these credentials delete objects there",
+            backend.store_url(),
+            probe,
+            exc,
+        )
 
 
 def forget_proofs() -> None:

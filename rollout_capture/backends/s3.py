@@ -3,8 +3,9 @@
 s3fs's ``find`` and ``ls`` do more than a capture reader needs (``ls`` of an empty folder lists
 its parent too); ``_iterdir`` is one ``ListObjectsV2`` per page and nothing else, so flat and
 delimited listings go through it. ``PutObject`` with ``If-None-Match: *`` creates only if
-absent, and an object is read in one GET, without the HEAD that s3fs's chunked concurrent
-read would send first (``max_concurrency=1``).
+absent. An object is read in one GET, sent by obstore with s3fs's credentials and endpoint
+(:mod:`.s3_gets`: a third of aiobotocore's CPU a request), else by s3fs without the HEAD its
+chunked concurrent read would send first (``max_concurrency=1``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from fsspec.asyn import sync as fsspec_sync
 from rollout_capture.backends.base import Named
 from rollout_capture.backends.capabilities import CONDITIONAL_STORE
 from rollout_capture.backends.object_store import ListingTooLarge, ObjectStoreBackend, mtime_of, named_entries
+from rollout_capture.backends.s3_gets import ObstoreGets
 from rollout_capture.secret_options import bare_url
 
 
@@ -28,6 +30,18 @@ class S3Backend(ObjectStoreBackend):
     capabilities = CONDITIONAL_STORE  # AWS, MinIO, moto keep it; rclone's serve s3 does not (proven)
     conditional_request = "PutObject with If-None-Match: *"
     _read_kwargs: ClassVar[Mapping[str, Any]] = {"max_concurrency": 1}  # one GET, no HEAD first
+    _gets: ObstoreGets | None = None
+
+    def _obstore(self) -> ObstoreGets:
+        if self._gets is None:
+            self._gets = ObstoreGets(self.fs, super()._get)
+        return self._gets
+
+    async def _before_reads(self) -> None:
+        await self._obstore().refresh()
+
+    async def _get(self, path: str) -> bytes | None:
+        return await self._obstore().get(path)
 
     def _configured_endpoint(self) -> str | None:
         """The endpoint the options or botocore's environment variables name; None: AWS's own."""
@@ -60,6 +74,45 @@ class S3Backend(ObjectStoreBackend):
     def exists(self, path: str) -> bool:
         return self._head(path) is not None
 
+    def remove(self, paths: Sequence[str]) -> None:
+        """DeleteObjects, 1,000 keys a request, raising for the keys its answer says were not
+        deleted: s3fs drops them, so a store refusing deletes (no ``s3:DeleteObject``) would leave
+        objects behind in silence. ``PermissionError`` when every one was refused as access denied."""
+        if not paths:
+            return
+        refused: list[tuple[str, str, str]] = fsspec_sync(self.fs.loop, self._delete, list(paths))
+        if refused:
+            codes = sorted({code for _, code, _ in refused})
+            shown = ", ".join(f"s3://{path}" for path, _, _ in refused[:3])
+            more = f" and {len(refused) - 3} more" if len(refused) > 3 else ""
+            message = (
+                f"{refused[0][2]} ({', '.join(codes)}): {len(refused)} object(s) not deleted: {shown}{more}"
+            )
+            raise (PermissionError if codes == ["AccessDenied"] else OSError)(message)
+
+    async def _delete(self, paths: list[str]) -> list[tuple[str, str, str]]:
+        by_bucket: dict[str, list[str]] = {}
+        for path in paths:
+            bucket, key, _ = self.fs.split_path(path)
+            by_bucket.setdefault(bucket, []).append(key)
+            self.fs.invalidate_cache(path)
+        refused = []
+        for bucket, keys in by_bucket.items():
+            for start in range(0, len(keys), 1000):
+                objects = [{"Key": key} for key in keys[start : start + 1000]]
+                answer = await self.fs._call_s3(
+                    "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True}
+                )
+                refused += [
+                    (
+                        f"{bucket}/{error.get('Key', '?')}",
+                        error.get("Code", "?"),
+                        error.get("Message", "not deleted"),
+                    )
+                    for error in answer.get("Errors", [])
+                ]
+        return refused
+
     def _page_from(self, bucket: str, folder: str, first: str, limit: int) -> tuple[set[str], bool]:
         listed: dict[str, Any] = fsspec_sync(
             self.fs.loop,
@@ -77,6 +130,15 @@ class S3Backend(ObjectStoreBackend):
         return [None if (head := self._head(path)) is None else mtime_of(head) for path in paths]
 
     def _listed_files(self, prefix: str, limit: int | None) -> list[tuple[str, dict[str, Any]]]:
+        if not prefix:  # the whole root, a folder: obstore lists by whole path segments
+            bucket, key, _ = self.fs.split_path(self.root)
+            listed: list[tuple[str, dict[str, Any]]] | None = fsspec_sync(
+                self.fs.loop, self._obstore().listed, bucket, key, limit
+            )
+            if listed is not None:
+                if limit is not None and len(listed) > limit:
+                    raise ListingTooLarge
+                return listed
         if not hasattr(self.fs, "_iterdir"):  # an s3fs too old for it: fsspec's find
             return super()._listed_files(prefix, limit)
         result: list[tuple[str, dict[str, Any]]] = fsspec_sync(self.fs.loop, self._iter_flat, prefix, limit)

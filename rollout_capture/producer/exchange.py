@@ -12,7 +12,8 @@ import collections
 import contextlib
 import os
 import time
-from collections.abc import Sequence
+import types
+from collections.abc import Awaitable, Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -61,12 +62,14 @@ class Exchange:
         server_name: str | None,
         max_body_bytes: int,
         verifier_invocation_id: str | None = None,
+        client_session_id: str | None = None,
     ) -> None:
         self.rollout_id = rollout_id
         self.dialect = dialect
         self.server_name = server_name
         self.max_body_bytes = max_body_bytes
         self.verifier_invocation_id = verifier_invocation_id
+        self.client_session_id = client_session_id
         self.model_call_id = os.urandom(16).hex()  # 32 hex digits, as uuid4().hex without its cost
         self.started_at = time.time()
         self._arrived = time.perf_counter()
@@ -296,15 +299,15 @@ class Exchange:
                 self._writer.answer_waited(self.claim_pending)
 
     def paused(self, seconds: float) -> None:
-        """The upstream went unread this long (what came past the body cap waited for the claim):
-        our wait, left out of the answer's times (spec 11: the figures are the model's)."""
+        """The upstream went unread this long (what came past the body cap waited for the claim, or
+        for a client slower than the upstream): our wait, left out of the answer's times (spec 11:
+        the figures are the model's)."""
         if self._ended is None:
             self._paused += seconds
 
     def to_client(self, send: Send) -> Send:
-        """``send`` as this call's answer must go: held until the claim is durable (spec 11)."""
-        if not self._gated:
-            return send
+        """``send`` as this call's answer must go: held until the claim is durable, and paced by
+        the client without holding the upstream back, up to the body cap (spec 11)."""
         self._answer = HeldAnswer(self, send)
         return self._answer
 
@@ -432,6 +435,8 @@ class Exchange:
             "request": self.request,
             "response": response,
         }
+        if self.client_session_id is not None:
+            row["client_session_id"] = self.client_session_id
         self._app_execution()
         if self.execution is not None:
             row.update(self.execution)
@@ -463,54 +468,74 @@ class Exchange:
 
 
 class HeldAnswer:
-    """The client's ``send`` of a call whose claim is written while it is forwarded (spec 11).
+    """The client's ``send`` of a captured call (spec 11).
 
-    Until the claim is durable the answer's messages wait, in order, and ``send`` returns at once:
-    the producer reads on from the upstream (or the app runs on), so its answer is timed as it
-    arrives, not as the hold lets it go. Up to the body cap waits; past it, and for the last
-    message, the sender waits for the hold too. Once the claim is durable they go as they come.
+    The answer's messages wait, in order, while the claim written meanwhile is not durable (object
+    stores) or the client has not yet taken the messages before them (a client slower than the
+    upstream), and ``send`` returns at once: the producer reads on from the upstream (or the app runs
+    on), so its answer is timed as it arrives, not as the hold or the client lets it go. Up to the
+    body cap waits; past it the sender waits until what waits has gone (left out of the answer's
+    times: :meth:`Exchange.paused`), and the last message goes after all of it. A message the client
+    takes at once costs no task (:func:`_begun`).
     """
 
-    __slots__ = ("_dropped", "_exchange", "_flush", "_queue", "_queued", "_send")
+    __slots__ = ("_begun", "_dropped", "_exchange", "_flush", "_queue", "_queued", "_send")
 
     def __init__(self, exchange: Exchange, send: Send) -> None:
         self._exchange = exchange
         self._send = send
         self._queue: collections.deque[Message] = collections.deque()
         self._queued = 0
-        self._flush: asyncio.Task[None] | None = None
+        self._flush: asyncio.Future[None] | None = None  # what waits, going to the client
+        self._begun = False
         self._dropped = False
 
     async def __call__(self, message: Message) -> None:
+        if self._flush is None and self._begun and message.get("more_body", False):
+            rest = _begun(self._send(message))  # nothing waits: the common case, a body part
+            if rest is not None:  # the client is slower: what comes meanwhile waits behind it
+                self._flush = asyncio.ensure_future(self._flushing(rest))
+            return
         exchange = self._exchange
-        flush = self._flush
-        if flush is None:
+        kind = message["type"]
+        part = kind == "http.response.start" or (
+            kind == "http.response.body" and message.get("more_body", False)
+        )
+        if not self._begun:
+            self._begun = True
             exchange.answer_ready()
-            if not exchange.claim_pending:  # durable (or failed) already: nothing is held
-                await self._send(message)
+            if exchange.claim_pending:  # the answer waits for the claim, in order
+                self._hold(message)
+                self._flush = asyncio.ensure_future(self._flushing(None))
                 return
-            self._hold(message)
-            self._flush = asyncio.ensure_future(self._flushing())
+        flush = self._flush
+        if flush is not None:
+            if not flush.done():
+                if part and self._queued < exchange.max_body_bytes:
+                    self._hold(message)
+                    return
+                waited = time.perf_counter()  # past the cap: the upstream goes unread meanwhile
+                try:
+                    await flush  # what waited goes first (and what went wrong sending it is raised here)
+                finally:
+                    exchange.paused(time.perf_counter() - waited)
+            else:
+                await flush
+            self._flush = None
+        if not part:  # the last message: after everything else, as it comes
+            await self._send(message)
             return
-        if not flush.done() and message.get("more_body", False) and self._queued < exchange.max_body_bytes:
-            self._hold(message)
-            return
-        if not flush.done():  # past the cap: the upstream goes unread until the claim is durable
-            waited = time.perf_counter()
-            try:
-                await flush  # what waited goes first (and what went wrong sending it is raised here)
-            finally:
-                exchange.paused(time.perf_counter() - waited)
-        else:
-            await flush
-        await self._send(message)
+        rest = _begun(self._send(message))
+        if rest is not None:  # the client is slower: what comes meanwhile waits behind it
+            self._flush = asyncio.ensure_future(self._flushing(rest))
 
     def _hold(self, message: Message) -> None:
         self._queue.append(message)
         self._queued += len(message.get("body", b""))
 
-    async def _flushing(self) -> None:
-        await self._exchange.claim_settled()
+    async def _flushing(self, first: Awaitable[None] | None) -> None:
+        """What waits, to the client: after the claim (None) or the send it was slow to take."""
+        await (self._exchange.claim_settled() if first is None else first)
         while self._queue:
             message = self._queue.popleft()
             self._queued -= len(message.get("body", b""))
@@ -535,6 +560,52 @@ class HeldAnswer:
             self._flush.cancel()
 
 
+def _begun(sending: Awaitable[None]) -> Awaitable[None] | None:
+    """``sending`` run at once until it first waits: None when it ended without waiting (a send the
+    client took at once: no task, no turn of the loop), else an awaitable that goes on with it, as
+    awaiting it would have (Python 3.12's eager tasks do this; 3.11 has none). What it raises before
+    waiting is raised here."""
+    steps = sending.__await__()
+    try:
+        waiting = steps.send(None)
+    except StopIteration:
+        return None
+    return _going_on(steps, waiting)
+
+
+@types.coroutine
+def _going_on(steps: Generator[Any, Any, None], waiting: Any) -> Generator[Any, Any, None]:
+    """``yield from steps`` for steps already waiting on ``waiting`` (what they yielded: the
+    awaiting task waits on it as they would have); what is thrown in (a cancel) goes on into them."""
+    while True:
+        try:
+            sent = yield waiting
+        except GeneratorExit:
+            steps.close()
+            raise
+        except BaseException as exc:
+            try:
+                waiting = steps.throw(exc)
+            except StopIteration:
+                return
+        else:
+            try:
+                waiting = steps.send(sent)
+            except StopIteration:
+                return
+
+
+SESSION_HEADER = b"x-session-id"
+"""The header by which NeMo Gym 0.7's agents name the session (the invocation) a call belongs to."""
+
+
+def session_of(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
+    """The call's ``client_session_id``: its one ``X-Session-Id`` value, as NeMo Gym 0.7.0's capture
+    takes it (none when absent, empty or given twice with different values)."""
+    values = {value.decode("latin-1") for key, value in headers if key.lower() == SESSION_HEADER and value}
+    return values.pop() if len(values) == 1 else None
+
+
 async def start_exchange(
     scope: Scope, found: Route, receive: Receive, settings: ProducerSettings
 ) -> tuple[Exchange, bytes, bool, bytes] | None:
@@ -544,13 +615,15 @@ async def start_exchange(
     client left before its request was whole, so no call was made and nothing is written.
     """
     assert found.rollout_id is not None and found.dialect is not None
-    verifier = header(scope.get("headers") or (), VERIFIER_HEADER)
+    headers = scope.get("headers") or ()
+    verifier = header(headers, VERIFIER_HEADER)
     exchange = Exchange(
         found.rollout_id,
         found.dialect,
         server_name=settings.server_name,
         max_body_bytes=settings.max_body_bytes,
         verifier_invocation_id=None if verifier is None else verifier.decode("latin-1"),
+        client_session_id=session_of(headers),
     )
     body, whole, gone = await read_body(receive, settings.max_body_bytes)
     if gone:

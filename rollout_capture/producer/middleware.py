@@ -23,6 +23,7 @@ from rollout_capture.producer.asgi import (
     replace_header,
     route_or_refuse,
     scope_headers,
+    scope_method,
     send_json_error,
 )
 from rollout_capture.producer.classify import (
@@ -34,6 +35,7 @@ from rollout_capture.producer.classify import (
 from rollout_capture.producer.exchange import Exchange, start_exchange
 from rollout_capture.producer.routing import VERIFIER_HEADER, Route, header
 from rollout_capture.producer.settings import ProducerSettings
+from rollout_capture.producer.unfiled import UnfiledCalls
 from rollout_capture.producer.verifier import (
     VerifierCall,
     VerifierExchange,
@@ -54,6 +56,8 @@ class CaptureMiddleware:
 
     Arguments left out (None) come from the environment (see :class:`ProducerSettings`);
     ``settings`` replaces them all. The model call itself never fails because of a capture.
+    ``strip_prefix=False`` hands the app the path as the client sent it, for an app that reads
+    the prefix itself (NeMo Gym's model servers: :mod:`rollout_capture.producer.nemo_gym`).
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class CaptureMiddleware:
         io_threads: int | None = None,
         enabled: bool | None = None,
         settings: ProducerSettings | None = None,
+        strip_prefix: bool = True,
     ) -> None:
         self.app = app
         if settings is None:
@@ -86,6 +91,8 @@ class CaptureMiddleware:
         # Capture off: the prefix is still stripped and the call forwarded; nothing is opened.
         self.writer: CaptureWriter | None = writer_for(settings) if settings.enabled else None
         self._verify_paths = settings.verify_paths if settings.enabled else ()
+        self._strip = strip_prefix
+        self.unfiled = UnfiledCalls(f"capture middleware of {settings.server_name or 'a server'}")
 
     def close(self) -> None:
         """Finish the capture writes in flight, then stop the writer's threads (a lifespan
@@ -93,6 +100,7 @@ class CaptureMiddleware:
         if self.writer is not None:
             self.writer.wait_idle(_DRAIN_ON_SHUTDOWN_S)
             self.writer.close()
+            self.unfiled.report()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope.get("type")
@@ -106,9 +114,12 @@ class CaptureMiddleware:
         if found is None:
             return
         if found.rollout_id is None and not found.verify:
+            if self.writer is not None:
+                self.unfiled.saw(scope_method(scope), found)
             await self.app(scope, receive, send)
             return
-        inner = {**scope, "path": found.path, "raw_path": found.raw_path} if found.rollout_id else scope
+        stripped = found.rollout_id is not None and self._strip
+        inner = {**scope, "path": found.path, "raw_path": found.raw_path} if stripped else scope
         if self.writer is None or not (found.captured or found.verify):
             await self.app(inner, receive, send)
             return

@@ -34,6 +34,7 @@ from rollout_capture.producer.classify import (
 from rollout_capture.producer.exchange import Exchange, start_exchange
 from rollout_capture.producer.routing import Route, header
 from rollout_capture.producer.settings import ProxySettings
+from rollout_capture.producer.unfiled import UnfiledCalls
 from rollout_capture.producer.upstream import Upstream, UpstreamError, UpstreamResponse, open_upstream
 from rollout_capture.producer.writer import CaptureWriter, writer_for
 
@@ -107,6 +108,7 @@ class CaptureProxy:
         # Capture off: the prefix is still stripped and every call forwarded; nothing is opened.
         self._writer: CaptureWriter | None = writer_for(settings) if settings.enabled else None
         self._client: Upstream | None = None
+        self.unfiled = UnfiledCalls("capture proxy")
         _install_log_filter()
 
     # ------------------------------------------------------------------ lifecycle
@@ -149,6 +151,7 @@ class CaptureProxy:
         if self._writer is not None:
             await asyncio.to_thread(self._writer.wait_idle, self.settings.shutdown_grace_s)
             self._writer.close_claims_log()
+            self.unfiled.report()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -177,6 +180,8 @@ class CaptureProxy:
         if found.captured and self._writer is not None:
             await self._captured(scope, found, receive, send)
         else:
+            if self._writer is not None:
+                self.unfiled.saw(scope_method(scope), found)
             await self._passthrough(scope, found, receive, send)
 
     async def _send(

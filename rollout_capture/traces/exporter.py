@@ -126,8 +126,6 @@ class TraceExportCounts:
     """What names the run (part of every trace id; on each root span as ``rollout_capture.run.name``)."""
     calls_cut: int = 0
     """Calls whose payloads were cut to the budget (``rollout_capture.call.payload_cut``)."""
-    rejected_spans: int = 0
-    """Spans the endpoint took the requests of but said it rejected (OTLP's partial success)."""
 
     def sent(self, endpoint: str) -> str:
         """What was sent and where, as a summary says it: counts, endpoint, project, run, notes."""
@@ -139,12 +137,10 @@ class TraceExportCounts:
         )
 
     def notes(self) -> list[str]:
-        """What a summary should add to "sent ...": payloads cut, spans the endpoint rejected."""
+        """What a summary should add to "sent ...": payloads cut."""
         out = []
         if self.calls_cut:
             out.append(f"payloads of {self.calls_cut} call(s) cut to fit (rollout_capture.call.payload_cut)")
-        if self.rejected_spans:
-            out.append(f"the endpoint rejected {self.rejected_spans} span(s) it was sent")
         return out
 
 
@@ -286,6 +282,8 @@ class _Sender:
         self.stopping = threading.Event()
         self.error: BaseException | None = None
         self.sent_spans = self.sent_batches = self.retries = self.rejected = 0
+        self.rejected_said = ""
+        """What the first answer rejecting spans said (its partial success's message)."""
         self.thread = threading.Thread(target=self._run, name="otlp-sender", daemon=True)
         self.thread.start()
 
@@ -321,7 +319,10 @@ class _Sender:
             said = _said(answer, self.headers)
             size = f"{len(body):,} bytes" + (", as too large: one span alone" if answer.status == 413 else "")
             raise self._failure(batch, "refused", f"{answer.shown}{said}; {size}")
-        self.rejected += _rejected(answer)
+        rejected, said = _rejected(answer)
+        self.rejected += rejected
+        if rejected and not self.rejected_said:
+            self.rejected_said = one_line(masked(said, self.headers))
         self.sent_spans += len(batch)
         self.sent_batches += 1
 
@@ -387,15 +388,30 @@ class _Sender:
         self.connection.close()
 
 
-def _rejected(answer: Answer) -> int:
-    """Spans an accepted request's answer says were rejected (OTLP's partial success)."""
+def _rejected(answer: Answer) -> tuple[int, str]:
+    """Spans an accepted request's answer says were rejected (OTLP's partial success), and its
+    message."""
     if answer.content_type != "application/x-protobuf" or not answer.body:
-        return 0
+        return 0, ""
     try:
         decoded = ExportTraceServiceResponse.FromString(answer.body)
     except Exception:  # an answer that is no ExportTraceServiceResponse: nothing to count
-        return 0
-    return int(decoded.partial_success.rejected_spans) if decoded.HasField("partial_success") else 0
+        return 0, ""
+    if not decoded.HasField("partial_success"):
+        return 0, ""
+    partial = decoded.partial_success
+    return int(partial.rejected_spans), str(partial.error_message)
+
+
+def _rejections(sender: _Sender) -> OtlpEndpointError:
+    """Spans rejected in accepted answers, as the export's error: how many of all, what the
+    endpoint said, how many landed."""
+    said = sender.rejected_said or "no reason given"
+    landed = max(sender.sent_spans - sender.rejected, 0)
+    return OtlpEndpointError(
+        f"OTLP endpoint {sender.shown} rejected {sender.rejected} of the {sender.sent_spans} span(s) "
+        f"it was sent in {sender.sent_batches} batch(es) ({said}); {landed} landed ({_SAFE_AGAIN})"
+    )
 
 
 @dataclass(slots=True)
@@ -534,6 +550,8 @@ def export_traces(
     sender.close()
     if progress is not None:
         progress(TraceProgress(out.rollouts, sender.sent_spans, sender.sent_batches))
+    if sender.rejected:
+        raise _rejections(sender)
     return TraceExportCounts(
         rollouts=out.rollouts,
         calls=out.calls,
@@ -543,5 +561,4 @@ def export_traces(
         project=project,
         run=scope.run,
         calls_cut=out.calls_cut,
-        rejected_spans=sender.rejected,
     )

@@ -307,6 +307,29 @@ _VERIFIERS = "ng_model_call_capture.verifier_invocations"
 _GroupKey = tuple[ids.SpanKindKey, str]
 
 
+def trajectory_payloads(record: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The payloads of a NeMo Gym record's calls, by ``model_call_id``, from its ``ng_trajectory``
+    (where NeMo Gym's collection keeps them, and enrichment leaves them: contract section 14),
+    each under its call record's name (a text one as ``request_raw`` / ``response_raw``); only
+    for calls whose own record carries none."""
+    trajectory = record.get("ng_trajectory")
+    calls = trajectory.get("model_calls") if isinstance(trajectory, Mapping) else None
+    found: dict[str, dict[str, Any]] = {}
+    for call in calls if isinstance(calls, list) else []:
+        if not isinstance(call, Mapping) or not isinstance(call.get("model_call_id"), str):
+            continue
+        payloads: dict[str, Any] = {}
+        for key in ("request", "response"):
+            value = call.get(key)
+            if isinstance(value, Mapping):
+                payloads[key] = value
+            elif isinstance(value, str):
+                payloads[f"{key}_raw"] = value
+        if payloads:
+            found[call["model_call_id"]] = payloads
+    return found
+
+
 class _Trace:
     """One record's trace while it is built: what its spans share, read once, in the order the
     fields are checked (so a malformed record fails on the same field as ever)."""
@@ -326,6 +349,7 @@ class _Trace:
         self.trace = ids.trace_id(self.rollout_id, scope)
         self.root_ctx = _context(self.trace, self._span_id("rollout"))
         self.calls: list[Mapping[str, Any]] = attachment["calls"]
+        self.trajectory_payloads = trajectory_payloads(record) if payload_budget is not None else {}
         self.owners = call_owners(record)
         self.invocations = _invocations(record)
         self.verifiers = self._read_verifiers()
@@ -408,6 +432,8 @@ class _Trace:
         where = f"ng_model_call_capture.calls[{position}]"
         mid = call.get("model_call_id") if isinstance(call.get("model_call_id"), str) else None
         owner = self.owners.get(mid) if mid else None
+        if self.payload_budget is not None and mid in self.trajectory_payloads:
+            call = {**self.trajectory_payloads[mid], **call}  # where NeMo Gym keeps them
         name, attributes, status, measured = _call_attributes(call, where, owner, self.payload_budget)
         self.failed_calls += status.status_code is StatusCode.ERROR
         key = ids.call_key(mid, count_field(call, "call_index", where), position)

@@ -112,3 +112,16 @@ def interrupted(process: subprocess.Popen[str]) -> str:
         if process.poll() is None:
             process.kill()
             process.communicate()
+
+
+def start_worker(pool: str, api: str, folder: Path) -> subprocess.Popen[str]:
+    """A Prefect process worker of ``pool`` on ``api``, started in ``folder`` with a Prefect home of
+    its own there, its output captured as text (stop it with SIGINT, as Ctrl-C does)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
+        cwd=folder,
+        env=cli_env(api, PREFECT_HOME=str(folder / "worker-home")),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )

@@ -34,7 +34,25 @@ _ACCESS_DENIED = (
 )
 
 
+_STATUS_LINE = re.compile(rb"HTTP/1\.[01] ([2-5]\d\d) ")
 _GCS_LISTING = re.compile(rb"^/storage/v1/b/[^/?]+/o(\?|$)")
+_DELETES = re.compile(rb"^(DELETE \S+|POST \S+\?delete\S*) HTTP/1\.[01]\r\n")
+_KEY = re.compile(rb"<Key>(.*?)</Key>")
+
+
+def _refused_deletes(keys: list[bytes]) -> bytes:
+    """S3's answer to a DeleteObjects whose every key the caller may not delete: 200, each key an
+    ``AccessDenied`` error in the body (what AWS answers a user without ``s3:DeleteObject``)."""
+    errors = b"".join(
+        b"<Error><Key>" + key + b"</Key><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+        for key in keys
+    )
+    body = b"<?xml version='1.0' encoding='UTF-8'?><DeleteResult>" + errors + b"</DeleteResult>"
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
 
 
 def interim_prefix(answer: bytes) -> tuple[int, bool | None]:
@@ -88,6 +106,7 @@ class FaultProxy:
         self._lose_every: tuple[bytes, int] | None = None
         self._lose_seen = 0
         self._deny: bytes | None = None
+        self._refuse_deletes = False
         self._hold: bytes | None = None
         self._release = threading.Event()
         self._drop_held = False
@@ -97,6 +116,8 @@ class FaultProxy:
         self.outages = 0
         self.throttled = 0
         self.requests: dict[str, int] = {}
+        self.bytes_down = 0  # body bytes the store sent back (status lines and headers left out)
+        self.statuses: dict[int, int] = {}  # final answers by status (a line found in a chunk)
         self.port = self._listen(0)
 
     @property
@@ -147,6 +168,8 @@ class FaultProxy:
                         if source in self._lose:  # not counted by the other side's end meanwhile
                             self._lose[source] = data[passed:]
                     continue
+                if not from_client:
+                    self._count_answer(data)
                 if from_client:
                     if self._trigger is not None and self._fire(data):
                         return  # this request dies with the endpoint
@@ -157,6 +180,9 @@ class FaultProxy:
                         release.wait()
                         if self._drop_held:
                             return  # never forwarded: the store never sees it
+                    if self._refuse_deletes and _DELETES.match(data):
+                        self._refuse_delete(source, data)
+                        return
                     if self._deny is not None and self._deny in data:
                         with self._lock:
                             self.denied += 1
@@ -206,6 +232,25 @@ class FaultProxy:
             for kind in kinds:
                 self.requests[kind] = self.requests.get(kind, 0) + 1
         return False, len(kinds)
+
+    def _count_answer(self, data: bytes) -> None:
+        codes, head = [], 0
+        for found in _STATUS_LINE.finditer(data) if b"HTTP/1." in data else ():
+            codes.append(int(found.group(1)))
+            end = data.find(b"\r\n\r\n", found.start())
+            head += (end + 4 if end >= 0 else len(data)) - found.start()
+        with self._lock:
+            self.bytes_down += len(data) - head
+            for code in codes:
+                self.statuses[code] = self.statuses.get(code, 0) + 1
+
+    def reset_answers(self) -> dict[str, object]:
+        """The body bytes the store sent back and its answers by status so far, then start again."""
+        with self._lock:
+            statuses = dict(sorted(self.statuses.items()))
+            out: dict[str, object] = {"bytes": self.bytes_down, "statuses": statuses}
+            self.bytes_down, self.statuses = 0, {}
+        return out
 
     def throttle(self, requests: int) -> None:
         """Answer the next ``requests`` requests with 503 SlowDown."""
@@ -284,6 +329,25 @@ class FaultProxy:
         """Forward the held request now (``drop``: cut it instead, so it never lands)."""
         self._drop_held = drop
         self._release.set()
+
+    def _refuse_delete(self, source: socket.socket, data: bytes) -> None:
+        """Read the delete request whole, then refuse it as S3 refuses a user without the right:
+        a DeleteObject 403, a DeleteObjects 200 listing each key as an error. Never forwarded."""
+        while b"\r\n\r\n" not in data:
+            data += source.recv(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = re.search(rb"(?im)^content-length: *(\d+)\r?$", head)
+        if re.search(rb"(?im)^expect: *100-continue\r?$", head):
+            source.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+        while length is not None and len(body) < int(length.group(1)):
+            body += source.recv(65536)
+        with self._lock:
+            self.denied += 1
+        source.sendall(_refused_deletes(_KEY.findall(body)) if head.startswith(b"POST") else _ACCESS_DENIED)
+
+    def refuse_deletes(self, refuse: bool = True) -> None:
+        """Refuse every delete (DeleteObject, DeleteObjects) as a user without delete rights is."""
+        self._refuse_deletes = refuse
 
     def deny_on(self, pattern: bytes | None) -> None:
         """Answer every request carrying ``pattern`` 403 AccessDenied, unforwarded (None: stop)."""

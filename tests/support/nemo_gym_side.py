@@ -25,6 +25,7 @@ import json
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,161 @@ def _merge(args: argparse.Namespace) -> None:
                 out.write(json.dumps(merged) + "\n")
 
 
+def _project(args: argparse.Namespace) -> None:
+    """0.7.0's own merge and projections (``ng_trajectory``, ``ng_perf``) of every case of
+    tests/support/projection_cases.py, as its collection runs them at a rollout's end (in its
+    order: merge, trajectory, perf), with the case's capture and with an empty one."""
+    import copy
+    import importlib.util
+    import tempfile
+
+    import nemo_gym
+    from nemo_gym.base_responses_api_model import merge_model_call_capture_into_record
+    from nemo_gym.rollout_collection import _attach_ng_perf, _attach_trajectory_record, _has_observation_gap
+
+    spec = importlib.util.spec_from_file_location(
+        "projection_cases", Path(__file__).with_name("projection_cases.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    built = []
+    for case in module.cases():
+        outcome: dict[str, Any] = {"name": case["name"]}
+        for kind in ("full", "empty"):
+            with tempfile.TemporaryDirectory() as capture_dir:
+                if kind == "full":
+                    lines = "".join(json.dumps(row) + "\n" for row in case["rows"])
+                    (Path(capture_dir) / "3-1.capture.jsonl").write_text(lines)
+                result = copy.deepcopy(case["result"])
+                redacted = _has_observation_gap(result, "multimodal_history_redacted")
+                merge_model_call_capture_into_record(
+                    result, [Path(capture_dir)], include_payloads=not redacted
+                )
+                if {"ng_model_call_capture", "ng_agent_observations", "ng_trajectory"} & result.keys():
+                    _attach_trajectory_record(case["row"], result)
+                _attach_ng_perf(result, observability_enabled=True, rollout_latency_ms=case["latency_ms"])
+                outcome[kind] = result
+        built.append(outcome)
+    Path(args.output).write_text(
+        json.dumps({"nemo_gym": nemo_gym.__version__, "cases": built}, indent=1) + "\n"
+    )
+
+
+_SERVER_SETTINGS: dict[str, Callable[[str], dict[str, Any]]] = {
+    "vllm_model": lambda upstream: {
+        "base_url": upstream + "/v1",
+        "api_key": "scripted-key",
+        "model": "scripted",
+        "return_token_id_information": False,
+        "uses_reasoning_parser": True,
+    },
+    "openai_model": lambda upstream: {
+        "openai_base_url": upstream + "/v1",
+        "openai_api_key": "scripted-key",
+        "openai_model": "scripted",
+    },
+    "azure_openai_model": lambda upstream: {
+        "openai_base_url": upstream,
+        "openai_api_key": "scripted-key",
+        "openai_model": "scripted",
+        "default_query": {"api-version": "2024-10-21"},
+        "num_concurrent_requests": 4,
+    },
+    "litellm_model": lambda upstream: {
+        "openai_base_url": upstream + "/v1",
+        "openai_api_key": "scripted-key",
+        "openai_model": "scripted",
+    },
+}
+"""Each NeMo Gym 0.7.0 model server's own settings, in front of the scripted upstream."""
+
+
+def _serve_ours(args: argparse.Namespace) -> None:
+    """rollout-capture's model server (docs/nemo-gym.md's recipe) serving each NeMo Gym model
+    server named (``name`` or ``name:workers``; default ``--num-workers``), one process each as
+    ``gym env start`` starts them (its folder found through NEMO_GYM_EXTRA_ROOTS, ``python app.py``
+    with the config in the environment); prints their ports, serves until standard input closes,
+    then stops each and waits for it."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import yaml
+
+    from rollout_capture.producer.nemo_gym import SERVER_FOLDER, search_dir
+
+    os.environ["NEMO_GYM_EXTRA_ROOTS"] = str(search_dir())
+    work = Path(args.workdir)
+    config: dict[str, Any] = {
+        "observability_enabled": True,
+        "model_call_capture_dir": args.decoy,
+        "head_server": {"host": "127.0.0.1", "port": _free_port()},
+    }
+    ports: dict[str, int] = {}
+    workers = {
+        name: int(n or args.num_workers) for name, _, n in (given.partition(":") for given in args.serves)
+    }
+    for serves in workers:
+        ports[serves] = _free_port()
+        server = {
+            "host": "127.0.0.1",
+            "port": ports[serves],
+            "entrypoint": "app.py",
+            "serves": serves,
+            "num_workers": workers[serves],
+            "rollout_capture": {"capture_dir": args.capture_dir},
+            **_SERVER_SETTINGS[serves](args.upstream.rstrip("/")),
+        }
+        config[f"{serves}_policy"] = {"responses_api_models": {SERVER_FOLDER: server}}
+    config_path = work / "gym.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    sys.argv = [sys.argv[0], f"+config_paths=[{config_path}]"]
+    from nemo_gym.cli.env import _resolve_server_dir
+    from nemo_gym.global_config import get_global_config_dict
+    from omegaconf import OmegaConf
+
+    text = OmegaConf.to_yaml(get_global_config_dict())
+    folder = _resolve_server_dir(Path("responses_api_models", SERVER_FOLDER))
+    processes = []
+    for serves in workers:
+        env = {**os.environ, "NEMO_GYM_CONFIG_DICT": text, "NEMO_GYM_CONFIG_PATH": f"{serves}_policy"}
+        log = open(work / f"{serves}.log", "wb")  # noqa: SIM115 - open for the process's life
+        command = [sys.executable, "app.py"]
+        processes.append(subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT))
+    for port in ports.values():  # until each accepts, for as long as every server lives
+        while True:
+            assert all(p.poll() is None for p in processes), f"a server exited: see {work}"
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.1)
+    print(json.dumps({"ports": ports, "folder": str(folder)}), flush=True)
+    sys.stdin.read()  # until the test closes it
+    for process in processes:
+        process.send_signal(signal.SIGINT)  # Ctrl-C, as gym env start stops its servers
+    for process in processes:
+        process.wait(120)
+
+
+def _health(args: argparse.Namespace) -> None:
+    """What NeMo Gym 0.7.0's own tools make of a collection's records: its rollout health checks
+    (the ``gym`` health report's summary) and the ``perf_summary`` its aggregation writes."""
+    import tempfile
+
+    from nemo_gym.reward_profile import compute_perf_summary
+    from nemo_gym.rollout_health import run_health_checks
+
+    records = [json.loads(line) for line in Path(args.records).read_text().splitlines() if line.strip()]
+    with tempfile.TemporaryDirectory() as reports:
+        health = run_health_checks(Path(args.records), output_dir=Path(reports), workers=1)
+    perf = [record["ng_perf"] for record in records if isinstance(record.get("ng_perf"), dict)]
+    summary = {"health": health.summary, "perf_summary": compute_perf_summary(perf, len(records))}
+    print(json.dumps(summary))
+
+
 def _clear(args: argparse.Namespace) -> None:
     """NeMo Gym 0.7's own clear before dispatch, for every record of a JSONL file."""
     from nemo_gym.base_responses_api_model import clear_model_call_captures_for_rollouts
@@ -194,28 +350,39 @@ def _free_port() -> int:
 AGENT = "weather_simple_agent"
 
 
-def _gym_config(upstream: str, capture_dir: str, max_steps: int) -> dict[str, Any]:
+def _gym_config(
+    upstream: str,
+    capture_dir: str,
+    max_steps: int,
+    ours: dict[str, Any] | None = None,
+    num_workers: int | None = None,
+) -> dict[str, Any]:
     """NeMo Gym's config of a run: its vLLM model server in front of ``upstream``, its example
-    weather resources server, its ``simple_agent``; model-call capture on."""
+    weather resources server, its ``simple_agent``; model-call capture on. With ``ours`` (the
+    ``rollout_capture`` settings: ``capture_dir``, ``storage_options``), the model server is
+    rollout-capture's (docs/nemo-gym.md's recipe: ``rollout_capture_model`` serving ``vllm_model``)
+    and ``capture_dir`` NeMo Gym's own folder, which stays empty."""
     host = {"host": "127.0.0.1"}
+    vllm = {
+        **host,
+        "port": _free_port(),
+        "entrypoint": "app.py",
+        "base_url": upstream.rstrip("/") + "/v1",
+        "api_key": "scripted-key",
+        "model": "scripted",
+        "return_token_id_information": False,
+        "uses_reasoning_parser": True,
+    }
+    if num_workers is not None:
+        vllm["num_workers"] = num_workers
+    model = {"vllm_model": vllm}
+    if ours is not None:
+        model = {"rollout_capture_model": {**vllm, "serves": "vllm_model", "rollout_capture": ours}}
     return {
         "observability_enabled": True,
         "model_call_capture_dir": capture_dir,
         "head_server": {**host, "port": _free_port()},
-        "policy_model": {
-            "responses_api_models": {
-                "vllm_model": {
-                    **host,
-                    "port": _free_port(),
-                    "entrypoint": "app.py",
-                    "base_url": upstream.rstrip("/") + "/v1",
-                    "api_key": "scripted-key",
-                    "model": "scripted",
-                    "return_token_id_information": False,
-                    "uses_reasoning_parser": True,
-                }
-            }
-        },
+        "policy_model": {"responses_api_models": model},
         "weather": {
             "resources_servers": {
                 "example_single_tool_call": {
@@ -268,14 +435,20 @@ def _collect(args: argparse.Namespace) -> None:
 
     work = Path(args.workdir)
     config_path = work / "gym.yaml"
-    config_path.write_text(yaml.safe_dump(_gym_config(args.upstream, args.capture_dir, args.max_steps)))
+    ours = json.loads(args.ours) if args.ours else None
+    built = _gym_config(args.upstream, args.capture_dir, args.max_steps, ours, args.num_workers)
+    config_path.write_text(yaml.safe_dump(built))
+    if ours is not None:  # the recipe: rollout-capture's server folder found as NeMo Gym finds plugins
+        from rollout_capture.producer.nemo_gym import search_dir
+
+        os.environ["NEMO_GYM_EXTRA_ROOTS"] = str(search_dir())
     sys.argv = [sys.argv[0], f"+config_paths=[{config_path}]"]
+    from nemo_gym.cli.env import _resolve_server_dir
     from nemo_gym.global_config import get_global_config_dict
     from nemo_gym.rollout_collection import RolloutCollectionConfig, RolloutCollectionHelper
 
     resolved = get_global_config_dict()
     text = OmegaConf.to_yaml(resolved)
-    site = Path(__import__("nemo_gym").__file__).resolve().parent.parent
     processes: list[subprocess.Popen[bytes]] = []
     ports: list[int] = []
     # Every server the resolved config names (the environment server NeMo Gym adds for an agent
@@ -294,7 +467,7 @@ def _collect(args: argparse.Namespace) -> None:
                 processes.append(
                     subprocess.Popen(
                         command,
-                        cwd=site / kind / server,
+                        cwd=_resolve_server_dir(Path(kind, server)),  # as gym env start finds it
                         env=env,
                         stdout=log,
                         stderr=subprocess.STDOUT,
@@ -324,6 +497,12 @@ def _collect(args: argparse.Namespace) -> None:
             disable_health_check=True,
         )
         asyncio.run(RolloutCollectionHelper().run_from_config(config))
+        if args.hold_until_live:  # the collection's servers stay up until a follower has every line
+            written = Path(args.output).read_bytes().count(b"\n")
+            live = Path(args.hold_until_live)
+            while not (live.exists() and live.read_bytes().count(b"\n") >= written):
+                assert all(p.poll() is None for p in processes), f"a NeMo Gym server exited: see {work}"
+                time.sleep(0.1)  # the file's next look; the test's own timeout bounds a hang
     finally:
         for process in processes:
             process.terminate()
@@ -346,6 +525,17 @@ def main() -> None:
     clear = commands.add_parser("clear")
     clear.add_argument("--records", required=True)
     clear.add_argument("--capture-dir", required=True)
+    ours = commands.add_parser("serve-ours")
+    ours.add_argument("--upstream", required=True)
+    ours.add_argument("--capture-dir", required=True)
+    ours.add_argument("--decoy", required=True)
+    ours.add_argument("--workdir", required=True)
+    ours.add_argument("--num-workers", type=int, default=2)
+    ours.add_argument("serves", nargs="+")
+    health = commands.add_parser("health")
+    health.add_argument("--records", required=True)
+    project = commands.add_parser("project")
+    project.add_argument("--output", required=True)
     collect = commands.add_parser("collect")
     collect.add_argument("--upstream", required=True)
     collect.add_argument("--capture-dir", required=True)
@@ -355,8 +545,19 @@ def main() -> None:
     collect.add_argument("--max-steps", type=int, default=2)
     collect.add_argument("--parallel", type=int, default=4)
     collect.add_argument("--repeats", type=int, default=2)
+    collect.add_argument("--ours", help="rollout-capture's server, these rollout_capture settings (JSON)")
+    collect.add_argument("--num-workers", type=int)
+    collect.add_argument("--hold-until-live", help="after the collection, wait until this file has its lines")
     args = parser.parse_args()
-    {"serve": _serve, "merge": _merge, "clear": _clear, "collect": _collect}[args.command](args)
+    {
+        "serve": _serve,
+        "merge": _merge,
+        "clear": _clear,
+        "collect": _collect,
+        "project": _project,
+        "health": _health,
+        "serve-ours": _serve_ours,
+    }[args.command](args)
 
 
 if __name__ == "__main__":

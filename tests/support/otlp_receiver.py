@@ -259,6 +259,22 @@ def span_count(body: bytes) -> int:
     return sum(len(scope.spans) for resource in decoded.resource_spans for scope in resource.scope_spans)
 
 
+def rejecting(rejected: int, message: str = "too old") -> Script:
+    """Every export request (the probe's aside) answered 200 with OTLP's partial success:
+    ``rejected`` spans rejected, ``message`` its error."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+    answer = ExportTraceServiceResponse()
+    answer.partial_success.rejected_spans = rejected
+    answer.partial_success.error_message = message
+    body = answer.SerializeToString()
+
+    def script(receiver: OtlpReceiver, index: int, request: Received, handler: Any) -> bool:
+        return index > 0 and answer_raw(receiver, handler, "200 OK", "application/x-protobuf", body)
+
+    return script
+
+
 def other_loopback_host() -> str:
     """Another loopback address than 127.0.0.1 when this machine routes one (Linux routes all of
     127/8), else 127.0.0.1: either way another origin than the receiver's."""

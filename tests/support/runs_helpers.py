@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,12 @@ class Where:
         path = make_run(self.local, name, finished=finished, rollouts=rollouts)
         if self.s3 is not None:
             self.s3.fs().put(str(path), f"{self.s3.bucket}/runs/{name}", recursive=True)
+
+    def delete_run(self, name: str) -> None:
+        """The run folder gone, as ``rm -r`` (or a store's recursive delete) leaves it."""
+        shutil.rmtree(self.local / name)
+        if self.s3 is not None:
+            self.s3.fs().rm(f"{self.s3.bucket}/runs/{name}", recursive=True)
 
     def root(self) -> RunsRoot:
         return RunsRoot(self.url, self.options)

@@ -8,8 +8,11 @@ stream without its terminal event, ``scripted-abort`` drops the connection mid-s
 of a plain JSON answer,
 ``scripted-gated-<name>`` streams its first event and waits for ``gate(name)`` before the
 rest, ``scripted-hang`` answers after 3 s, ``scripted-text`` answers 200 with plain text,
-``scripted-big`` answers a large JSON body, ``scripted-gzip`` a gzipped one whatever was
-asked, ``scripted-status-<n>`` answers status ``n`` with a JSON body (999: one no server knows),
+``scripted-big`` answers a large JSON body (``scripted-big-<n>``: padded to ``n`` bytes, handed
+over at once in 64 KiB pieces), ``scripted-size-<n>`` a chat answer whose content is ``n``
+characters (streamed or not: an agent's answers of many sizes), ``scripted-gzip`` a gzipped one
+whatever was asked, ``scripted-status-<n>`` answers status ``n`` with a JSON body (999: one no
+server knows),
 ``scripted-garbled`` streams a chat answer with a non-JSON event in its middle,
 ``scripted-tools-only`` a chat answer of tool calls alone (``content: ""`` in its first delta, as
 OpenAI sends it), ``scripted-stream-error`` a stream whose third event is ``event:error`` (no space,
@@ -30,6 +33,7 @@ import asyncio
 import copy
 import gzip
 import logging
+import re
 import threading
 import time
 from typing import Any
@@ -142,9 +146,12 @@ def _split(text: str, parts: int = 3) -> list[str]:
     return [text[i : i + step] for i in range(0, len(text), step)]
 
 
-def chat_events(include_usage: bool) -> list[bytes]:
-    """A chat stream as OpenAI sends it (``usage: null`` on every chunk when usage is asked for)."""
-    message = CHAT["choices"][0]["message"]  # type: ignore[index]
+def chat_events(include_usage: bool, content: str | None = None) -> list[bytes]:
+    """A chat stream as OpenAI sends it (``usage: null`` on every chunk when usage is asked for);
+    ``content``: the answer's text instead of the script's."""
+    message = dict(CHAT["choices"][0]["message"])  # type: ignore[index]
+    if content is not None:
+        message["content"] = content
     head = {k: CHAT[k] for k in ("id", "created", "model", "system_fingerprint")}
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
@@ -188,6 +195,13 @@ def chat_events(include_usage: bool) -> list[bytes]:
         events.append(b"data: " + orjson.dumps(usage) + b"\n\n")
     events.append(b"data: [DONE]\n\n")
     return events
+
+
+def sized_chat(content: str) -> dict[str, Any]:
+    """The chat answer with ``content`` as its text."""
+    answer = copy.deepcopy(CHAT)
+    answer["choices"][0]["message"]["content"] = content  # type: ignore[index]
+    return answer
 
 
 def garbled(events: list[bytes]) -> list[bytes]:
@@ -415,6 +429,11 @@ class _QuietAborts(logging.Filter):
 
 
 DIALECTS = {"/v1/chat/completions": "chat", "/v1/responses": "responses", "/v1/messages": "messages"}
+AZURE_DEPLOYMENT = re.compile(r"^/openai/deployments/[^/]+/chat/completions$")
+"""Azure OpenAI's chat path (``AsyncAzureOpenAI``, NeMo Gym's ``azure_openai_model``): a chat call."""
+LITELLM_HEALTH = "/health/readiness/details"
+"""Where NeMo Gym's ``litellm_model`` asks a LiteLLM proxy its version before it serves."""
+LITELLM_VERSION = "1.83.0"
 
 
 def _timed(send: Any, sent: dict[str, float]) -> Any:
@@ -489,7 +508,10 @@ class ScriptedUpstream:
             }
         )
         send = _timed(send, sent)
-        dialect = DIALECTS.get(scope["path"])
+        dialect = DIALECTS.get(scope["path"]) or ("chat" if AZURE_DEPLOYMENT.match(scope["path"]) else None)
+        if scope["path"] == LITELLM_HEALTH:
+            await self._json(send, 200, {"status": "connected", "litellm_version": LITELLM_VERSION})
+            return
         if dialect is None or scope["method"] != "POST":
             await self._json(
                 send,
@@ -549,13 +571,22 @@ class ScriptedUpstream:
             big = {**copy.deepcopy(CHAT), "padding": "x" * 200_000}
             await self._json(send, 200, big)
             return
+        if model.startswith("scripted-big-"):
+            await self._pieces(send, orjson.dumps({**CHAT, "padding": "x" * int(model.rsplit("-", 1)[1])}))
+            return
         stream = isinstance(request, dict) and request.get("stream") is True
+        sized = None
+        if model.startswith("scripted-size-"):
+            sized = "x" * int(model.removeprefix("scripted-size-"))
         if not stream:
+            if sized is not None and dialect == "chat":
+                await self._json(send, 200, sized_chat(sized))
+                return
             await self._json(send, 200, {"chat": CHAT, "responses": RESPONSE, "messages": MESSAGE}[dialect])
             return
         if dialect == "chat":
             options = request.get("stream_options") or {}
-            events = chat_events(bool(options.get("include_usage")))
+            events = chat_events(bool(options.get("include_usage")), sized)
             if model == "scripted-garbled":
                 events = garbled(events)
             elif model == "scripted-tools-only":
@@ -596,6 +627,15 @@ class ScriptedUpstream:
                     await asyncio.sleep(0.01)
         if model in ("scripted-abort", "scripted-abort-500"):
             raise ScriptAbort("connection dropped by the script")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    @staticmethod
+    async def _pieces(send: Any, body: bytes) -> None:
+        """A JSON body of known length handed to the server at once, in 64 KiB messages."""
+        head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        for at in range(0, len(body), 1 << 16):
+            await send({"type": "http.response.body", "body": body[at : at + (1 << 16)], "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _json(self, send: Any, status: int, body: Any) -> None:

@@ -74,3 +74,81 @@ def run_tick_reporting(api_url: str, root: str, lease_s: float, report: str) -> 
 
     summary = enrich_completed_runs(root, lease_s=lease_s, quiescence_timeout_s=600.0, max_parallel_runs=2)
     Path(report).write_text(summary.model_dump_json())
+
+
+def run_tick_measured(api_url: str, root: str, report: str) -> None:
+    """``run_tick`` on a local runs root (threads: one process), then its summary and this
+    process's peak RSS (``VmHWM``, KiB: ``ru_maxrss`` would count the forking parent's) written as
+    JSON to ``report``."""
+    import json
+    import os
+
+    os.environ["PREFECT_API_URL"] = api_url  # before Prefect is imported here
+    from pathlib import Path
+
+    from rollout_capture.flows import enrich_completed_runs
+
+    summary = enrich_completed_runs(root, quiescence_timeout_s=600.0)
+    status = Path("/proc/self/status").read_text().splitlines()
+    peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    Path(report).write_text(json.dumps({"summary": summary.model_dump(mode="json"), "peak_kib": peak}))
+
+
+KILL_POINTS = ("mid-append", "after-append", "before-marker", "after-marker")
+"""Where a killed follower dies: halfway through writing a round to its live output, right after a
+round, after publishing its output but before ``_ENRICHED``, after ``_ENRICHED`` but before its
+lease is dropped."""
+
+
+def follow_until_killed(api_url: str, run: str, point: str, nth: int, options: dict[str, Any]) -> None:
+    """``follow_run`` in a process of its own that SIGKILLs itself at ``point`` (its ``nth`` round
+    for the live ones), as a crash there would leave things."""
+    import os
+    import signal
+
+    os.environ["PREFECT_API_URL"] = api_url  # before Prefect is imported here
+    from rollout_capture.flows.follow import follow_run
+    from rollout_capture.live_output import LiveFile
+    from rollout_capture.run_folders import RunsRoot
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    rounds = [0]
+    append = LiveFile.append
+
+    def dying_append(self: LiveFile, first_line: int, lines: Any) -> None:
+        rounds[0] += 1
+        if point == "mid-append" and rounds[0] == nth:
+            data = b"".join(line + b"\n" for line in lines)
+            assert self._fd is not None
+            os.lseek(self._fd, 0, os.SEEK_END)
+            os.write(self._fd, data[: len(data) // 2])
+            die()
+        append(self, first_line, lines)
+        if point == "after-append" and rounds[0] == nth:
+            die()
+
+    LiveFile.append = dying_append  # type: ignore[method-assign]
+    mark, drop = RunsRoot.mark_enriched, RunsRoot.drop_leases
+    if point == "before-marker":
+        RunsRoot.mark_enriched = lambda *args, **kwargs: die()  # type: ignore[method-assign]
+    if point == "after-marker":
+        RunsRoot.drop_leases = lambda *args, **kwargs: die()  # type: ignore[method-assign]
+    follow_run(run, **options)
+    RunsRoot.mark_enriched, RunsRoot.drop_leases = mark, drop  # type: ignore[method-assign]
+    raise SystemExit(f"{point} #{nth} was never reached")
+
+
+def follow_reporting(api_url: str, run: str, go: Event, report: str, options: dict[str, Any]) -> None:
+    """``follow_run`` once every racer is ready; its summary written as JSON to ``report``."""
+    import os
+
+    os.environ["PREFECT_API_URL"] = api_url  # before Prefect is imported here
+    from pathlib import Path
+
+    from rollout_capture.flows.follow import follow_run
+
+    go.wait(120)
+    summary = follow_run(run, **options)
+    Path(report).write_text(summary.model_dump_json())
