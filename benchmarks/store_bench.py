@@ -4,7 +4,8 @@ moto (``python -m moto.server``) is one Python process; the request-counting pro
 of it (tests/support/fault_proxy.py's FaultProxy, adding a fixed latency per request as a network
 would) runs in a second one, so neither shares an interpreter, and its GIL, with the load
 generator or the capture proxy being measured. The bench talks to the counting proxy over
-its stdin/stdout: ``peek`` (counts so far), ``reset`` (counts so far, then zero), ``rtt``
+its stdin/stdout: ``peek`` (counts so far), ``reset`` (counts so far, then zero), ``answers``
+(bytes sent back and answers by status so far, then zero), ``rtt``
 (a few HEADs' round trips through it, in ms, uncounted).
 """
 
@@ -129,6 +130,11 @@ class CountingProxy:
         """Requests by method since the last reset, then start again from zero."""
         return dict(self._ask("reset"))
 
+    def answers(self) -> dict[str, Any]:
+        """The body bytes the store sent back (``bytes``) and its answers by status (``statuses``)
+        since the last call, then start again from zero."""
+        return dict(self._ask("answers"))
+
     def round_trips_ms(self, bucket: str) -> list[float]:
         """A few HEADs' round trips through this proxy, one after another (what one store request
         costs on the wire, without botocore's CPU); these requests are not counted."""
@@ -222,6 +228,8 @@ def serve_counting_proxy(target_port: int, latency_ms: float) -> None:
                     answer: Any = dict(proxy.requests)
             elif command == "reset":
                 answer = proxy.reset_counts()
+            elif command == "answers":
+                answer = proxy.reset_answers()
             elif command == "rtt":
                 before = proxy.reset_counts()
                 answer = _head_ms(proxy.port, rest)

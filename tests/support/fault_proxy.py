@@ -34,6 +34,7 @@ _ACCESS_DENIED = (
 )
 
 
+_STATUS_LINE = re.compile(rb"HTTP/1\.[01] ([2-5]\d\d) ")
 _GCS_LISTING = re.compile(rb"^/storage/v1/b/[^/?]+/o(\?|$)")
 _DELETES = re.compile(rb"^(DELETE \S+|POST \S+\?delete\S*) HTTP/1\.[01]\r\n")
 _KEY = re.compile(rb"<Key>(.*?)</Key>")
@@ -115,6 +116,8 @@ class FaultProxy:
         self.outages = 0
         self.throttled = 0
         self.requests: dict[str, int] = {}
+        self.bytes_down = 0  # body bytes the store sent back (status lines and headers left out)
+        self.statuses: dict[int, int] = {}  # final answers by status (a line found in a chunk)
         self.port = self._listen(0)
 
     @property
@@ -165,6 +168,8 @@ class FaultProxy:
                         if source in self._lose:  # not counted by the other side's end meanwhile
                             self._lose[source] = data[passed:]
                     continue
+                if not from_client:
+                    self._count_answer(data)
                 if from_client:
                     if self._trigger is not None and self._fire(data):
                         return  # this request dies with the endpoint
@@ -227,6 +232,25 @@ class FaultProxy:
             for kind in kinds:
                 self.requests[kind] = self.requests.get(kind, 0) + 1
         return False, len(kinds)
+
+    def _count_answer(self, data: bytes) -> None:
+        codes, head = [], 0
+        for found in _STATUS_LINE.finditer(data) if b"HTTP/1." in data else ():
+            codes.append(int(found.group(1)))
+            end = data.find(b"\r\n\r\n", found.start())
+            head += (end + 4 if end >= 0 else len(data)) - found.start()
+        with self._lock:
+            self.bytes_down += len(data) - head
+            for code in codes:
+                self.statuses[code] = self.statuses.get(code, 0) + 1
+
+    def reset_answers(self) -> dict[str, object]:
+        """The body bytes the store sent back and its answers by status so far, then start again."""
+        with self._lock:
+            statuses = dict(sorted(self.statuses.items()))
+            out: dict[str, object] = {"bytes": self.bytes_down, "statuses": statuses}
+            self.bytes_down, self.statuses = 0, {}
+        return out
 
     def throttle(self, requests: int) -> None:
         """Answer the next ``requests`` requests with 503 SlowDown."""

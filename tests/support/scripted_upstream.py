@@ -9,8 +9,10 @@ of a plain JSON answer,
 ``scripted-gated-<name>`` streams its first event and waits for ``gate(name)`` before the
 rest, ``scripted-hang`` answers after 3 s, ``scripted-text`` answers 200 with plain text,
 ``scripted-big`` answers a large JSON body (``scripted-big-<n>``: padded to ``n`` bytes, handed
-over at once in 64 KiB pieces), ``scripted-gzip`` a gzipped one whatever was
-asked, ``scripted-status-<n>`` answers status ``n`` with a JSON body (999: one no server knows),
+over at once in 64 KiB pieces), ``scripted-size-<n>`` a chat answer whose content is ``n``
+characters (streamed or not: an agent's answers of many sizes), ``scripted-gzip`` a gzipped one
+whatever was asked, ``scripted-status-<n>`` answers status ``n`` with a JSON body (999: one no
+server knows),
 ``scripted-garbled`` streams a chat answer with a non-JSON event in its middle,
 ``scripted-tools-only`` a chat answer of tool calls alone (``content: ""`` in its first delta, as
 OpenAI sends it), ``scripted-stream-error`` a stream whose third event is ``event:error`` (no space,
@@ -144,9 +146,12 @@ def _split(text: str, parts: int = 3) -> list[str]:
     return [text[i : i + step] for i in range(0, len(text), step)]
 
 
-def chat_events(include_usage: bool) -> list[bytes]:
-    """A chat stream as OpenAI sends it (``usage: null`` on every chunk when usage is asked for)."""
-    message = CHAT["choices"][0]["message"]  # type: ignore[index]
+def chat_events(include_usage: bool, content: str | None = None) -> list[bytes]:
+    """A chat stream as OpenAI sends it (``usage: null`` on every chunk when usage is asked for);
+    ``content``: the answer's text instead of the script's."""
+    message = dict(CHAT["choices"][0]["message"])  # type: ignore[index]
+    if content is not None:
+        message["content"] = content
     head = {k: CHAT[k] for k in ("id", "created", "model", "system_fingerprint")}
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
@@ -190,6 +195,13 @@ def chat_events(include_usage: bool) -> list[bytes]:
         events.append(b"data: " + orjson.dumps(usage) + b"\n\n")
     events.append(b"data: [DONE]\n\n")
     return events
+
+
+def sized_chat(content: str) -> dict[str, Any]:
+    """The chat answer with ``content`` as its text."""
+    answer = copy.deepcopy(CHAT)
+    answer["choices"][0]["message"]["content"] = content  # type: ignore[index]
+    return answer
 
 
 def garbled(events: list[bytes]) -> list[bytes]:
@@ -563,12 +575,18 @@ class ScriptedUpstream:
             await self._pieces(send, orjson.dumps({**CHAT, "padding": "x" * int(model.rsplit("-", 1)[1])}))
             return
         stream = isinstance(request, dict) and request.get("stream") is True
+        sized = None
+        if model.startswith("scripted-size-"):
+            sized = "x" * int(model.removeprefix("scripted-size-"))
         if not stream:
+            if sized is not None and dialect == "chat":
+                await self._json(send, 200, sized_chat(sized))
+                return
             await self._json(send, 200, {"chat": CHAT, "responses": RESPONSE, "messages": MESSAGE}[dialect])
             return
         if dialect == "chat":
             options = request.get("stream_options") or {}
-            events = chat_events(bool(options.get("include_usage")))
+            events = chat_events(bool(options.get("include_usage")), sized)
             if model == "scripted-garbled":
                 events = garbled(events)
             elif model == "scripted-tools-only":
