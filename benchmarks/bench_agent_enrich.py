@@ -49,6 +49,7 @@ from benchmarks.bench_cli import base_env, cli, prefect_server  # noqa: E402
 from benchmarks.bench_proxy import Connection, baseline_checkout, start_proxy, start_upstream  # noqa: E402
 from benchmarks.corpus import source_corpus  # noqa: E402
 from benchmarks.store_bench import DUMMY_CREDENTIALS, CountingProxy, Moto  # noqa: E402
+from tests.support.stores import stop_process  # noqa: E402
 
 BUCKET = "bench-agent"
 PREFIX = "run/captures"
@@ -113,12 +114,7 @@ def rollouts_file(path: Path, rollouts: int) -> None:
 
 
 def stop(proc: subprocess.Popen[str]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(30)
+    stop_process(proc, grace_s=60)
 
 
 def write_run(upstream: str, capture_dir: str, rollouts: int, env: dict[str, str]) -> dict[str, Any]:
@@ -363,8 +359,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rollouts", type=int, default=2000)
-    parser.add_argument("--store-latency-ms", type=float, default=20.0)
+    parser.add_argument("--rollouts", type=int, default=2000, help="agent rollouts of 5 calls each")
+    parser.add_argument("--store-latency-ms", type=float, default=20.0, help="added to every store request")
     parser.add_argument("--delay-ms", type=float, default=20.0, help="the upstream's, before each answer")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--baseline", help="a git ref or a checkout's directory: the code before, beside")
