@@ -3,19 +3,27 @@
 Served deployments have names of their own (``enrich-completed-runs-served``...): serving, and
 stopping with Ctrl-C, never changes what ``rollout-capture deploy`` registered for the workers.
 Stopping pauses what this serve registered and disables its triggers (the automations Prefect made
-of them): a later ``finish`` under its root creates no run that nobody will pick up.
+of them): a later ``finish`` under its root creates no run that nobody will pick up. A Ctrl-C (or
+SIGTERM) while serve registers them waits for the registration to end, then stops all of it: one
+cut short would stay registered, active, with nothing serving it (a loaded server takes seconds);
+nor is the stop itself cut short by a second Ctrl-C.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefect import serve
 from prefect.client.orchestration import get_client
 from prefect.deployments.runner import RunnerDeployment
-from prefect.exceptions import ObjectNotFound
+from prefect.exceptions import ObjectNotFound, TerminationSignal
+from prefect.runner import Runner
 
 from rollout_capture.deployments.names import SCHEDULED
 from rollout_capture.deployments.register import ensure_automations
@@ -34,6 +42,8 @@ class Stopped:
     paused: list[str] = field(default_factory=list)
     triggers_disabled: list[str] = field(default_factory=list)
     left_alone: dict[str, str] = field(default_factory=dict)
+    served: bool = True
+    """False when the stop came while serve registered its deployments: they were never served."""
 
 
 def serve_shipped(
@@ -42,12 +52,14 @@ def serve_shipped(
     cron: str = DEFAULT_CRON,
     parameters: dict[str, Any] | None = None,
     name: str = SCHEDULED,
+    serving: Callable[[list[str]], None] | None = None,
 ) -> Stopped:
     """Serve the scheduled enrichment of ``runs_root`` and the on-demand flows until interrupted,
     then stop what was served (:func:`stop_served`); returns what stopping touched.
 
     ``name`` (as ``deploy``'s): another than the default names every served deployment after it,
-    so a second serve, of another runs root, shares none with the first.
+    so a second serve, of another runs root, shares none with the first. ``serving`` is told the
+    deployments' full names once all are registered, as serving begins.
 
     Example:
         ```python
@@ -73,8 +85,40 @@ def serve_shipped(
     ensure_automations()  # the served ones have the same concurrency limit to explain
     # Prefect's own pause at shutdown pauses by id whatever the deployment has become meanwhile:
     # stop_served pauses only what is still this serve's, and disables the triggers too.
-    serve(*deployments, pause_on_shutdown=False)
-    return stop_served(deployments)
+    runner = Runner(pause_on_shutdown=False)
+    served = False
+    # Ctrl-C; SIGTERM (the runner's own handler exits while it starts, stops it once started).
+    with contextlib.suppress(KeyboardInterrupt, TerminationSignal, SystemExit):
+        with _stops_held() as stops:  # registered whole (deployments, triggers), then stopped whole
+            for deployment in deployments:
+                runner.add_deployment(deployment)
+        if not stops:
+            served = True
+            if serving is not None:
+                serving([d.full_name for d in deployments])
+            asyncio.run(runner.start())
+    with _stops_held():  # nor is the stop cut short (a second Ctrl-C waits for it)
+        stopped = stop_served(deployments)
+    stopped.served = served
+    return stopped
+
+
+@contextlib.contextmanager
+def _stops_held() -> Iterator[list[int]]:
+    """Ctrl-C and SIGTERM noted, not acted on, within the block (the signals it got, in order): a
+    registration cut short leaves a deployment active that nothing serves, or one with no trigger.
+    Held only in the main thread (where Python runs signal handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield []
+        return
+    noted: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.signal(signum, lambda got, _: noted.append(got)) for signum in held}
+    try:
+        yield noted
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def stop_served(deployments: list[RunnerDeployment]) -> Stopped:

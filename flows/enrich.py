@@ -23,6 +23,7 @@ from pydantic import Field
 from rollout_capture.backends import ListingScope
 from rollout_capture.batch import BatchStats, DuplicateIds
 from rollout_capture.enrich_options import DEFAULT_BATCH_SIZE, DEFAULT_MAX_WORKERS, EnrichOptions, Runner
+from rollout_capture.faults import NO_CAPTURE_CAUSES
 from rollout_capture.filesystem import absolute_location
 from rollout_capture.flows.events import emit_completed, emit_failed
 from rollout_capture.flows.guard import StorageOptions, guarded_flow
@@ -349,6 +350,13 @@ def report_enrichment(
             first.reason,
         )
     evidence = stats.evidence
+    if stats.rollouts and not stats.calls:  # never zero in silence (issue 45)
+        logger.warning(
+            "%sno call captured for any of %d rollout(s): %s",
+            f"{name}: " if name else "",
+            stats.rollouts,
+            NO_CAPTURE_CAUSES,
+        )
     poor = poor_evidence(stats, options.max_gap_share, options.max_failed_share)
     logger.log(
         logging.WARNING if poor else logging.INFO,

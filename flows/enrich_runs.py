@@ -31,13 +31,20 @@ from rollout_capture.flows.report import (
     start_progress,
     task_run_link,
 )
-from rollout_capture.flows.run_batch import RunOutcome, RunsJob, RunStatus, enrich_runs_batch, outcome_row
+from rollout_capture.flows.run_batch import (
+    RunOutcome,
+    RunsJob,
+    RunStatus,
+    enrich_runs_batch,
+    hold,
+    outcome_row,
+)
 from rollout_capture.flows.runners import check_runner
 from rollout_capture.location import Location
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
 from rollout_capture.run_folders import DEFAULT_LEASE_S, Discovery, RunFolder, new_owner
 from rollout_capture.secret_options import shown_url
-from rollout_capture.tasks.run_folders import MAX_NAMED_RUNS, find_runs, remember_enriched
+from rollout_capture.tasks.run_folders import MAX_NAMED_RUNS, find_runs, remember_enriched, runs_root_at
 
 __all__ = ["RunOutcome", "RunStatus", "RunsFailed", "RunsSummary", "enrich_completed_runs"]
 
@@ -57,8 +64,13 @@ class RunsSummary(BaseModel):
     lost: list[str] = Field(default_factory=list)
     """Runs whose lease another holder took while they were enriched (nothing was published)."""
     refused: dict[str, str] = Field(default_factory=dict)
-    """Names under the root left alone, and why: a link (never followed), or a run folder holding
-    one where its parts belong. The tick fails naming them, as it does failed runs."""
+    """Run folders left alone, and why: one holding a link where its parts belong. The tick fails
+    naming them, as it does failed runs, and holds them (their ``_REFUSED``)."""
+    links: dict[str, str] = Field(default_factory=dict)
+    """Names under the root that are links (never followed out of it): named, not run folders."""
+    held: dict[str, str] = Field(default_factory=dict)
+    """Runs an earlier tick refused for their own input (a link, no captures), and why: named and
+    left alone, without failing this tick, until finished again (``finish``) or rechecked."""
     outcomes: dict[str, RunOutcome] = Field(default_factory=dict)
     """Each run this invocation tried to take, by name."""
 
@@ -75,7 +87,8 @@ class RunsSummary(BaseModel):
         return (
             f"enriched {len(self.enriched)} run(s), {len(self.busy)} busy, {len(self.unfinished)} "
             f"unfinished, {len(self.already_enriched)} already enriched, {len(self.lost)} lost, "
-            f"{len(self.failed)} failed, {len(self.refused)} left alone (links)"
+            f"{len(self.failed)} failed, {len(self.refused)} left alone (links), "
+            f"{len(self.held)} held (refused before)"
         )
 
 
@@ -89,11 +102,16 @@ def needing_a_look(summary: RunsSummary) -> list[Row]:
         {**outcome_row(name, o), "batch": task_run_link(o.task_run_id)}
         for name, o in summary.outcomes.items()
     ]
-    refused = [
-        {**outcome_row(name, RunOutcome(status="failed", error=why)), "status": "left alone", "batch": None}
-        for name, why in summary.refused.items()
+    left = [
+        {**outcome_row(name, RunOutcome(status="failed", error=why)), "status": status, "batch": None}
+        for status, named in (
+            ("left alone", summary.refused),
+            ("held: refused before", summary.held),
+            ("a link: left alone", summary.links),
+        )
+        for name, why in named.items()
     ]
-    return [row for row in rows if needs_a_look(row)] + refused
+    return [row for row in rows if needs_a_look(row)] + left
 
 
 def batch_rows(summary: RunsSummary) -> list[Row]:
@@ -205,6 +223,7 @@ def enrich_completed_runs(
     check_traces(options)
     captures = runs.at(capture_dir) if capture_dir else None
     summary, ready = _sorted_runs(find_runs(runs, full_scan, recheck))
+    _hold_refused(runs, summary.refused)
     job = RunsJob(runs_root=runs, lease_s=lease_s, capture_dir=captures, options=options)
     batches = _batches(ready, runs_per_batch, max_parallel_runs)
     _enrich_ready(summary, ready, job, runs_root, batches, max_parallel_runs)
@@ -237,7 +256,7 @@ def with_traces_project(options: EnrichOptions, runs_root: str) -> EnrichOptions
 
 def _publish_tick(summary: RunsSummary, runs_root: str, runs: Location) -> None:
     """What a tick leaves behind: its summary (in the UI) and the root's index of enriched runs."""
-    if summary.outcomes or summary.refused:
+    if summary.outcomes or summary.refused or summary.held or summary.links:
         publish_tick_summary(runs_root, summary.tally(), needing_a_look(summary), batch_rows(summary))
     if summary.enriched:
         remember_enriched(runs, summary.enriched)
@@ -311,10 +330,19 @@ def _outcomes(future: PrefectFuture[list[RunOutcome]], batch: list[RunFolder]) -
         return [RunOutcome(status="failed", error=error, task_run_id=future.task_run_id) for _ in batch]
 
 
+def _hold_refused(runs: Location, refused: dict[str, str]) -> None:
+    """Hold the run folders refused now for a link where a part belongs: this tick fails naming
+    them, the next ones name them without failing (docs/scheduled.md)."""
+    if refused:
+        root = runs_root_at(runs)
+        for name, why in refused.items():
+            hold(root, name, why)
+
+
 def _sorted_runs(found: Discovery) -> tuple[RunsSummary, list[RunFolder]]:
     """A tick's summary with the runs it skips (enriched, unfinished, left alone) filed, and the
     runs ready."""
-    summary = RunsSummary(refused=found.refused)
+    summary = RunsSummary(refused=found.refused, links=found.links, held=found.held)
     ready = []
     for run in found.runs:
         if run.enriched:

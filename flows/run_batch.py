@@ -218,12 +218,17 @@ def _at_once(
     return Spooled(spool=spool, stats=stats, batches=1 if first else 0)
 
 
+class RunRefused(FileNotFoundError):
+    """A run refused for its own input (its capture dir holds nothing): held from the next tick on
+    (its ``_REFUSED``), so one such run does not fail every tick over the root."""
+
+
 def _check_capture_dir(captures: Location, allow_empty: bool) -> None:
     """``check_capture_dir``'s refusal, without its task run."""
     with credentials_for(captures) as credentials:
         found = captures.capture_store(credentials).root_found()
     if not found and not allow_empty:
-        raise FileNotFoundError(missing_capture_dir(captures.url, "allow_empty=True / --allow-empty"))
+        raise RunRefused(missing_capture_dir(captures.url, "allow_empty=True / --allow-empty"))
 
 
 def _staged(run: RunFolder, rollouts: Location) -> StagedRollouts:
@@ -259,6 +264,22 @@ def _enrich_under_lease(
     keeper.check()
     summary = publish_spool(done, run.rollouts, output, started, before=keeper.fence, write=write)
     return summary, done.stats
+
+
+def hold(root: RunsRoot, name: str, why: str) -> None:
+    """Hold a run refused for its own input (a failure to do so is only logged: the next tick
+    refuses it again, and fails again)."""
+    try:
+        root.hold(name, why)
+    except Exception as exc:
+        get_run_logger().warning("%s: not held (%s); the next tick refuses it again", name, exc)
+
+
+def _release(root: RunsRoot, name: str) -> None:
+    try:
+        root.unhold(name)
+    except Exception as exc:
+        get_run_logger().warning("%s: its _REFUSED stays (%s); finish it again to drop it", name, exc)
 
 
 def _give_back(keeper: LeaseKeeper) -> None:
@@ -307,10 +328,14 @@ def enrich_one_run(
         except Exception as exc:
             outcome = _failed(run, exc)
             outcome._enrichment_error = exc
+            if isinstance(exc, RunRefused):
+                hold(root, run.name, str(exc))
             return outcome
         finally:
             if not finished:
                 _give_back(keeper)
+    if run.held:  # rechecked and enriched after all
+        _release(root, run.name)
     output = job.runs_root.at(run.output)
     failed = send_traces(summary, output, job.options, traces_run(job.options, run, output))
     end = report_enrichment(summary, job.options, artifacts=artifacts, name=run.name)

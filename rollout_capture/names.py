@@ -192,6 +192,17 @@ def group_entries(
     return out
 
 
+def journal_commit(relative: str) -> tuple[str, int] | None:
+    """``(stream, number)`` of a journal commit's name relative to the root (``_journal/7.jsonl``
+    is the rows stream's, ``_journal/claims/7.jsonl`` the claims stream's); ``None`` for any other."""
+    folder, _, name = relative.rpartition("/")
+    stream = {JOURNAL_DIR: "rows", f"{JOURNAL_DIR}/claims": "claims"}.get(folder)
+    stem = name.removesuffix(".jsonl")
+    if stream is None or len(stem) != SEQ_WIDTH or not stem.isdigit() or stem == name:
+        return None
+    return stream, int(stem)
+
+
 _ROOT_SUFFIXES = (".capture.jsonl", ".capture.incomplete", ".capture.claims", ".capture")
 
 

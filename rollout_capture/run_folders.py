@@ -49,6 +49,10 @@ PARTS = "rollouts.parts"
 order as one file (:mod:`rollout_capture.rollout_parts`)."""
 CAPTURES = "captures"
 STARTED = "_STARTED"
+HELD = "_REFUSED"
+"""A run an earlier tick refused for its own input (a link where its parts belong, no captures):
+why, as JSON. Later ticks leave it alone, naming it, without failing, until it is finished again
+(``finish`` removes it) or rechecked."""
 """Written when a run starts (``rollout-capture start``): a run to follow while it runs."""
 SUCCESS = "_SUCCESS"
 ENRICHED = "_ENRICHED"
@@ -65,7 +69,9 @@ BEATS_PER_LEASE = 3
 """Renewals per lease period: two may fail (a storage hiccup) before the lease lapses."""
 
 Taken = Literal["busy", "enriched"]
-_RUN_PARTS = frozenset({ROLLOUTS, PARTS, CAPTURES, STARTED, SUCCESS, ENRICHED, OUTPUT, LIVE, LIVE_PARTS})
+_RUN_PARTS = frozenset(
+    {ROLLOUTS, PARTS, CAPTURES, STARTED, SUCCESS, ENRICHED, OUTPUT, LIVE, LIVE_PARTS, HELD}
+)
 _LINKED = "a symbolic link, never followed inside a runs root"
 logger = logging.getLogger(__name__)
 
@@ -84,6 +90,9 @@ class RunFolder(BaseModel):
     """Whether the run said it started (``_STARTED``): one to follow while it runs."""
     parts: bool = False
     """Whether its rollouts are numbered parts (``rollouts.parts/``) rather than one file."""
+    held: bool = False
+    """Whether an earlier tick refused it (``_REFUSED``): said by :func:`run_folder`, and by a
+    tick's discovery of a run it was told to recheck."""
 
     @property
     def rollouts(self) -> str:
@@ -156,8 +165,12 @@ class Discovery(BaseModel):
     indexed: int
     """Runs taken from the index as enriched, without listing their folders."""
     refused: dict[str, str] = Field(default_factory=dict)
-    """Names under the root left alone, and why: a link (never followed out of the root), or
-    a run folder holding one where its parts belong."""
+    """Run folders left alone, and why: one holding a link where its parts belong (found now)."""
+    links: dict[str, str] = Field(default_factory=dict)
+    """Names under the root that are links, left alone (never followed out of the root): no run
+    folder of this root."""
+    held: dict[str, str] = Field(default_factory=dict)
+    """Runs an earlier tick refused (their ``_REFUSED``), and why: left alone until finished again."""
 
 
 def rollouts_kind(names: Mapping[str, Named], where: str) -> Literal["file", "parts"] | None:
@@ -236,6 +249,7 @@ def run_folder(
         enriched=ENRICHED in names,
         started=started,
         parts=kind == "parts",
+        held=HELD in names,
     )
     return state, backend
 
@@ -277,6 +291,8 @@ def finish_run(
         parent, _, name = state.url.rpartition("/")
         if parent and not parent.endswith("/"):  # a folder under a root (not a bucket, not /)
             RunsRoot(parent, storage_options, credentials=credentials).forget_enriched([name])
+        if state.held:  # finished again: the next tick tries it again
+            backend.remove([backend.path(HELD)])
         backend.put(backend.path(SUCCESS), b"")  # never through a link: a rename in the folder
     return state
 
@@ -306,6 +322,20 @@ def _parse_lease(body: bytes | None) -> Lease | None:
         return Lease.model_validate(orjson.loads(body))
     except (orjson.JSONDecodeError, ValidationError):
         return None
+
+
+_HELD_REASON_BYTES = 4096
+
+
+def _held_reason(body: bytes | None) -> str:
+    """Why an earlier tick refused a run, from its ``_REFUSED`` (what it says, bounded)."""
+    try:
+        reason = (
+            orjson.loads(body or b"{}").get("reason") if body and len(body) <= _HELD_REASON_BYTES else None
+        )
+    except (orjson.JSONDecodeError, AttributeError):
+        reason = None
+    return reason if isinstance(reason, str) else "refused by an earlier tick"
 
 
 def _is_run_part(name: str) -> bool:
@@ -369,6 +399,7 @@ class RunsRoot:
         size: int | None = None,
         started: bool = False,
         parts: bool = False,
+        held: bool = False,
     ) -> RunFolder:
         return RunFolder(
             name=name,
@@ -378,6 +409,7 @@ class RunsRoot:
             rollouts_bytes=size,
             started=started,
             parts=parts,
+            held=held,
         )
 
     def discover(
@@ -390,7 +422,9 @@ class RunsRoot:
         differs from it (``update_index``).
         """
         (top,) = self.backend.list_names([self.root])
-        refused = {name: _LINKED for name, entry in top.items() if entry.link}
+        links = {name: _LINKED for name, entry in top.items() if entry.link}
+        refused: dict[str, str] = {}
+        held: dict[str, str] = {}
         folders = sorted(name for name, entry in top.items() if entry.folder)
         index = self._read_index() if use_index and INDEX in top and not top[INDEX].link else None
         known = set(index or ()) & set(folders)
@@ -400,6 +434,15 @@ class RunsRoot:
         for name, names in zip(
             to_list, self.backend.list_names([self._folder(n) for n in to_list]), strict=True
         ):
+            hold = names.get(HELD)
+            if (
+                hold is not None
+                and not (hold.link or hold.folder)
+                and ENRICHED not in names
+                and name not in recheck
+            ):
+                held[name] = hold.path
+                continue
             try:
                 kind = rollouts_kind(names, f"{self.url}/{name}")
             except ValueError as exc:
@@ -421,18 +464,34 @@ class RunsRoot:
                     size=size,
                     started=STARTED in names,
                     parts=kind == "parts",
+                    held=hold is not None,  # rechecked: its _REFUSED goes once it is enriched
                 )
             )
         runs.sort(key=lambda run: run.name)
-        for name, why in sorted(refused.items()):
+        held = dict(zip(held, map(_held_reason, self.backend.read_many(list(held.values()))), strict=True))
+        for name, why in sorted({**links, **refused}.items()):
             logger.warning("%s/%s is left alone: %s", self.url, name, why)
+        for name, why in sorted(held.items()):
+            logger.warning("%s/%s is left alone, refused by an earlier tick: %s", self.url, name, why)
         if update_index:
             enriched = {run.name for run in runs if run.enriched}
             if enriched != set(index or ()):
                 if known:  # taken on trust from the index read before listing: kept only if still there
                     enriched -= known - set(self._read_index() or ())
                 self._write_index(enriched)
-        return Discovery(runs=runs, listed=len(to_list), indexed=len(known), refused=refused)
+        return Discovery(
+            runs=runs, listed=len(to_list), indexed=len(known), refused=refused, links=links, held=held
+        )
+
+    def unhold(self, name: str) -> None:
+        """A held run enriched after all (rechecked): its ``_REFUSED`` goes."""
+        self.backend.remove([join(self._folder(name), HELD)])
+
+    def hold(self, name: str, why: str) -> None:
+        """Leave a run alone from the next tick on, saying why (its ``_REFUSED``): it was refused
+        for its own input, and refusing it again each tick would fail every tick for one run."""
+        body = {"reason": why, "at": self._now(), "by": new_owner()}
+        self.backend.put(join(self._folder(name), HELD), orjson.dumps(body))
 
     def runs(self) -> list[RunFolder]:
         """Every run folder, each listed now (the index neither read nor written)."""

@@ -171,6 +171,8 @@ class CaptureStore:
         self.layout: Layout = self.layout_strategy.name
         self.claims_mode: ClaimsMode = claims
         self._no_journal_scopes: dict[str, None] = {}  # jobs whose first batch found no journal
+        self._open_scopes: set[str] = set()  # jobs reading now: the journal's bodies are kept for them
+        self._scopes_lock = threading.Lock()
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Filesystems are not fork- or pickle-safe, and credentials never travel: a worker
@@ -326,12 +328,16 @@ class CaptureStore:
         as each rollout is parsed on local disks. A ``scope``'s batches may share one listing.
         """
         ids = [validate_rollout_id(r) for r in rollout_ids]
+        if scope is not None:
+            with self._scopes_lock:
+                self._open_scopes.add(scope.key)
         fetched = self._backend.fetch(ids, scope=scope)
         reader = self.journal_reader
         # The journal is looked for unless the batch's listing showed the whole root without
-        # one, or an earlier batch of the job found none (its listing is as old as that look).
+        # one, or an earlier batch of the job found none (its listing is as old as that look);
+        # a listing of the whole root says which commits there are: those are read, no more.
         if not fetched.journal_absent and (scope is None or scope.key not in self._no_journal_scopes):
-            reader.refresh()
+            reader.refresh(fetched.journal_commits)
             if not reader.exists and scope is not None:
                 if len(self._no_journal_scopes) >= _MAX_SCOPES:
                     self._no_journal_scopes.pop(next(iter(self._no_journal_scopes)))
@@ -378,9 +384,15 @@ class CaptureStore:
         return self._backend.root_found()
 
     def end_scope(self, key: str) -> None:
-        """Forget the listing the batches of a finished job (``ListingScope.key``) shared."""
+        """Forget the listing the batches of a finished job (``ListingScope.key``) shared, and the
+        journal's bodies once no job reads this store."""
         self._backend.end_scope(key)
         self._no_journal_scopes.pop(key, None)
+        with self._scopes_lock:
+            self._open_scopes.discard(key)
+            idle = not self._open_scopes
+        if idle:
+            self._journal.forget_bodies()
 
     def snapshot(self, rollout_id: str) -> RolloutSnapshot:
         """Everything this store holds for one rollout."""

@@ -252,6 +252,23 @@ def test_read_many_keeps_order_and_gives_none_for_missing(subject: Subject) -> N
     assert got == [b"B" * 100_000, None, b"A", None]
 
 
+def test_read_iter_hands_over_what_read_many_gives_in_order(subject: Subject) -> None:
+    """A long read pipelined (more paths than requests in flight), and one closed half-way."""
+    b = subject.backend
+    paths = [b.path(f"it/{n:03d}.json") for n in range(90)]
+    for n in range(0, 90, 3):
+        b.put(paths[n], b"%d" % n)
+    assert list(b.read_iter([])) == []
+    assert (
+        list(b.read_iter(paths))
+        == b.read_many(paths)
+        == [b"%d" % n if n % 3 == 0 else None for n in range(90)]
+    )
+    stream = b.read_iter(paths)
+    assert [next(stream) for _ in range(4)] == [b"0", None, None, b"3"]
+    stream.close()
+
+
 def test_exists(subject: Subject) -> None:
     b = subject.backend
     assert not b.exists(b.path("f.json"))

@@ -5,10 +5,14 @@ and the shipped automation firing on an event."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +23,7 @@ from rollout_capture import CaptureStore
 from rollout_capture.flows import enrich_completed_runs, enrich_rollouts
 
 from .conftest import ROOT, S3, wait_for
-from .support.cli import CLI, run_cli, start_worker
+from .support.cli import CLI, interrupted, run_cli, running_until, start_worker, still_running
 from .support.prefect_api import wait_for_events
 from .support.runs_helpers import make_run
 
@@ -45,15 +49,62 @@ def deployments() -> dict[str, Any]:
         return {d.name: d for d in client.read_deployments()}
 
 
-def finished_then_enriched(run: Path, prefect_api: str) -> bool:
-    """The triggers service loads a new deployment's trigger when it does: an event before that
-    goes unseen (the tick would take the run), so `finish` again until the run is enriched."""
-    done = run_cli("finish", str(run), env=environment(prefect_api))
-    assert done.returncode == 0 and "the server was told" in done.stdout, done.stderr
-    try:
-        return wait_for(lambda: (run / "_ENRICHED").exists(), 30, "_ENRICHED", poll_s=0.2)
-    except AssertionError:
-        return False
+def triggered_runs(deployment_id: Any) -> list[Any]:
+    """The flow runs of one deployment that were not made by its schedule (its yearly tick's)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))
+        )
+    return [r for r in runs if not r.auto_scheduled]
+
+
+def finish_until_enriched(
+    run: Path, prefect_api: str, deployment: str, runner: subprocess.Popen[str]
+) -> None:
+    """``rollout-capture finish`` the run until ``deployment``'s trigger has enriched it, then wait
+    until every flow run of the deployment has ended (so a Ctrl-C after this stops nothing half
+    done). The triggers service loads a new deployment's trigger in the background, when it does:
+    an event before that goes unseen and makes no flow run, so the run is finished again while the
+    deployment has no flow run under way. No window decides (pytest-timeout bounds a trigger that
+    never fires): a finish answered "already enriched" means the run is. ``runner`` (the serve or
+    the worker running the deployment's flow runs) must live meanwhile."""
+    deployment_id = deployments()[deployment].id
+
+    def alive() -> bool:
+        return still_running(runner, f"waiting for {run.name} to be enriched by {deployment}")
+
+    def under_way() -> list[Any]:
+        return [r for r in triggered_runs(deployment_id) if r.state is None or not r.state.is_final()]
+
+    while not (run / "_ENRICHED").exists():
+        runs_before = len(triggered_runs(deployment_id))
+        done = run_cli("finish", str(run), env=environment(prefect_api))
+        assert done.returncode == 0, done.stderr
+        if "already enriched" in done.stdout:
+            break
+        assert "the server was told" in done.stdout, done.stdout + done.stderr
+        asked = time.monotonic()
+        while not (run / "_ENRICHED").exists() and alive():  # enriched, or the event went unseen
+            runs = triggered_runs(deployment_id)
+            if len(runs) > runs_before and not under_way() and not (run / "_ENRICHED").exists():
+                states = [f"{r.name}: {r.state and r.state.name} {r.state and r.state.message}" for r in runs]
+                raise AssertionError(f"{run}: its deployment's runs ended, the run not enriched: {states}")
+            if len(runs) == runs_before and time.monotonic() - asked > UNSEEN_AFTER_S:
+                break  # no flow run: the trigger was not loaded yet; finish again
+            time.sleep(0.2)
+    while under_way() and alive():
+        time.sleep(0.2)
+
+
+OPERATOR_TIMEOUT_S = 900
+"""The tests running a serve or a worker: each process may take minutes to start, and a flow run
+as long, on a loaded machine (no window inside them decides; this bounds a hang)."""
+UNSEEN_AFTER_S = 20.0
+"""A finish whose event made no flow run of the deployment this long is finished again (a pace, not
+a verdict: a flow run of the first event found later only enriches nothing twice, leases decide)."""
 
 
 def test_the_deploy_command_registers_the_shipped_deployments(prefect_api: str, tmp_path: Path) -> None:
@@ -286,11 +337,10 @@ def test_two_serves_of_two_runs_roots_share_no_deployment_name() -> None:
     assert names(name="lab") == ["lab", "lab-follow-runs", "enrich-rollouts", "prepare-dispatch"]
 
 
+@pytest.mark.timeout(OPERATOR_TIMEOUT_S)
 def test_serve_never_changes_what_deploy_registered(prefect_api: str, tmp_path: Path) -> None:
     """deploy A, serve B (a real process, stopped by SIGINT as Ctrl-C does), deploy an S3 root C under
     a name of its own: A and C keep their parameters and active schedules; serve's own are B's."""
-    import signal
-
     root_a, root_b = tmp_path / "A", tmp_path / "B"
     root_a.mkdir()
     root_b.mkdir()
@@ -310,23 +360,17 @@ def test_serve_never_changes_what_deploy_registered(prefect_api: str, tmp_path: 
         text=True,
     )
     try:
-        wait_for(  # READY: the server has seen serve poll for it (Ctrl-C before that stops nothing)
-            lambda: (
-                served.poll() is not None  # exited: said below
-                or any(
-                    d.parameters.get("runs_root") == str(root_b) and d.status == "READY"
-                    for d in deployments().values()
-                )
+        running_until(  # READY: the server has seen serve poll for it
+            served,
+            lambda: any(
+                d.parameters.get("runs_root") == str(root_b) and d.status == "READY"
+                for d in deployments().values()
             ),
-            60,
             "serve to register its deployments and poll",
-            poll_s=0.2,
         )
-        exited_early = served.poll()
     finally:
-        served.send_signal(signal.SIGINT)
-        output = served.communicate(timeout=60)[0]
-    assert exited_early is None and served.returncode == 0, output
+        output = interrupted(served)
+    assert served.returncode == 0, output
     assert "nothing else was touched (deployments of work pools, other serves')" in output
 
     found = deployments()
@@ -416,13 +460,12 @@ def test_a_run_cancelled_by_the_concurrency_limit_says_a_tick_was_already_runnin
             client.delete_deployment(deployment.id)
 
 
+@pytest.mark.timeout(OPERATOR_TIMEOUT_S)
 def test_a_finished_run_is_enriched_at_once_by_its_deployments_trigger(
     prefect_api: str, tmp_path: Path
 ) -> None:
     """``rollout-capture finish`` writes _SUCCESS and emits the event; the scheduled deployment's
     trigger runs it on a real worker (its tick, yearly here, never comes): the run gets _ENRICHED."""
-    import signal
-
     from rollout_capture.deployments.register import register
 
     run = tmp_path / "runs" / "run-1"
@@ -434,12 +477,9 @@ def test_a_finished_run_is_enriched_at_once_by_its_deployments_trigger(
     worker = start_worker(pool, prefect_api, tmp_path)
 
     try:
-        wait_for(
-            lambda: finished_then_enriched(run, prefect_api), 120, "the finished run to be enriched", poll_s=0
-        )
+        finish_until_enriched(run, prefect_api, "on-finish", worker)
     finally:
-        worker.send_signal(signal.SIGINT)
-        output = worker.communicate(timeout=60)[0]
+        output = interrupted(worker)
         from prefect.client.orchestration import get_client
 
         with get_client(sync_client=True) as client:
@@ -562,6 +602,69 @@ def test_finish_on_an_enriched_run_says_nothing_will_happen(prefect_api: str, tm
     assert not (run / "_SUCCESS").exists()  # nothing written
 
 
+def finish_here(*args: str) -> Any:
+    """``rollout-capture finish`` run in this process with no Prefect API set (the unit tier's way:
+    what it refuses, and an enriched run, are answered before Prefect is loaded)."""
+    from typer.testing import CliRunner
+
+    from rollout_capture.cli.app import app
+
+    return CliRunner().invoke(app, ["finish", *args], env={"PREFECT_API_URL": None})
+
+
+@pytest.mark.parametrize("link", ["folder", "_SUCCESS", "rollouts.jsonl", "_ENRICHED"])
+def test_finish_never_follows_a_link_at_the_run_folder_or_in_it(link: str, tmp_path: Path) -> None:
+    """The run folder reached through a link, or a part of it (_SUCCESS where it would write,
+    rollouts.jsonl, _ENRICHED where it looks) that is a link out of the root: refused, exit 2, and
+    nothing is written through it (a tick would never enrich it; a write would land outside)."""
+    root, outside = tmp_path / "runs", tmp_path / "elsewhere"
+    elsewhere = outside / "r"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "rollouts.jsonl").write_bytes(b"{}\n")
+    root.mkdir()
+    run = root / "r"
+    if link == "folder":
+        run.symlink_to(elsewhere)
+    else:
+        run.mkdir()
+        if link != "rollouts.jsonl":
+            (run / "rollouts.jsonl").write_bytes(b"{}\n")
+        (run / link).symlink_to(elsewhere / ("rollouts.jsonl" if link == "rollouts.jsonl" else "planted"))
+    done = finish_here("--json", str(run))
+    assert done.exit_code == 2, done.output
+    assert "symbolic link" in done.output and "Traceback" not in done.output
+    assert "_SUCCESS" not in {p.name for p in run.iterdir()} - ({link} if link == "_SUCCESS" else set())
+    assert sorted(p.name for p in outside.rglob("*")) == ["r", "rollouts.jsonl"]  # nothing written there
+
+
+def json_documents(text: str) -> list[Any]:
+    """Every JSON document in ``text``, one after another (however each is laid out)."""
+    import json
+
+    decoder, found, at = json.JSONDecoder(), [], 0
+    while rest := text[at:].lstrip():
+        document, at = decoder.raw_decode(text, len(text) - len(rest))
+        found.append(document)
+    return found
+
+
+def test_finish_on_an_enriched_run_answers_once_and_writes_nothing(tmp_path: Path) -> None:
+    """One result (a script reading the JSON reads one document), no _SUCCESS, nothing sent."""
+    run = tmp_path / "runs" / "done"
+    run.mkdir(parents=True)
+    (run / "rollouts.jsonl").write_bytes(b"{}\n")
+    (run / "_ENRICHED").write_bytes(b"{}")
+    done = finish_here("--json", str(run))
+    assert done.exit_code == 0, done.output
+    assert json_documents(done.stdout) == [
+        {"ok": True, "run": str(run), "event_sent": False, "already_enriched": True}
+    ]
+    assert not (run / "_SUCCESS").exists()
+    shown = finish_here(str(run))
+    assert shown.exit_code == 0 and shown.stdout.count("already enriched") == 1, shown.output
+    assert "finished" not in shown.output and not (run / "_SUCCESS").exists()
+
+
 def _automations_of(deployment_name: str) -> list[Any]:
     """The automations a deployment's triggers made (owned by it)."""
     from prefect.client.orchestration import get_client
@@ -571,6 +674,7 @@ def _automations_of(deployment_name: str) -> list[Any]:
         return list(client.read_resource_related_automations(f"prefect.deployment.{deployment.id}"))
 
 
+@pytest.mark.timeout(OPERATOR_TIMEOUT_S)
 def test_deploy_never_takes_over_a_running_serve_and_its_ctrl_c_leaves_no_trigger(
     prefect_api: str, tmp_path: Path
 ) -> None:
@@ -578,8 +682,6 @@ def test_deploy_never_takes_over_a_running_serve_and_its_ctrl_c_leaves_no_trigge
     runs-c-served`` is refused and changes nothing: C's run is still enriched by the serve. Ctrl-C
     pauses serve's own deployments and disables their trigger, and touches nothing of A's: A's
     trigger still has the worker enrich A's runs."""
-    import signal
-
     from rollout_capture.deployments.register import register
 
     root_a, root_c = tmp_path / "A", tmp_path / "C"
@@ -598,16 +700,11 @@ def test_deploy_never_takes_over_a_running_serve_and_its_ctrl_c_leaves_no_trigge
 
     output = ""
     try:
-        wait_for(
-            lambda: (
-                served.poll() is not None
-                or ("runs-c-served" in (found := deployments()) and found["runs-c-served"].status == "READY")
-            ),
-            90,
+        running_until(
+            served,
+            lambda: "runs-c-served" in (found := deployments()) and found["runs-c-served"].status == "READY",
             "serve to register its deployments and poll",
-            poll_s=0.2,
         )
-        assert served.poll() is None, served.communicate()[0]
         taken = deploy(
             prefect_api, "--runs-root", str(tmp_path / "D"), "--pool", pool, "--name", "runs-c-served"
         )
@@ -615,12 +712,9 @@ def test_deploy_never_takes_over_a_running_serve_and_its_ctrl_c_leaves_no_trigge
         assert "names ending so are `rollout-capture serve`'s" in taken.stderr
         own = deployments()["runs-c-served"]
         assert own.work_pool_name is None and own.parameters["runs_root"] == str(root_c) and not own.paused
-        wait_for(
-            lambda: finished_then_enriched(root_c / "c1", prefect_api), 180, "serve to enrich c1", poll_s=0
-        )
+        finish_until_enriched(root_c / "c1", prefect_api, "runs-c-served", served)
     finally:
-        served.send_signal(signal.SIGINT)
-        output = served.communicate(timeout=120)[0]
+        output = interrupted(served)
     try:
         assert served.returncode == 0, output
         found = deployments()
@@ -632,15 +726,9 @@ def test_deploy_never_takes_over_a_running_serve_and_its_ctrl_c_leaves_no_trigge
         assert "disabled their triggers: runs-c-served: a run finished" in output, output
         assert not found["runs-a"].paused and all(a.enabled for a in _automations_of("runs-a"))
         make_run(root_a, "a1", finished=False, rollouts=1)
-        wait_for(
-            lambda: finished_then_enriched(root_a / "a1", prefect_api),
-            180,
-            "the worker to enrich a1",
-            poll_s=0,
-        )
+        finish_until_enriched(root_a / "a1", prefect_api, "runs-a", worker)
     finally:
-        worker.send_signal(signal.SIGINT)
-        worker_output = worker.communicate(timeout=60)[0]
+        worker_output = interrupted(worker)
         from prefect.client.orchestration import get_client
 
         with get_client(sync_client=True) as client:
@@ -648,6 +736,139 @@ def test_deploy_never_takes_over_a_running_serve_and_its_ctrl_c_leaves_no_trigge
                 if name == "runs-a" or name.startswith("runs-c-"):
                     client.delete_deployment(deployment.id)
     assert "Traceback" not in worker_output, worker_output[-4000:]
+
+
+_CUT_SHORT = """
+import os, signal, sys
+from prefect.runner import Runner
+from rollout_capture.cli.app import main
+
+registered = Runner.add_deployment
+def register_then_ctrl_c(self, deployment):
+    deployment_id = registered(self, deployment)
+    if deployment.name == "cut-short-served":  # the first: Ctrl-C while the others register
+        os.kill(os.getpid(), signal.SIGINT)
+    return deployment_id
+Runner.add_deployment = register_then_ctrl_c
+sys.argv = ["rollout-capture", "serve", "--name", "cut-short", "--cron", "0 0 1 1 *"]
+main()
+"""
+
+
+def test_a_serve_stopped_while_it_registers_stops_all_it_registered(prefect_api: str, tmp_path: Path) -> None:
+    """Ctrl-C as serve registers its deployments (seconds on a loaded server): it registers them
+    whole, then stops them all, as when stopped serving. Cut short, one stayed active with its
+    schedule and nothing serving it; the others, or its trigger, were never made."""
+    from prefect.client.orchestration import get_client
+
+    (tmp_path / "runs").mkdir()
+    env = environment(prefect_api, ROLLOUT_CAPTURE_RUNS_ROOT=str(tmp_path / "runs"))
+    done = subprocess.run(
+        [sys.executable, "-c", _CUT_SHORT], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    said = done.stdout + done.stderr
+    assert done.returncode == 130 and "stopped before serving began" in said, said
+    names = ["cut-short-served", "cut-short-enrich-rollouts-served", "cut-short-prepare-dispatch-served"]
+    found = deployments()
+    try:
+        assert all(found[name].paused for name in names), said
+        triggers = _automations_of("cut-short-served")
+        assert [(a.name, a.enabled) for a in triggers] == [("cut-short-served: a run finished", False)]
+        assert "stopped: paused enrich_completed_runs/cut-short-served, " in said
+        assert " until Ctrl-C" not in said  # it never served
+    finally:
+        with get_client(sync_client=True) as client:
+            for name in names:
+                if name in found:
+                    client.delete_deployment(found[name].id)
+
+
+def test_stopping_a_serve_disables_its_own_triggers_and_never_a_users_automation(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """The user's own automation acting on a served deployment (a rerun, an alert) is related to it
+    as the serve's trigger is: stopping the serve pauses its deployments and disables its trigger,
+    and leaves the user's automation enabled. No serve process: its deployments as serve registers
+    them (on no work pool), then what its Ctrl-C does."""
+    from prefect.client.orchestration import get_client
+    from prefect.events.actions import RunDeployment
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger
+
+    from rollout_capture.deployments.serve import stop_served
+    from rollout_capture.deployments.shipped import shipped_deployments
+
+    served = shipped_deployments(str(tmp_path / "runs"), served=True, name="own-alerts")
+    ids = [d.apply() for d in served]  # as serve registers them: triggers made automations
+    scheduled = served[0].full_name
+    with get_client(sync_client=True) as client:
+        users = client.create_automation(
+            AutomationCore(
+                name="rerun the nightly enrichment when the lab says so",
+                trigger=EventTrigger(expect={"lab.rerun"}, posture="Reactive", threshold=1),
+                actions=[RunDeployment(deployment_id=ids[0])],
+            )
+        )
+        try:
+            related = client.read_resource_related_automations(f"prefect.deployment.{ids[0]}")
+            assert sorted(a.name for a in related) == [
+                "own-alerts-served: a run finished",
+                "rerun the nightly enrichment when the lab says so",
+            ]
+            stopped = stop_served(served)
+            assert stopped.paused == [d.full_name for d in served] and scheduled in stopped.paused
+            assert stopped.triggers_disabled == ["own-alerts-served: a run finished"]
+            found = {
+                a.name: a for a in client.read_resource_related_automations(f"prefect.deployment.{ids[0]}")
+            }
+            assert not found["own-alerts-served: a run finished"].enabled
+            assert found["rerun the nightly enrichment when the lab says so"].enabled  # the user's: untouched
+        finally:
+            client.delete_automation(users)
+            for deployment_id in ids:
+                client.delete_deployment(deployment_id)
+
+
+@pytest.mark.parametrize("made_by", ["an older serve", "an older serve, on demand", "flow.serve()"])
+def test_deploy_never_takes_over_a_deployment_on_no_work_pool(
+    prefect_api: str, made_by: str, tmp_path: Path
+) -> None:
+    """A deployment of a name deploy registers, on no work pool: an older serve's (serve used deploy's
+    names then: the scheduled one and the on-demand ones), or one a user's ``flow.serve()`` made.
+    A process may be serving it: deploy refuses, naming it, and changes nothing (not even the pool)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    from rollout_capture.deployments.register import Served, register
+    from rollout_capture.deployments.shipped import shipped_deployments
+
+    root = str(tmp_path / "runs")
+    name = f"served-before-{uuid.uuid4().hex[:8]}"
+    if made_by == "flow.serve()":  # what flow.serve(name) registers before it polls
+        there = enrich_completed_runs.to_deployment(name=name, parameters={"runs_root": "/theirs"})
+    else:
+        older = shipped_deployments("/theirs", name=name)  # deploy's names, on no work pool
+        there = older[0] if made_by == "an older serve" else older[1]
+        there.job_variables = {}  # served: its environment was its own process's
+    pool = f"{name}-pool"
+    with get_client(sync_client=True) as client:
+        if made_by == "an older serve, on demand":  # the on-demand name every deploy registers
+            with contextlib.suppress(ObjectNotFound):
+                client.delete_deployment(client.read_deployment_by_name(there.full_name).id)
+        there_id = there.apply()
+        before = client.read_deployment(there_id)
+        try:
+            assert before.work_pool_name is None
+            with pytest.raises(Served, match=f"deployment {re.escape(there.full_name)} is on no work pool"):
+                register(root, pool=pool, cron="0 0 1 1 *", parameters={}, name=name)
+            after = client.read_deployment(there_id)
+            assert after.work_pool_name is None and after.parameters == before.parameters
+            assert after.updated == before.updated  # not written at all
+            with pytest.raises(ObjectNotFound):
+                client.read_work_pool(pool)  # refused before anything was written
+        finally:
+            client.delete_deployment(there_id)
+            with contextlib.suppress(ObjectNotFound):  # taken over, had the refusal failed
+                client.delete_deployment(client.read_deployment_by_name(f"enrich_completed_runs/{name}").id)
 
 
 def test_finish_tells_a_plain_server_without_loading_prefect(prefect_api: str, tmp_path: Path) -> None:

@@ -723,6 +723,35 @@ def test_a_malformed_in_flight_setting_is_refused_when_the_producer_starts(
     assert not (tmp_path / JOURNAL_DIR).exists()  # nothing written
 
 
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_row_costs_one_write_when_another_writer_took_the_number_its_look_found(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several writers of one root: writer Y's next number is 1 when writer X's commit lands there.
+    Y's next call looks at its start and finds X's commit 1: its row goes to 2 with one put, never
+    first trying the very number its look found (a try that fails, a read, then a second put)."""
+    url = str(tmp_path / "caps") if where == "local" else f"memory://journal-{uuid.uuid4().hex}"
+    y, x = journal(url, {}), journal(url, {})  # two writers, as two producer processes have
+    y.record("y-0", {**ROW, "model_call_id": "y-first"})  # commit 0: Y's next is 1
+    x.record("x-0", {**ROW, "model_call_id": "x-first"})  # X finds the tail: its commit is 1
+    call = y.claim("r-0", "y-second")
+    claimed = call.start()  # Y's call begins: its claim and its look
+    assert claimed is not None and call.look is not None
+    claimed.result(30)
+    assert call.look.result(30) == 1  # X's commit, at the very number Y would hand out next
+    backend = y._backend
+    rows = backend.path(commit_name(0)).rsplit("/", 1)[0] + "/"
+    puts: list[str] = []
+    real = backend.create
+    monkeypatch.setattr(backend, "create", lambda path, *a, **k: puts.append(path) or real(path, *a, **k))
+    tries = y.journal_writer.tries
+    seq = y.journal_record("r-0", {**ROW, "model_call_id": "y-second"}, release=call).result(30)
+    assert seq == 2
+    assert [p for p in puts if p.startswith(rows) and "/claims/" not in p] == [backend.path(commit_name(2))]
+    assert y.journal_writer.tries - tries == 1  # one write for the row
+    assert _ids(reader(url, {}).read("r-0")) == ["y-second"] and reader(url, {}).live_claims("r-0") == []
+
+
 @pytest.fixture(params=["local", "s3", "gcs", "azure"])
 def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any]]:
     """A fresh capture root on a local disk, moto, fake-gcs-server or Azurite."""
@@ -761,3 +790,29 @@ def test_a_row_lands_above_every_commit_that_existed_at_its_calls_start(
     assert reader(url, options).live_claims("r-0") == []  # released with the row
     hole = backend.read_many([backend.path(commit_name(1))])[0]
     assert hole is not None and decode_commit(1, hole).headers == []  # a tombstone, not a real commit
+
+
+def test_a_hole_in_a_jobs_listing_is_filled_once_old_and_read_past(
+    s3: S3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read plan (a job's listing of the root showing commits 0 and 2): the missing 1 is waited
+    on while young (the record's gap names it), filled with a tombstone once old, and read past."""
+    import rollout_capture.journal as journal_module
+    from rollout_capture.backends import ListingScope
+
+    backend = CaptureStore(s3.url("caps"), storage_options=s3.storage_options)._backend
+    backend.create(backend.path(commit_name(0)), _one_row("x-0", "a"))
+    backend.create(backend.path(commit_name(2)), _one_row("x-0", "c"))  # 1 never landed
+    lines = [orjson.dumps({"_ng_task_index": "x", "_ng_rollout_index": r}) for r in range(40)]
+    monkeypatch.setattr(journal_module.commits, "HOLE_GRACE_S", 3600.0)
+    young = reader(s3.url("caps"), s3.storage_options)
+    batch = enrich_lines(lines, [young], scope=ListingScope("young", 40), quiescence_timeout_s=0)
+    gaps = orjson.loads(batch.lines[0])["ng_model_call_capture"]["gaps"]
+    assert any(commit_name(1) in str(gap) for gap in gaps) and backend.read_many(
+        [backend.path(commit_name(1))]
+    ) == [None]
+    monkeypatch.setattr(journal_module.commits, "HOLE_GRACE_S", 0.0)  # as if the grace had passed
+    store = reader(s3.url("caps"), s3.storage_options)
+    batch = enrich_lines(lines, [store], scope=ListingScope("old", 40), quiescence_timeout_s=0)
+    assert orjson.loads(batch.lines[0])["ng_model_call_capture"]["metrics"]["num_calls"] == 2
+    assert decode_commit(1, backend.read_many([backend.path(commit_name(1))])[0] or b"").headers == []

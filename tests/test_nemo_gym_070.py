@@ -554,7 +554,7 @@ RECIPE_SERVERS = ("vllm_model", "openai_model", "azure_openai_model", "litellm_m
 
 def test_e_every_nemo_gym_model_server_captured_by_the_recipe(tmp_path: Path) -> None:
     """E (issue 45): each of NeMo Gym 0.7.0's model servers run as rollout-capture's
-    ``rollout_capture_model`` (``serves: <it>``), two uvicorn workers each, started as ``gym env
+    ``rollout_capture_model`` (``serves: <it>``), with two uvicorn workers or one, started as ``gym env
     start`` starts servers (the folder found through NEMO_GYM_EXTRA_ROOTS). A prefixed call is
     captured by ours, its ``model_ref`` the server's name; what vLLM's server answers itself (a
     prompt past the context) keeps NeMo Gym's execution facts; NeMo Gym's own capture folder stays
@@ -569,7 +569,11 @@ def test_e_every_nemo_gym_model_server_captured_by_the_recipe(tmp_path: Path) ->
         folder.mkdir()
     upstream = ThreadedServer(ScriptedUpstream())
     command = [NG_PYTHON, str(SIDE), "serve-ours", "--upstream", upstream.url, "--capture-dir", str(captures)]
-    command += ["--decoy", str(decoy), "--workdir", str(work), *RECIPE_SERVERS]
+    # Two uvicorn workers where NeMo Gym's own app.py has a worker entry (vllm_model) and where it
+    # has none (openai_model: ours gives one); one for the others.
+    serving = ["vllm_model:2", "openai_model:2", "azure_openai_model:1", "litellm_model:1"]
+    assert [name.partition(":")[0] for name in serving] == list(RECIPE_SERVERS)
+    command += ["--decoy", str(decoy), "--workdir", str(work), *serving]
     side = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=work)
     try:
         assert side.stdout is not None and side.stdin is not None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,22 +79,32 @@ class Collected:
 
 
 def collect(
-    folder: Path, *, upstream: str, ours: dict[str, Any] | None = None, env: dict[str, str] | None = None
+    folder: Path,
+    *,
+    upstream: str,
+    ours: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    output: Path | None = None,
+    hold_until_live: Path | None = None,
 ) -> Collected:
     """NeMo Gym 0.7.0's own collection of the weather rows (each twice) run in ``folder``: with its
     own capture into ``folder/captures``, or with ``ours`` (rollout-capture's model server, these
     capture settings, two uvicorn workers: docs/nemo-gym.md's recipe), ``folder/captures`` then
-    the local folder NeMo Gym asks for (it must stay empty)."""
+    the local folder NeMo Gym asks for (it must stay empty). Its rollouts go to ``output`` (default
+    ``folder/rollouts.jsonl``); with ``hold_until_live``, its servers stay up after the collection
+    until that file (a follower's live output) has a line for each of them."""
     assert NG_PYTHON is not None
     capture_dir, work = folder / "captures", folder / "work"
     capture_dir.mkdir(parents=True)
     work.mkdir()
-    given, collected = folder / "rows.jsonl", folder / "rollouts.jsonl"
+    given, collected = folder / "rows.jsonl", output or folder / "rollouts.jsonl"
     given.write_text("".join(json.dumps(row) + "\n" for row in weather_rows()))
     command = [NG_PYTHON, str(SIDE), "collect", "--upstream", upstream, "--capture-dir", str(capture_dir)]
     command += ["--workdir", str(work), "--input", str(given), "--output", str(collected)]
     if ours is not None:
         command += ["--ours", json.dumps(ours), "--num-workers", "2"]
+    if hold_until_live is not None:
+        command += ["--hold-until-live", str(hold_until_live)]
     started = time.monotonic()
     subprocess.run(command, check=True, timeout=1200, cwd=folder, stdout=subprocess.DEVNULL, env=env)
     return Collected(collected, capture_dir, time.monotonic() - started)
@@ -114,14 +125,23 @@ def nemo_gyms_own(upstream: str, tmp_path_factory: pytest.TempPathFactory) -> Co
     return collect(tmp_path_factory.mktemp("nemo-gym-own"), upstream=upstream)
 
 
-def _ours_env(tmp_path: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+def _ours_env(api: str, tmp_path: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Our CLI's environment: the session's Prefect API (one server for every command of the
+    module's tests, not a temporary one each), a Prefect home of its own, what reaches the store."""
     env = {**os.environ, **(extra or {})}
-    env.update({"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
-    env.pop("PREFECT_API_URL", None)
+    env.update(
+        {
+            "PREFECT_API_URL": api,
+            "PREFECT_HOME": str(tmp_path / "prefect"),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        }
+    )
     return env
 
 
-def test_c_nemo_gyms_rollout_collection_re_enriched_by_ours(nemo_gyms_own: Collected, tmp_path: Path) -> None:
+def test_c_nemo_gyms_rollout_collection_re_enriched_by_ours(
+    nemo_gyms_own: Collected, prefect_api: str, tmp_path: Path
+) -> None:
     assert NG_PYTHON is not None
     capture_dir, collected = nemo_gyms_own.capture_dir, nemo_gyms_own.records
     gym_records = [json.loads(line) for line in collected.read_text().splitlines()]
@@ -130,7 +150,7 @@ def test_c_nemo_gyms_rollout_collection_re_enriched_by_ours(nemo_gyms_own: Colle
     stripped, enriched = tmp_path / "stripped.jsonl", tmp_path / "stripped.enriched.jsonl"
     stripped.write_text("".join(json.dumps(r) + "\n" for r in gym_records))
     ours_cli = Path(NG_PYTHON).parent / "rollout-capture"  # installed beside nemo-gym, in its Python
-    env = _ours_env(tmp_path)
+    env = _ours_env(prefect_api, tmp_path)
     done = subprocess.run(
         [
             str(ours_cli),
@@ -222,38 +242,116 @@ def _what_nemo_gym_sees(records: Path) -> dict[str, Any]:
     return {"health": seen["health"], "perf_summary": perf}
 
 
-@pytest.mark.parametrize("store", ["s3", "azure"], indirect=True)
-def test_d_nemo_gym_captured_to_an_object_store_gets_its_whole_record(
-    store: Any, upstream: str, nemo_gyms_own: Collected, tmp_path: Path
-) -> None:
-    """D (issue 45): NeMo Gym's own collection whose model server is rollout-capture's (the recipe,
-    two uvicorn workers) capturing to an object store; NeMo Gym's own capture folder stays empty,
-    so its records come back with 0 model calls and coverage 0.0. Then, as a user would: the
-    rollouts beside the captures, ``finish``, ``enrich-runs``. Every record equals what NeMo Gym's
-    collection with its own local capture wrote for the same scenario (ids and the clock aside):
-    ``ng_model_call_capture``, ``ng_trajectory`` (payloads where it keeps them) and ``ng_perf``;
-    and NeMo Gym's own health checks and ``perf_summary`` read ours as they read theirs."""
-    assert NG_PYTHON is not None
+def _watch_lines(paths: dict[str, Path], seen: dict[str, list[float]], done: threading.Event) -> None:
+    """When each line of each file appeared (the test's own record of landing and readable)."""
+    while not done.is_set():
+        for name, path in paths.items():
+            count = path.read_bytes().count(b"\n") if path.exists() else 0
+            seen[name] += [time.monotonic()] * (count - len(seen[name]))
+        done.wait(0.05)
+
+
+def _run(cli: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([cli, *args], env=env, timeout=900, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def _collected_and_followed(
+    store: Any, upstream: str, cli: str, env: dict[str, str], tmp_path: Path
+) -> tuple[Path, float, str]:
+    """The collection's records appended to a run folder on its host, followed live (issue 47)
+    while its model server captures to the store: every enriched line readable while the
+    collection still runs (its servers stay up until the live output has them all); then
+    ``finish``, and the follower publishes. The published output is byte for byte a post-run
+    enrichment of the run. Returns the output, the seconds from the collection's end to it, and
+    what the follow saw."""
+    run, captures = tmp_path / "run", store.url("runs/r1/captures")
+    options = ["--storage-options", json.dumps(store.storage_options)]
+    _run(cli, "start", str(run), env=env)
+    live, rollouts = run / "rollouts.enriched.live.jsonl", run / "rollouts.jsonl"
+    follow = [cli, "follow", str(run), "--capture-dir", captures, *options, "--json"]
+    follower = subprocess.Popen(follow, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: dict[str, list[float]] = {"landed": [], "live": []}
+    done = threading.Event()
+    watcher = threading.Thread(target=_watch_lines, args=({"landed": rollouts, "live": live}, seen, done))
+    watcher.start()
+    try:
+        ours = {"capture_dir": captures, "storage_options": store.storage_options}
+        collected = collect(
+            tmp_path / "collection",
+            upstream=upstream,
+            ours=ours,
+            env=env,
+            output=rollouts,
+            hold_until_live=live,
+        )
+        ended = time.monotonic()
+        assert list(collected.capture_dir.iterdir()) == []  # NeMo Gym's own folder: nothing in it
+        landed = rollouts.read_bytes().count(b"\n")
+        assert landed == 8 and live.read_bytes().count(b"\n") == landed  # all live, servers still up
+        _run(cli, "finish", str(run), env=env)
+        out, err = follower.communicate(timeout=900)
+        assert follower.returncode == 0, err
+        enriched_after = time.monotonic() - ended
+    finally:
+        done.set()
+        watcher.join()
+        if follower.poll() is None:
+            follower.kill()
+    post_run = tmp_path / "post-run.jsonl"
+    _run(
+        cli, "enrich", str(rollouts), "--capture-dir", captures, *options, "--output", str(post_run), env=env
+    )
+    assert (run / "rollouts.enriched.jsonl").read_bytes() == post_run.read_bytes()
+    assert (run / "_ENRICHED").exists()
+    lived = [json.loads(line) for line in live.read_text().splitlines()]
+    assert all(r["ng_trajectory"]["model_calls"] for r in lived)  # the whole record, live too
+    waits = sorted(b - a for a, b in zip(seen["landed"], seen["live"], strict=False))
+    late = json.loads(out).get("late", 0)
+    return post_run, enriched_after, f"followed: landing to readable p50 {waits[4]:.1f} s, late {late}; "
+
+
+def _collected_and_finished(
+    store: Any, upstream: str, cli: str, env: dict[str, str], tmp_path: Path
+) -> tuple[Path, float, str]:
+    """The collection's records (as NeMo Gym's collection left them: 0 model calls, coverage 0.0)
+    put beside the captures as a run folder on the store, then ``finish`` and ``enrich-runs``."""
     run = store.url("runs/r1")
     ours = {"capture_dir": f"{run}/captures", "storage_options": store.storage_options}
-    env = _ours_env(tmp_path, store.environment)
-    folder = tmp_path / "collection"
-    collected = collect(folder, upstream=upstream, ours=ours, env=env)
+    collected = collect(tmp_path / "collection", upstream=upstream, ours=ours, env=env)
+    ended = time.monotonic()
     assert list(collected.capture_dir.iterdir()) == []  # NeMo Gym's own folder: nothing in it
     left = [json.loads(line) for line in collected.records.read_text().splitlines()]
     assert left and all(r["ng_trajectory"]["model_calls"] == [] for r in left)  # what the issue saw
     assert all(r["ng_perf"]["token_observability_coverage"] == 0.0 for r in left)
-
-    ended = time.monotonic()
     store.fs().put(str(collected.records), f"{store.bucket}/runs/r1/rollouts.jsonl")
-    cli = str(Path(NG_PYTHON).parent / "rollout-capture")
     options = ["--storage-options", json.dumps(store.storage_options)]
-    for command in (["finish", run, *options], ["enrich-runs", store.url("runs"), *options, "--json"]):
-        done = subprocess.run([cli, *command], env=env, timeout=900, capture_output=True, text=True)
-        assert done.returncode == 0, done.stdout + done.stderr
+    _run(cli, "finish", run, *options, env=env)
+    _run(cli, "enrich-runs", store.url("runs"), *options, "--json", env=env)
     enriched_after = time.monotonic() - ended
     output = tmp_path / "rollouts.enriched.jsonl"
     store.fs().get(f"{store.bucket}/runs/r1/rollouts.enriched.jsonl", str(output))
+    return output, enriched_after, "finish + enrich-runs; "
+
+
+@pytest.mark.parametrize(("store", "how"), [("s3", "followed"), ("azure", "finished")], indirect=["store"])
+def test_d_nemo_gym_captured_to_an_object_store_gets_its_whole_record(
+    store: Any, how: str, upstream: str, nemo_gyms_own: Collected, prefect_api: str, tmp_path: Path
+) -> None:
+    """D (issue 45): NeMo Gym's own collection whose model server is rollout-capture's (the recipe,
+    two uvicorn workers) capturing to an object store; NeMo Gym's own capture folder stays empty.
+    On S3 the run is followed live as it is collected (issue 47); on Azure it is enriched after,
+    as a user would: the rollouts beside the captures, ``finish``, ``enrich-runs``. Every record
+    equals what NeMo Gym's collection with its own local capture wrote for the same scenario (ids
+    and the clock aside): ``ng_model_call_capture``, ``ng_trajectory`` (payloads where it keeps
+    them) and ``ng_perf``; and NeMo Gym's own health checks and ``perf_summary`` read ours as they
+    read theirs."""
+    assert NG_PYTHON is not None
+    env = _ours_env(prefect_api, tmp_path, store.environment)
+    cli = str(Path(NG_PYTHON).parent / "rollout-capture")
+    enrich = _collected_and_followed if how == "followed" else _collected_and_finished
+    output, enriched_after, said = enrich(store, upstream, cli, env, tmp_path)
 
     theirs = by_rollout([json.loads(line) for line in nemo_gyms_own.records.read_text().splitlines()])
     mine = by_rollout([json.loads(line) for line in output.read_text().splitlines()])
@@ -262,9 +360,9 @@ def test_d_nemo_gym_captured_to_an_object_store_gets_its_whole_record(
     trajectory_equal, trajectory_total = _trajectory_calls(theirs, mine)
     perf_equal, perf_total = _perf_fields(theirs, mine)
     print_counts(
-        f"D ({store.kind}, two workers): NeMo Gym's own collection vs ours enriched "
-        f"{enriched_after:.1f} s after its end; trajectory model calls "
-        f"{trajectory_equal}/{trajectory_total}, ng_perf fields {perf_equal}/{perf_total}",
+        f"D ({store.kind}, two workers, {said}enriched {enriched_after:.1f} s after the collection's end): "
+        f"NeMo Gym's own collection vs ours; trajectory model calls {trajectory_equal}/{trajectory_total}, "
+        f"ng_perf fields {perf_equal}/{perf_total}",
         tally,
     )
     assert tally.differences == [] and tally.records == len(theirs) == 8

@@ -144,6 +144,22 @@ def test_a_row_without_a_server_name_has_no_model_ref() -> None:
     assert row["model_ref"] is None and "capture_hold_ms" not in row
 
 
+@pytest.mark.parametrize(
+    ("status", "kept"),
+    [(200, None), (201, None), (399, None), (400, 400), (401, 401), (422, 422), (429, 429), (500, 500)],
+)
+def test_the_proxy_keeps_the_upstreams_status_from_400_on(status: int, kept: int | None) -> None:
+    """NeMo Gym 0.7.0's execution facts: an upstream's error status is kept, 400 the first of them
+    (its vllm_model keeps its ClientResponseError's); a success keeps none (null, never 0)."""
+    call = exchange("chat")
+    call.forwarded_upstream()
+    _, row = answered(
+        call, b"{}", [b'{"error": {"message": "no"}}' if status >= 400 else b"{}"], status=status
+    )
+    assert (row["upstream_attempted"], row["response_source"]) == (True, "upstream")
+    assert row["upstream_status_code"] == kept and row["local_response_reason"] is None
+
+
 class SlowClient:
     """An ASGI ``send`` whose client takes each body message only when let (its ``taken`` in order)."""
 

@@ -158,6 +158,8 @@ def test_upstream_errors_pass_through_and_are_classified(proxy: Proxy) -> None:
         (400, "client_error"),
     ]
     assert rows[0]["response"]["error"]["message"] == "scripted 429"
+    # Who answered (NeMo Gym 0.7.0's facts): the upstream, each status kept, 400 the lowest of them.
+    assert [[row[k] for k in FACTS] for row in rows] == [[True, "upstream", s, None] for s in (429, 500, 400)]
 
 
 def test_an_unreachable_upstream_is_a_502_and_a_slow_one_a_504(proxy: Proxy, tmp_path: Path) -> None:

@@ -15,9 +15,10 @@ import pytest
 from rollout_capture import CaptureStore
 from rollout_capture.flows import enrich_completed_runs
 from rollout_capture.flows.enrich_runs import RunsFailed, RunsSummary
+from rollout_capture.flows.enrich_runs import _batches as cut_into_batches
 from rollout_capture.flows.events import COMPLETED, FAILED, RESOURCE_PREFIX
 from rollout_capture.flows.report import artifact_key, task_run_link
-from rollout_capture.run_folders import RunsRoot
+from rollout_capture.run_folders import RunFolder, RunsRoot
 
 from .conftest import S3, wait_for
 from .support.prefect_api import (
@@ -35,6 +36,28 @@ from .support.spawned import run_tick_reporting
 
 def _batches(flow_run_id: Any) -> list[Any]:
     return task_runs(flow_run_id, "enrich_runs ")
+
+
+@pytest.mark.parametrize(
+    ("runs", "per_batch", "parallel", "sizes"),
+    [
+        (5, 50, 2, [3, 2]),  # rounded up: two batches share them, never a third
+        (4, 50, 2, [2, 2]),
+        (7, 50, 3, [3, 3, 1]),
+        (1, 50, 4, [1]),
+        (5, 50, 8, [1, 1, 1, 1, 1]),  # more workers than runs: one run a batch
+        (10, 3, 2, [3, 3, 3, 1]),  # never more than runs_per_batch
+        (0, 50, 2, []),
+    ],
+)
+def test_the_ready_runs_are_cut_into_batches_the_parallel_ones_share(
+    runs: int, per_batch: int, parallel: int, sizes: list[int]
+) -> None:
+    """``max_parallel_runs`` batches share the ready runs, at most ``runs_per_batch`` a batch, in order."""
+    ready = [RunFolder(name=f"r{i}", url=f"/runs/r{i}", finished=True, enriched=False) for i in range(runs)]
+    batches = cut_into_batches(ready, per_batch, parallel)
+    assert [len(batch) for batch in batches] == sizes
+    assert [run for batch in batches for run in batch] == ready
 
 
 @pytest.mark.usefixtures("prefect_api")
@@ -68,14 +91,14 @@ def test_a_failed_run_fails_neither_its_neighbours_nor_its_batch(tmp_path: Path)
         ("broken", "failed"),
         ("c", "enriched"),
     ]
-    assert rows["broken"]["error"].startswith("FileNotFoundError: capture dir") and rows["a"]["error"] is None
+    assert rows["broken"]["error"].startswith("RunRefused: capture dir") and rows["a"]["error"] is None
     assert rows["broken"]["task_run_id"] == batch.id
     filed = {a.key: a for a in artifacts(state.state_details.flow_run_id) if a.key}
     tick = filed[artifact_key("enriched-runs", str(root))].data  # the tick's summary names it
     assert "| broken | failed |" in tick and "capture dir" in tick and "| a | enriched" not in tick
     assert f"[logs]({task_run_link(batch.id)})" in tick
     (failed,) = wait_for_events(FAILED, RESOURCE_PREFIX + str(broken / "rollouts.enriched.jsonl"))
-    assert failed.payload["error"] == "FileNotFoundError"
+    assert failed.payload["error"] == "RunRefused"  # a FileNotFoundError: the run's own input, held
     for name in ("a", "c"):
         wait_for_events(COMPLETED, RESOURCE_PREFIX + str(root / name / "rollouts.enriched.jsonl"))
 
@@ -116,6 +139,44 @@ def test_a_transient_fault_retries_the_batch_and_not_its_finished_runs(
     output = f"{RESOURCE_PREFIX}{via.url('runs')}/a/rollouts.enriched.jsonl"
     wait_for_events(COMPLETED, f"{RESOURCE_PREFIX}{via.url('runs')}/c/rollouts.enriched.jsonl")
     assert len(events(COMPLETED, output)) == 1  # a was enriched in the first try only
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_batchs_last_try_runs_and_only_a_failure_in_it_is_final(
+    flaky_s3: tuple[S3, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three tries (two retries): every answer to the run's rollouts is lost (a fault that heals)
+    until Prefect decides the second retry, the last try. No try before it reports the fault as
+    final (no ``failed`` event, no failed run); the last try runs and enriches the run."""
+    from rollout_capture.flows import enrich_runs
+    from rollout_capture.tasks.retry import retry_on_transient
+
+    via, proxy = flaky_s3
+    local = make_run(tmp_path, "b", finished=True)
+    via.fs().put(str(local), f"{via.bucket}/runs/b", recursive=True)
+    proxy.lose_answer_on(f"GET /{via.bucket}/runs/b/rollouts.jsonl".encode(), times=1_000_000)
+
+    def healed_before_the_last_try(task: Any, task_run: Any, state: Any) -> bool:
+        """The shipped condition; the fault heals once the last try is decided (before it runs)."""
+        retried = retry_on_transient(task, task_run, state)
+        if retried and task_run.run_count == task.retries:
+            proxy.lose_answer_on(b"", times=0)
+        return retried
+
+    three_tries = enrich_runs.enrich_runs_batch.with_options(
+        retries=2, retry_delay_seconds=0, retry_condition_fn=healed_before_the_last_try
+    )
+    monkeypatch.setattr(enrich_runs, "enrich_runs_batch", three_tries)
+
+    state = enrich_completed_runs(via.url("runs"), storage_options=via.storage_options, return_state=True)
+
+    assert state.is_completed(), state.message
+    assert state.result().enriched == ["b"] and proxy.lost >= 2
+    (batch,) = _batches(state.state_details.flow_run_id)
+    assert batch.run_count == 3 and state_history(batch.id).count("Retrying") == 2
+    output = f"{RESOURCE_PREFIX}{via.url('runs')}/b/rollouts.enriched.jsonl"
+    wait_for_events(COMPLETED, output)
+    assert events(FAILED, output) == []  # automations heard of no failure
 
 
 def test_two_ticks_at_once_enrich_each_run_once(prefect_api: str, tmp_path: Path) -> None:

@@ -120,3 +120,24 @@ def test_a_run_finish_drops_from_the_index_while_a_tick_lists_stays_dropped(
     monkeypatch.undo()
     assert orjson.loads((tmp_path / INDEX).read_bytes())["enriched"] == ["a", "c"]
     assert statuses(root)["b"] == "ready"
+
+
+def test_a_held_run_is_named_not_listed_until_finished_again_or_rechecked(tmp_path: Path) -> None:
+    """A run an earlier tick refused for its own input (issue 45) says why in its ``_REFUSED``:
+    discovery names it held and leaves it out of the runs, a recheck lists it (marked held), and
+    ``finish`` drops the marker so the next tick tries it again. Root-level links are named apart."""
+    root = tmp_path / "runs"
+    make_run(root, "r1", finished=True)
+    make_run(root, "r2", finished=True)
+    (root / "latest").symlink_to(root / "r2")
+    runs = RunsRoot(str(root))
+    runs.hold("r1", "capture dir r1/captures holds no capture")
+    found = runs.discover()
+    assert [r.name for r in found.runs] == ["r2"]
+    assert found.held == {"r1": "capture dir r1/captures holds no capture"}
+    assert list(found.links) == ["latest"] and found.refused == {}
+    rechecked = runs.discover(recheck=["r1"])
+    assert [(r.name, r.held) for r in rechecked.runs] == [("r1", True), ("r2", False)]
+    assert finish_run(str(root / "r1")).held
+    assert not (root / "r1" / "_REFUSED").exists()
+    assert [r.name for r in runs.discover().runs] == ["r1", "r2"]

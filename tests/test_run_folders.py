@@ -266,7 +266,8 @@ def test_a_tick_past_its_lease_keeps_its_run_and_a_killed_one_is_taken_over(
 @pytest.mark.usefixtures("prefect_api")
 def test_a_failing_run_fails_the_tick_but_not_the_others(tmp_path: Path) -> None:
     """One run's capture dir is missing: that run fails (named, its lease given back, no
-    _ENRICHED, tried again next tick); the other run is enriched; the tick fails, saying which."""
+    _ENRICHED, held from then on: its own input, not a fault to retry every tick); the other run
+    is enriched; the tick fails, saying which. Rechecked, it is taken again."""
     from rollout_capture.flows.enrich_runs import RunsFailed
 
     root = tmp_path / "runs"
@@ -286,7 +287,9 @@ def test_a_failing_run_fails_the_tick_but_not_the_others(tmp_path: Path) -> None
     assert not [
         p for p in broken.iterdir() if p.name.startswith("_ENRICHING") and "released" not in p.read_text()
     ]
-    again = enrich_completed_runs(str(root), allow_empty=True)  # the next tick takes it again
+    held = enrich_completed_runs(str(root), allow_empty=True)  # the next tick names it, and passes
+    assert held.enriched == [] and list(held.held) == ["broken"]
+    again = enrich_completed_runs(str(root), allow_empty=True, recheck=["broken"])
     assert again.enriched == ["broken"] and again.already_enriched == ["good"]
 
 

@@ -3,17 +3,19 @@ throttling backs off instead of failing the batch."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
 from rollout_capture import CaptureStore
 from rollout_capture.backends import ListingScope
 from rollout_capture.batch import enrich_lines
+from rollout_capture.journal import bodies
 
 from .conftest import S3
-
-ROW = {"model_call_id": "c", "dialect": "chat", "response": {"usage": {"prompt_tokens": 3}}}
+from .support.journal_runs import ROW, enriched, journal_run
 
 
 def fill(s3: S3, rollouts: int, rows: int) -> list[bytes]:
@@ -130,3 +132,53 @@ def test_a_missing_file_costs_one_head_and_no_listing(flaky_s3: tuple[S3, Any]) 
     proxy.reset_counts()
     assert store.is_incomplete("m-0")
     assert proxy.reset_counts() == {"HEAD": 1}
+
+
+# ---------------------------------------------------------------------- the journal's read plan
+
+
+def test_an_enrichment_reads_each_journal_commit_once(
+    flaky_s3: tuple[S3, Any], s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 48: a finished journal run costs one listing and one GET a commit, whatever the batches
+    (each needs rows of commits others read, and most bodies went to the reader's file: a 4 kB
+    memory budget), nothing answered 404 (no number read past the end), and the output is the
+    same bytes as over the same objects copied to a local disk."""
+    monkeypatch.setattr(bodies, "MEMORY_BUDGET", 4096)
+    via, proxy = flaky_s3
+    lines = journal_run(CaptureStore(s3.url("caps"), storage_options=s3.storage_options), 60, 3)
+    commits = len(s3.fs().find(f"{s3.bucket}/caps/_journal"))
+    assert commits == 60  # 180 calls, 6 a commit: 30 of claims, 30 of rows and releases
+    proxy.reset_counts()
+    proxy.reset_answers()
+    store = CaptureStore(via.url("caps"), storage_options=via.storage_options)
+    out = enriched(lines, store, "enrichment-1")
+    assert proxy.reset_counts() == {"LIST": 1, "GET": commits}
+    assert proxy.reset_answers()["statuses"] == {200: 1, 206: commits}  # obstore's GETs are whole ranges
+    s3.fs().get(f"{s3.bucket}/caps", str(tmp_path / "copy"), recursive=True)
+    assert out == enriched(lines, CaptureStore(str(tmp_path / "copy")), "local")
+    assert sum(orjson.loads(line)["ng_model_call_capture"]["metrics"]["num_calls"] for line in out) == 180
+
+    # The enrichment over, its bodies are let go, its index kept: the next one reads the commits of
+    # rows once again (those of claims no more: no claim is open).
+    assert enriched(lines, store, "enrichment-2") == out
+    assert proxy.reset_counts() == {"LIST": 1, "GET": commits // 2}
+
+
+def test_a_refresh_after_a_wait_reads_no_number_past_the_end(flaky_s3: tuple[S3, Any], s3: S3) -> None:
+    """A batch's listing showed the journal's end: later batches of the job read nothing more, a
+    refresh looks one number past it, and a root holding the journal alone is never listed
+    rollout by rollout."""
+    via, proxy = flaky_s3
+    lines = journal_run(CaptureStore(s3.url("caps"), storage_options=s3.storage_options), 40, 1)
+    store = CaptureStore(via.url("caps"), storage_options=via.storage_options)
+    scope = ListingScope(key="job", rollouts=len(lines))
+    enrich_lines(lines[:20], [store], scope=scope)
+    proxy.reset_counts()
+    fetched = store.prefetch(["21-0", "22-0"], scope=scope)
+    assert proxy.reset_counts() == {}
+    proxy.reset_answers()
+    fetched.refresh(["21-0"])  # rows may have landed: each stream's next number is asked, once
+    assert proxy.reset_counts() == {"GET": 2, "HEAD": 2}  # and the last one read: still there
+    assert proxy.reset_answers()["statuses"] == {200: 2, 404: 2}
+    assert fetched.snapshot("21-0").rows

@@ -274,3 +274,25 @@ def test_a_sas_token_in_a_url_is_refused_never_echoed_written_or_recorded(
     for what in ("flow_runs", "deployments"):
         recorded = httpx.post(f"{prefect_api}/{what}/filter", json={"limit": 200}, timeout=60)
         assert recorded.status_code == 200 and SAS_SIGNATURE not in recorded.text
+
+
+@pytest.mark.parametrize("store", ["gcs"], indirect=True)
+def test_a_journal_run_is_read_once_and_as_on_a_local_disk(store: Store, tmp_path: Path) -> None:
+    """Issue 48's read plan on another store than S3 (its own client, gcsfs): one listing and one
+    GET a commit for an enrichment in batches, none answered 404, the bytes a local copy gives."""
+    from .support.fault_proxy import FaultProxy
+    from .support.journal_runs import enriched, journal_run
+
+    lines = journal_run(CaptureStore(store.url("caps"), storage_options=store.storage_options), 40, 2)
+    commits = len(store.fs().find(f"{store.bucket}/caps/_journal"))
+    host, port = store.endpoint.removeprefix("http://").split(":")
+    proxy = FaultProxy(host, int(port))
+    try:
+        via = CaptureStore(store.url("caps"), storage_options={"endpoint_url": proxy.endpoint})
+        out = enriched(lines, via, "job")
+        assert proxy.reset_counts() == {"LIST": 1, "GET": commits}
+        assert set(proxy.reset_answers()["statuses"]) == {200}
+    finally:
+        proxy.close()
+    store.download("caps", tmp_path / "copy")
+    assert out == enriched(lines, CaptureStore(str(tmp_path / "copy")), "local")

@@ -9,7 +9,12 @@ journal claim is in flight on a local disk never releasing it; a claims commit h
 put without the look above its number; ``capture_hold_ms`` counted from the call's arrival; a
 negative ``latency_ttft_ms`` alone left without a gap; a deployment's trigger matching the runs
 of a sibling root (``<root>*``); ``mark_run_finished`` naming a relative run as given; 503 no
-longer retried by the trace export.
+longer retried by the trace export. Issue 49's seven are tested beside their modules' tests: an
+upstream 400 kept as ``upstream_status_code`` (test_producer_exchange, test_proxy), a trace name of
+exactly 512 characters (test_traces), a two-span batch split on 413 (test_traces_endpoint), a
+batch's last try counted right (test_run_batches), a stopped serve disabling only its own triggers
+and deploy refusing a deployment on no work pool (test_deployments), a journal row's one write
+with several writers (test_journal).
 """
 
 from __future__ import annotations

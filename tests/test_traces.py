@@ -238,6 +238,16 @@ def test_what_names_a_run_and_its_project() -> None:
             check_name(bad, "--otlp-run-name")
 
 
+@pytest.mark.parametrize("char", ["x", "é", "模"])
+def test_a_name_of_exactly_the_documented_maximum_is_taken_and_one_more_refused(char: str) -> None:
+    """docs/contract.md 13: "at most 512 characters" (characters, not bytes): 512 is a good name."""
+    assert "at most 512 characters" in (ROOT / "docs" / "contract.md").read_text()
+    for what in ("--otlp-run-name", "--otlp-project"):
+        assert check_name(char * 512, what) == char * 512
+        with pytest.raises(ValueError, match=f"{what}: a name has at most 512 characters, this one 513"):
+            check_name(char * 513, what)
+
+
 def test_the_root_span_names_its_run(corpus: Corpus) -> None:
     scope = RunScope("proj", "/runs/r7/rollouts.enriched.jsonl")
     root, *children = rollout_spans(corpus.records["1-0"], scope=scope)

@@ -27,7 +27,9 @@ from .support.otlp_receiver import (
     other_loopback_host,
     redirect,
     rejecting,
+    span_count,
     too_large_over,
+    too_many_spans_over,
     trickle,
 )
 from .support.tls import PrivateCA, private_ca
@@ -270,6 +272,20 @@ def test_a_request_the_endpoint_finds_too_large_is_split_until_it_passes(sample:
         len(spans) == counts.spans == SAMPLE_SPANS and len({bytes(s.span_id) for s in spans}) == SAMPLE_SPANS
     )
     assert counts.batches > 1 and endpoint.scripted  # some requests were refused 413, then split
+
+
+def test_a_batch_of_two_spans_refused_as_too_large_is_sent_a_span_at_a_time(sample: Path) -> None:
+    """The endpoint takes one span a request: each two-span batch is refused 413 once, then split
+    in two that land; nothing fails and nothing is sent twice."""
+    with _serving(too_many_spans_over(1)) as endpoint:
+        counts = export_traces(sample, endpoint.url, batch_spans=2)
+    spans = endpoint.spans()
+    assert (
+        len(spans) == counts.spans == SAMPLE_SPANS and len({bytes(s.span_id) for s in spans}) == SAMPLE_SPANS
+    )
+    refused = [span_count(endpoint.received[i].body) for i in sorted(endpoint.scripted)]
+    assert refused and set(refused) == {2}  # batches of two, each refused whole once...
+    assert counts.batches == SAMPLE_SPANS  # ...and sent a span at a time
 
 
 def test_one_huge_rollout_is_cut_to_fit_and_never_holds_up_the_others(sample: Path, tmp_path: Path) -> None:

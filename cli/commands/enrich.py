@@ -314,9 +314,13 @@ def _show_runs(summary: RunsSummary) -> None:
                 ("lost (another tick took over)", summary.lost),
                 ("unfinished (no _SUCCESS)", summary.unfinished),
                 ("already enriched", summary.already_enriched),
+                ("held (refused before; finish again to retry)", list(summary.held)),
+                ("links (not run folders; left alone)", list(summary.links)),
             )
         ]
     )
+    for name, why in summary.held.items():
+        typer.echo(printable(f"held {name}: {why}"))
     per_run = [
         (
             name,

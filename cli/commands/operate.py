@@ -176,17 +176,26 @@ def serve(
         preflight(folders=[(runs, "runs root")], creates=[runs], prefect=False)  # leases, _ENRICHED
         from rollout_capture.deployments.serve import serve_shipped
 
+        def serving(names: list[str]) -> None:
+            typer.echo(f"serving {', '.join(names)} until Ctrl-C", err=True)
+
         try:
-            stopped = serve_shipped(runs.url, cron=scheduled.cron, parameters=parameters, name=name)
-        except KeyboardInterrupt:
+            stopped = serve_shipped(
+                runs.url, cron=scheduled.cron, parameters=parameters, name=name, serving=serving
+            )
+        except KeyboardInterrupt:  # before serve registered anything
             typer.echo("stopped before serving began", err=True)
             raise typer.Exit(130) from None
+        if not stopped.served:  # stopped while registering: all it registered is stopped below
+            typer.echo("stopped before serving began", err=True)
         typer.echo(f"stopped: paused {', '.join(stopped.paused) or 'nothing'} (this serve's)", err=True)
         if stopped.triggers_disabled:
             typer.echo(f"disabled their triggers: {'; '.join(stopped.triggers_disabled)}", err=True)
         for left, why in stopped.left_alone.items():
             typer.echo(f"left alone {left}: {why}, not this serve's any more", err=True)
         typer.echo("nothing else was touched (deployments of work pools, other serves')", err=True)
+        if not stopped.served:
+            raise typer.Exit(130)
 
 
 @dataclass(frozen=True)

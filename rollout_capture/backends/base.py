@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import errno
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Generator, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 
 _CLEAR_ATTEMPTS = 3
+_READ_ITER_STEP = 64  # files of one read_many in the default read_iter
 _RELIST_ATTEMPTS = 4  # listings of a rollout whose claims keep vanishing as they are read
 
 
@@ -68,6 +69,10 @@ class ReadBatch(ABC):
     journal_absent: bool = False
     """Whether the listing behind this batch covered the whole root and held no journal commit
     (then the journal need not be looked for: nothing of it was there when the batch was listed)."""
+    journal_commits: Mapping[str, Sequence[int]] | None = None
+    """The journal's commit numbers by stream (``rows``, ``claims``) that the listing behind this
+    batch showed, when it covered the whole root: the journal's reader reads those, and nothing
+    past them; ``None`` when no such listing was taken."""
 
     @abstractmethod
     def found(self, rollout_id: str) -> bool:
@@ -170,6 +175,14 @@ class Backend(ABC):
     @abstractmethod
     def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
         """The bytes of each path, ``None`` where it does not exist."""
+
+    def read_iter(self, paths: Sequence[str]) -> Generator[bytes | None]:
+        """The bytes of each path (``None`` where it does not exist), in order, as a stream: a long
+        read handed over piece by piece, with only a window of it in memory. By default
+        :meth:`read_many` of a few at a time; object stores keep their requests in flight."""
+        step = _READ_ITER_STEP
+        for start in range(0, len(paths), step):
+            yield from self.read_many(paths[start : start + step])
 
     def exists(self, path: str) -> bool:
         """Whether the file exists (by default: whether it can be read)."""
@@ -300,6 +313,9 @@ class ListedReadBatch(ReadBatch):
         self._backend = backend
         self._listings: dict[str, RolloutListing] = {}
         self._bodies: dict[str, bytes | None] = {}
+        self.journal_only = False
+        """Whether the whole-root listing behind it held no rollout's file at all (the journal, if
+        anything): the root is written in the journal, so listing a rollout again would find nothing."""
 
     def add(self, listings: dict[str, RolloutListing]) -> None:
         """Read the files of these listings (replacing what was known of their rollouts).
@@ -333,4 +349,5 @@ class ListedReadBatch(ReadBatch):
         return claims_of(self._listings, self._bodies, trust_mtime=self._backend.trust_mtime)
 
     def refresh(self, rollout_ids: Collection[str]) -> None:
-        self.add(self._backend.list_rollouts(rollout_ids))
+        if not self.journal_only:
+            self.add(self._backend.list_rollouts(rollout_ids))

@@ -26,8 +26,9 @@ import contextlib
 import errno
 import inspect
 import math
+import queue
 import threading
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -39,7 +40,14 @@ from rollout_capture.backends.base import Backend, ListedReadBatch, ListingScope
 from rollout_capture.backends.capabilities import ONE_PROCESS, READ_ONLY_STORE, Capabilities
 from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY, join, protocol_of
 from rollout_capture.identity import validate_rollout_id
-from rollout_capture.names import JOURNAL_DIR, Entry, RolloutListing, group_entries, objects_dir
+from rollout_capture.names import (
+    JOURNAL_DIR,
+    Entry,
+    RolloutListing,
+    group_entries,
+    journal_commit,
+    objects_dir,
+)
 
 if TYPE_CHECKING:
     from rollout_capture.layouts import Layout
@@ -92,13 +100,28 @@ def named_entries(folder: str, listed: list[dict[str, Any]]) -> dict[str, Named]
 
 
 class RootListing(dict[str, RolloutListing]):
-    """Every rollout of a flat listing of the whole root, and whether it showed a journal commit."""
+    """Every rollout of a flat listing of the whole root, and the journal commits it showed."""
 
-    journal: bool = False
+    commits: dict[str, list[int]]
+
+    def __init__(self, rollouts: dict[str, RolloutListing], commits: dict[str, list[int]]) -> None:
+        super().__init__(rollouts)
+        self.commits = commits
+
+    @property
+    def journal(self) -> bool:
+        """Whether it showed a journal commit."""
+        return any(self.commits.values())
 
 
-def _journal_absent(flat: dict[str, RolloutListing] | None) -> bool:
-    return isinstance(flat, RootListing) and not flat.journal
+def _read_batch(backend: Backend, flat: dict[str, RolloutListing] | None) -> ListedReadBatch:
+    """A batch to read, knowing what ``flat`` (a listing of the whole root, if one) said of the journal."""
+    batch = ListedReadBatch(backend)
+    if isinstance(flat, RootListing):
+        batch.journal_absent = not flat.journal
+        batch.journal_commits = flat.commits
+        batch.journal_only = not flat
+    return batch
 
 
 class ListingTooLarge(Exception):
@@ -185,9 +208,11 @@ class ObjectStoreBackend(Backend):
         """Every rollout under the root, from one flat listing; learns the root's size."""
         entries = self._entries("", budget)
         self._root_keys = len(entries)
-        flat = RootListing(group_entries(entries))
-        flat.journal = any(relative.startswith(JOURNAL_DIR + "/") for relative, _ in entries)
-        return flat
+        commits: dict[str, list[int]] = {"rows": [], "claims": []}
+        for relative, _ in entries:
+            if relative.startswith(JOURNAL_DIR) and (commit := journal_commit(relative)) is not None:
+                commits[commit[0]].append(commit[1])
+        return RootListing(group_entries(entries), commits)
 
     def _one_by_one(self, ids: Sequence[str]) -> dict[str, RolloutListing]:
         def one(rollout_id: str) -> RolloutListing:
@@ -220,17 +245,21 @@ class ObjectStoreBackend(Backend):
     def list_rollouts(self, rollout_ids: Collection[str]) -> dict[str, RolloutListing]:
         return self._list_rollouts(rollout_ids)[0]
 
-    def _list_rollouts(self, rollout_ids: Collection[str]) -> tuple[dict[str, RolloutListing], bool]:
-        """The rollouts' listings, and whether they came from a whole-root listing showing no journal."""
+    def _list_rollouts(
+        self, rollout_ids: Collection[str]
+    ) -> tuple[dict[str, RolloutListing], dict[str, RolloutListing] | None]:
+        """The rollouts' listings, and the whole-root listing they came from, if one."""
         ids = [validate_rollout_id(r) for r in dict.fromkeys(rollout_ids)]
         if not ids:
-            return {}, False
+            return {}, None
         flat = self._listings(ids, len(ids))
         if flat is None:
-            return self._one_by_one(ids), False
-        return {r: flat.get(r) or RolloutListing() for r in ids}, _journal_absent(flat)
+            return self._one_by_one(ids), None
+        return {r: flat.get(r) or RolloutListing() for r in ids}, flat
 
-    def _scoped_listings(self, ids: list[str], scope: ListingScope) -> tuple[dict[str, RolloutListing], bool]:
+    def _scoped_listings(
+        self, ids: list[str], scope: ListingScope
+    ) -> tuple[dict[str, RolloutListing], dict[str, RolloutListing] | None]:
         """Listings for a batch of a job, from the job's one flat listing when it has (or takes) one."""
         with self._scope_lock:  # batches of one job run in threads: one of them lists
             if scope.key in self._scoped:
@@ -241,8 +270,8 @@ class ObjectStoreBackend(Backend):
                     del self._scoped[next(iter(self._scoped))]  # the oldest job's
                 self._scoped[scope.key] = flat
         if flat is None:
-            return self._one_by_one(ids), False
-        return {r: flat.get(r) or RolloutListing() for r in ids}, _journal_absent(flat)
+            return self._one_by_one(ids), None
+        return {r: flat.get(r) or RolloutListing() for r in ids}, flat
 
     def listed_rollout_ids(self, scope_key: str) -> set[str] | None:
         with self._scope_lock:
@@ -257,10 +286,10 @@ class ObjectStoreBackend(Backend):
 
     def fetch(self, rollout_ids: Collection[str], *, scope: ListingScope | None = None) -> ReadBatch:
         ids = [validate_rollout_id(r) for r in dict.fromkeys(rollout_ids)]
-        fetched = ListedReadBatch(self)
-        listings, fetched.journal_absent = (
+        listings, flat = (
             self._list_rollouts(ids) if scope is None or not ids else self._scoped_listings(ids, scope)
         )
+        fetched = _read_batch(self, flat)
         fetched.add(listings)
         return fetched
 
@@ -278,18 +307,39 @@ class ObjectStoreBackend(Backend):
                 out.append(None)
         return out
 
+    async def _before_reads(self) -> None:
+        """A hook run on the filesystem's loop before a pass of reads (credentials taken afresh)."""
+
+    async def _get(self, path: str) -> bytes | None:
+        """One object's bytes, ``None`` when it is missing (a hook: the store's own GET)."""
+        try:
+            data: bytes = await self.fs._cat_file(path, **self._read_kwargs)
+        except FileNotFoundError:
+            return None
+        return data
+
     async def _read_many_async(self, paths: list[str]) -> list[bytes | None]:
-        gate = asyncio.Semaphore(self.concurrency)
+        await self._before_reads()
+        out: list[bytes | None] = [None] * len(paths)
+        todo = iter(enumerate(paths))
 
-        async def one(path: str) -> bytes | None:
-            async with gate:
-                try:
-                    data: bytes = await self.fs._cat_file(path, **self._read_kwargs)
-                except FileNotFoundError:
-                    return None
-                return data
+        async def worker() -> None:
+            for index, path in todo:  # shared: each path taken by one worker
+                out[index] = await self._get(path)
 
-        return list(await asyncio.gather(*(one(p) for p in paths)))
+        await asyncio.gather(*(worker() for _ in range(min(self.concurrency, len(paths)))))
+        return out
+
+    def read_iter(self, paths: Sequence[str]) -> Generator[bytes | None]:
+        """Concurrent GETs (``concurrency`` in flight, at most :data:`READ_AHEAD` times that read
+        ahead of the caller), handed over in order as they complete: a pipeline never drained
+        between batches of requests, and never more than a window of bodies in memory."""
+        if not _reads_async(self.fs) or len(paths) <= self.concurrency:
+            yield from super().read_iter(paths)
+            return
+        yield from _ordered_pipeline(
+            self.fs.loop, self._before_reads, self._get, list(paths), self.concurrency
+        )
 
     def exists(self, path: str) -> bool:
         return bool(self.fs.exists(path))
@@ -389,6 +439,70 @@ class ObjectStoreBackend(Backend):
             for path in paths:
                 with contextlib.suppress(FileNotFoundError):
                     self.fs.rm_file(path)
+
+
+READ_AHEAD = 4
+"""Windows of concurrent requests a pipelined read may run ahead of its consumer."""
+
+
+def _ordered_pipeline(
+    loop: asyncio.AbstractEventLoop,
+    before: Callable[[], Awaitable[None]],
+    get: Callable[[str], Awaitable[bytes | None]],
+    paths: list[str],
+    concurrency: int,
+) -> Generator[bytes | None]:
+    """``get`` of each path on ``loop`` (another thread's) by ``concurrency`` workers, yielded in
+    order; a request starts only while fewer than ``READ_AHEAD * concurrency`` bodies wait for the
+    consumer. Closing the generator early stops the requests not yet started."""
+    answers: queue.SimpleQueue[tuple[int, bytes | None, BaseException | None]] = queue.SimpleQueue()
+    window = READ_AHEAD * concurrency
+    step = max(1, concurrency // 2)  # consumed bodies handed back as room at once: fewer wake-ups
+    room: list[asyncio.Semaphore] = []
+
+    async def produce() -> None:
+        await before()
+        ahead = asyncio.Semaphore(window)
+        room.append(ahead)
+        todo = iter(enumerate(paths))
+
+        async def worker() -> None:
+            for index, path in todo:  # shared: each path taken by one worker, in order
+                await ahead.acquire()
+                try:
+                    answers.put((index, await get(path), None))
+                except Exception as exc:  # handed to the consumer, raised there
+                    answers.put((index, None, exc))
+
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(paths)))))
+
+    def give_back(count: int) -> None:
+        for _ in range(count):
+            room[0].release()
+
+    producing = asyncio.run_coroutine_threadsafe(produce(), loop)
+    waiting: dict[int, tuple[bytes | None, BaseException | None]] = {}
+    taken = 0
+    try:
+        for want in range(len(paths)):
+            while want not in waiting:
+                try:
+                    index, body, error = answers.get(timeout=1.0)
+                except queue.Empty:
+                    if producing.done():
+                        producing.result()  # raises what stopped it
+                    continue
+                waiting[index] = (body, error)
+            body, error = waiting.pop(want)
+            taken += 1
+            if taken == step:
+                loop.call_soon_threadsafe(give_back, taken)
+                taken = 0
+            if error is not None:
+                raise error
+            yield body
+    finally:
+        producing.cancel()
 
 
 class ProcessLocalBackend(ObjectStoreBackend):

@@ -3,8 +3,9 @@
 s3fs's ``find`` and ``ls`` do more than a capture reader needs (``ls`` of an empty folder lists
 its parent too); ``_iterdir`` is one ``ListObjectsV2`` per page and nothing else, so flat and
 delimited listings go through it. ``PutObject`` with ``If-None-Match: *`` creates only if
-absent, and an object is read in one GET, without the HEAD that s3fs's chunked concurrent
-read would send first (``max_concurrency=1``).
+absent. An object is read in one GET, sent by obstore with s3fs's credentials and endpoint
+(:mod:`.s3_gets`: a third of aiobotocore's CPU a request), else by s3fs without the HEAD its
+chunked concurrent read would send first (``max_concurrency=1``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from fsspec.asyn import sync as fsspec_sync
 from rollout_capture.backends.base import Named
 from rollout_capture.backends.capabilities import CONDITIONAL_STORE
 from rollout_capture.backends.object_store import ListingTooLarge, ObjectStoreBackend, mtime_of, named_entries
+from rollout_capture.backends.s3_gets import ObstoreGets
 from rollout_capture.secret_options import bare_url
 
 
@@ -28,6 +30,18 @@ class S3Backend(ObjectStoreBackend):
     capabilities = CONDITIONAL_STORE  # AWS, MinIO, moto keep it; rclone's serve s3 does not (proven)
     conditional_request = "PutObject with If-None-Match: *"
     _read_kwargs: ClassVar[Mapping[str, Any]] = {"max_concurrency": 1}  # one GET, no HEAD first
+    _gets: ObstoreGets | None = None
+
+    def _obstore(self) -> ObstoreGets:
+        if self._gets is None:
+            self._gets = ObstoreGets(self.fs, super()._get)
+        return self._gets
+
+    async def _before_reads(self) -> None:
+        await self._obstore().refresh()
+
+    async def _get(self, path: str) -> bytes | None:
+        return await self._obstore().get(path)
 
     def _configured_endpoint(self) -> str | None:
         """The endpoint the options or botocore's environment variables name; None: AWS's own."""
@@ -116,6 +130,15 @@ class S3Backend(ObjectStoreBackend):
         return [None if (head := self._head(path)) is None else mtime_of(head) for path in paths]
 
     def _listed_files(self, prefix: str, limit: int | None) -> list[tuple[str, dict[str, Any]]]:
+        if not prefix:  # the whole root, a folder: obstore lists by whole path segments
+            bucket, key, _ = self.fs.split_path(self.root)
+            listed: list[tuple[str, dict[str, Any]]] | None = fsspec_sync(
+                self.fs.loop, self._obstore().listed, bucket, key, limit
+            )
+            if listed is not None:
+                if limit is not None and len(listed) > limit:
+                    raise ListingTooLarge
+                return listed
         if not hasattr(self.fs, "_iterdir"):  # an s3fs too old for it: fsspec's find
             return super()._listed_files(prefix, limit)
         result: list[tuple[str, dict[str, Any]]] = fsspec_sync(self.fs.loop, self._iter_flat, prefix, limit)

@@ -1,6 +1,8 @@
-"""The journal's reader: catches up from where it stopped (no listing: the first missing number
-is the end), indexes each rollout's entries by their header alone and keeps a bounded cache of
-bodies, so a rollout's rows cost one GET per commit holding them."""
+"""The journal's reader: catches up from where it stopped, indexes each rollout's entries by their
+header alone and keeps the bodies it read (:mod:`.bodies`), so a commit costs one GET however
+many batches read its rows. Given a listing of the root (a job's shared one), it reads exactly
+the commits listed and not read yet, pipelined, and nothing past them; without one, the first
+missing number is the end."""
 
 from __future__ import annotations
 
@@ -8,13 +10,13 @@ import contextlib
 import logging
 import threading
 from array import array
-from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from rollout_capture.backends.base import Backend, ReadBatch
 from rollout_capture.claims import Claim, read_claim
 from rollout_capture.journal import commits
+from rollout_capture.journal.bodies import CommitBodies, Loc
 from rollout_capture.journal.clock import REAL_CLOCK, Clock
 from rollout_capture.journal.commits import (
     LOOK_AHEAD,
@@ -31,12 +33,8 @@ from rollout_capture.snapshot import RolloutSnapshot
 
 logger = logging.getLogger(__name__)
 
-_READ_WINDOW = 64  # commits read at once, at most, while catching up
-_BODY_BUDGET = 32 << 20  # bytes of commit bodies a reader keeps
+_READ_WINDOW = 64  # commits read at once, at most, while catching up without a listing
 _LOOK_EVERY_S = 1.0  # how often a reader stopped at the same end looks past it again
-
-Loc = tuple[Stream, int]
-"""Where a commit is: its stream and number."""
 
 
 _INDEX_BITS = 20  # entries of one commit: MAX_COMMIT_ENTRIES fits
@@ -62,12 +60,21 @@ class _Held:
         return [_unpack(packed) for packed in self.rows]
 
 
+def _contiguous(numbers: list[int], start: int) -> list[int]:
+    """``start``, ``start + 1``... as long as ``numbers`` (sorted, none below ``start``) has them."""
+    length = 0
+    while length < len(numbers) and numbers[length] == start + length:
+        length += 1
+    return numbers[:length]
+
+
 class JournalReader:
     """The journal of one capture root as read so far, caught up by :meth:`refresh`.
 
-    Commits never change once written, so each is read once; a clear entry drops what came
-    before it in its stream for its rollout. The claims stream is read first, so a release
-    (in the rows stream) nearly always finds its claim; one that does not waits for it.
+    Commits never change once written, so each is read once, and its body kept until
+    :meth:`forget_bodies`; a clear entry drops what came before it in its stream for its
+    rollout. The claims stream is read first, so a release (in the rows stream) nearly always
+    finds its claim; one that does not waits for it.
     Thread-safe: batches of one job share it.
     """
 
@@ -82,8 +89,7 @@ class JournalReader:
         self._window: dict[Stream, int] = {"claims": 1, "rows": 1}
         self._held: dict[str, _Held] = {}
         self._released: set[tuple[str, str]] = set()  # releases read before their claim
-        self._bodies: OrderedDict[Loc, Commit] = OrderedDict()
-        self._body_bytes = 0
+        self._bodies = CommitBodies()
         self._mtimes: dict[int, float | None] = {}  # of claims commits
         self._lock = threading.Lock()
 
@@ -96,15 +102,69 @@ class JournalReader:
         """Whether any commit was found."""
         return any(self._next.values())
 
-    def refresh(self) -> None:
-        """Read every commit written since the last refresh (a GET per stream when none was, and a
-        HEAD of the last one read, so a journal deleted and begun again is never half-read)."""
+    def refresh(self, listed: Mapping[str, Collection[int]] | None = None) -> None:
+        """Read every commit written since the last refresh.
+
+        ``listed``: each stream's commit numbers a listing of the whole root showed; then exactly
+        those not read yet are read (and a hole among them looked into), no number past them.
+        Without it, from where each stream stopped to its first missing number (a GET per stream
+        when none was, and a HEAD of the last one read, so a journal deleted and begun again is
+        never half-read)."""
         with self._lock:
             for stream in STREAMS:
-                if self._catch_up(stream):  # begun again: every stream from its start
+                if listed is not None:
+                    restarted = self._catch_up_listed(stream, listed.get(stream, ()))
+                else:
+                    restarted = self._catch_up(stream)
+                if restarted:  # begun again: every stream from its start
                     for again in STREAMS:
-                        self._catch_up(again)
+                        if listed is not None:
+                            self._catch_up_listed(again, listed.get(again, ()))
+                        else:
+                            self._catch_up(again)
                     return
+
+    def _catch_up_listed(self, stream: Stream, listed: Collection[int]) -> bool:
+        """Read the listed numbers of ``stream`` from where it stopped, in one pipelined pass up to
+        the first number not listed, which is the end or a hole (filled once old, as on a read
+        stop); True when what was read had been deleted (all forgotten)."""
+        known = set(listed)
+        start = self._next[stream]
+        path = self._backend.path
+        if start and (start - 1) not in known and max(known, default=-1) >= start - 1:
+            # The listing lacks the last commit read below one it shows: deleted since (begun
+            # again), or landed after the listing (then the listing is older than this reader)
+            if not self._backend.exists(path(commit_name(start - 1, stream))):
+                self._restart()
+                return True
+            return False
+        numbers = sorted(n for n in known if n >= start)
+        while True:
+            start = self._next[stream]
+            run = _contiguous(numbers, start)
+            with contextlib.closing(
+                self._backend.read_iter([path(commit_name(s, stream)) for s in run])
+            ) as bodies:
+                for seq, body in zip(run, bodies, strict=True):
+                    if body is None:  # gone since it was listed: the next refresh sees why
+                        self._window[stream] = 1
+                        return False
+                    self._read(stream, seq, body)
+            numbers = numbers[len(run) :]
+            self._window[stream] = 1  # past the end next time: what came since, found one by one
+            if not numbers:
+                self._looked[stream] = self._clock.monotonic()  # the listing looked past the end
+                return False
+            if not self._fill(stream, self._next[stream], numbers[0]):
+                return False
+            numbers.insert(0, self._next[stream])  # filled: read what is there now
+
+    def _read(self, stream: Stream, seq: int, body: bytes) -> None:
+        """Take commit ``seq`` of ``stream``, the next one of it, into the index."""
+        self._apply(stream, seq, body)
+        self._next[stream] = seq + 1
+        if stream in self._stuck and self._stuck[stream][0] <= seq:
+            del self._stuck[stream]  # filled by someone allowed to
 
     def _catch_up(self, stream: Stream) -> bool:
         """Read ``stream`` on to its end; True when what was read had been deleted (all forgotten)."""
@@ -130,10 +190,7 @@ class JournalReader:
                         filled = True  # read again from the number filled
                         break
                     return False
-                self._apply(stream, seq, body)
-                self._next[stream] = seq + 1
-                if stream in self._stuck and self._stuck[stream][0] <= seq:
-                    del self._stuck[stream]  # filled by someone allowed to
+                self._read(stream, seq, body)
             if not filled:
                 self._window[stream] = min(_READ_WINDOW, window * 2)
 
@@ -208,7 +265,6 @@ class JournalReader:
         self._held.clear()
         self._released.clear()
         self._bodies.clear()
-        self._body_bytes = 0
         self._mtimes.clear()
 
     def _apply(self, stream: Stream, seq: int, body: bytes) -> None:
@@ -258,11 +314,11 @@ class JournalReader:
         self._keep(stream, commit)
 
     def _keep(self, stream: Stream, commit: Commit) -> None:
-        self._bodies[(stream, commit.seq)] = commit
-        self._body_bytes += len(commit.body)
-        while self._body_bytes > _BODY_BUDGET and len(self._bodies) > 1:
-            _, dropped = self._bodies.popitem(last=False)
-            self._body_bytes -= len(dropped.body)
+        self._bodies.keep((stream, commit.seq), commit)
+
+    def forget_bodies(self) -> None:
+        """Let the bodies read so far go (an enrichment is over); a later view reads what it needs again."""
+        self._bodies.clear()
 
     def holds(self, rollout_id: str) -> bool:
         """Whether the journal has rows or open claims of the rollout."""
@@ -281,25 +337,44 @@ class JournalReader:
         return [detail for _, detail in self._stuck.values()]
 
     def view(self, rollout_ids: Collection[str]) -> JournalView:
-        """What the journal holds for these rollouts, with the bodies it needs read (one pass)."""
+        """What the journal holds for these rollouts, with the lines it needs cut from their commits
+        (the commits themselves not kept: a batch holds its rows, never every commit it touches)."""
         with self._lock:
             held = {
                 r: _Held(array("q", h.rows), dict(h.claims)) for r in rollout_ids if (h := self._held.get(r))
             }
-            needed: set[Loc] = {("rows", packed >> _INDEX_BITS) for h in held.values() for packed in h.rows}
-            needed |= {("claims", seq) for h in held.values() for seq, _ in h.claims.values()}
-            commits = {loc: self._bodies[loc] for loc in needed if loc in self._bodies}
-            for loc in commits:
-                self._bodies.move_to_end(loc)
-        missing = sorted(needed - set(commits))
-        if missing:
+        wanted: dict[Loc, list[int]] = {}
+        for h in held.values():
+            for packed in h.rows:
+                seq, index = _unpack(packed)
+                wanted.setdefault(("rows", seq), []).append(index)
+            for seq, index in h.claims.values():
+                wanted.setdefault(("claims", seq), []).append(index)
+        lines: dict[tuple[Stream, int, int], bytes] = {}
+
+        def cut(loc: Loc, commit: Commit) -> None:
+            stream, seq = loc
+            for index in wanted[loc]:
+                lines[(stream, seq, index)] = commit.line(index)
+
+        missing = []
+        for loc in sorted(wanted):
+            commit = self._bodies.get(loc)
+            if commit is None:
+                missing.append(loc)
+            else:
+                cut(loc, commit)
+        if missing:  # bodies let go since they were read (an earlier enrichment's)
             paths = [self._backend.path(commit_name(seq, stream)) for stream, seq in missing]
-            for loc, body in zip(missing, self._backend.read_many(paths), strict=True):
-                if body is not None:
-                    with contextlib.suppress(BadCommit):
-                        commits[loc] = decode_commit(loc[1], body)
+            with contextlib.closing(self._backend.read_iter(paths)) as bodies:
+                for loc, body in zip(missing, bodies, strict=True):
+                    if body is not None:
+                        with contextlib.suppress(BadCommit):
+                            commit = decode_commit(loc[1], body)
+                            self._bodies.keep(loc, commit)
+                            cut(loc, commit)
         claimed = sorted({seq for h in held.values() for seq, _ in h.claims.values()})
-        return JournalView(self._backend, held, commits, self._claim_times(claimed), self.holes)
+        return JournalView(self._backend, held, lines, self._claim_times(claimed), self.holes)
 
     def _claim_times(self, seqs: list[int]) -> dict[int, float | None]:
         """Modification times of the claims commits holding open claims, by the store's clock where
@@ -321,13 +396,13 @@ class JournalView:
         self,
         backend: Backend,
         held: dict[str, _Held],
-        commits: dict[Loc, Commit],
+        lines: dict[tuple[Stream, int, int], bytes],
         mtimes: dict[int, float | None],
         holes: list[str] | None = None,
     ) -> None:
         self._backend = backend
         self._held = held
-        self._commits = commits
+        self._lines = lines  # (stream, commit, entry) -> its line, for the entries held
         self._mtimes = mtimes
         self.holes = holes or []
 
@@ -341,11 +416,11 @@ class JournalView:
             return
         for seq, index in held.row_places():
             source = self._backend.path(commit_name(seq))
-            commit = self._commits.get(("rows", seq))
-            if commit is None:  # unreadable since its header was read
+            line = self._lines.get(("rows", seq, index))
+            if line is None:  # unreadable since its header was read
                 parsed.add_damage(Damage(source, index + 2, "journal commit vanished or damaged"))
                 continue
-            add_journal_row(parsed, commit.line(index), source, index + 2)
+            add_journal_row(parsed, line, source, index + 2)
 
     def claims(self, rollout_id: str) -> list[Claim]:
         """The rollout's claims not released yet (live or abandoned)."""
@@ -355,8 +430,7 @@ class JournalView:
         out = []
         trust = self._backend.trust_mtime
         for claim_id, (seq, index) in held.claims.items():
-            commit = self._commits.get(("claims", seq))
-            body = commit.line(index) if commit is not None else None
+            body = self._lines.get(("claims", seq, index))
             out.append(read_claim(claim_id, body, self._mtimes.get(seq), trust_mtime=trust))
         return out
 

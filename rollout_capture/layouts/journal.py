@@ -47,6 +47,13 @@ class StoreJournal:
                 self._reader = JournalReader(self._backend)
             return self._reader
 
+    def forget_bodies(self) -> None:
+        """Let the commit bodies the reader kept go (no job reads the root now)."""
+        with self._lock:
+            reader = self._reader
+        if reader is not None:
+            reader.forget_bodies()
+
     def writer_of(self, stream: Stream) -> JournalCommitter:
         """Whoever commits ``stream``'s entries for this process: its own writer, or what
         :meth:`commit_through` put in front of it."""

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 CLI = [sys.executable, "-m", "rollout_capture.cli"]
@@ -79,6 +81,37 @@ def refused_unechoed(code: int, output: str) -> None:
     assert code == 2, output
     assert URL_SECRET not in output and "AKIAEXAMPLE" not in output, output
     assert "starting a temporary Prefect server" not in output  # refused before any server
+
+
+def running_until(process: subprocess.Popen[str], check: Callable[[], object], what: str) -> None:
+    """Wait until ``check()`` is truthy, for as long as ``process`` (a serve, a worker) runs: on a
+    loaded machine one may take minutes to start, so no window decides; one that exits first fails
+    at once with what it said (pytest-timeout bounds a hang)."""
+    while not check():
+        still_running(process, what)
+        time.sleep(0.2)
+
+
+def still_running(process: subprocess.Popen[str], what: str) -> bool:
+    """True while ``process`` runs; once it has exited, an ``AssertionError`` with what it said."""
+    if process.poll() is None:
+        return True
+    said = process.communicate()[0] if process.stdout is not None else ""
+    raise AssertionError(f"{what}: it exited first, with {process.returncode}: {said[-4000:]}")
+
+
+def interrupted(process: subprocess.Popen[str]) -> str:
+    """Ctrl-C (SIGINT) to a serve or a worker, then all it wrote once it has exited: its shutdown
+    is waited for however long a loaded machine makes it (pytest-timeout bounds a hang; a process
+    still there when the wait is cut short is killed, never left behind)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+    try:
+        return process.communicate()[0] if process.stdout is not None else ""
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
 
 
 def start_worker(pool: str, api: str, folder: Path) -> subprocess.Popen[str]:

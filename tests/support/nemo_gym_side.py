@@ -250,9 +250,10 @@ _SERVER_SETTINGS: dict[str, Callable[[str], dict[str, Any]]] = {
 
 def _serve_ours(args: argparse.Namespace) -> None:
     """rollout-capture's model server (docs/nemo-gym.md's recipe) serving each NeMo Gym model
-    server named, one process each as ``gym env start`` starts them (its folder found through
-    NEMO_GYM_EXTRA_ROOTS, ``python app.py`` with the config in the environment), with two workers;
-    prints their ports, serves until standard input closes, then stops each and waits for it."""
+    server named (``name`` or ``name:workers``; default ``--num-workers``), one process each as
+    ``gym env start`` starts them (its folder found through NEMO_GYM_EXTRA_ROOTS, ``python app.py``
+    with the config in the environment); prints their ports, serves until standard input closes,
+    then stops each and waits for it."""
     import os
     import signal
     import subprocess
@@ -270,14 +271,17 @@ def _serve_ours(args: argparse.Namespace) -> None:
         "head_server": {"host": "127.0.0.1", "port": _free_port()},
     }
     ports: dict[str, int] = {}
-    for serves in args.serves:
+    workers = {
+        name: int(n or args.num_workers) for name, _, n in (given.partition(":") for given in args.serves)
+    }
+    for serves in workers:
         ports[serves] = _free_port()
         server = {
             "host": "127.0.0.1",
             "port": ports[serves],
             "entrypoint": "app.py",
             "serves": serves,
-            "num_workers": args.num_workers,
+            "num_workers": workers[serves],
             "rollout_capture": {"capture_dir": args.capture_dir},
             **_SERVER_SETTINGS[serves](args.upstream.rstrip("/")),
         }
@@ -292,7 +296,7 @@ def _serve_ours(args: argparse.Namespace) -> None:
     text = OmegaConf.to_yaml(get_global_config_dict())
     folder = _resolve_server_dir(Path("responses_api_models", SERVER_FOLDER))
     processes = []
-    for serves in args.serves:
+    for serves in workers:
         env = {**os.environ, "NEMO_GYM_CONFIG_DICT": text, "NEMO_GYM_CONFIG_PATH": f"{serves}_policy"}
         log = open(work / f"{serves}.log", "wb")  # noqa: SIM115 - open for the process's life
         command = [sys.executable, "app.py"]
@@ -493,6 +497,12 @@ def _collect(args: argparse.Namespace) -> None:
             disable_health_check=True,
         )
         asyncio.run(RolloutCollectionHelper().run_from_config(config))
+        if args.hold_until_live:  # the collection's servers stay up until a follower has every line
+            written = Path(args.output).read_bytes().count(b"\n")
+            live = Path(args.hold_until_live)
+            while not (live.exists() and live.read_bytes().count(b"\n") >= written):
+                assert all(p.poll() is None for p in processes), f"a NeMo Gym server exited: see {work}"
+                time.sleep(0.1)  # the file's next look; the test's own timeout bounds a hang
     finally:
         for process in processes:
             process.terminate()
@@ -537,6 +547,7 @@ def main() -> None:
     collect.add_argument("--repeats", type=int, default=2)
     collect.add_argument("--ours", help="rollout-capture's server, these rollout_capture settings (JSON)")
     collect.add_argument("--num-workers", type=int)
+    collect.add_argument("--hold-until-live", help="after the collection, wait until this file has its lines")
     args = parser.parse_args()
     {
         "serve": _serve,

@@ -227,9 +227,19 @@ def huge_body(status: int, size: int, after: int = 0, reason: str = "Bad Request
 
 def too_large_over(limit: int) -> Script:
     """Requests whose body passes ``limit`` bytes answered 413 (a collector's request size limit)."""
+    return too_large_when(lambda body: len(body) > limit)
+
+
+def too_many_spans_over(most: int) -> Script:
+    """Requests carrying more than ``most`` spans answered 413 (a limit a batch of two can pass)."""
+    return too_large_when(lambda body: span_count(body) > most)
+
+
+def too_large_when(refused: Callable[[bytes], bool]) -> Script:
+    """Requests whose body ``refused`` says is too large answered 413 Request Entity Too Large."""
 
     def script(receiver: OtlpReceiver, index: int, request: Received, handler: Any) -> bool:
-        if len(request.body) <= limit:
+        if not refused(request.body):
             return False
         write_raw(
             receiver,
@@ -239,6 +249,14 @@ def too_large_over(limit: int) -> Script:
         return True
 
     return script
+
+
+def span_count(body: bytes) -> int:
+    """How many spans one request's body carries (an empty body, the probe's: none)."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    decoded = ExportTraceServiceRequest.FromString(body)
+    return sum(len(scope.spans) for resource in decoded.resource_spans for scope in resource.scope_spans)
 
 
 def rejecting(rejected: int, message: str = "too old") -> Script:

@@ -1,0 +1,181 @@
+"""The S3 backend's GETs and flat listings, sent by obstore (Rust) with what s3fs resolved: a GET
+costs a quarter of aiobotocore's CPU (0.4-0.5 ms against 1.6-1.9 ms,
+``benchmarks/bench_agent_enrich.py --clients``) and a listing page a twentieth, so a run's reads
+go at the store's speed, not the client's.
+
+s3fs stays the backend's filesystem: its session resolves the credentials (the AWS chain, a
+profile, a role, a Prefect credentials block's keys), the endpoint and the region; obstore is
+handed the same, the credentials through a provider refreshed from botocore's before each read.
+Anything obstore fails on is asked again through s3fs, which raises what it always raised (so a
+refused key or a throttled store reads as before); after :data:`SWITCH_AFTER` objects s3fs read
+where obstore failed (a redirect to another region, a proxy or TLS setting only botocore knows),
+this filesystem's reads stay with s3fs, said once in the log. Without obstore installed, s3fs reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SWITCH_AFTER = 3
+"""Objects s3fs had to read after obstore failed on them, before this filesystem's GETs stay with s3fs."""
+_STATIC_FOR = timedelta(
+    hours=12
+)  # how long obstore may keep credentials that never expire before asking again
+_WHOLE = 1 << 50  # a range from 0 this long is the whole object: one future, where a plain GET takes two
+
+
+class ObstoreGets:
+    """GETs of one s3fs filesystem's objects through obstore, one store per bucket; ``None`` for
+    a missing object. Coroutines of the filesystem's own loop (``fs.loop``)."""
+
+    def __init__(self, fs: Any, fallback: Callable[[str], Awaitable[bytes | None]]) -> None:
+        self._fs = fs
+        self._fallback = fallback  # s3fs's read of one path: None when missing
+        self._stores: dict[str, Any] = {}
+        self._credential: dict[str, Any] | None = None
+        self._failed = 0
+        self._lock = threading.Lock()
+        self.active = _obstore_installed()
+
+    async def get(self, path: str) -> bytes | None:
+        """The object's bytes, ``None`` when it does not exist."""
+        if not self.active:
+            return await self._fallback(path)
+        import obstore
+        from obstore.exceptions import NotFoundError
+
+        bucket, key, _ = self._fs.split_path(path)
+        try:
+            store = await self._store(bucket)
+            try:  # the range answer is the body itself: one wait instead of two
+                return bytes(await obstore.get_range_async(store, key, start=0, length=_WHOLE))
+            except (FileNotFoundError, NotFoundError):
+                raise
+            except Exception:  # an empty object has no range (416): a plain GET
+                got = await obstore.get_async(store, key)
+                return bytes(await got.bytes_async())
+        except (FileNotFoundError, NotFoundError):  # obstore raises the built-in one for a GET
+            return None
+        except Exception as exc:
+            failure = exc
+        data = await self._fallback(path)  # s3fs's own answer, or its own error
+        self._note(failure)
+        return data
+
+    async def listed(
+        self, bucket: str, prefix: str, limit: int | None
+    ) -> list[tuple[str, dict[str, Any]]] | None:
+        """``(bucket/key, info)`` of every object under the folder ``prefix`` (whole path segments),
+        at most ``limit`` + 1 of them; ``None`` where obstore could not list (s3fs will)."""
+        if not self.active:
+            return None
+        import obstore
+
+        out: list[tuple[str, dict[str, Any]]] = []
+        try:
+            store = await self._store(bucket)
+            async for page in obstore.list(store, prefix or None, chunk_size=1000):
+                for meta in page:
+                    name = f"{bucket}/{meta['path']}"
+                    info: dict[str, Any] = {
+                        "name": name,
+                        "size": meta["size"],
+                        "LastModified": meta["last_modified"],
+                    }
+                    out.append((name, info))
+                if limit is not None and len(out) > limit:
+                    break
+        except Exception as exc:
+            self._note(exc)
+            return None
+        return out
+
+    def _note(self, failure: BaseException) -> None:
+        with self._lock:
+            self._failed += 1
+            if self._failed < SWITCH_AFTER or not self.active:
+                return
+            self.active = False
+        logger.warning(
+            "reading %s through s3fs from now on: obstore failed on %d objects s3fs then read (last: %s: %s)",
+            self._fs.protocol if isinstance(self._fs.protocol, str) else self._fs.protocol[0],
+            self._failed,
+            type(failure).__name__,
+            str(failure).split("\n", 1)[0][:200],  # its first line: the rest is a debug dump
+        )
+
+    async def refresh(self) -> None:
+        """Take the credentials s3fs's client signs with now (botocore refreshes expiring ones); a
+        failure leaves the last ones (obstore's requests then fail over to s3fs, which says why)."""
+        if self.active:
+            try:
+                self._credential = await credentials_of(self._fs)
+            except Exception as exc:
+                logger.debug("credentials not taken afresh for obstore: %s", exc)
+
+    def _provide(self) -> dict[str, Any]:
+        """The credentials, until when they hold (obstore asks again 5 minutes before; asked each
+        request if that moment were closer, so credentials that never expire get 12 hours)."""
+        credential = self._credential
+        if credential is None:  # asked before refresh(): nothing to sign with
+            raise RuntimeError("no credentials resolved yet")
+        expiry = credential.get("expires_at") or datetime.now(UTC) + _STATIC_FOR
+        return {**credential, "expires_at": expiry}
+
+    async def _store(self, bucket: str) -> Any:
+        store = self._stores.get(bucket)
+        if store is None:
+            if self._credential is None:
+                await self.refresh()
+            store = self._stores[bucket] = await self._new_store(bucket)
+        return store
+
+    async def _new_store(self, bucket: str) -> Any:
+        from obstore.store import S3Store
+
+        client = await self._fs.set_session()
+        endpoint = str(client.meta.endpoint_url)
+        options: dict[str, Any] = {
+            "endpoint": endpoint,
+            "region": client.meta.region_name or "us-east-1",
+            "virtual_hosted_style_request": False,  # the endpoint names no bucket: path style
+            "client_options": {"allow_http": endpoint.startswith("http://")},
+            "retry_config": {"max_retries": 3, "retry_timeout": timedelta(seconds=20)},  # then s3fs's own
+        }
+        if self._credential == {}:
+            options["skip_signature"] = True  # anonymous, as s3fs was asked (anon=True)
+        else:
+            options["credential_provider"] = self._provide
+        return S3Store(bucket, **options)
+
+
+async def credentials_of(fs: Any) -> dict[str, Any]:
+    """The credentials s3fs's client signs with, as obstore takes them; ``{}`` when it signs nothing."""
+    client = await fs.set_session()
+    credentials = getattr(getattr(client, "_request_signer", None), "_credentials", None)
+    if credentials is None or getattr(fs, "anon", False):
+        return {}
+    frozen = credentials.get_frozen_credentials()
+    if hasattr(frozen, "__await__"):  # aiobotocore's refreshable credentials
+        frozen = await frozen
+    out: dict[str, Any] = {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key}
+    if frozen.token:
+        out["token"] = frozen.token
+    expiry = getattr(credentials, "_expiry_time", None)  # refreshable (a role, SSO): when they lapse
+    if isinstance(expiry, datetime):
+        out["expires_at"] = expiry if expiry.tzinfo else expiry.replace(tzinfo=UTC)
+    return out
+
+
+def _obstore_installed() -> bool:
+    try:
+        import obstore  # noqa: F401
+    except ImportError:
+        return False
+    return True

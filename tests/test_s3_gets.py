@@ -1,0 +1,77 @@
+"""The S3 backend's GETs through obstore: s3fs's credentials and endpoint, s3fs's answer and errors
+wherever obstore fails, and s3fs for good once obstore keeps failing (moto, counted on the wire)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fsspec.asyn import sync
+
+from rollout_capture.backends import S3Backend, open_backend, s3_gets
+
+from .conftest import S3
+
+
+def _backend(s3: S3, **options: Any) -> S3Backend:
+    backend = open_backend(s3.url("caps"), {**s3.storage_options, **options})
+    assert isinstance(backend, S3Backend)
+    return backend
+
+
+def test_obstore_signs_with_what_s3fs_resolved(s3: S3) -> None:
+    """A credentials block's keys reach s3fs as options: obstore is handed the same; the environment's
+    otherwise; nothing to sign with when s3fs was told anonymous."""
+    block = open_backend(
+        s3.url("caps"), s3.storage_options, credentials={"key": "AKIDBLOCK", "secret": "s3cr3t"}
+    )
+    assert isinstance(block, S3Backend)
+    assert sync(block.fs.loop, s3_gets.credentials_of, block.fs) == {
+        "access_key_id": "AKIDBLOCK",
+        "secret_access_key": "s3cr3t",
+    }
+    env = _backend(s3)
+    assert sync(env.fs.loop, s3_gets.credentials_of, env.fs)["access_key_id"] == "testing"
+    anonymous = _backend(s3, anon=True)
+    assert sync(anonymous.fs.loop, s3_gets.credentials_of, anonymous.fs) == {}
+
+
+def test_obstore_reads_what_s3fs_reads_and_none_for_a_missing_object(s3: S3) -> None:
+    backend = _backend(s3)
+    paths = [backend.path(f"x/{n}.json") for n in range(40)]
+    for n, path in enumerate(paths[:-1]):
+        backend.put(path, b"%d" % n * n)  # one of them empty
+    assert backend.read_many(paths) == [b"%d" % n * n for n in range(39)] + [None]
+    assert list(backend.read_iter(paths)) == backend.read_many(paths)
+    assert backend._gets is not None and backend._gets.active  # obstore read them all
+
+
+def test_what_obstore_fails_on_s3fs_reads_and_after_a_few_s3fs_reads_alone(
+    s3: S3, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    import obstore
+
+    async def refused(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("PermanentRedirect: the bucket is in another region")
+
+    backend = _backend(s3)
+    paths = [backend.path(f"y/{n}.json") for n in range(10)]
+    for n, path in enumerate(paths):
+        backend.put(path, b"row %d" % n)
+    monkeypatch.setattr(obstore, "get_range_async", refused)
+    monkeypatch.setattr(obstore, "get_async", refused)
+    with caplog.at_level("WARNING"):
+        assert backend.read_many(paths) == [b"row %d" % n for n in range(10)]
+    assert backend._gets is not None and not backend._gets.active
+    assert caplog.text.count("through s3fs from now on") == 1 and "PermanentRedirect" in caplog.text
+
+
+def test_a_refused_get_raises_s3fss_own_error(flaky_s3: tuple[S3, Any]) -> None:
+    """A key without the right (403) is s3fs's PermissionError, as the tasks' retry policy and the
+    credentials block's message expect, never obstore's."""
+    via, proxy = flaky_s3
+    backend = open_backend(via.url("caps"), via.storage_options)
+    backend.put(backend.path("z.json"), b"{}")
+    proxy.deny_on(b"GET /")
+    with pytest.raises(PermissionError):
+        backend.read_many([backend.path("z.json")])
