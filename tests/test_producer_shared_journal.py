@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import os
 import signal
 import uuid
 from collections.abc import Iterator
@@ -226,3 +227,35 @@ def test_workers_whose_parent_is_killed_commit_their_rows_themselves(
     assert store.claims(["11-0"]) == {} and not store.snapshot("11-0").incomplete
     writers = journal_writers(s3, "orphans")
     assert len(writers["rows"]) == 1 and writers["rows"] != writers["claims"]  # the worker's own
+
+
+def test_a_killed_worker_on_s3_leaves_its_claim_and_the_others_commit_through_the_parent(
+    s3: S3, scripted_upstream: tuple[str, Any]
+) -> None:
+    """SIGKILL the worker streaming a held call: its client sees the connection die, its claim stays
+    (to expire as abandoned), and the calls after it, through the other worker and the one that
+    replaces it, land through the parent's one writer a stream."""
+    spawned = two_workers_on(s3, scripted_upstream[0], "killed-worker")
+    store = CaptureStore(s3.url("killed-worker"), storage_options=s3.storage_options)
+    gate = "worker-killed-s3"
+    try:
+        wait_for(lambda: len(spawned.workers()) == 2)
+        thread, outcome = stream_in_background(spawned.url, "12-0", f"scripted-gated-{gate}")
+        (claim,) = wait_for(lambda: store.live_claims("12-0"))
+        assert claim.pid in spawned.workers()
+        os.kill(claim.pid, signal.SIGKILL)
+        thread.join(30)
+        wait_for(lambda: any("died (signal SIGKILL)" in line for line in spawned.log))
+        wait_for(lambda: len(spawned.workers()) == 2 and claim.pid not in spawned.workers())
+        for n in range(6):  # fresh connections, whichever worker takes them
+            sdk_call(spawned.url, "12-1", DIALECTS[n % 3], stream=n % 2 == 1)
+    finally:
+        scripted_upstream[1].gate(gate).set()
+        spawned.stop()
+    assert "error" in outcome  # the client saw its connection die
+    assert store.read("12-0") == [] and [c.pid for c in store.claims(["12-0"])["12-0"]] == [claim.pid]
+    rows = store.read("12-1")
+    assert len({row["model_call_id"] for row in rows}) == len(rows) == 6
+    assert store.claims(["12-1"]) == {}
+    writers = journal_writers(s3, "killed-worker")
+    assert [len(writers["rows"]), len(writers["claims"])] == [1, 1]  # the parent's, before and after
