@@ -293,7 +293,7 @@ def test_a_claim_is_put_while_another_calls_claim_is_on_the_wire(
 ) -> None:
     """The hold is one claim commit, not a queue of them: while answers wait for their claims, a
     call's claim goes on the wire while another call's claim commit is still there (producers
-    keep up to 2 in flight), not after it lands."""
+    keep up to 4 in flight), not after it lands."""
     served, wire = producer
     _hold_claims(wire, served)
     first = Client(served.url, "queue-a", uuid.uuid4().hex, stream=False)
@@ -311,7 +311,7 @@ def test_claims_are_grouped_while_answers_do_not_wait_for_them(flaky_s3: tuple[S
     """Claims pacing (issue 37): while almost no answer waits for its claim (the upstream slower
     than a claim commit), claims (and rows) keep one commit in flight, so the claims of calls that
     start while one is on the wire ride in one put; once answers wait, they go at once again (up
-    to 2 claims, 2 rows)."""
+    to 4 claims, 2 rows)."""
     from rollout_capture.producer.writer import CaptureWriter
 
     via, wire = flaky_s3
@@ -344,9 +344,9 @@ def test_claims_are_grouped_while_answers_do_not_wait_for_them(flaky_s3: tuple[S
     assert claim_puts_while_one_is_held(4) == 2  # the held one; the three that started meanwhile: one
     for _ in range(10):
         writer.answer_waited(True)
-    assert claims.in_flight == 2 and rows.in_flight == 2  # at once, beside those on the wire
+    assert claims.in_flight == 4 and rows.in_flight == 2  # at once, beside those on the wire
     assert (rows.look_delay_s, rows.look_in_flight) == (0, 2)  # looks at once
-    assert claim_puts_while_one_is_held(2) == 2  # the second at once, beside the one on the wire
+    assert claim_puts_while_one_is_held(4) == 4  # each at once, beside the one on the wire
     writer.close()
 
 

@@ -6,7 +6,6 @@ lands above what existed then with one put (issue 37)."""
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -35,17 +34,14 @@ logger = logging.getLogger(__name__)
 _LINEAR_TRIES = 8  # commits found taken before the tail is looked up instead of tried one by one
 _READ_WINDOW = 64  # numbers below a commit read at once, at most, while settling it
 
-DEFAULT_IN_FLIGHT: dict[Stream, int] = {"rows": 2, "claims": 2}
+DEFAULT_IN_FLIGHT: dict[Stream, int] = {"rows": 2, "claims": 4}
 """Commits a writer keeps in flight per stream on object stores (local disks: 1, a commit there is
 a quick fsync). Rows: 2, since a row finishing just after a commit started then goes at once
 instead of waiting for it, and more only add PUTs that slow the store (measured, see
-docs/benchmarks.md); claims: 2, since the answer's first byte waits for its claim, and a claim
-submitted while another's commit is in flight then goes at once more often than not (a commit of
-claims alone is one put, with no look above it). Issue 37 kept 4 for the lowest first byte at 32
-clients; on an agent's calls (each rollout's one after another, issue 48) 4 made claims commits
-0.23-0.27 a call at 32 clients, 2 make them 0.16-0.19, and the first byte, the last and the
-proxy's CPU a call were lower with 2, in one run (docs/benchmarks.md); producers pace claims
-between 1 and this by whether answers wait for them.
+docs/benchmarks.md); claims: 4, since the answer's first byte waits for its claim, and a claim
+submitted while another's commit is in flight then goes at once: one commit, not a queue of them
+(4 measured best of 1, 2, 4, 8; a commit of claims alone is one put, with no look above it);
+producers pace claims between 1 and this by whether answers wait for them (issue 37).
 ``ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT`` overrides it: ``N`` for both streams, or ``ROWS/CLAIMS``
 (each 1 to :data:`~.commits.LOOK_AHEAD`: a dead writer's commits stand at most that far above the
 hole it left, and writers and readers look that far)."""
@@ -81,14 +77,6 @@ LOOK_DELAY_S = 0.06
 """How long a call's look (:meth:`JournalWriter.look`) may wait for others to share it: looks
 start one at a time, each serving every call that asked before it started, at the latest this
 long after the oldest asked, or at once when a row waits for one (the upstream was quick)."""
-ROWS_WAIT_SHARE = 0.5
-"""More than one look may be in flight (:attr:`JournalWriter.look_in_flight`) only while rows wait
-for their looks, on average, longer than this share of a look's own time: a call starting while a
-look is out then waits for two, which a second look spares it (a slow store, few clients: issue
-37). Otherwise rows wait for their claims' commits about as long, and a second look would mostly
-double the listings (0.17-0.20 a call against 0.12-0.13 on an agent's calls at 32 clients on
-a 20 ms store, issue 48)."""
-_WEIGHT = 1 / 16  # how much one row's wait, or one look's time, moves their recent averages
 _LOOK_WINDOW = 2 * commits.LOOK_AHEAD  # numbers one look's listing covers
 
 
@@ -167,9 +155,6 @@ class JournalWriter:
         self.looks = 0  # looks at calls' starts done (each shared by the calls that asked)
         self.look_delay_s = LOOK_DELAY_S  # producers set 0 while answers wait for the store
         self.look_in_flight = 1  # looks at once at most (producers raise it with the delay at 0)
-        self.look_s = 0.0  # a look's recent time, on average
-        self.rows_wait_share = ROWS_WAIT_SHARE  # the simulation lowers it to explore looks at once
-        self.row_wait_s = 0.0  # a row's recent wait for its look (none: 0), on average
         self.peak_in_flight = 0  # the most commits this writer had in flight at once
 
     def _reset(self) -> None:
@@ -205,9 +190,7 @@ class JournalWriter:
             self._queue.append(submission)
             if look is not None and not look.done():
                 self._look_hurry = True  # the row is ready: its look goes now
-                look.add_done_callback(functools.partial(self._looked, self._clock.monotonic()))
-            elif look is not None:
-                self.row_wait_s -= self.row_wait_s * _WEIGHT  # a row that waits for no look
+                look.add_done_callback(self._looked)
             self._cond.notify_all()
             if self._idle == 0 and self._workers < self.in_flight:
                 self._workers += 1
@@ -231,21 +214,15 @@ class JournalWriter:
             if self._pid != os.getpid():
                 self._reset()
             self._looks.append((future, self._clock.monotonic()))
-            if self._looks_idle == 0 and self._lookers < self._looks_allowed():
+            if self._looks_idle == 0 and self._lookers < self.look_in_flight:
                 self._lookers += 1
                 self._clock.start_thread(self._look_run, "rollout-capture-journal-look")
             elif self._looks_idle:  # a busy one finds it when done: wake no thread for nothing
                 self._cond.notify_all()
         return future
 
-    def _looks_allowed(self) -> int:
-        """Looks at once now: :attr:`look_in_flight` while rows wait long for theirs
-        (:data:`ROWS_WAIT_SHARE`), else one."""
-        return self.look_in_flight if self.row_wait_s > self.rows_wait_share * self.look_s else 1
-
-    def _looked(self, since: float, _: concurrent.futures.Future[int]) -> None:
+    def _looked(self, _: concurrent.futures.Future[int]) -> None:
         with self._cond:
-            self.row_wait_s += (self._clock.monotonic() - since - self.row_wait_s) * _WEIGHT
             self._cond.notify_all()  # a row held for its look may go
 
     def _look_run(self) -> None:
@@ -254,7 +231,7 @@ class JournalWriter:
                 self._looks_idle += 1
                 try:
                     while True:
-                        if not self._looks or self._looks_active >= self._looks_allowed():
+                        if not self._looks or self._looks_active >= self.look_in_flight:
                             if not self._cond.wait(timeout=30.0) and not self._looks:
                                 self._lookers -= 1  # idle: a later look starts a fresh thread
                                 return
@@ -268,7 +245,6 @@ class JournalWriter:
                     self._looks_idle -= 1
                 taken, self._looks, self._look_hurry = self._looks, [], False
                 self._looks_active += 1
-            started = self._clock.monotonic()
             try:
                 mark = self._look_once()
             except Exception as exc:  # the rows commit then looks itself
@@ -280,7 +256,6 @@ class JournalWriter:
                     future.set_result(mark)
             finally:
                 with self._cond:
-                    self.look_s += (self._clock.monotonic() - started - self.look_s) * _WEIGHT
                     self._looks_active -= 1
                     self._cond.notify_all()
 

@@ -43,9 +43,8 @@ claim, claims keep every commit in flight they may (one put each, at once); belo
 for the commit on the wire and rides in the next (fewer puts): the upstream hides it."""
 _HELD_WEIGHT = 1 / 32  # how much one call moves the recent share
 LOOKS_WAITED = 2
-"""Looks in flight while answers wait for the store and rows for their looks
-(:data:`~rollout_capture.journal.writer.ROWS_WAIT_SHARE`): one more beside the one on the wire,
-so a call starting meanwhile rarely waits for two; more cost listings that queue the store's
+"""Looks in flight while answers wait for the store: one more beside the one on the wire, so a
+call starting meanwhile rarely waits for two; more cost listings that queue the store's
 connections (measured: 4 put 0.3 listings a call at 32 clients on a 120 ms store)."""
 # Work on the loop that takes longer than this (a slow or network disk) moves to threads.
 INLINE_LIMIT_S = 0.05

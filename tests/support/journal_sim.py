@@ -486,8 +486,6 @@ def simulate(scenario: Scenario) -> Outcome:
         )
         process.writer.look_delay_s = rng.choice((0.0, writer_module.LOOK_DELAY_S))  # paced by answers
         process.writer.look_in_flight = rng.choice((1, 1, 2, 3))
-        # Below 0: more than one look at once whatever rows wait (after a writer's first look).
-        process.writer.rows_wait_share = rng.choice((writer_module.ROWS_WAIT_SHARE, -1.0))
         processes.append(process)
         return process
 
