@@ -31,7 +31,6 @@ import asyncio
 import hashlib
 import json
 import os
-import random
 import resource
 import shutil
 import subprocess
@@ -46,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_cli import base_env, cli, prefect_server  # noqa: E402
-from benchmarks.bench_proxy import Connection, baseline_checkout, start_proxy, start_upstream  # noqa: E402
+from benchmarks.bench_proxy import baseline_checkout, load, start_proxy, start_upstream  # noqa: E402
 from benchmarks.corpus import source_corpus  # noqa: E402
 from benchmarks.store_bench import DUMMY_CREDENTIALS, CountingProxy, Moto  # noqa: E402
 from tests.support.stores import stop_process  # noqa: E402
@@ -55,48 +54,16 @@ BUCKET = "bench-agent"
 PREFIX = "run/captures"
 CALLS_PER_ROLLOUT = 5
 CLIENTS = 32
-ANSWER_BYTES = (200, 4000)
-
-
-def answer_size(rollout: int, call: int) -> int:
-    """A call's answer size, the same in every run and for every proxy."""
-    return random.Random(rollout * 131 + call).randint(*ANSWER_BYTES)
 
 
 async def agent_load(url: str, rollouts: int, clients: int = CLIENTS) -> dict[str, Any]:
-    """``rollouts`` agent rollouts over ``clients`` keep-alive connections: each client takes the next
-    rollout and sends its calls one after another, each request carrying the answers before it."""
-    host = url.removeprefix("http://")
-    todo = iter(range(rollouts))
-    calls = 0
-
-    async def client() -> None:
-        nonlocal calls
-        conn = await Connection.open(url)
-        try:
-            for rollout in todo:
-                history: list[dict[str, str]] = [{"role": "user", "content": f"task {rollout}: plan it"}]
-                for call in range(CALLS_PER_ROLLOUT):
-                    body = {
-                        "model": f"scripted-size-{answer_size(rollout, call)}",
-                        "messages": history,
-                        "stream": (rollout + call) % 2 == 1,
-                    }
-                    path = f"/ng-rollout/{rollout // 4}-{rollout % 4}/v1/chat/completions"
-                    await conn.post(path, host, json.dumps(body).encode())
-                    calls += 1
-                    history = [
-                        *history,
-                        {"role": "assistant", "content": "x" * answer_size(rollout, call)},
-                        {"role": "user", "content": f"tool result {call}"},
-                    ]
-        finally:
-            conn.writer.close()
-
-    started = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(clients)))
-    elapsed = time.perf_counter() - started
-    return {"calls": calls, "seconds": round(elapsed, 2), "calls_per_s": round(calls / elapsed, 1)}
+    """``rollouts`` agent rollouts of :data:`CALLS_PER_ROLLOUT` calls over ``clients`` keep-alive
+    connections (bench_proxy's agent shape), named ``<task>-<index>`` as the rollouts file names them."""
+    calls = rollouts * CALLS_PER_ROLLOUT
+    done = await load(
+        url, "/ng-rollout/{task}-{index}", calls, clients, per_rollout=CALLS_PER_ROLLOUT, agent=True
+    )
+    return {key: done[key] for key in ("calls", "seconds", "calls_per_s")}
 
 
 def rollouts_file(path: Path, rollouts: int) -> None:

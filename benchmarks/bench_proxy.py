@@ -36,7 +36,12 @@ left). A layout whose proxy does not start or breaks is reported as ``{"error": 
 on stdout, a table of the targets beside what was measured (min .. max over rounds) on stderr.
 ``--baseline REF`` (a git ref of this repository, or a checkout's directory) runs the code before
 beside it, every proxy named ``base_*``: last byte and first chunk added, store requests and CPU
-a call before and after, in one run.
+a call before and after, in one run. A layout ``@N`` is served by ``--workers N`` (``journal@2``).
+``--shape agent`` sends the agent shape (issue 48): each client takes the next rollout and sends its
+``--calls-per-rollout`` calls one after another, each request carrying the answers before it,
+answers of 200 B to 4 kB, half streamed. Per S3 proxy also the store's answers by status (412: a
+create that found its number taken) and the journal commits the calls left, by stream (commits,
+tombstones, entries each, writers).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import collections
 import json
 import math
 import os
+import random
 import resource
 import shutil
 import statistics
@@ -322,6 +328,21 @@ class Connection:
         return (first or end) - start, end - start
 
 
+ANSWER_BYTES = (200, 4000)
+"""An agent's answers: from 200 B to 4 kB of content (``scripted-size-<n>``)."""
+
+
+def answer_size(rollout: int, call: int) -> int:
+    """A call's answer size in the agent shape, the same in every run and for every proxy."""
+    return random.Random(rollout * 131 + call).randint(*ANSWER_BYTES)
+
+
+def rollout_path(prefix: str, rollout: int) -> str:
+    """The chat path of rollout number ``rollout``: ``prefix`` formatted with ``n`` (the number),
+    ``task`` and ``index`` (``n // 4`` and ``n % 4``, a task's four rollouts)."""
+    return f"{prefix.format(n=rollout, task=rollout // 4, index=rollout % 4)}/v1/chat/completions"
+
+
 async def load(
     url: str,
     prefix: str,
@@ -329,10 +350,15 @@ async def load(
     concurrency: int,
     while_open: Callable[[], Any] | None = None,
     per_rollout: int = 1,
+    agent: bool = False,
 ) -> dict[str, Any]:
     """``calls`` calls over ``concurrency`` keep-alive connections, ``per_rollout`` consecutive
     calls to each rollout id; ``while_open`` is called (its result kept as ``spread``) once
-    they are done but before the connections close."""
+    they are done but before the connections close.
+
+    ``agent``: the agent shape instead: each connection takes the next rollout and sends its
+    ``per_rollout`` calls one after another (an agent's turns), each request carrying the answers
+    before it, each answer :func:`answer_size` characters, half of them streamed."""
     host = url.removeprefix("http://")
     plain = json.dumps({"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}).encode()
     stream = json.dumps(
@@ -342,20 +368,43 @@ async def load(
     firsts: list[float] = []
     counter = iter(range(calls))
 
+    async def call(conn: Connection, path: str, body: bytes, streaming: bool) -> None:
+        first, total = await conn.post(path, host, body)
+        latencies.append(total)
+        if streaming:
+            firsts.append(first)
+
     async def worker() -> Connection:
         conn = await Connection.open(url)
         LOADGEN_PORTS.add(conn.writer.get_extra_info("sockname")[1])
         for n in counter:
-            path = f"{prefix.format(n=n // per_rollout)}/v1/chat/completions"
             streaming = n % 2 == 1
-            first, total = await conn.post(path, host, stream if streaming else plain)
-            latencies.append(total)
-            if streaming:
-                firsts.append(first)
+            await call(
+                conn, rollout_path(prefix, n // per_rollout), stream if streaming else plain, streaming
+            )
         return conn
 
+    async def agent_worker() -> Connection:
+        conn = await Connection.open(url)
+        LOADGEN_PORTS.add(conn.writer.get_extra_info("sockname")[1])
+        for rollout in rollouts:
+            history: list[dict[str, str]] = [{"role": "user", "content": f"task {rollout}: plan it"}]
+            for turn in range(per_rollout):
+                size = answer_size(rollout, turn)
+                streaming = (rollout + turn) % 2 == 1
+                body = {"model": f"scripted-size-{size}", "messages": history, "stream": streaming}
+                await call(conn, rollout_path(prefix, rollout), json.dumps(body).encode(), streaming)
+                history = [
+                    *history,
+                    {"role": "assistant", "content": "x" * size},
+                    {"role": "user", "content": f"tool result {turn}"},
+                ]
+        return conn
+
+    rollouts = iter(range(calls // per_rollout))
+
     started = time.perf_counter()
-    conns = await asyncio.gather(*(worker() for _ in range(concurrency)))
+    conns = await asyncio.gather(*((agent_worker if agent else worker)() for _ in range(concurrency)))
     elapsed = time.perf_counter() - started
     spread = while_open() if while_open is not None else None
     for conn in conns:
@@ -363,9 +412,9 @@ async def load(
     q = statistics.quantiles(latencies, n=100, method="inclusive")
     fq = statistics.quantiles(firsts, n=100, method="inclusive")
     out: dict[str, Any] = {
-        "calls": calls,
+        "calls": len(latencies),
         "seconds": round(elapsed, 3),
-        "calls_per_s": round(calls / elapsed, 1),
+        "calls_per_s": round(len(latencies) / elapsed, 1),
         "p50_ms": round(q[49] * 1000, 2),
         "p99_ms": round(q[98] * 1000, 2),
         "first_chunk_p50_ms": round(fq[49] * 1000, 2),
@@ -538,6 +587,7 @@ class Target:
         self.read_options = read_options
         self.counter = counter  # store_bench.CountingProxy in front of moto, or None on a local disk
         self.error: str | None = None
+        self.census: set[str] = set()  # journal commits counted already (store_bench.journal_census)
         self.said: collections.deque[str] = collections.deque(maxlen=20)
         # Keep reading the proxy's log: a full pipe would stall it mid-benchmark.
         threading.Thread(target=self._drain, daemon=True).start()
@@ -560,17 +610,23 @@ def measured_store(
     rollout_ids: list[str],
     settle_s: float,
     per_rollout: int = 1,
+    agent: bool = False,
 ) -> dict[str, Any]:
     """One load through one proxy: latency and first chunk, its CPU per call counted until
     its store went quiet (writes after the last byte included), the store requests of these
-    calls alone, and what a reader then finds in the store for them."""
+    calls alone (and the store's answers by status: 412, a create that found its object, 404),
+    what a reader then finds in the store for them, and the journal commits they left."""
+    from benchmarks.store_bench import journal_census, read_back
+
     out: dict[str, Any] = {}
     trips: list[float] = []
     if target.counter is not None:
         trips += target.counter.round_trips_ms(STORE_BUCKET)
         target.counter.reset()  # warmup and earlier loads left out
+        target.counter.answers()
+        journal_census(target.capture_url, target.read_options, target.census, 1)  # theirs too
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    running = load(target.url, prefix, calls, concurrency, per_rollout=per_rollout)
+    running = load(target.url, prefix, calls, concurrency, per_rollout=per_rollout, agent=agent)
     out.update(asyncio.run(asyncio.wait_for(running, LOAD_TIMEOUT_S)))  # a stuck layout is an error
     if target.counter is not None:
         out["settle_s"] = target.counter.wait_quiet(settle_s)
@@ -582,6 +638,7 @@ def measured_store(
     }
     if target.counter is not None:
         counts = target.counter.reset()
+        statuses = target.counter.answers()["statuses"]  # before the round trips' HEADs (404s)
         trips += target.counter.round_trips_ms(STORE_BUCKET)  # the median of before and after the load
         out["store_round_trip_ms"] = round(statistics.median(trips), 2)
         out["store_requests"] = counts
@@ -589,9 +646,10 @@ def measured_store(
             "total": round(sum(counts.values()) / calls, 3),
             **{kind: round(n / calls, 3) for kind, n in sorted(counts.items())},
         }
-    from benchmarks.store_bench import read_back
-
+        out["store_statuses"] = statuses
     out["read_back"] = read_back(target.capture_url, target.read_options, rollout_ids, calls)
+    if target.counter is not None:
+        out["journal"] = journal_census(target.capture_url, target.read_options, target.census, calls)
     out.update(recorded(target.capture_url, target.read_options, rollout_ids))
     return out
 
@@ -644,8 +702,10 @@ def compare_store(
     shift: int,
     per_rollout: int,
     settle_s: float,
+    agent: bool = False,
 ) -> dict[str, Any]:
-    """Direct and through each live proxy, same load, the order rotated by ``shift``."""
+    """Direct and through each live proxy, same load (direct: the plain shape), the order
+    rotated by ``shift``."""
     upstream_url, upstream_pid = upstream
     port = int(upstream_url.rsplit(":", 1)[1])
     direct_pids: dict[str, int | None] = {"upstream": upstream_pid, "loadgen": None}
@@ -660,7 +720,7 @@ def compare_store(
         pids: dict[str, int | None] = {"proxy": target.proc.pid, **direct_pids, **other_pids}
         if target.counter is not None:
             pids["store_proxy"] = target.counter.proc.pid
-        label = name.replace(":", ".").replace("/", ".")  # journal:4/1 -> a valid rollout id
+        label = name.replace(":", ".").replace("/", ".").replace("@", "w")  # a valid rollout id
         try:
             runs[name] = measured_store(
                 target,
@@ -671,6 +731,7 @@ def compare_store(
                 sorted({f"{tag}{label}-{n // per_rollout}-0" for n in range(calls)}),
                 settle_s,
                 per_rollout,
+                agent,
             )
         except Exception as exc:  # a layout that breaks mid-run is a result; the others go on
             target.error = f"{type(exc).__name__}: {exc}; proxy said: {target.last_words()}"
@@ -689,6 +750,8 @@ def compare_store(
         if "store_requests_per_call" in run:
             figures["store_requests_per_call"] = run["store_requests_per_call"]
             figures["store_round_trip_ms"] = run["store_round_trip_ms"]
+            figures["store_statuses"] = run["store_statuses"]
+            figures["journal"] = run["journal"]
         figures["read_back"] = run["read_back"]
         figures.update({key: run[key] for key in RECORDED_KEYS if key in run})
         added[name] = figures
@@ -840,19 +903,26 @@ def format_table(rows: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def layout_spec(spec: str) -> tuple[str, dict[str, str]]:
+def layout_spec(spec: str) -> tuple[str, dict[str, str], list[str]]:
     """``journal:1`` -> the journal layout with one commit in flight per stream (main's before
-    pipelining), as the environment tells the proxy; a plain name -> that layout as it comes."""
+    pipelining), as the environment tells the proxy; a plain name -> that layout as it comes;
+    ``@N`` after either: the proxy's ``--workers N``. Also the proxy's flags."""
+    spec, _, workers = spec.partition("@")
+    flags: list[str] = []
+    if workers:
+        if not workers.isdigit() or not 1 <= int(workers) <= 64:
+            raise SystemExit(f"--layouts: {spec}@{workers}: @N takes worker processes, 1 to 64")
+        flags = ["--workers", workers]
     layout, _, in_flight = spec.partition(":")
     if not in_flight:
-        return layout, {}
+        return layout, {}, flags
     parts = in_flight.split("/")
     if layout != "journal" or len(parts) > 2 or not all(p.isdigit() and 1 <= int(p) <= 64 for p in parts):
         raise SystemExit(
             f"--layouts: {spec!r}: only journal:N or journal:ROWS/CLAIMS (commits in flight, 1-4) "
             "takes numbers"
         )
-    return layout, {"ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT": in_flight}
+    return layout, {"ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT": in_flight}, flags
 
 
 def store_main(args: argparse.Namespace) -> None:
@@ -881,7 +951,7 @@ def store_main(args: argparse.Namespace) -> None:
         )
         for (tag, checkout), spec in [(c, s) for s in layouts for c in checkouts]:
             name = tag + "s3_" + spec
-            layout, in_flight = layout_spec(spec)
+            layout, in_flight, workers = layout_spec(spec)
             counter = CountingProxy(moto.port, args.store_latency_ms)
             started.append(counter)
             options = {"client_kwargs": {"endpoint_url": counter.endpoint}}
@@ -894,7 +964,7 @@ def store_main(args: argparse.Namespace) -> None:
                 "ROLLOUT_CAPTURE_LAYOUT": layout,
                 **in_flight,
             }
-            flags = [*extra, "--layout", layout, "--storage-options", json.dumps(options)]
+            flags = [*extra, *workers, "--layout", layout, "--storage-options", json.dumps(options)]
             try:
                 proc, url = start_proxy(upstream_url, capture_url, flags, env=env, checkout=checkout)
             except RuntimeError as exc:
@@ -909,9 +979,9 @@ def store_main(args: argparse.Namespace) -> None:
             name = tag + "disk_" + "".join(c if c.isalnum() else "-" for c in spec)
             capture_dir = str(work / name)
             base, _, claims = spec.partition("+")
-            layout, in_flight = layout_spec(base)
+            layout, in_flight, workers = layout_spec(base)
             env = {**os.environ, "ROLLOUT_CAPTURE_LAYOUT": layout, **in_flight}
-            flags = [*extra, "--layout", layout]
+            flags = [*extra, *workers, "--layout", layout]
             if claims:
                 env["ROLLOUT_CAPTURE_CLAIMS"] = claims
                 flags += ["--claims", claims]
@@ -939,7 +1009,16 @@ def store_main(args: argparse.Namespace) -> None:
             for concurrency, calls, letter in loads:
                 comparisons[concurrency].append(
                     compare_store(
-                        ends, targets, other_pids, calls, concurrency, f"{letter}{i}-", i, per, args.settle_s
+                        ends,
+                        targets,
+                        other_pids,
+                        calls,
+                        concurrency,
+                        f"{letter}{i}-",
+                        i,
+                        per,
+                        args.settle_s,
+                        args.shape == "agent",
                     )
                 )
         errors.update({name: t.error for name, t in targets.items() if t.error is not None})
@@ -980,6 +1059,7 @@ def store_main(args: argparse.Namespace) -> None:
             "rounds": args.rounds,
             "warmup_calls_each": args.warmup,
             "calls_per_rollout": per,
+            "shape": args.shape,
             "capture_filesystem": filesystem_of(work),
             "proxies": {
                 name: {"capture_dir": t.capture_url, "layout": name.split("_", 1)[1]}
@@ -1022,6 +1102,14 @@ def main() -> None:
         help="consecutive calls sent to each rollout id (1: every call opens a new capture file)",
     )
     parser.add_argument(
+        "--shape",
+        choices=("calls", "agent"),
+        default="calls",
+        help="with --store: calls (each client sends the next call, --calls-per-rollout in a row to one "
+        "rollout) or agent (each client takes the next rollout and sends its --calls-per-rollout calls "
+        "one after another, the request growing, answers of 200 B to 4 kB; half streamed either way)",
+    )
+    parser.add_argument(
         "--capture-root",
         default=None,
         help="where the capture dirs go (default: the system temp dir); e.g. /dev/shm to leave the disk out",
@@ -1036,7 +1124,8 @@ def main() -> None:
         "--layouts",
         default="objects",
         help="with --store: object-store layouts, comma-separated; journal:N keeps N commits in flight "
-        "per stream, journal:ROWS/CLAIMS each stream's (journal:1 is the journal before pipelining)",
+        "per stream, journal:ROWS/CLAIMS each stream's (journal:1 is the journal before pipelining); "
+        "@N after a layout: the proxy serves with --workers N (journal@2)",
     )
     parser.add_argument(
         "--disk-layouts",

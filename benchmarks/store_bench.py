@@ -200,6 +200,34 @@ def read_back(
     }
 
 
+def journal_census(
+    url: str, storage_options: Mapping[str, Any], counted: set[str], calls: int
+) -> dict[str, Any]:
+    """The journal commits under ``url`` not in ``counted`` (which then holds them too): by stream,
+    commits, tombstones, entries each, the writers that made them, commits a call."""
+    import fsspec
+    import orjson
+
+    fs, root = fsspec.core.url_to_fs(url, **storage_options, skip_instance_cache=True)
+    found = [key for key in fs.find(f"{root}/_journal") if key.endswith(".jsonl") and key not in counted]
+    counted.update(found)
+    bodies = fs.cat(found) if found else {}
+    out: dict[str, Any] = {}
+    for key, body in bodies.items():
+        stream = "claims" if "/_journal/claims/" in key else "rows"
+        head = orjson.loads(body.split(b"\n", 1)[0])
+        mine = out.setdefault(stream, {"commits": 0, "tombstones": 0, "entries": 0, "writers": set()})
+        mine["commits"] += 1
+        mine["tombstones"] += bool(head.get("tombstone"))
+        mine["entries"] += len(head.get("entries", ()))
+        mine["writers"].add(head.get("writer"))
+    for mine in out.values():
+        mine["writers"] = len(mine["writers"])
+        mine["entries_a_commit"] = round(mine["entries"] / max(1, mine["commits"] - mine["tombstones"]), 2)
+        mine["commits_a_call"] = round(mine["commits"] / calls, 3)
+    return out
+
+
 def _head_ms(port: int, bucket: str, times: int = 7) -> list[float]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     spent = []

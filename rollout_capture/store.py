@@ -34,6 +34,7 @@ from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY
 from rollout_capture.identity import validate_rollout_id
 from rollout_capture.journal import (
     STREAMS,
+    JournalCommitter,
     JournalReadBatch,
     JournalReader,
     JournalWriter,
@@ -253,13 +254,18 @@ class CaptureStore:
         return self._journal.reader
 
     @property
-    def journal_writer(self) -> JournalWriter:
+    def journal_writer(self) -> JournalCommitter:
         """This process's group committer for the root's journal rows (started by its first entry)."""
         return self.journal_writer_of("rows")
 
-    def journal_writer_of(self, stream: Stream) -> JournalWriter:
+    def journal_writer_of(self, stream: Stream) -> JournalCommitter:
         """This process's group committer for one stream of the root's journal."""
         return self._journal.writer_of(stream)
+
+    def commit_journal_through(self, through: Callable[[JournalWriter], JournalCommitter]) -> None:
+        """Commit the journal through ``through(this process's own writer of a stream)`` from now
+        on: a proxy's worker hands its entries to its parent's writers (before its first entry)."""
+        self._journal.commit_through(through)
 
     def journal_record(
         self,

@@ -10,6 +10,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from rollout_capture.backends.base import Backend
 from rollout_capture.journal import commits
@@ -77,6 +78,25 @@ LOOK_DELAY_S = 0.06
 start one at a time, each serving every call that asked before it started, at the latest this
 long after the oldest asked, or at once when a row waits for one (the upstream was quick)."""
 _LOOK_WINDOW = 2 * commits.LOOK_AHEAD  # numbers one look's listing covers
+
+
+class JournalCommitter(Protocol):
+    """What layouts and producers use of one stream's group committer: a :class:`JournalWriter`, or
+    a stand-in handing its entries to one in another process (a proxy's workers share their
+    parent's: ``rollout_capture.producer.shared_journal``). The pacing knobs are a producer's."""
+
+    stream: Stream
+    in_flight: int
+    look_delay_s: float
+    look_in_flight: int
+
+    def submit(
+        self, entries: Sequence[Entry], *, look: concurrent.futures.Future[int] | None = None
+    ) -> concurrent.futures.Future[int]: ...
+
+    def write(self, entries: Sequence[Entry]) -> int: ...
+
+    def look(self) -> concurrent.futures.Future[int]: ...
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from rollout_capture.backends import Backend
 from rollout_capture.backends.base import nothing_to_finish
 from rollout_capture.claims import Claim
 from rollout_capture.journal import (
+    JournalCommitter,
     JournalReader,
     JournalWriter,
     Stream,
@@ -28,13 +29,16 @@ from rollout_capture.layouts.base import Layout, LayoutStrategy, StagedWrite
 
 class StoreJournal:
     """One store's reader of the root's journal (read incrementally, shared by its batches) and
-    this process's group committer of each stream (started by its first entry)."""
+    this process's group committer of each stream (started by its first entry), or what stands in
+    for it (:meth:`commit_through`)."""
 
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
         self._lock = threading.Lock()
         self._reader: JournalReader | None = None
         self._writers: dict[Stream, JournalWriter] = {}
+        self._through: Callable[[JournalWriter], JournalCommitter] | None = None
+        self._committers: dict[Stream, JournalCommitter] = {}
 
     @property
     def reader(self) -> JournalReader:
@@ -50,14 +54,28 @@ class StoreJournal:
         if reader is not None:
             reader.forget_bodies()
 
-    def writer_of(self, stream: Stream) -> JournalWriter:
+    def writer_of(self, stream: Stream) -> JournalCommitter:
+        """Whoever commits ``stream``'s entries for this process: its own writer, or what
+        :meth:`commit_through` put in front of it."""
         with self._lock:
             writer = self._writers.get(stream)
             if writer is None:
                 writer = self._writers[stream] = JournalWriter(
                     self._backend, stream, tail_hint=lambda: self._tail(stream)
                 )
-            return writer
+            if self._through is None:
+                return writer
+            committer = self._committers.get(stream)
+            if committer is None:
+                committer = self._committers[stream] = self._through(writer)
+            return committer
+
+    def commit_through(self, through: Callable[[JournalWriter], JournalCommitter]) -> None:
+        """Commit every stream through ``through(own writer)`` from now on (a proxy's worker: its
+        parent's writers, its own the fallback); before the first entry."""
+        with self._lock:
+            self._through = through
+            self._committers.clear()
 
     def submit_row(
         self,

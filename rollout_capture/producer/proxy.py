@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -103,10 +104,12 @@ def _response_headers(response: UpstreamResponse, *, drop: frozenset[bytes] = fr
 class CaptureProxy:
     """ASGI app: everything to the upstream; calls under ``/ng-rollout/<id>/v1/`` captured on the way."""
 
-    def __init__(self, settings: ProxySettings) -> None:
+    def __init__(self, settings: ProxySettings, *, journal_link: socket.socket | None = None) -> None:
         self.settings = settings
         # Capture off: the prefix is still stripped and every call forwarded; nothing is opened.
-        self._writer: CaptureWriter | None = writer_for(settings) if settings.enabled else None
+        self._writer: CaptureWriter | None = (
+            writer_for(settings, journal_link=journal_link) if settings.enabled else None
+        )
         self._client: Upstream | None = None
         self.unfiled = UnfiledCalls("capture proxy")
         _install_log_filter()

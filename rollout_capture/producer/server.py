@@ -12,12 +12,15 @@ import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import uvicorn
 
 from rollout_capture.producer.proxy import CaptureProxy
 from rollout_capture.producer.settings import ProxySettings
+
+if TYPE_CHECKING:
+    from rollout_capture.producer.shared_journal import JournalHost
 
 logger = logging.getLogger("rollout_capture.producer")
 
@@ -108,8 +111,11 @@ class _WorkerProxy(CaptureProxy):
         await asyncio.to_thread(self.close_writer)
 
 
-def _serve_worker(settings_json: str, sock: socket.socket, options: ServerOptions) -> None:
-    """A worker process: its own loop, proxy, upstream pool and capture writer on the shared socket.
+def _serve_worker(
+    settings_json: str, sock: socket.socket, options: ServerOptions, journal_link: socket.socket | None = None
+) -> None:
+    """A worker process: its own loop, proxy, upstream pool and capture writer on the shared socket;
+    ``journal_link``: its link to the parent's journal committers, which the workers share.
 
     Settings come as JSON and are validated again here (no secrets ever travel: they are refused).
     """
@@ -119,7 +125,7 @@ def _serve_worker(settings_json: str, sock: socket.socket, options: ServerOption
     if not logging.getLogger().handlers:  # spawned: nothing configured logging here yet
         logging.basicConfig(level=options.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        app = _WorkerProxy(ProxySettings.model_validate_json(settings_json))
+        app = _WorkerProxy(ProxySettings.model_validate_json(settings_json), journal_link=journal_link)
     except Exception:
         logger.exception("a proxy worker could not start")
         sys.exit(STARTUP_FAILURE)
@@ -157,8 +163,13 @@ def serve_proxy(
         raise ValueError(f"workers must be at least 1; got {workers}")
     options = ServerOptions(log_level=log_level, access_log=access_log, http=http, loop=loop)
     app = CaptureProxy(settings)  # bad settings fail here, before anything is bound
+    journal = None
     if workers > 1:
-        app.close_writer()  # only a check here: each worker opens its own
+        app.close_writer()  # a check here; each worker opens its own, committing the journal here
+        if settings.enabled and app.writer.store.layout == "journal":
+            from rollout_capture.producer.shared_journal import JournalHost
+
+            journal = JournalHost(app.writer.store)
     sockets = bind_listeners(host, port, workers)
     bound = sockets[0].getsockname()[1]
     if announce is not None:
@@ -166,7 +177,11 @@ def serve_proxy(
         many = f" ({workers} workers)" if workers > 1 else ""
         announce(f"rollout-capture proxy on http://{shown}:{bound} -> {settings.upstream}{many}")
     if workers > 1:
-        _serve_workers(settings, sockets, options, workers)
+        try:
+            _serve_workers(settings, sockets, options, workers, journal)
+        finally:
+            if journal is not None:
+                journal.close()
         return
     server = _server(app, options)
     try:
@@ -178,9 +193,15 @@ def serve_proxy(
 
 
 def _serve_workers(
-    settings: ProxySettings, sockets: list[socket.socket], options: ServerOptions, workers: int
+    settings: ProxySettings,
+    sockets: list[socket.socket],
+    options: ServerOptions,
+    workers: int,
+    journal: JournalHost | None,
 ) -> None:
-    """``serve_proxy`` of ``workers`` > 1: spawned worker processes on the bound sockets, supervised."""
+    """``serve_proxy`` of ``workers`` > 1: spawned worker processes on the bound sockets, supervised;
+    with the journal layout each hands its entries to ``journal``, this process's committers, so the
+    workers' calls share commits and never race each other for the journal's numbers (issue 48)."""
     from rollout_capture.producer.workers import supervise
 
     settings_json = settings.model_dump_json()
@@ -192,11 +213,17 @@ def _serve_workers(
     try:
         supervise(
             _serve_worker,
-            lambda index: (settings_json, sockets[index % len(sockets)], options),
+            lambda index: (
+                settings_json,
+                sockets[index % len(sockets)],
+                options,
+                journal.link(index) if journal is not None else None,
+            ),
             workers,
             # A stuck worker is killed once its stop took well past both its waits (calls, writes).
             stop_timeout_s=2 * settings.shutdown_grace_s + 30,
             on_stop=close_sockets,  # once the workers close theirs, new connections are refused
+            started=journal.handed if journal is not None else None,
             name="proxy worker",
         )
     finally:

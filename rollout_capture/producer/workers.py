@@ -68,10 +68,12 @@ def supervise(
     *,
     stop_timeout_s: float,
     on_stop: Callable[[], None] | None = None,
+    started: Callable[[int], None] | None = None,
     name: str = "worker",
 ) -> None:
     """Run ``count`` spawned processes, worker ``i`` running ``target(*args(i))``, until SIGINT
-    or SIGTERM. ``on_stop`` is called once the stop begins (the parent lets go of its sockets).
+    or SIGTERM. ``on_stop`` is called once the stop begins (the parent lets go of its sockets);
+    ``started(i)`` each time worker ``i`` was spawned (what ``args(i)`` handed it is its own now).
 
     The first signal sends SIGTERM to every worker (they stop accepting and finish what is in
     flight); a later SIGINT is passed on as SIGINT (a server's "stop now"), as a second Ctrl-C
@@ -82,7 +84,7 @@ def supervise(
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("several workers are supervised from the main thread (it takes the signals)")
-    _Supervisor(target, args, name, stop_timeout_s, on_stop).run(count)
+    _Supervisor(target, args, name, stop_timeout_s, on_stop, started).run(count)
 
 
 class _Supervisor:
@@ -95,10 +97,12 @@ class _Supervisor:
         name: str,
         stop_timeout_s: float,
         on_stop: Callable[[], None] | None,
+        started: Callable[[int], None] | None = None,
     ) -> None:
         self.target, self.args, self.name = target, args, name
         self.stop_timeout_s = stop_timeout_s
         self.on_stop = on_stop
+        self.started = started
         self.context = multiprocessing.get_context("spawn")
         self.workers: dict[int, _Worker] = {}
         self.restarts: dict[int, float] = {}  # index -> when to start it again
@@ -144,6 +148,8 @@ class _Supervisor:
         process = self.context.Process(target=self.target, args=self.args(index), name=f"{self.name}-{index}")
         process.start()
         self.workers[index] = _Worker(index, process)
+        if self.started is not None:
+            self.started(index)
 
     def _stop(self) -> None:
         self.stopping_since = time.monotonic()

@@ -20,6 +20,7 @@ import logging
 import math
 import queue
 import resource
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -492,12 +493,13 @@ class CaptureWriter:
             logger.warning("could not remove the claims log", exc_info=True)
 
 
-def writer_for(settings: ProducerSettings) -> CaptureWriter:
+def writer_for(settings: ProducerSettings, *, journal_link: socket.socket | None = None) -> CaptureWriter:
     """The writer of the settings' capture root (its store, claim TTL and threads).
 
     ``auto`` writes JSONL on a local disk (NeMo Gym's layout) and the journal on object stores,
     where a request per call is what a run costs (spec 2); claims go to this process's claims
-    log on a local disk unless told ``files`` (spec 3).
+    log on a local disk unless told ``files`` (spec 3). ``journal_link``: a proxy worker's link to
+    its parent, whose journal committers it shares (``shared_journal``).
     """
     local = capabilities_of(settings.root).local
     layout = producer_layout(settings.layout, local=local)
@@ -507,6 +509,10 @@ def writer_for(settings: ProducerSettings) -> CaptureWriter:
     store = CaptureStore(
         settings.root, storage_options=settings.storage_options, layout=layout, claims=claims
     )
+    if journal_link is not None and store.layout == "journal":
+        from rollout_capture.producer.shared_journal import SharedJournal
+
+        store.commit_journal_through(SharedJournal(journal_link).committer)
     store.refuse_unsafe_writes()  # at startup, not as a logged failure at every call
     store.prove_writable()  # unwritable, or no put-if-absent: refused before any call is served
     return CaptureWriter(store, claim_ttl_s=settings.claim_ttl_s, io_threads=settings.io_threads)
