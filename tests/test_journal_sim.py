@@ -62,7 +62,8 @@ def test_the_simulation_finds_a_row_put_below_a_dead_writers_commit(blind: str) 
     """The simulation can fail: with either look switched off (the one at a call's start, which
     then sees nothing; or the one above its number before a row without a look is put), the
     schedule of item 1 (a dead writer's commit above a hole, the rollout's next row put in the
-    hole) is found among the first seeds."""
+    hole) is found among the first seeds (writers killed at 10% of their steps: a rare schedule,
+    found by seed 75-115 so, where at 5% it took 270-1,800 seeds, moving with any change of steps)."""
     from rollout_capture.journal import writer as writer_module
 
     cls = writer_module.JournalWriter
@@ -73,7 +74,7 @@ def test_the_simulation_finds_a_row_put_below_a_dead_writers_commit(blind: str) 
     try:
         found = []
         for seed in range(600):
-            problems = check(simulate(Scenario(seed, calls=6, processes=3, kill_rate=0.05)))
+            problems = check(simulate(Scenario(seed, calls=6, processes=3, kill_rate=0.1)))
             if any("put below it" in p for p in problems):
                 found.append(seed)
                 break

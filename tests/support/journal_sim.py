@@ -25,7 +25,7 @@ from typing import Any, cast
 
 import orjson
 
-from rollout_capture.backends.base import Backend
+from rollout_capture.backends.base import Backend, Named
 from rollout_capture.journal import (
     JournalReader,
     JournalWriter,
@@ -397,6 +397,27 @@ class SimStore:
 
     def modified(self, paths: list[str]) -> list[float | None]:
         return [None for _ in paths]
+
+    def list_names(self, folders: list[str]) -> list[dict[str, Named]]:
+        """One level under each folder (a LIST a folder, as one request)."""
+        decision = self._request(f"list {len(folders)}")
+        if decision == "fail":
+            self._answer(decision)
+            raise StoreFault("503 on LIST")
+        out = []
+        for folder in folders:
+            prefix = folder.rstrip("/") + "/"
+            names: dict[str, Named] = {}
+            for path, (body, _) in self.objects.items():
+                if path.startswith(prefix):
+                    name, below, _ = path[len(prefix) :].partition("/")
+                    folder_path = prefix + name
+                    names[name] = (
+                        Named(name, folder_path, True) if below else Named(name, path, False, len(body))
+                    )
+            out.append(names)
+        self._answer(decision)
+        return out
 
     def commits(self, stream: str = "rows") -> Iterator[tuple[int, bytes, int]]:
         seq = 0
