@@ -95,7 +95,12 @@ class Compaction:
 
 
 class _Refused(Exception):
-    """The journal may still be written: not compacted now."""
+    """The journal may still be written: not compacted now (``after``: seconds until its quiet
+    period is over, when only the age of its last commit stands in the way)."""
+
+    def __init__(self, message: str, after: float | None = None) -> None:
+        super().__init__(message)
+        self.after = after
 
 
 def _census(backend: Backend) -> list[tuple[str, Entry]]:
@@ -108,14 +113,17 @@ def compact_root(
     quiet_s: float = QUIET_S,
     part_bytes: int = PART_BYTES,
     remove_after_s: float | None = DELETE_AFTER_S,
+    wait_quiet: bool = False,
     now: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Compaction:
     """Compact the journal of one capture root (see the module docstring).
 
     ``quiet_s``: refused while a commit is younger than this by the store's clock (or any claim is
-    live, or a hole is younger than the grace). ``remove_after_s``: the replaced objects are removed
-    this long after the manifest (waited for here); ``None`` leaves them to :func:`remove_superseded`.
+    live, or a hole is younger than the grace); ``wait_quiet``: when only the last commit's age
+    stands in the way, wait for the quiet period once and look again (a run just finished).
+    ``remove_after_s``: the replaced objects are removed this long after the manifest (waited for
+    here); ``None`` leaves them to :func:`remove_superseded`.
     """
     backend.require_put_if_absent()
     url = backend.store_url()
@@ -133,7 +141,17 @@ def compact_root(
     try:
         _check_quiet(backend, reader, census, base, quiet_s, now())
     except _Refused as exc:
-        result.status, result.reason = "refused", str(exc)
+        if wait_quiet and exc.after is not None:
+            sleep(exc.after)
+            return compact_root(
+                backend,
+                quiet_s=quiet_s,
+                part_bytes=part_bytes,
+                remove_after_s=remove_after_s,
+                now=now,
+                sleep=sleep,
+            )
+        result.status, result.reason = "refused", f"{url} may still be written: {exc}"
         return result
     if held is not None and floors == base:
         result.status, result.generation, result.floors = "already compacted", held.generation, floors
@@ -217,8 +235,9 @@ def _check_quiet(
         newest = entry.mtime if newest is None else max(newest, entry.mtime)
     if newest is not None and moment - newest < quiet_s:
         raise _Refused(
-            f"the journal was written {moment - newest:.0f} s ago: a writer may still be running "
-            f"(compacted once it has been quiet for {quiet_s:.0f} s)"
+            f"its journal was written {moment - newest:.0f} s ago: a writer may still be running "
+            f"(compacted once it has been quiet for {quiet_s:.0f} s)",
+            after=quiet_s - (moment - newest),
         )
 
 

@@ -16,7 +16,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
@@ -44,6 +44,9 @@ from rollout_capture.layouts import ClaimsMode, Layout, LayoutChoice, StagedWrit
 from rollout_capture.names import RolloutListing, probe_name
 from rollout_capture.rows import CaptureRowError, Row
 from rollout_capture.snapshot import RolloutSnapshot
+
+if TYPE_CHECKING:
+    from rollout_capture.compaction import Compaction
 
 logger = logging.getLogger(__name__)
 
@@ -260,6 +263,13 @@ class CaptureStore:
     def journal_writer_of(self, stream: Stream) -> JournalWriter:
         """This process's group committer for one stream of the root's journal."""
         return self._journal.writer_of(stream)
+
+    def compact(self, **options: Any) -> Compaction:
+        """Compact the root's journal once its run is over (``rollout_capture.compaction``:
+        ``compact_root``'s options): refused while a writer may still write it."""
+        from rollout_capture.compaction import compact_root
+
+        return compact_root(self._backend, **options)
 
     def journal_record(
         self,
