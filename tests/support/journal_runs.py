@@ -48,7 +48,7 @@ def rich_run(store: CaptureStore, records: list[dict[str, Any]], rollouts: int) 
     """A finished run in the journal layout with what a compaction must keep as it was: corpus
     calls of each dialect (a verifier's among them), several rollouts a commit and a rollout in
     several commits; a rollout cleared midway and written again; a call whose writer died (its
-    claim never released: abandoned once its TTL is out); a damaged row; a rollout cleared for
+    claim never released, its TTL out: abandoned); a damaged row; a rollout cleared for
     good. Its rollout lines, one a rollout (and one never captured)."""
     ids = [f"{r}-0" for r in range(rollouts)]
     rows = {
@@ -64,7 +64,9 @@ def rich_run(store: CaptureStore, records: list[dict[str, Any]], rollouts: int) 
     most = max(len(r) for r in rows.values())
     for step in range(most):
         chunk = [(r, rows[r][step]) for r in ids if step < len(rows[r])]
-        claims = [(r, new_claim(f"{r}-{step}", 60)) for r, _ in chunk]
+        # the dead writer's claim is out of its TTL at once: abandoned, so no read waits for it
+        dead = ids[4] if step == 0 and len(ids) > 4 else None
+        claims = [(r, new_claim(f"{r}-{step}", 0.001 if r == dead else 60)) for r, _ in chunk]
         claims_writer.write([claim_entry(r, claim) for r, claim in claims])
         entries = [row_entry(r, row) for r, row in chunk]
         releases = [release_entry(r, claim.claim_id) for r, claim in claims]
