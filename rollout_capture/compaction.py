@@ -36,6 +36,7 @@ from rollout_capture.backends.base import Backend
 from rollout_capture.claims import partition
 from rollout_capture.journal import FORMAT as JOURNAL_FORMAT
 from rollout_capture.journal import STREAMS, JournalReader, Stream
+from rollout_capture.journal.clock import REAL_CLOCK, Clock
 from rollout_capture.journal.compacted import (
     DELETE_AFTER_S,
     PART_BYTES,
@@ -114,8 +115,9 @@ def compact_root(
     part_bytes: int = PART_BYTES,
     remove_after_s: float | None = DELETE_AFTER_S,
     wait_quiet: bool = False,
-    now: Callable[[], float] = time.time,
-    sleep: Callable[[float], None] = time.sleep,
+    now: Callable[[], float] | None = None,
+    sleep: Callable[[float], None] | None = None,
+    clock: Clock = REAL_CLOCK,
 ) -> Compaction:
     """Compact the journal of one capture root (see the module docstring).
 
@@ -123,8 +125,11 @@ def compact_root(
     live, or a hole is younger than the grace); ``wait_quiet``: when only the last commit's age
     stands in the way, wait for the quiet period once and look again (a run just finished).
     ``remove_after_s``: the replaced objects are removed this long after the manifest (waited for
-    here); ``None`` leaves them to :func:`remove_superseded`.
+    here); ``None`` leaves them to :func:`remove_superseded`. ``clock``: its reader's and, unless
+    ``now`` and ``sleep`` are given, the compaction's (a simulation's, in tests).
     """
+    now = clock.time if now is None else now
+    sleep = clock.sleep if sleep is None else sleep
     backend.require_put_if_absent()
     url = backend.store_url()
     census = _census(backend)
@@ -132,7 +137,7 @@ def compact_root(
     result = Compaction(url, "no journal", objects_before=len(census))
     if not any(listed.values()):
         return result
-    reader = JournalReader(backend)
+    reader = JournalReader(backend, clock=clock)
     reader.refresh(listed)
     held = reader.generation
     floors: dict[Stream, int] = {"rows": reader.tail("rows"), "claims": reader.tail("claims")}

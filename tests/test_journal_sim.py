@@ -13,6 +13,13 @@ lost or late; a writer process is killed). Invariants, after every schedule:
 - every writer, reader and agent ends (no schedule runs out of steps or blocks outside a gate);
 - a reader that may not write, stopped at a hole it cannot fill, reports it for every rollout.
 
+With compaction (``Scenario.with_compaction``: compaction processes, killed like writers, trying
+at moments of their own while agents pause past the quiet period between calls, readers
+refreshing on either side of ``CHECK_AFTER_S``), the same, and: once the run is over and
+compacted one last time, a fresh reader reads exactly what the final read did (every row once,
+in order), and the journal holds that generation's manifest and parts alone (no commit below its
+floors, no litter of a killed or beaten compactor).
+
 A failing seed replays alone: ``pytest tests/test_journal_sim.py --sim-seed N``
 (or ``ROLLOUT_CAPTURE_SIM_SEED=N``); ``ROLLOUT_CAPTURE_SIM_SEEDS`` sets how many run.
 """
@@ -27,6 +34,7 @@ import pytest
 from tests.support.journal_sim import Scenario, check, simulate
 
 SEEDS = int(os.environ.get("ROLLOUT_CAPTURE_SIM_SEEDS", "1500"))
+COMPACTION_SEEDS = max(1, SEEDS // 3)  # longer schedules (a run paused past the quiet period)
 CHUNKS = 6  # the seeds in a few tests, so a failure names its range
 
 
@@ -55,6 +63,51 @@ def test_the_journal_keeps_its_invariants_under_every_simulated_schedule(
         f"{len(failures)} schedule(s) broke an invariant (replay one: pytest "
         f"tests/test_journal_sim.py --sim-seed N):\n" + "\n".join(failures[:10])
     )
+
+
+@pytest.mark.parametrize("chunk", range(2))
+def test_compaction_keeps_the_journals_invariants_under_every_simulated_schedule(
+    chunk: int, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="rollout_capture")
+    one = request.config.getoption("--sim-seed") or os.environ.get("ROLLOUT_CAPTURE_SIM_SEED")
+    half = -(-COMPACTION_SEEDS // 2)
+    seeds = (
+        ([int(one)] if chunk == 0 else [])
+        if one is not None
+        else range(chunk * half, min(COMPACTION_SEEDS, (chunk + 1) * half))
+    )
+    failures = []
+    statuses: set[str] = set()
+    for seed in seeds:
+        outcome = simulate(Scenario.with_compaction(seed))
+        statuses.update(outcome.compactions)
+        problems = check(outcome)
+        if problems:
+            failures.append(f"seed {seed}: " + "; ".join(problems[:3]))
+    assert not failures, (
+        f"{len(failures)} schedule(s) broke an invariant (replay one: pytest "
+        f"tests/test_journal_sim.py -k compaction --sim-seed N):\n" + "\n".join(failures[:10])
+    )
+    if one is None and len(seeds) >= 50:  # the schedules compacted mid-run, and were refused mid-run
+        assert {"compacted", "refused", "already compacted"} <= statuses, statuses
+
+
+def test_the_simulation_finds_a_row_lost_to_a_writer_that_never_looks_its_tail_up_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compaction schedules can fail: a writer idle across a compaction that went on with the
+    numbers it held (never looking the newest floors up again) puts rows below the floors, which
+    no reader reads; found among the first seeds."""
+    from rollout_capture.journal import writer as writer_module
+
+    monkeypatch.setattr(writer_module, "WRITER_RELOOK_S", float("inf"))
+    found = [
+        seed
+        for seed in range(100)
+        if any("never read" in p for p in check(simulate(Scenario.with_compaction(seed))))
+    ]
+    assert found, "with the relook off, no schedule lost a row to a compaction"
 
 
 @pytest.mark.parametrize("blind", ["the look at a call's start", "the look before a put"])
