@@ -38,12 +38,12 @@ COMPACTION_SEEDS = max(1, SEEDS // 3)  # longer schedules (a run paused past the
 CHUNKS = 6  # the seeds in a few tests, so a failure names its range
 
 
-def _seeds(config: pytest.Config, chunk: int) -> list[int]:
+def _seeds(config: pytest.Config, chunk: int, seeds: int = SEEDS, chunks: int = CHUNKS) -> list[int]:
     one = config.getoption("--sim-seed") or os.environ.get("ROLLOUT_CAPTURE_SIM_SEED")
     if one is not None:
         return [int(one)] if chunk == 0 else []
-    size = -(-SEEDS // CHUNKS)
-    return list(range(chunk * size, min(SEEDS, (chunk + 1) * size)))
+    size = -(-seeds // chunks)
+    return list(range(chunk * size, min(seeds, (chunk + 1) * size)))
 
 
 @pytest.mark.parametrize("chunk", range(CHUNKS))
@@ -70,26 +70,19 @@ def test_compaction_keeps_the_journals_invariants_under_every_simulated_schedule
     chunk: int, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.ERROR, logger="rollout_capture")
-    one = request.config.getoption("--sim-seed") or os.environ.get("ROLLOUT_CAPTURE_SIM_SEED")
-    half = -(-COMPACTION_SEEDS // 2)
-    seeds = (
-        ([int(one)] if chunk == 0 else [])
-        if one is not None
-        else range(chunk * half, min(COMPACTION_SEEDS, (chunk + 1) * half))
-    )
+    seeds = _seeds(request.config, chunk, COMPACTION_SEEDS, 2)
     failures = []
     statuses: set[str] = set()
     for seed in seeds:
         outcome = simulate(Scenario.with_compaction(seed))
         statuses.update(outcome.compactions)
-        problems = check(outcome)
-        if problems:
+        if problems := check(outcome):
             failures.append(f"seed {seed}: " + "; ".join(problems[:3]))
     assert not failures, (
         f"{len(failures)} schedule(s) broke an invariant (replay one: pytest "
         f"tests/test_journal_sim.py -k compaction --sim-seed N):\n" + "\n".join(failures[:10])
     )
-    if one is None and len(seeds) >= 50:  # the schedules compacted mid-run, and were refused mid-run
+    if len(seeds) >= 50:  # the schedules compacted mid-run, and were refused mid-run
         assert {"compacted", "refused", "already compacted"} <= statuses, statuses
 
 

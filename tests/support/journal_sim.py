@@ -375,12 +375,7 @@ class SimStore:
         with open(local, "rb") as handle:
             data = handle.read()
         decision = self._request(f"put {path.rsplit('/', 1)[-1]}")
-        if self.readonly:
-            self._answer(decision)
-            raise PermissionError(f"403 Forbidden: {path}")
-        if decision == "fail":
-            self._answer(decision)
-            raise StoreFault(f"503 on PUT {path}")
+        self._may_write(decision, path)
         self._land(path, data)
         self._answer(decision)
         if decision == "lost":
@@ -444,14 +439,18 @@ class SimStore:
         if decision == "late" and self.world.gate("answer") == "kill":
             self.world.park()
 
-    def create(self, path: str, data: bytes) -> None:
-        decision = self._request(f"create {path.rsplit('/', 2)[-2:]}")
+    def _may_write(self, decision: str, path: str) -> None:
+        """A PUT's refusals: a client that may not write, a request the store failed."""
         if self.readonly:
             self._answer(decision)
             raise PermissionError(f"403 Forbidden: {path}")
         if decision == "fail":
             self._answer(decision)
             raise StoreFault(f"503 on PUT {path}")
+
+    def create(self, path: str, data: bytes) -> None:
+        decision = self._request(f"create {path.rsplit('/', 2)[-2:]}")
+        self._may_write(decision, path)
         landed = path not in self.objects
         if landed:
             self._land(path, data)
