@@ -314,6 +314,7 @@ def test_a_quiet_period_is_judged_by_the_stores_clock(tmp_path: Path) -> None:
     assert compact_root(CaptureStore(url)._backend, remove_after_s=0).status == "compacted"
 
 
+@pytest.mark.integration  # two CLI processes
 def test_the_compact_command_refuses_a_journal_written_just_now_then_compacts_it(tmp_path: Path) -> None:
     """``rollout-capture compact``: exit 1 naming the root while the journal may still be written;
     told a quiet period it has had, exit 0 with the objects before and after (``--json``)."""
@@ -355,3 +356,27 @@ def test_enrich_runs_compacts_the_runs_it_enriched_when_asked(
     left = sorted(p.name for p in (run / "captures" / "_journal").rglob("*") if p.is_file())
     assert len(left) == 2 and left[0] == "manifest.json"
     assert enriched(lines, CaptureStore(captures), "after") == before
+
+
+def test_a_compacted_run_is_followed_to_the_output_post_run_enrichment_gives(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """Following (``follow_run``) reads a compacted run's captures: its published output is the
+    bytes post-run enrichment wrote over the same captures before they were compacted."""
+    import shutil
+
+    from rollout_capture.flows import enrich_completed_runs
+    from rollout_capture.flows.follow import follow_run
+    from rollout_capture.run_folders import OUTPUT, STARTED, SUCCESS
+
+    run = tmp_path / "runs" / "r1"
+    lines = rich_run(CaptureStore(str(run / "captures"), layout="journal"), corpus_records(CORPUS), 9)
+    (run / "rollouts.jsonl").write_bytes(b"".join(line + b"\n" for line in lines))
+    (run / STARTED).touch()
+    (run / SUCCESS).touch()
+    shutil.copytree(tmp_path / "runs", tmp_path / "before")
+    assert enrich_completed_runs(str(tmp_path / "before")).enriched == ["r1"]
+    done = compact_root(CaptureStore(str(run / "captures"))._backend, remove_after_s=0, now=_later)
+    assert done.status == "compacted"
+    assert follow_run(str(run)).status == "published"
+    assert (run / OUTPUT).read_bytes() == (tmp_path / "before" / "r1" / OUTPUT).read_bytes()
