@@ -816,7 +816,10 @@ def test_stopping_a_serve_disables_its_own_triggers_and_never_a_users_automation
             ]
             stopped = stop_served(served)
             assert stopped.paused == [d.full_name for d in served] and scheduled in stopped.paused
-            assert stopped.triggers_disabled == ["own-alerts-served: a run finished"]
+            assert stopped.triggers_disabled == [  # its own two: the scheduled job's and the follower's
+                "own-alerts-served: a run finished",
+                "own-alerts-follow-runs-served: a run started",
+            ]
             found = {
                 a.name: a for a in client.read_resource_related_automations(f"prefect.deployment.{ids[0]}")
             }

@@ -42,6 +42,7 @@ from rollout_capture.producer import CaptureMiddleware
 from rollout_capture.producer.proxy import CaptureProxy
 from rollout_capture.producer.settings import ProxySettings
 
+from .conftest import wait_for
 from .support.hostile_rows import VERSIONS, inflating_row, whitespace_row
 from .support.nemo_gym_compare import (
     Tally,
@@ -136,20 +137,42 @@ def records() -> list[dict[str, Any]]:
 class Producers:
     """Where the scenario's calls go: the policy and judge model servers, the verifier."""
 
-    def __init__(self, policy: str, judge: str, verifier: str, capture_dir: Path, upstream: ScriptedUpstream):
+    def __init__(
+        self,
+        policy: str,
+        judge: str,
+        verifier: str,
+        capture_dir: Path,
+        upstream: ScriptedUpstream,
+        verify_rows: bool = True,
+    ):
         self.urls = {"policy": policy, "judge": judge}
         self.verifier = verifier
         self.capture_dir = capture_dir
         self.upstream = upstream
+        self.verify_rows = verify_rows  # NeMo Gym's verifier records no row
+
+    def rows(self, rollout: str) -> int:
+        """Lines the rollout's capture holds now (a row a line, as both producers append them)."""
+        path = self.capture_dir / f"{rollout}.capture.jsonl"
+        return path.read_bytes().count(b"\n") if path.exists() else 0
+
+    def landed(self, rollout: str, before: int) -> None:
+        """Wait for the step's row: a row is written after its answer (both producers), so a call
+        to another server (the judge after the policy) could land its row first on a loaded
+        machine and NeMo Gym's merge, counting rows in file order, would compare other calls."""
+        wait_for(lambda: self.rows(rollout) > before, 300, f"the row of a call of {rollout}", poll_s=0.01)
 
 
 def run_scenario(producers: Producers, http: httpx.Client) -> None:
     """Every step of the scenario, in order, through ``producers`` (on ``http``'s kept-alive
     connections); then the damage."""
     for rollout, step in SCENARIO:
+        before = producers.rows(rollout)
         if step[0] == "call":
             _, server, dialect, model, stream, *usage = step
             _call(http, producers.urls[server], rollout, dialect, body(dialect, model, stream, bool(usage)))
+            producers.landed(rollout, before)
         elif step[0] == "leave":
             _leave(producers, rollout, step[1], step[2])
         else:
@@ -157,8 +180,12 @@ def run_scenario(producers: Producers, http: httpx.Client) -> None:
             header = {"X-Rollout-Capture-Verifier-Invocation-Id": invocation}
             verify = http.post(f"{producers.verifier}/ng-rollout/{rollout}/verify", json={}, headers=header)
             assert verify.status_code == 200
+            if producers.verify_rows:
+                producers.landed(rollout, before)
             for dialect, model in judged:
+                before = producers.rows(rollout)
                 _call(http, producers.urls["judge"], rollout, dialect, body(dialect, model, False), header)
+                producers.landed(rollout, before)
     for rollout, lines in DAMAGED.items():
         with open(producers.capture_dir / f"{rollout}.capture.jsonl", "ab") as capture:
             capture.write(b"".join(line + b"\n" for line in lines))
@@ -277,7 +304,15 @@ def record_scenario(kind: str, root: Path) -> Path:
         # connection then has the row cancelled with the call (ClientDisconnectCancellationMiddleware)
         # before its thread starts: the scenario's last call would lose its row, by chance.
         stops.insert(0, http.close)
-        run_scenario(Producers(urls["policy"], urls["judge"], verifier.url, capture_dir, upstream_app), http)
+        producers = Producers(
+            urls["policy"],
+            urls["judge"],
+            verifier.url,
+            capture_dir,
+            upstream_app,
+            verify_rows=kind != "nemo-gym",
+        )
+        run_scenario(producers, http)
     finally:
         upstream_app.gate("leave").set()
         for stop in reversed(stops):
