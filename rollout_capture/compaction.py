@@ -8,8 +8,8 @@ commit younger than the quiet period, a live claim, a hole younger than the grac
 the reader holds (each rollout's rows, byte for byte and in order; the open claims; the releases
 read early) as generation ``g + 1``, and creates its manifest put-if-absent, last. Only then, and
 :data:`~.journal.compacted.DELETE_AFTER_S` later, are the commits below its floors and the older
-generations removed (:func:`remove_superseded`, which a later compaction also does for one that
-was stopped before).
+generations removed (by a later compaction when this one was stopped before, or told to leave
+them).
 
 A crash at any point loses and doubles nothing: before the manifest exists nothing a reader reads
 has changed (parts without a manifest are litter, removed by the next compaction of that
@@ -25,7 +25,6 @@ import os
 import shutil
 import socket
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Literal
@@ -89,7 +88,7 @@ class Compaction:
     """Objects of the journal after the removal (None: not removed yet)."""
     removed: int = 0
     pending_removal: int = 0
-    """Objects the generation replaced, left for a later removal (``remove_superseded``)."""
+    """Objects the generation replaced, left for a later compaction to remove."""
 
     def as_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -125,8 +124,9 @@ def compact_root(
     live, or a hole is younger than the grace); ``wait_quiet``: when only the last commit's age
     stands in the way, wait for the quiet period once and look again (a run just finished).
     ``remove_after_s``: the replaced objects are removed this long after the manifest (waited for
-    here); ``None`` leaves them to :func:`remove_superseded`. ``clock``: its reader's and, unless
-    ``now`` and ``sleep`` are given, the compaction's (a simulation's, in tests).
+    here); ``None`` leaves them to the next compaction (which finds the journal compacted and
+    removes them). ``clock``: its reader's and, unless ``now`` and ``sleep`` are given, the
+    compaction's (a simulation's, in tests).
     """
     now = clock.time if now is None else now
     sleep = clock.sleep if sleep is None else sleep
@@ -390,29 +390,6 @@ def _superseded(census: list[tuple[str, Entry]], manifest: Manifest) -> list[Ent
         ):
             out.append(entry)
     return out
-
-
-def remove_superseded(
-    backend: Backend,
-    *,
-    remove_after_s: float = DELETE_AFTER_S,
-    now: Callable[[], float] = time.time,
-    sleep: Callable[[float], None] = time.sleep,
-) -> Compaction:
-    """Remove what the newest generation replaced, once its manifest is ``remove_after_s`` old
-    (waited for here): a compaction stopped before it did, or one told to leave it."""
-    url = backend.store_url()
-    census = _census(backend)
-    generations = journal_numbers(name for name, _ in census)["compacted"]
-    result = Compaction(url, "no journal", objects_before=len(census))
-    for generation in sorted(generations, reverse=True):
-        manifest = read_manifest(backend, generation)
-        if manifest is not None:
-            result.status, result.generation = "already compacted", generation
-            result.floors, result.parts = floors_of(manifest), len(manifest.parts)
-            _remove(backend, manifest, result, remove_after_s, now, sleep, census)
-            break
-    return result
 
 
 def _remove(

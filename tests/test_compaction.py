@@ -380,3 +380,31 @@ def test_a_compacted_run_is_followed_to_the_output_post_run_enrichment_gives(
     assert done.status == "compacted"
     assert follow_run(str(run)).status == "published"
     assert (run / OUTPUT).read_bytes() == (tmp_path / "before" / "r1" / OUTPUT).read_bytes()
+
+
+def test_a_compaction_told_to_wait_waits_out_the_quiet_period_once(tmp_path: Path) -> None:
+    """``wait_quiet`` (``enrich-runs --compact``, ``compact --wait-quiet``): a journal written just
+    now is compacted once its quiet period is over, the wait the rest of it (by the store's
+    clock); a live claim is refused at once, not waited for."""
+    url = str(tmp_path / "caps")
+    lines = journal_run(CaptureStore(url, layout="journal"), 4, 2)
+    before = enriched(lines, CaptureStore(url), "before")
+    moment = [time.time()]
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        moment[0] += seconds
+
+    done = compact_root(
+        CaptureStore(url)._backend, wait_quiet=True, remove_after_s=0, now=lambda: moment[0], sleep=sleep
+    )
+    assert done.status == "compacted"
+    assert len(waits) == 1 and QUIET_S - 30 < waits[0] <= QUIET_S  # what was left of the quiet period
+    assert enriched(lines, CaptureStore(url), "after") == before
+    live = str(tmp_path / "live")
+    CaptureStore(live, layout="journal").journal_writer_of("claims").write(
+        [claim_entry("0-0", new_claim("in-flight", 600))]
+    )
+    refused = compact_root(CaptureStore(live)._backend, wait_quiet=True, sleep=sleep)
+    assert refused.status == "refused" and "live" in str(refused.reason) and len(waits) == 1
