@@ -20,6 +20,10 @@ counting proxy at 32 in flight, in this process. ``--clients`` also reads every 
 client measured for issue 48 (s3fs as this tree's backend reads, obstore, aiohttp signing with
 botocore's SigV4, the plain GETs): time and CPU a request in this process.
 
+Last, the S3 run compacted (``rollout-capture compact``, as a run long over) and enriched on S3
+again: the objects a run before and after, the compaction's requests, and that enrichment's time
+against the round's local disk (issue 48: within 1.5x).
+
 Every output must be byte-identical to the mirror's (S3) or to the baseline's (same captures).
 JSON on stdout, a table on stderr; the machine's load before and after.
 """
@@ -397,6 +401,7 @@ def main() -> None:
                 this["floor"] = floor
                 rounds.append(this)
             report["rounds"] = rounds
+            report["compaction"] = compaction(counter, moto.endpoint, rollouts, work, enrich_env, rounds[-1])
         if args.clients:
             report["clients"] = clients(counter, keys, stored)
     finally:
@@ -414,6 +419,56 @@ def main() -> None:
     report["summary"] = summary(report, list(checkouts), stored)
     print(json.dumps(report, indent=2))
     print(table(report), file=sys.stderr)
+
+
+def compaction(
+    counter: CountingProxy,
+    endpoint: str,
+    rollouts: Path,
+    work: Path,
+    env: dict[str, str],
+    last: dict[str, Any],
+) -> dict[str, Any]:
+    """``rollout-capture compact`` of the S3 run (as a run long over: ``--quiet 0``), through the
+    counting proxy; the objects a run before and after; then ``enrich`` on S3 again, its output the
+    same bytes as before, its time against the same round's local disk and mirror."""
+    import fsspec
+
+    fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+    before = len(fs.find(f"{BUCKET}/{PREFIX}"))
+    counter.reset()
+    started = time.perf_counter()
+    done = subprocess.run(
+        [*cli(), "compact", f"s3://{BUCKET}/{PREFIX}", "--quiet", "0", "--remove-after", "0", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"compact exited {done.returncode}:\n{done.stderr[-2000:]}")
+    said = json.loads(done.stdout)
+    requests = counter.reset()
+    fs.invalidate_cache()
+    after = len(fs.find(f"{BUCKET}/{PREFIX}"))
+    counter.answers()
+    s3 = enrich(ROOT, rollouts, f"s3://{BUCKET}/{PREFIX}", work / "out-compacted.jsonl", env)
+    s3["requests"] = counter.reset()
+    s3.update(counter.answers())
+    return {
+        "objects_before": before,
+        "objects_after": after,
+        "parts": said["parts"],
+        "part_mb": round(said["part_bytes"] / 1e6, 1),
+        "compact_s": round(seconds, 2),
+        "compact_requests": requests,
+        "enrich_s3": s3,
+        "s3_over_local": ratio(s3["seconds"], last["local"]["seconds"]),
+        "s3_over_mirror": ratio(s3["seconds"], last["mirror"]["seconds"]),
+        "s3_before_over_after": ratio(last["s3"]["seconds"], s3["seconds"]),
+        "same_output_as_before": s3["sha256"] == last["s3"]["sha256"] == last["mirror"]["sha256"],
+    }
 
 
 def summary(report: dict[str, Any], names: list[str], stored: int) -> dict[str, Any]:
@@ -450,13 +505,22 @@ def summary(report: dict[str, Any], names: list[str], stored: int) -> dict[str, 
                 per.setdefault(key, []).append(value)
         out[name or "this"] = per
     out["objects"] = objects
+    if "compaction" in report:
+        out["compaction"] = {k: v for k, v in report["compaction"].items() if k != "enrich_s3"} | {
+            "enrich_s3_s": report["compaction"]["enrich_s3"]["seconds"],
+            "enrich_s3_cpu_s": report["compaction"]["enrich_s3"]["cpu_s"],
+            "enrich_s3_requests": report["compaction"]["enrich_s3"]["requests"],
+        }
     return out
 
 
 def table(report: dict[str, Any]) -> str:
     lines = [f"load {report['load']}; {report['objects']} objects, {report['stored_mb']} MB"]
     for name, figures in report["summary"].items():
-        if name == "objects":
+        if name in ("objects", "compaction"):
+            if name == "compaction":
+                lines.append("[compaction]")
+                lines += [f"  {key}: {value}" for key, value in figures.items()]
             continue
         lines.append(f"[{name}]")
         lines += [f"  {key}: {value}" for key, value in figures.items()]

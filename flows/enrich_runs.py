@@ -44,6 +44,7 @@ from rollout_capture.location import Location
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S
 from rollout_capture.run_folders import DEFAULT_LEASE_S, Discovery, RunFolder, new_owner
 from rollout_capture.secret_options import shown_url
+from rollout_capture.tasks.capture import compact_captures
 from rollout_capture.tasks.run_folders import MAX_NAMED_RUNS, find_runs, remember_enriched, runs_root_at
 
 __all__ = ["RunOutcome", "RunStatus", "RunsFailed", "RunsSummary", "enrich_completed_runs"]
@@ -73,6 +74,9 @@ class RunsSummary(BaseModel):
     left alone, without failing this tick, until finished again (``finish``) or rechecked."""
     outcomes: dict[str, RunOutcome] = Field(default_factory=dict)
     """Each run this invocation tried to take, by name."""
+    compaction: dict[str, str] = Field(default_factory=dict)
+    """With ``compact``: each run enriched now, how its captures' compaction went (``compacted``,
+    ``already compacted``, ``no journal``, or ``refused: <why>``: left for ``rollout-capture compact``)."""
 
     def record_outcome(self, name: str, outcome: RunOutcome) -> None:
         """File a run's outcome under its name and in the list of its status."""
@@ -165,6 +169,7 @@ def enrich_completed_runs(
     otlp_headers_block: str | None = None,
     otlp_project: str | None = None,
     otlp_run_name: str | None = None,
+    compact: bool = False,
 ) -> RunsSummary:
     """Enrich each finished run (``_SUCCESS``, no ``_ENRICHED``) under ``runs_root``, in batches of runs.
 
@@ -198,6 +203,8 @@ def enrich_completed_runs(
         otlp_headers_block: Name of a Prefect Secret block holding the endpoint's headers.
         otlp_project: The project every run's traces land in; default the runs root's folder name.
         otlp_run_name: Names the root's runs <otlp_run_name>/<run folder>; default each output's location.
+        compact: Once the tick's runs are enriched, compact each one's journal (its quiet period
+            waited out once); a refused one is named in ``compaction`` and left for ``compact``.
 
     Examples:
         ```python
@@ -227,6 +234,8 @@ def enrich_completed_runs(
     job = RunsJob(runs_root=runs, lease_s=lease_s, capture_dir=captures, options=options)
     batches = _batches(ready, runs_per_batch, max_parallel_runs)
     _enrich_ready(summary, ready, job, runs_root, batches, max_parallel_runs)
+    if compact:
+        _compact_enriched(summary, ready, job)
     _publish_tick(summary, runs_root, runs)
     get_run_logger().info("%s", summary.tally())
     problems = []
@@ -260,6 +269,25 @@ def _publish_tick(summary: RunsSummary, runs_root: str, runs: Location) -> None:
         publish_tick_summary(runs_root, summary.tally(), needing_a_look(summary), batch_rows(summary))
     if summary.enriched:
         remember_enriched(runs, summary.enriched)
+
+
+def _compact_enriched(summary: RunsSummary, ready: list[RunFolder], job: RunsJob) -> None:
+    """Compact the captures of each run enriched now (one task a capture root), after its output
+    and ``_ENRICHED`` are written: a compaction refused or failed leaves the run enriched."""
+    roots: dict[str, Location] = {}
+    for run in ready:
+        if run.name in summary.enriched:
+            roots[run.name] = (job.capture_dir or job.runs_root.at(run.captures)).absolute()
+    futures = {name: compact_captures.submit(root, wait_quiet=True) for name, root in roots.items()}
+    for name, future in futures.items():
+        try:
+            done = future.result()
+        except Exception as exc:
+            summary.compaction[name] = f"failed: {type(exc).__name__}: {exc}"
+            get_run_logger().warning("run %s enriched, its captures not compacted: %s", name, exc)
+            continue
+        status = str(done["status"])
+        summary.compaction[name] = f"refused: {done['reason']}" if status == "refused" else status
 
 
 def _batches(ready: list[RunFolder], runs_per_batch: int, max_parallel_runs: int) -> list[list[RunFolder]]:

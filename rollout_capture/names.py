@@ -24,6 +24,13 @@ CLAIMS_SUFFIX = ".capture.claims"
 SEQ_WIDTH = 12
 JOURNAL_DIR = "_journal"
 """The folder of the journal layout's commits (``rollout_capture.journal``): shared by all rollouts."""
+COMPACT_DIR = f"{JOURNAL_DIR}/compact"
+"""The folder of the journal's compacted generations (``rollout_capture.journal.compacted``): each
+``<gen>/`` holds parts (``part-NNNNN-<nonce>.jsonl``) and, once whole, its ``manifest.json``."""
+MANIFEST_NAME = "manifest.json"
+COMPACTED = "compacted"
+"""The key under which a root's listing gives the compacted generations with a manifest (beside the
+journal's streams, ``rows`` and ``claims``)."""
 CLAIMS_LOG_DIR = "_claims"
 """The folder of the producers' claims logs on a local disk (``rollout_capture.claims_log``)."""
 PROBE_PREFIX = "_probe-"
@@ -201,6 +208,35 @@ def journal_commit(relative: str) -> tuple[str, int] | None:
     if stream is None or len(stem) != SEQ_WIDTH or not stem.isdigit() or stem == name:
         return None
     return stream, int(stem)
+
+
+def generation_dir(generation: int) -> str:
+    """The folder of one compacted generation relative to the root."""
+    return f"{COMPACT_DIR}/{generation:0{SEQ_WIDTH}d}"
+
+
+def compacted_name(relative: str) -> tuple[int, str] | None:
+    """``(generation, file name)`` of a name under the compacted generations' folder (a part or a
+    manifest, relative to the root); ``None`` for any other."""
+    folder, _, name = relative.rpartition("/")
+    head, _, stem = folder.rpartition("/")
+    if head != COMPACT_DIR or len(stem) != SEQ_WIDTH or not stem.isdigit() or not name:
+        return None
+    return int(stem), name
+
+
+def journal_numbers(relative_names: Iterable[str]) -> dict[str, list[int]]:
+    """What a listing of the root (names relative to it) shows of the journal: each stream's commit
+    numbers (``rows``, ``claims``), and under :data:`COMPACTED` the generations with a manifest."""
+    out: dict[str, list[int]] = {"rows": [], "claims": [], COMPACTED: []}
+    for relative in relative_names:
+        if not relative.startswith(JOURNAL_DIR):
+            continue
+        if (commit := journal_commit(relative)) is not None:
+            out[commit[0]].append(commit[1])
+        elif (compacted := compacted_name(relative)) is not None and compacted[1] == MANIFEST_NAME:
+            out[COMPACTED].append(compacted[0])
+    return out
 
 
 _ROOT_SUFFIXES = (".capture.jsonl", ".capture.incomplete", ".capture.claims", ".capture")

@@ -16,7 +16,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
@@ -45,6 +45,9 @@ from rollout_capture.layouts import ClaimsMode, Layout, LayoutChoice, StagedWrit
 from rollout_capture.names import RolloutListing, probe_name
 from rollout_capture.rows import CaptureRowError, Row
 from rollout_capture.snapshot import RolloutSnapshot
+
+if TYPE_CHECKING:
+    from rollout_capture.compaction import Compaction
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +269,13 @@ class CaptureStore:
         """Commit the journal through ``through(this process's own writer of a stream)`` from now
         on: a proxy's worker hands its entries to its parent's writers (before its first entry)."""
         self._journal.commit_through(through)
+
+    def compact(self, **options: Any) -> Compaction:
+        """Compact the root's journal once its run is over (``rollout_capture.compaction``:
+        ``compact_root``'s options): refused while a writer may still write it."""
+        from rollout_capture.compaction import compact_root
+
+        return compact_root(self._backend, **options)
 
     def journal_record(
         self,

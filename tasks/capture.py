@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from rollout_capture.backends import ListingScope
 from rollout_capture.batch import BatchStats, enrich_blob
+from rollout_capture.journal import compacted
 from rollout_capture.location import Location, LocationLike
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
 from rollout_capture.rollout_files import LineRange
@@ -343,3 +344,63 @@ def _merge_in_pool(
         part, lines, stats = pool.submit(enrich_in_worker, *arguments, False, scope).result()
     stats.waited_for = waited
     return BatchOutput(part=part, lines=lines, stats=stats)
+
+
+@task(
+    name="compact_captures",
+    task_run_name=run_name("compact_captures {capture_dir}"),
+    cache_policy=NO_CACHE,
+    **storage_retries(),
+)
+def compact_captures(
+    capture_dir: LocationLike,
+    quiet_s: float | None = None,
+    remove_after_s: float | None = None,
+    wait_quiet: bool = False,
+) -> dict[str, Any]:
+    """Compact a finished run's journal into a few large objects (``CaptureStore.compact``).
+
+    Refused (``status`` ``refused``, ``reason`` naming the root) while a writer may still write it;
+    rerun after a crash, it finishes or removes what a stopped compaction left.
+
+    Examples:
+        ```python
+        import tempfile
+
+        from prefect import flow
+
+        from rollout_capture import CaptureStore
+        from rollout_capture.tasks.capture import compact_captures
+
+        captures = tempfile.mkdtemp()
+        store = CaptureStore(captures, layout="journal")
+        store.record("12-3", {"model_call_id": "a1", "dialect": "chat"})
+
+
+        @flow
+        def compact_now() -> str:
+            return compact_captures(captures, quiet_s=0, remove_after_s=0)["status"]
+
+
+        print(compact_now())  # compacted: one part and its manifest, the commits removed
+        ```
+    """
+    where = Location.coerce(capture_dir)
+    options: dict[str, Any] = {"wait_quiet": wait_quiet}
+    if quiet_s is not None:
+        options["quiet_s"] = quiet_s
+    options["remove_after_s"] = compacted.DELETE_AFTER_S if remove_after_s is None else remove_after_s
+    with credentials_for(where) as credentials:
+        done = where.capture_store(credentials, shared=False).compact(**options)
+    logger = get_run_logger()
+    if done.status == "refused":
+        logger.warning("not compacted: %s", done.reason)
+    else:
+        logger.info(
+            "%s: %s (%d objects before, %s after)",
+            where,
+            done.status,
+            done.objects_before,
+            done.objects_after,
+        )
+    return done.as_dict()

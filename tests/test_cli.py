@@ -62,6 +62,7 @@ def no_server_started(home: Path, done: subprocess.CompletedProcess[str]) -> boo
         "runs-root",
         "wait",
         "inspect",
+        "compact",
         "runner",
         "fake-gz",
         "s3-runs-root-without-credentials",
@@ -91,6 +92,7 @@ def test_bad_input_is_refused_before_any_prefect_server_starts(tmp_path: Path, c
         "runs-root": (["enrich-runs", str(missing)], f"runs root not found: {missing}"),
         "wait": (["wait", "1-0", "-c", str(missing)], f"capture dir {missing} does not"),
         "inspect": (["inspect", "1-0", "-c", str(missing)], f"capture dir {missing} does not"),
+        "compact": (["compact", str(missing)], f"capture dir {missing} does not"),
         "runner": (["enrich", str(rollouts), "-c", str(missing), "--runner", "fibers"], "fibers"),
         "fake-gz": (["enrich", str(fake_gz), "-c", str(tmp_path)], f"{fake_gz} is not valid gzip data"),
         "s3-runs-root-without-credentials": (

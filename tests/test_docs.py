@@ -25,6 +25,7 @@ EXAMPLE_MODULES = [
     "rollout_capture.flows.enrich_runs",
     "rollout_capture.flows.run_batch",
     "rollout_capture.flows.follow",
+    "rollout_capture.flows.compact",
     "rollout_capture.tasks.capture",
     "rollout_capture.tasks.rollout_files",
     "rollout_capture.tasks.run_folders",

@@ -96,9 +96,10 @@ def test_the_producer_exports_exist_and_load_neither_the_proxys_stack_nor_prefec
     assert done.stdout.strip() == "[]"
 
 
-def test_the_flows_package_exports_its_four_flows_lazily() -> None:
+def test_the_flows_package_exports_its_five_flows_lazily() -> None:
     flows = importlib.import_module("rollout_capture.flows")
     assert sorted(flows.__all__) == [
+        "compact_capture_dirs",
         "enrich_completed_runs",
         "enrich_rollouts",
         "follow_run",

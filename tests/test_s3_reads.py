@@ -72,8 +72,9 @@ def test_listing_is_shared_by_a_job_or_done_per_rollout_whichever_is_quicker(
     quick = CaptureStore(via.url("caps"), storage_options=via.storage_options, concurrency=64)
     small = ListingScope(key="flow-run-3", rollouts=33)
     first = enrich_lines(lines[:20], [quick], scope=small)
-    # and a GET for the first commit of each journal stream (absent): no whole-root listing ruled them out
-    assert proxy.reset_counts() == {"LIST": 2 + 20, "GET": 80 + 2}
+    # and a GET for the first commit of each journal stream (absent) and a LIST of the compacted
+    # generations' folder (a compacted root has no commit 0): no whole-root listing ruled them out
+    assert proxy.reset_counts() == {"LIST": 2 + 20 + 1, "GET": 80 + 2}
     second = enrich_lines(lines[20:33], [quick], scope=small)
     assert proxy.reset_counts() == {"LIST": 13, "GET": 52}
     assert first.stats.calls + second.stats.calls == 132 and not first.stats.gaps and not second.stats.gaps
@@ -85,7 +86,8 @@ def test_a_small_job_lists_each_rollout(flaky_s3: tuple[S3, Any], s3: S3) -> Non
     store = CaptureStore(via.url("caps"), storage_options=via.storage_options)
     proxy.reset_counts()
     assert enrich_lines(lines, [store]).stats.calls == 6
-    assert proxy.reset_counts() == {"LIST": 3, "GET": 6 + 2}  # + the journal streams' first commits, absent
+    # + the journal streams' first commits, absent, and a LIST of the compacted generations' folder
+    assert proxy.reset_counts() == {"LIST": 3 + 1, "GET": 6 + 2}
 
 
 def test_a_claim_released_after_the_jobs_listing_brings_its_row_in(s3: S3) -> None:
@@ -179,6 +181,7 @@ def test_a_refresh_after_a_wait_reads_no_number_past_the_end(flaky_s3: tuple[S3,
     assert proxy.reset_counts() == {}
     proxy.reset_answers()
     fetched.refresh(["21-0"])  # rows may have landed: each stream's next number is asked, once
-    assert proxy.reset_counts() == {"GET": 2, "HEAD": 2}  # and the last one read: still there
-    assert proxy.reset_answers()["statuses"] == {200: 2, 404: 2}
+    # and the last one read (still there), and a look for a compacted generation (a LIST, none)
+    assert proxy.reset_counts() == {"GET": 2, "HEAD": 2, "LIST": 1}
+    assert proxy.reset_answers()["statuses"] == {200: 3, 404: 2}  # the HEADs, the LIST; the GETs past the end
     assert fetched.snapshot("21-0").rows

@@ -1,4 +1,4 @@
-"""``clear``, ``wait`` and ``inspect``: one capture root's rollouts, before dispatch and after."""
+"""``clear``, ``wait``, ``inspect`` and ``compact``: one capture root, before dispatch and after."""
 
 from __future__ import annotations
 
@@ -131,3 +131,46 @@ def _show_attachment(attachment: dict[str, Any]) -> None:
         typer.echo(printable(f"gap: {gap['code']}" + (f" ({gap['detail']})" if "detail" in gap else "")))
         if gap["code"] == GAP_NO_RECORDS:
             typer.echo(f"  no capture of this rollout: {NO_CAPTURE_CAUSES}")
+
+
+@storage_options(captures=False)
+def compact(
+    storage: Storage,
+    capture_dir: Annotated[str, typer.Argument(help="Capture root of a finished run: a path or fsspec URL.")],
+    quiet: Annotated[
+        float | None,
+        typer.Option(min=0, help="Seconds its journal must have been quiet (default 120); else refused."),
+    ] = None,
+    remove_after: Annotated[
+        float | None,
+        typer.Option(min=0, help="Seconds after the new manifest the replaced commits go (default 30)."),
+    ] = None,
+    wait_quiet: Annotated[bool, typer.Option(help="Wait out the quiet period instead of refusing.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Compact a finished run's journal into a few large objects (exit 1 if a writer may still write it)."""
+    out = Output(json=as_json)
+    with out.exits():
+        captures = storage.at(capture_dir)
+        resolved = credentials(captures.credentials_block, prefect=True)
+        preflight(capture_dirs=[captures], prefect=False)
+        options: dict[str, Any] = {"wait_quiet": wait_quiet}
+        if quiet is not None:
+            options["quiet_s"] = quiet
+        if remove_after is not None:
+            options["remove_after_s"] = remove_after
+        done = captures.capture_store(resolved, shared=False).compact(**options)
+        refused = done.status == "refused"
+        after = done.objects_after if done.objects_after is not None else "?"
+        out.result(
+            done.as_dict(),
+            text=(
+                (lambda: typer.echo(printable(f"refused: {done.reason}"), err=True))
+                if refused
+                else f"{printable(captures.url)}: {done.status} "
+                f"({done.objects_before} journal objects before, {after} after)"
+            ),
+            ok=not refused,
+        )
+        if refused:
+            raise typer.Exit(1)

@@ -242,6 +242,9 @@ def enrich_runs(
     allow_empty: AllowEmptyOpt = False,
     max_gap_share: MaxGapShareOpt = None,
     max_failed_share: MaxFailedShareOpt = None,
+    compact: Annotated[
+        bool, typer.Option(help="Then compact each enriched run's journal into a few large objects.")
+    ] = False,
     as_json: JsonOpt = False,
     *,
     traces: FlowTraces,
@@ -278,6 +281,7 @@ def enrich_runs(
                     allow_empty=allow_empty,
                     max_gap_share=max_gap_share,
                     max_failed_share=max_failed_share,
+                    compact=compact,
                     **parameters,
                     **runs.flow_parameters(),
                 ),

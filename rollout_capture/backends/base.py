@@ -71,8 +71,9 @@ class ReadBatch(ABC):
     (then the journal need not be looked for: nothing of it was there when the batch was listed)."""
     journal_commits: Mapping[str, Sequence[int]] | None = None
     """The journal's commit numbers by stream (``rows``, ``claims``) that the listing behind this
-    batch showed, when it covered the whole root: the journal's reader reads those, and nothing
-    past them; ``None`` when no such listing was taken."""
+    batch showed, when it covered the whole root, and under ``compacted`` its compacted
+    generations with a manifest: the journal's reader reads those, and nothing past them; ``None``
+    when no such listing was taken."""
 
     @abstractmethod
     def found(self, rollout_id: str) -> bool:
@@ -184,6 +185,31 @@ class Backend(ABC):
         for start in range(0, len(paths), step):
             yield from self.read_many(paths[start : start + step])
 
+    def read_ranges(
+        self, ranges: Sequence[tuple[str, int, int]], concurrency: int = 4
+    ) -> Generator[bytes | None]:
+        """Bytes ``[start, end)`` of each ``(path, start, end)``, in order (``None`` where the file
+        does not exist), as a stream: a large object (a compacted part) read in pieces, a few in
+        flight, never whole in memory. By default each file read whole, then cut."""
+        for path, start, end in ranges:
+            data = self.read_many([path])[0]
+            yield None if data is None else data[start:end]
+
+    def list_under(self, prefix: str) -> list[tuple[str, Entry]]:
+        """Every file whose name relative to the root starts with the folder ``prefix``, with its
+        size and modification time (by default a listing of each folder, one level at a time)."""
+        out: list[tuple[str, Entry]] = []
+        todo = [prefix.rstrip("/")]
+        while todo:
+            folders, todo = todo, []
+            for folder, names in zip(folders, self.list_names([self.path(f) for f in folders]), strict=True):
+                for name, named in names.items():
+                    if named.folder:
+                        todo.append(f"{folder}/{name}")
+                    elif not named.link:
+                        out.append((f"{folder}/{name}", Entry(named.path, named.size, named.mtime)))
+        return out
+
     def exists(self, path: str) -> bool:
         """Whether the file exists (by default: whether it can be read)."""
         return self.read_many([path])[0] is not None
@@ -278,6 +304,12 @@ class Backend(ABC):
     @abstractmethod
     def put(self, path: str, data: bytes) -> None:
         """Write a file whole, replacing any earlier one."""
+
+    def upload(self, path: str, local: str) -> None:
+        """Write the local file ``local`` whole at ``path``, replacing any earlier one (a compacted
+        part, under a name of its own). By default read into memory and :meth:`put`."""
+        with open(local, "rb") as handle:
+            self.put(path, handle.read())
 
     def put_live(self, path: str, data: bytes) -> None:
         """Write a new file that matters only while its writer lives (a claim, under a fresh

@@ -31,7 +31,7 @@ import threading
 from collections.abc import Awaitable, Callable, Collection, Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import fsspec
 from fsspec.asyn import sync as fsspec_sync
@@ -40,17 +40,12 @@ from rollout_capture.backends.base import Backend, ListedReadBatch, ListingScope
 from rollout_capture.backends.capabilities import ONE_PROCESS, READ_ONLY_STORE, Capabilities
 from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY, join, protocol_of
 from rollout_capture.identity import validate_rollout_id
-from rollout_capture.names import (
-    JOURNAL_DIR,
-    Entry,
-    RolloutListing,
-    group_entries,
-    journal_commit,
-    objects_dir,
-)
+from rollout_capture.names import Entry, RolloutListing, group_entries, journal_numbers, objects_dir
 
 if TYPE_CHECKING:
     from rollout_capture.layouts import Layout
+
+T = TypeVar("T")
 
 KEYS_PER_PAGE = 1000
 """Keys in one page of a listing (the maximum of the common object stores)."""
@@ -100,7 +95,8 @@ def named_entries(folder: str, listed: list[dict[str, Any]]) -> dict[str, Named]
 
 
 class RootListing(dict[str, RolloutListing]):
-    """Every rollout of a flat listing of the whole root, and the journal commits it showed."""
+    """Every rollout of a flat listing of the whole root, and the journal commits it showed (by
+    stream; under ``compacted``, the compacted generations with a manifest)."""
 
     commits: dict[str, list[int]]
 
@@ -110,7 +106,7 @@ class RootListing(dict[str, RolloutListing]):
 
     @property
     def journal(self) -> bool:
-        """Whether it showed a journal commit."""
+        """Whether it showed a journal commit (or a compacted generation)."""
         return any(self.commits.values())
 
 
@@ -208,11 +204,7 @@ class ObjectStoreBackend(Backend):
         """Every rollout under the root, from one flat listing; learns the root's size."""
         entries = self._entries("", budget)
         self._root_keys = len(entries)
-        commits: dict[str, list[int]] = {"rows": [], "claims": []}
-        for relative, _ in entries:
-            if relative.startswith(JOURNAL_DIR) and (commit := journal_commit(relative)) is not None:
-                commits[commit[0]].append(commit[1])
-        return RootListing(group_entries(entries), commits)
+        return RootListing(group_entries(entries), journal_numbers(name for name, _ in entries))
 
     def _one_by_one(self, ids: Sequence[str]) -> dict[str, RolloutListing]:
         def one(rollout_id: str) -> RolloutListing:
@@ -341,6 +333,37 @@ class ObjectStoreBackend(Backend):
             self.fs.loop, self._before_reads, self._get, list(paths), self.concurrency
         )
 
+    async def _get_range(self, path: str, start: int, end: int) -> bytes | None:
+        """Bytes ``[start, end)`` of one object, ``None`` when it is missing (a hook: the store's own
+        ranged GET)."""
+        try:
+            data: bytes = await self.fs._cat_file(path, start=start, end=end)
+        except FileNotFoundError:
+            return None
+        return data
+
+    def read_ranges(
+        self, ranges: Sequence[tuple[str, int, int]], concurrency: int = 4
+    ) -> Generator[bytes | None]:
+        if not _reads_async(self.fs):
+            for path, start, end in ranges:
+                try:
+                    yield self.fs.cat_file(path, start=start, end=end)
+                except FileNotFoundError:
+                    yield None
+            return
+
+        async def get(item: tuple[str, int, int]) -> bytes | None:
+            return await self._get_range(*item)
+
+        yield from _ordered_pipeline(self.fs.loop, self._before_reads, get, list(ranges), concurrency)
+
+    def list_under(self, prefix: str) -> list[tuple[str, Entry]]:
+        return self._entries(prefix.rstrip("/") + "/", None)
+
+    def upload(self, path: str, local: str) -> None:
+        self.fs.put_file(local, path)
+
     def exists(self, path: str) -> bool:
         return bool(self.fs.exists(path))
 
@@ -448,8 +471,8 @@ READ_AHEAD = 4
 def _ordered_pipeline(
     loop: asyncio.AbstractEventLoop,
     before: Callable[[], Awaitable[None]],
-    get: Callable[[str], Awaitable[bytes | None]],
-    paths: list[str],
+    get: Callable[[T], Awaitable[bytes | None]],
+    paths: list[T],
     concurrency: int,
 ) -> Generator[bytes | None]:
     """``get`` of each path on ``loop`` (another thread's) by ``concurrency`` workers, yielded in

@@ -43,6 +43,12 @@ class S3Backend(ObjectStoreBackend):
     async def _get(self, path: str) -> bytes | None:
         return await self._obstore().get(path)
 
+    async def _get_range(self, path: str, start: int, end: int) -> bytes | None:
+        async def by_s3fs() -> bytes | None:
+            return await super(S3Backend, self)._get_range(path, start, end)
+
+        return await self._obstore().get_range(path, start, end, by_s3fs)
+
     def _configured_endpoint(self) -> str | None:
         """The endpoint the options or botocore's environment variables name; None: AWS's own."""
         options = getattr(self.fs, "endpoint_url", None) or (self.fs.client_kwargs or {}).get("endpoint_url")

@@ -68,6 +68,28 @@ class ObstoreGets:
         self._note(failure)
         return data
 
+    async def get_range(
+        self, path: str, start: int, end: int, fallback: Callable[[], Awaitable[bytes | None]]
+    ) -> bytes | None:
+        """Bytes ``[start, end)`` of the object, ``None`` when it does not exist (``fallback``: s3fs's
+        own ranged read, asked when obstore fails)."""
+        if not self.active or end <= start:
+            return await fallback()
+        import obstore
+        from obstore.exceptions import NotFoundError
+
+        bucket, key, _ = self._fs.split_path(path)
+        try:
+            store = await self._store(bucket)
+            return bytes(await obstore.get_range_async(store, key, start=start, end=end))
+        except (FileNotFoundError, NotFoundError):
+            return None
+        except Exception as exc:
+            failure = exc
+        data = await fallback()
+        self._note(failure)
+        return data
+
     async def listed(
         self, bucket: str, prefix: str, limit: int | None
     ) -> list[tuple[str, dict[str, Any]]] | None:

@@ -26,6 +26,7 @@ from rollout_capture.journal.commits import (
     nonce_of,
     tombstone_body,
 )
+from rollout_capture.journal.compacted import WRITER_RELOOK_S
 from rollout_capture.journal.numbering import Numbering
 from rollout_capture.sequence import first_absent
 
@@ -172,6 +173,24 @@ class JournalWriter:
         self._landed_any = False
         self._starting = False  # a thread is looking the tail up
         self._numbers = Numbering()  # what is known of the stream's numbers (under the lock)
+        self._used_at = self._clock.monotonic()  # a number last handed out or looked above
+        self._relook_from = 0  # where a writer that was idle looks its tail up from (at least)
+
+    def _relook_if_idle(self, own: int) -> None:
+        """(Locked.) A writer idle for ``WRITER_RELOOK_S``, nothing in flight but ``own`` commits,
+        looks its tail up again before it hands a number out: the journal may have been compacted
+        meanwhile, and its numbers below the new floors removed (``journal.compacted``)."""
+        now = self._clock.monotonic()
+        numbers = self._numbers
+        if (
+            numbers.next is not None
+            and now - self._used_at >= WRITER_RELOOK_S
+            and self._active <= own
+            and not numbers.trying
+            and not numbers.debts
+        ):
+            self._relook_from, numbers.next = numbers.next, None
+        self._used_at = now
 
     def submit(
         self, entries: Sequence[Entry], *, look: concurrent.futures.Future[int] | None = None
@@ -266,6 +285,7 @@ class JournalWriter:
         with self._cond:
             while self._starting:
                 self._cond.wait()
+            self._relook_if_idle(own=0)
             start = self._numbers.next
             if start is None:
                 self._starting = True
@@ -469,6 +489,7 @@ class JournalWriter:
         with self._cond:
             while self._starting:
                 self._cond.wait()
+            self._relook_if_idle(own=1)
             seq = None if jump else self._numbers.take()
             if seq is not None:
                 return seq
@@ -488,7 +509,7 @@ class JournalWriter:
         one that exists, and the numbers seen existing (the caller holds ``_starting``)."""
         seen: set[int] = set()
         if start is None:
-            hint = self._tail_hint() if self._tail_hint is not None else 0
+            hint = max(self._tail_hint() if self._tail_hint is not None else 0, self._relook_from)
             with self._cond:
                 self._numbers.raise_floor(hint)  # what a reader read exists
             start = hint

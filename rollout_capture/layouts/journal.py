@@ -24,6 +24,7 @@ from rollout_capture.journal import (
     release_entry,
     row_entry,
 )
+from rollout_capture.journal.compacted import Manifest, floors_of, newest_manifest
 from rollout_capture.layouts.base import Layout, LayoutStrategy, StagedWrite
 
 
@@ -39,6 +40,7 @@ class StoreJournal:
         self._writers: dict[Stream, JournalWriter] = {}
         self._through: Callable[[JournalWriter], JournalCommitter] | None = None
         self._committers: dict[Stream, JournalCommitter] = {}
+        self._generation: Manifest | None = None  # the newest compacted generation a writer looked up
 
     @property
     def reader(self) -> JournalReader:
@@ -93,9 +95,15 @@ class StoreJournal:
         return self.writer_of("rows").submit(entries, look=look)
 
     def _tail(self, stream: Stream) -> int:
-        """Where the next commit may be: all below what this store has read exist already."""
+        """Where the next commit may be: all below what this store has read exist already, and
+        none below the newest compacted generation's floors may be taken (its commits there were
+        removed: a number taken there would be read by no one). Looked up when a writer starts, and
+        again when it was idle (one listing of the generations; their manifest once each)."""
         reader = self._reader
-        return reader.tail(stream) if reader is not None else 0
+        read = reader.tail(stream) if reader is not None else 0
+        generation = newest_manifest(self._backend, known=self._generation)
+        self._generation = generation
+        return max(read, floors_of(generation)[stream])
 
 
 class JournalLayout(LayoutStrategy):

@@ -21,11 +21,13 @@ import random
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, cast
 
 import orjson
 
-from rollout_capture.backends.base import Backend
+from rollout_capture.backends.base import Backend, Named
+from rollout_capture.compaction import compact_root
 from rollout_capture.journal import (
     JournalReader,
     JournalWriter,
@@ -35,8 +37,12 @@ from rollout_capture.journal import (
     row_entry,
 )
 from rollout_capture.journal import writer as writer_module
+from rollout_capture.journal.compacted import DELETE_AFTER_S, floors_of, manifest_name, newest_manifest
+from rollout_capture.names import Entry
 from rollout_capture.rows import new_parsed_rows
 
+_EPOCH = 1.7e9  # SimClock.time() is the world's time plus this
+_SIM_CAPABILITIES = SimpleNamespace(local=False)
 _REAL_TIMEOUT_S = 20.0  # a thread that neither gates nor ends in this long: the code blocked outside a gate
 
 
@@ -272,7 +278,7 @@ class SimClock:
         return self.world.now
 
     def time(self) -> float:
-        return self.world.now + 1.7e9
+        return self.world.now + _EPOCH
 
     def sleep(self, seconds: float) -> None:
         wake = self.world.now + seconds
@@ -344,10 +350,80 @@ class SimStore:
         self.objects: dict[str, tuple[bytes, int]] = (
             {} if objects is None else objects
         )  # path -> (body, step)
+        self.mtimes: dict[str, float] = {}  # path -> when it was written, by the store's clock
+        self.gone: dict[str, tuple[bytes, int]] = {}  # what a compaction removed (for check's history)
+        self.capabilities = _SIM_CAPABILITIES
 
     def view(self, *, readonly: bool) -> SimStore:
         """The same objects, seen by a client that may (not) write."""
-        return SimStore(self.world, readonly=readonly, objects=self.objects)
+        twin = SimStore(self.world, readonly=readonly, objects=self.objects)
+        twin.mtimes, twin.gone = self.mtimes, self.gone
+        return twin
+
+    def store_url(self) -> str:
+        return self.root
+
+    def require_put_if_absent(self) -> None:
+        """The simulated store refuses a second create of a name."""
+
+    def _land(self, path: str, data: bytes) -> None:
+        self.objects[path] = (data, self.world.step)
+        self.mtimes[path] = self.world.now + _EPOCH
+
+    def upload(self, path: str, local: str) -> None:
+        """A compacted part, PUT whole (under a name of its compactor's own)."""
+        with open(local, "rb") as handle:
+            data = handle.read()
+        decision = self._request(f"put {path.rsplit('/', 1)[-1]}")
+        self._may_write(decision, path)
+        self._land(path, data)
+        self._answer(decision)
+        if decision == "lost":
+            raise StoreFault(f"connection reset after PUT {path} landed")
+
+    def remove(self, paths: list[str]) -> None:
+        """A DELETE of each (a compaction removing what its generation replaced)."""
+        if not paths:
+            return
+        decision = self._request(f"remove {len(paths)}")
+        if self.readonly:
+            self._answer(decision)
+            raise PermissionError("403 Forbidden: DELETE")
+        landing = paths if decision != "fail" else paths[: len(paths) // 2]  # a batch half done
+        for path in landing:
+            if path in self.objects:
+                self.gone[path] = self.objects.pop(path)
+        self._answer(decision)
+        if decision in ("fail", "lost"):
+            raise StoreFault("503 on DELETE")
+
+    def read_iter(self, paths: list[str], step: int = 64) -> Iterator[bytes | None]:
+        for start in range(0, len(paths), step):
+            yield from self.read_many(paths[start : start + step])
+
+    def read_ranges(self, ranges: list[tuple[str, int, int]], concurrency: int = 4) -> Iterator[bytes | None]:
+        decision = self._request(f"read ranges {len(ranges)}")
+        if decision == "fail":
+            self._answer(decision)
+            raise StoreFault("503 on GET")
+        out = [self.objects[p][0][start:end] if p in self.objects else None for p, start, end in ranges]
+        self._answer(decision)
+        yield from out
+
+    def list_under(self, prefix: str) -> list[tuple[str, Entry]]:
+        """Every object under a folder, with its size and time (one LIST, as one request)."""
+        decision = self._request("list under")
+        if decision == "fail":
+            self._answer(decision)
+            raise StoreFault("503 on LIST")
+        head = self.path(prefix.rstrip("/")) + "/"
+        out = [
+            (path[len(self.root) + 1 :], Entry(path, len(body), self.mtimes.get(path)))
+            for path, (body, _) in sorted(self.objects.items())
+            if path.startswith(head)
+        ]
+        self._answer(decision)
+        return out
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -363,17 +439,21 @@ class SimStore:
         if decision == "late" and self.world.gate("answer") == "kill":
             self.world.park()
 
-    def create(self, path: str, data: bytes) -> None:
-        decision = self._request(f"create {path.rsplit('/', 2)[-2:]}")
+    def _may_write(self, decision: str, path: str) -> None:
+        """A PUT's refusals: a client that may not write, a request the store failed."""
         if self.readonly:
             self._answer(decision)
             raise PermissionError(f"403 Forbidden: {path}")
         if decision == "fail":
             self._answer(decision)
             raise StoreFault(f"503 on PUT {path}")
+
+    def create(self, path: str, data: bytes) -> None:
+        decision = self._request(f"create {path.rsplit('/', 2)[-2:]}")
+        self._may_write(decision, path)
         landed = path not in self.objects
         if landed:
-            self.objects[path] = (data, self.world.step)
+            self._land(path, data)
         self._answer(decision)
         if decision == "lost" and landed:
             raise StoreFault(f"connection reset after PUT {path} landed")
@@ -398,12 +478,34 @@ class SimStore:
     def modified(self, paths: list[str]) -> list[float | None]:
         return [None for _ in paths]
 
+    def list_names(self, folders: list[str]) -> list[dict[str, Named]]:
+        """One level under each folder (a LIST a folder, as one request)."""
+        decision = self._request(f"list {len(folders)}")
+        if decision == "fail":
+            self._answer(decision)
+            raise StoreFault("503 on LIST")
+        out = []
+        for folder in folders:
+            prefix = folder.rstrip("/") + "/"
+            names: dict[str, Named] = {}
+            for path, (body, _) in self.objects.items():
+                if path.startswith(prefix):
+                    name, below, _ = path[len(prefix) :].partition("/")
+                    folder_path = prefix + name
+                    names[name] = (
+                        Named(name, folder_path, True) if below else Named(name, path, False, len(body))
+                    )
+            out.append(names)
+        self._answer(decision)
+        return out
+
     def commits(self, stream: str = "rows") -> Iterator[tuple[int, bytes, int]]:
         seq = 0
+        every = {**self.gone, **self.objects}  # compacted commits too: what landed, ever
         while True:
-            found = self.objects.get(self.path(commit_name(seq, stream)))  # type: ignore[arg-type]
+            found = every.get(self.path(commit_name(seq, stream)))  # type: ignore[arg-type]
             if found is None:
-                later = [s for s in range(seq + 1, seq + 64) if self.path(commit_name(s)) in self.objects]
+                later = [s for s in range(seq + 1, seq + 64) if self.path(commit_name(s)) in every]
                 if not later:
                     return
                 seq = later[0]
@@ -428,6 +530,27 @@ class Scenario:
     fault_rate: float = 0.08
     max_commit_entries: int | None = None  # a smaller bound, so submissions are held back by it
     max_steps: int = 6_000
+    compactors: int = 0  # compaction processes, each trying a few times (killed like writers)
+
+    @classmethod
+    def with_compaction(cls, seed: int) -> Scenario:
+        """A seed's scenario with compactors, agents that pause past the quiet period between calls
+        (so a run is compacted between its calls), and readers refreshing on either side of
+        ``CHECK_AFTER_S``."""
+        rng = random.Random(seed * 104_729)
+        return cls(
+            seed,
+            processes=rng.choice((1, 2, 3)),
+            rollouts=rng.choice((2, 3)),
+            calls=rng.choice((3, 4)),
+            kill_rate=rng.choice((0.0, 0.01, 0.03)),
+            fault_rate=rng.choice((0.0, 0.08, 0.2)),
+            max_commit_entries=rng.choice((None, 1, 2)),
+            writable_reader=rng.random() < 0.7,
+            crash_at_end=rng.random() < 0.2,
+            compactors=rng.choice((1, 2, 2, 3)),
+            max_steps=20_000,
+        )
 
     @classmethod
     def of(cls, seed: int) -> Scenario:
@@ -454,6 +577,10 @@ class Outcome:
     store: SimStore
     calls: list[Call] = field(default_factory=list)
     final: dict[str, list[str]] = field(default_factory=dict)  # rollout -> row keys, as read
+    compactions: list[str] = field(default_factory=list)  # each compaction's status, in order
+    compacted_final: dict[str, list[str]] | None = None  # the final read after a last compaction
+    left: list[str] = field(default_factory=list)  # the journal's objects after it
+    manifest_files: list[str] = field(default_factory=list)  # what its manifest names
     readonly_rows: dict[str, list[str]] = field(default_factory=dict)
     readonly_gaps: dict[str, list[str]] = field(default_factory=dict)
 
@@ -481,8 +608,13 @@ def simulate(scenario: Scenario) -> Outcome:
         process = Process(f"p{len(processes)}")
         clock = SimClock(world, process, process.name)
         in_flight = rng.choice((1, 2, 2, 3, 4))
+        view = cast(Backend, store.view(readonly=False))
         process.writer = JournalWriter(
-            cast(Backend, store.view(readonly=False)), "rows", in_flight=in_flight, clock=clock
+            view,
+            "rows",
+            in_flight=in_flight,
+            clock=clock,
+            tail_hint=(lambda: floors_of(newest_manifest(view))["rows"]) if scenario.compactors else None,
         )
         process.writer.look_delay_s = rng.choice((0.0, writer_module.LOOK_DELAY_S))  # paced by answers
         process.writer.look_in_flight = rng.choice((1, 1, 2, 3))
@@ -498,6 +630,8 @@ def simulate(scenario: Scenario) -> Outcome:
         agent_rng = random.Random(scenario.seed * 1_000 + index)
         clock = SimClock(world, None, f"agent-{rollout_id}")
         for n in range(scenario.calls):
+            if scenario.compactors and n and agent_rng.random() < 0.4:  # a long think between calls
+                clock.sleep(agent_rng.choice((40.0, 150.0, 300.0)))
             alive = [p for p in processes if not p.dead]
             if not alive or agent_rng.random() < 0.1:
                 alive = [start_process()]  # a proxy restarted, or one more started
@@ -575,13 +709,33 @@ def simulate(scenario: Scenario) -> Outcome:
                 except StoreFault:
                     clock.sleep(0.3)  # a failed GET: a task's retry reads again
 
+        pauses = (0.05, 0.5, 2.0) if not scenario.compactors else (0.5, 2.0, 20.0, 90.0)
         while done_agents[0] < len(rollout_ids):
             refresh(0)
-            clock.sleep(rng.choice((0.05, 0.5, 2.0)))
+            clock.sleep(rng.choice(pauses))
         refresh(50)
         for _ in range(2):  # twice past the grace: what a hole holds is read, or reported
             clock.sleep(6.0)
             refresh(50)
+
+    def compacting(index: int, process: Process) -> None:
+        """A compaction process: a few tries at moments of its own (a command or a flow's task,
+        run again after a storage fault); refused while the journal may still be written."""
+        own = random.Random(scenario.seed * 97 + index)
+        clock = SimClock(world, process, process.name)
+        view = cast(Backend, store.view(readonly=False))
+        for _ in range(own.choice((2, 3, 4))):
+            clock.sleep(own.choice((1.0, 30.0, 130.0, 200.0, 400.0)))
+            try:
+                done = compact_root(view, clock=clock, remove_after_s=own.choice((DELETE_AFTER_S, None)))
+            except StoreFault:
+                outcome.compactions.append("failed")
+                continue
+            outcome.compactions.append(done.status)
+
+    for index in range(scenario.compactors):
+        process = Process(f"compactor{index}")
+        world.spawn(process.name, process, lambda i=index, p=process: compacting(i, p))
 
     if scenario.writable_reader:
         world.spawn("reader", None, lambda: reading("reader", False))
@@ -602,6 +756,24 @@ def simulate(scenario: Scenario) -> Outcome:
         final.refresh()
         world.now += 10.0
     outcome.final = _row_keys(final, rollout_ids)
+    if scenario.compactors:  # the run over: compacted once more, then read by a fresh reader
+        world.now += 3_600.0
+        last = compact_root(
+            cast(Backend, store.view(readonly=False)),
+            clock=SimClock(world, None, "last-compaction"),
+            remove_after_s=0,
+        )
+        outcome.compactions.append(f"last: {last.status}")
+        fresh = JournalReader(cast(Backend, store.view(readonly=True)), clock=SimClock(world, None, "after"))
+        fresh.refresh()
+        outcome.compacted_final = _row_keys(fresh, rollout_ids)
+        outcome.left = sorted(p for p in store.objects if "/_journal/" in p)
+        manifest = fresh.generation
+        if manifest is not None:
+            outcome.manifest_files = sorted(
+                [store.path(manifest_name(manifest.generation))]
+                + [manifest.part_path(cast(Backend, store), i) for i in range(len(manifest.parts))]
+            )
     if "readonly-reader" in readers:
         readonly = readers["readonly-reader"]
         outcome.readonly_rows = _row_keys(readonly, rollout_ids)
@@ -628,6 +800,15 @@ def _landed(store: SimStore) -> dict[str, tuple[int, int]]:
 def check(outcome: Outcome) -> list[str]:
     """The protocol's invariants, each broken one a line naming the seed's evidence."""
     problems = list(outcome.world.errors)
+    if outcome.compacted_final is not None:
+        if outcome.compacted_final != outcome.final:
+            problems.append(f"compacted, the journal reads {outcome.compacted_final}, not {outcome.final}")
+        if outcome.left != outcome.manifest_files:
+            problems.append(
+                f"after the last compaction the journal holds {outcome.left}, not its generation alone"
+            )
+        if not outcome.compactions[-1].startswith("last: ") or "compacted" not in outcome.compactions[-1]:
+            problems.append(f"the last compaction did not finish: {outcome.compactions[-1]}")
     landed = _landed(outcome.store)
     clears = [c for c in outcome.calls if c.op == "clear"]
     for rollout_id, keys in outcome.final.items():
