@@ -75,3 +75,26 @@ def test_a_refused_get_raises_s3fss_own_error(flaky_s3: tuple[S3, Any]) -> None:
     proxy.deny_on(b"GET /")
     with pytest.raises(PermissionError):
         backend.read_many([backend.path("z.json")])
+
+
+@pytest.mark.parametrize(
+    ("retries", "expected"),
+    [
+        (None, 3),
+        ({"max_attempts": 0}, 0),
+        ({"max_attempts": 2, "mode": "standard"}, 2),
+        ({"total_max_attempts": 1}, 0),
+    ],
+)
+def test_obstore_retries_as_often_as_s3fs_was_told(retries: dict[str, Any] | None, expected: int) -> None:
+    """The retries a user gives s3fs (botocore's ``retries``) are obstore's too: a caller that
+    asked for none (it retries itself, or fails fast) is not held up by obstore's own (no request
+    is sent: the client is only made)."""
+    import s3fs
+
+    config = {"retries": retries} if retries is not None else {}
+    fs = s3fs.S3FileSystem(
+        key="k", secret="s", endpoint_url="http://127.0.0.1:9", config_kwargs=config, skip_instance_cache=True
+    )
+    client = sync(fs.loop, fs.set_session)
+    assert s3_gets._retries_of(client) == expected

@@ -168,13 +168,25 @@ class ObstoreGets:
             "region": client.meta.region_name or "us-east-1",
             "virtual_hosted_style_request": False,  # the endpoint names no bucket: path style
             "client_options": {"allow_http": endpoint.startswith("http://")},
-            "retry_config": {"max_retries": 3, "retry_timeout": timedelta(seconds=20)},  # then s3fs's own
-        }
+            "retry_config": {"max_retries": _retries_of(client), "retry_timeout": timedelta(seconds=20)},
+        }  # then s3fs's own retries
         if self._credential == {}:
             options["skip_signature"] = True  # anonymous, as s3fs was asked (anon=True)
         else:
             options["credential_provider"] = self._provide
         return S3Store(bucket, **options)
+
+
+def _retries_of(client: Any) -> int:
+    """The retries the user gave s3fs (``config_kwargs={"retries": ...}``, botocore's meaning:
+    ``max_attempts`` retries, ``total_max_attempts`` tries), obstore's too; else 3. A user who asked
+    for none (a test failing fast, a caller retrying itself) gets none from obstore either."""
+    retries = getattr(client.meta.config, "retries", None) or {}
+    if isinstance(retries.get("total_max_attempts"), int):
+        return max(0, retries["total_max_attempts"] - 1)
+    if isinstance(retries.get("max_attempts"), int):
+        return max(0, retries["max_attempts"])
+    return 3
 
 
 async def credentials_of(fs: Any) -> dict[str, Any]:
