@@ -148,10 +148,10 @@ def test_a_batchs_last_try_runs_and_only_a_failure_in_it_is_final(
     """Three tries (two retries): every answer to the run's rollouts is lost (a fault that heals)
     until Prefect decides the second retry, the last try. No try before it reports the fault as
     final (no ``failed`` event, no failed run); the last try runs and enriches the run."""
+    import s3fs
+
     from rollout_capture.flows import enrich_runs
     from rollout_capture.tasks.retry import retry_on_transient
-
-    import s3fs
 
     via, proxy = flaky_s3
     local = make_run(tmp_path, "b", finished=True)
