@@ -182,10 +182,11 @@ def _retries_of(client: Any) -> int:
     ``max_attempts`` retries, ``total_max_attempts`` tries), obstore's too; else 3. A user who asked
     for none (a test failing fast, a caller retrying itself) gets none from obstore either."""
     retries = getattr(client.meta.config, "retries", None) or {}
-    if isinstance(retries.get("total_max_attempts"), int):
-        return max(0, retries["total_max_attempts"] - 1)
-    if isinstance(retries.get("max_attempts"), int):
-        return max(0, retries["max_attempts"])
+    tries, retried = retries.get("total_max_attempts"), retries.get("max_attempts")
+    if isinstance(tries, int):
+        return max(0, tries - 1)
+    if isinstance(retried, int):
+        return max(0, retried)
     return 3
 
 
