@@ -50,8 +50,10 @@ from rollout_capture.journal.compacted import (
     part_name,
     read_manifest,
 )
+from rollout_capture.journal.reader import JournalView
 from rollout_capture.names import (
     JOURNAL_DIR,
+    MANIFEST_NAME,
     Entry,
     compacted_name,
     generation_dir,
@@ -143,8 +145,10 @@ def compact_root(
     floors: dict[Stream, int] = {"rows": reader.tail("rows"), "claims": reader.tail("claims")}
     base = floors_of(held)
     result.commits = {stream: floors[stream] - base[stream] for stream in STREAMS}
+    found = reader.open_claims()
+    claims_view = reader.view({rollout_id for rollout_id, _, _, _ in found})  # read once, used twice
     try:
-        _check_quiet(backend, reader, census, base, quiet_s, now())
+        _check_quiet(reader, claims_view, census, base, quiet_s, now())
     except _Refused as exc:
         if wait_quiet and exc.after is not None:
             sleep(exc.after)
@@ -155,6 +159,7 @@ def compact_root(
                 remove_after_s=remove_after_s,
                 now=now,
                 sleep=sleep,
+                clock=clock,
             )
         result.status, result.reason = "refused", f"{url} may still be written: {exc}"
         return result
@@ -162,12 +167,12 @@ def compact_root(
         result.status, result.generation, result.floors = "already compacted", held.generation, floors
         result.parts = len(held.parts)
         if remove_after_s is not None:
-            _remove(backend, held, result, remove_after_s, now, sleep)
+            _remove(backend, held, result, remove_after_s, now, sleep, census=census)
         return result
     generation = 1 if held is None else held.generation + 1
     nonce = os.urandom(8).hex()
     parts, rows = _write_parts(backend, reader, generation, nonce, part_bytes)
-    claims = _open_claims(reader)
+    claims = _open_claims(found, claims_view)
     manifest = Manifest(
         generation=generation,
         floors=floors,
@@ -178,15 +183,15 @@ def compact_root(
         stats={
             "commits": result.commits,
             "rows": rows,
-            "rollouts": sum(len(p.rollouts) for p in parts),
-            "bytes": sum(p.size for p in parts),
+            "rollouts": (rollouts := sum(len(p.rollouts) for p in parts)),
+            "bytes": (part_bytes_total := sum(p.size for p in parts)),
             "compactor": f"{socket.gethostname()}-{os.getpid()}",
             "created_at": now(),
         },
     )
     result.generation, result.floors = generation, floors
-    result.rollouts, result.rows = int(manifest.stats["rollouts"]), rows
-    result.parts, result.part_bytes = len(parts), int(manifest.stats["bytes"])
+    result.rollouts, result.rows = rollouts, rows
+    result.parts, result.part_bytes = len(parts), part_bytes_total
     if not _create_manifest(backend, manifest):
         _drop_parts(backend, generation, parts)
         result.status, result.reason = "raced", f"generation {generation} was created by another compaction"
@@ -210,8 +215,8 @@ def compact_root(
 
 
 def _check_quiet(
-    backend: Backend,
     reader: JournalReader,
+    claims_view: JournalView,
     census: list[tuple[str, Entry]],
     base: dict[Stream, int],
     quiet_s: float,
@@ -221,7 +226,7 @@ def _check_quiet(
     a commit (at or above the last generation's floors) younger than ``quiet_s``."""
     if reader.holes:
         raise _Refused(f"a writer may be mid-commit: {reader.holes[0]}")
-    claims = reader.view({rollout_id for rollout_id, _, _, _ in reader.open_claims()}).all_claims()
+    claims = claims_view.all_claims()
     live = [claim for held in claims.values() for claim in partition(held, moment)[0]]
     if live:
         raise _Refused(
@@ -246,12 +251,9 @@ def _check_quiet(
         )
 
 
-def _open_claims(reader: JournalReader) -> list[OpenClaim]:
-    """The claims open at the floors, with the time their commit was written (they are judged by it)."""
-    found = reader.open_claims()
-    if not found:
-        return []
-    view = reader.view({rollout_id for rollout_id, _, _, _ in found})
+def _open_claims(found: Sequence[tuple[str, str, int, int]], view: JournalView) -> list[OpenClaim]:
+    """The claims open at the floors (``found``, read in ``view``), with the time their commit was
+    written (they are judged by it)."""
     out = []
     for rollout_id, claim_id, seq, index in found:
         body, mtime = view.claim_entry(seq, index)
@@ -386,7 +388,7 @@ def _superseded(census: list[tuple[str, Entry]], manifest: Manifest) -> list[Ent
             continue
         generation, name = compacted
         if generation < manifest.generation or (
-            generation == manifest.generation and name not in named and name != "manifest.json"
+            generation == manifest.generation and name not in named and name != MANIFEST_NAME
         ):
             out.append(entry)
     return out

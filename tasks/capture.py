@@ -18,7 +18,6 @@ from pydantic import BaseModel
 
 from rollout_capture.backends import ListingScope
 from rollout_capture.batch import BatchStats, enrich_blob
-from rollout_capture.journal import compacted
 from rollout_capture.location import Location, LocationLike
 from rollout_capture.quiescence import CAPTURE_DRAIN_TIMEOUT_S, DEFAULT_POLL_S, await_quiescence_many
 from rollout_capture.rollout_files import LineRange
@@ -389,7 +388,8 @@ def compact_captures(
     options: dict[str, Any] = {"wait_quiet": wait_quiet}
     if quiet_s is not None:
         options["quiet_s"] = quiet_s
-    options["remove_after_s"] = compacted.DELETE_AFTER_S if remove_after_s is None else remove_after_s
+    if remove_after_s is not None:
+        options["remove_after_s"] = remove_after_s
     with credentials_for(where) as credentials:
         done = where.capture_store(credentials, shared=False).compact(**options)
     logger = get_run_logger()

@@ -32,7 +32,7 @@ Invariants (what makes this safe beside writers, readers and crashes; contract s
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,12 +234,6 @@ def part_name(index: int, nonce: str) -> str:
     return f"part-{index:05d}-{nonce}.jsonl"
 
 
-def listed_generations(backend: Backend) -> list[int]:
-    """The generations the store holds a folder of, newest first (one listing of the folder)."""
-    found = backend.list_names([backend.path(COMPACT_DIR)])[0]
-    return sorted((int(n) for n, named in found.items() if named.folder and n.isdigit()), reverse=True)
-
-
 def read_manifest(backend: Backend, generation: int) -> Manifest | None:
     """A generation's manifest, ``None`` when it has none (being written, or crashed) or is gone."""
     path = backend.path(manifest_name(generation))
@@ -252,14 +246,13 @@ def read_manifest(backend: Backend, generation: int) -> Manifest | None:
     return manifest
 
 
-def newest_manifest(
-    backend: Backend, generations: Sequence[int] | None = None, *, known: Manifest | None = None
-) -> Manifest | None:
-    """The newest generation with a manifest (``generations``: the folders a listing showed, else
-    listed now), ``known`` when that is the one already held (no GET); ``None`` when none has one.
-    A manifest that cannot be read is logged and passed over (the one below it, or the commits)."""
-    candidates = listed_generations(backend) if generations is None else sorted(generations, reverse=True)
-    for generation in candidates:
+def newest_manifest(backend: Backend, *, known: Manifest | None = None) -> Manifest | None:
+    """The newest generation with a manifest (its folders listed now, newest first), ``known`` when
+    that is the one already held (no GET); ``None`` when none has one. A manifest that cannot be
+    read is logged and passed over (the one below it, or the commits)."""
+    found = backend.list_names([backend.path(COMPACT_DIR)])[0]
+    listed = (int(name) for name, entry in found.items() if entry.folder and name.isdigit())
+    for generation in sorted(listed, reverse=True):
         if known is not None and generation == known.generation:
             return known
         try:

@@ -156,10 +156,7 @@ class JournalReader:
                 ):
                     continue
                 if listed is None:
-                    last = self._began
-                    if (
-                        last is None or self._clock.monotonic() - last >= compacted.CHECK_AFTER_S
-                    ) and self._check():
+                    if self._due() and self._check():
                         continue
                     self._began = began
                 return
