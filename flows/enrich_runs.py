@@ -272,22 +272,28 @@ def _publish_tick(summary: RunsSummary, runs_root: str, runs: Location) -> None:
 
 
 def _compact_enriched(summary: RunsSummary, ready: list[RunFolder], job: RunsJob) -> None:
-    """Compact the captures of each run enriched now (one task a capture root), after its output
-    and ``_ENRICHED`` are written: a compaction refused or failed leaves the run enriched."""
-    roots: dict[str, Location] = {}
+    """Compact the captures of each run enriched now (one task a capture root: runs sharing the
+    job's ``capture_dir`` share one), after its output and ``_ENRICHED`` are written: a compaction
+    refused or failed leaves the run enriched."""
+    enriched = set(summary.enriched)
+    roots: dict[str, tuple[Location, list[str]]] = {}
     for run in ready:
-        if run.name in summary.enriched:
-            roots[run.name] = (job.capture_dir or job.runs_root.at(run.captures)).absolute()
-    futures = {name: compact_captures.submit(root, wait_quiet=True) for name, root in roots.items()}
-    for name, future in futures.items():
+        if run.name in enriched:
+            root = job.captures_of(run)
+            roots.setdefault(root.url, (root, []))[1].append(run.name)
+    futures = {url: compact_captures.submit(root, wait_quiet=True) for url, (root, _) in roots.items()}
+    for url, future in futures.items():
+        names = roots[url][1]
         try:
             done = future.result()
         except Exception as exc:
-            summary.compaction[name] = f"failed: {type(exc).__name__}: {exc}"
-            get_run_logger().warning("run %s enriched, its captures not compacted: %s", name, exc)
-            continue
-        status = str(done["status"])
-        summary.compaction[name] = f"refused: {done['reason']}" if status == "refused" else status
+            outcome = f"failed: {type(exc).__name__}: {exc}"
+            get_run_logger().warning("run(s) %s enriched, captures not compacted: %s", ", ".join(names), exc)
+        else:
+            status = str(done["status"])
+            outcome = f"refused: {done['reason']}" if status == "refused" else status
+        for name in names:
+            summary.compaction[name] = outcome
 
 
 def _batches(ready: list[RunFolder], runs_per_batch: int, max_parallel_runs: int) -> list[list[RunFolder]]:

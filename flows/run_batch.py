@@ -72,6 +72,10 @@ class RunsJob(BaseModel):
     capture_dir: Location | None = None
     options: EnrichOptions
 
+    def captures_of(self, run: RunFolder) -> Location:
+        """The capture root of ``run``: the job's one, else the run's own ``captures/``."""
+        return (self.capture_dir or self.runs_root.at(run.captures)).absolute()
+
 
 class RunOutcome(BaseModel):
     """What became of one run a tick tried to take: a row of its batch's table.
@@ -246,7 +250,7 @@ def _enrich_under_lease(
     started = time.perf_counter()
     options = job.options
     rollouts, output = job.runs_root.at(run.rollouts), job.runs_root.at(run.output)
-    captures = (job.capture_dir or job.runs_root.at(run.captures)).absolute()
+    captures = job.captures_of(run)
     _check_capture_dir(captures, options.allow_empty)
     refuse_unsafe_output(output.url, output.storage_options)
     staged = _staged(run, rollouts)
