@@ -49,11 +49,11 @@ PARTS = "rollouts.parts"
 order as one file (:mod:`rollout_capture.rollout_parts`)."""
 CAPTURES = "captures"
 STARTED = "_STARTED"
+"""Written when a run starts (``rollout-capture start``): a run to follow while it runs."""
 HELD = "_REFUSED"
 """A run an earlier tick refused for its own input (a link where its parts belong, no captures):
 why, as JSON. Later ticks leave it alone, naming it, without failing, until it is finished again
 (``finish`` removes it) or rechecked."""
-"""Written when a run starts (``rollout-capture start``): a run to follow while it runs."""
 SUCCESS = "_SUCCESS"
 ENRICHED = "_ENRICHED"
 LEASE = "_ENRICHING"
@@ -330,9 +330,7 @@ _HELD_REASON_BYTES = 4096
 def _held_reason(body: bytes | None) -> str:
     """Why an earlier tick refused a run, from its ``_REFUSED`` (what it says, bounded)."""
     try:
-        reason = (
-            orjson.loads(body or b"{}").get("reason") if body and len(body) <= _HELD_REASON_BYTES else None
-        )
+        reason = orjson.loads(body).get("reason") if body and len(body) <= _HELD_REASON_BYTES else None
     except (orjson.JSONDecodeError, AttributeError):
         reason = None
     return reason if isinstance(reason, str) else "refused by an earlier tick"

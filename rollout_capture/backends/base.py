@@ -66,14 +66,17 @@ class ListingScope:
 class ReadBatch(ABC):
     """A batch of rollouts made ready to be read (listed, maybe read), parsed one rollout at a time."""
 
-    journal_absent: bool = False
-    """Whether the listing behind this batch covered the whole root and held no journal commit
-    (then the journal need not be looked for: nothing of it was there when the batch was listed)."""
     journal_commits: Mapping[str, Sequence[int]] | None = None
     """The journal's commit numbers by stream (``rows``, ``claims``) that the listing behind this
     batch showed, when it covered the whole root, and under ``compacted`` its compacted
     generations with a manifest: the journal's reader reads those, and nothing past them; ``None``
     when no such listing was taken."""
+
+    @property
+    def journal_absent(self) -> bool:
+        """Whether the listing behind this batch covered the whole root and held no journal commit
+        (then the journal need not be looked for: nothing of it was there when the batch was listed)."""
+        return self.journal_commits is not None and not any(self.journal_commits.values())
 
     @abstractmethod
     def found(self, rollout_id: str) -> bool:

@@ -104,17 +104,11 @@ class RootListing(dict[str, RolloutListing]):
         super().__init__(rollouts)
         self.commits = commits
 
-    @property
-    def journal(self) -> bool:
-        """Whether it showed a journal commit (or a compacted generation)."""
-        return any(self.commits.values())
-
 
 def _read_batch(backend: Backend, flat: dict[str, RolloutListing] | None) -> ListedReadBatch:
     """A batch to read, knowing what ``flat`` (a listing of the whole root, if one) said of the journal."""
     batch = ListedReadBatch(backend)
     if isinstance(flat, RootListing):
-        batch.journal_absent = not flat.journal
         batch.journal_commits = flat.commits
         batch.journal_only = not flat
     return batch
