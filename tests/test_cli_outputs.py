@@ -265,26 +265,3 @@ def test_export_without_the_otel_extra_names_it(tmp_path: Path) -> None:
     )
     assert done.returncode == 2, done.stderr
     assert "pip install 'rollout-capture[otel]'" in done.stderr
-
-
-@pytest.mark.integration
-@pytest.mark.phoenix
-def test_export_to_a_real_phoenix_reads_back_every_span(tmp_path: Path) -> None:
-    pytest.importorskip("phoenix")
-    pytest.importorskip("opentelemetry.sdk.trace")
-    from .support.phoenix import phoenix_server, settled_spans
-    from .test_report import build_corpus
-
-    _, enriched = build_corpus(tmp_path / "bad")
-    rollouts, calls, spans = _expected_spans(enriched)
-    work = tmp_path / "phoenix"
-    work.mkdir()
-    with phoenix_server(work) as phoenix:
-        done = run_cli("export", str(enriched), "--otlp", phoenix.url, "--otlp-project", "cli-test", "--json")
-        assert done.returncode == 0, done.stderr
-        assert json.loads(done.stdout)["traces"]["spans"] == spans
-        found = settled_spans(phoenix, spans, "cli-test")
-    assert len(found) == spans
-    roots = [span for span in found if span["name"].startswith("rollout ")]
-    assert len(roots) == rollouts
-    assert sum(1 for span in found if span["name"].startswith("chat ")) == calls

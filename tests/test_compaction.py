@@ -338,10 +338,11 @@ def test_enrich_runs_compacts_the_runs_it_enriched_when_asked(
 ) -> None:
     """``enrich_completed_runs(compact=True)`` (``enrich-runs --compact``): the run enriched, then its
     journal compacted (its commits removed); the run's captures then read as they did."""
+    from rollout_capture import compaction
     from rollout_capture.flows import enrich_completed_runs
-    from rollout_capture.journal import compacted
 
-    monkeypatch.setattr(compacted, "DELETE_AFTER_S", 0.0)
+    # The replaced commits removed at once, not DELETE_AFTER_S (30 s) after the manifest.
+    monkeypatch.setitem(compaction.compact_root.__kwdefaults__, "remove_after_s", 0.0)
     run = tmp_path / "runs" / "r1"
     captures = str(run / "captures")
     lines = journal_run(CaptureStore(captures, layout="journal"), 6, 2)

@@ -965,6 +965,28 @@ def test_two_runs_with_the_same_rollout_ids_land_side_by_side_in_one_project(
 
 @pytest.mark.integration
 @pytest.mark.phoenix
+def test_the_export_command_to_a_real_phoenix_reads_back_every_span(phoenix: Phoenix, tmp_path: Path) -> None:
+    """``rollout-capture export --otlp`` (the CLI, its own process) into the module's Phoenix, a
+    project of its own: every span the mapping promises is read back."""
+    pytest.importorskip("opentelemetry.sdk.trace")
+    from .support.cli import run_cli
+    from .test_cli_outputs import _expected_spans
+    from .test_report import build_corpus
+
+    _, enriched = build_corpus(tmp_path / "bad")
+    rollouts, calls, spans = _expected_spans(enriched)
+    done = run_cli("export", str(enriched), "--otlp", phoenix.url, "--otlp-project", "cli-test", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["traces"]["spans"] == spans
+    found = _settled(phoenix, spans, "cli-test")
+    assert len(found) == spans
+    roots = [span for span in found if span["name"].startswith("rollout ")]
+    assert len(roots) == rollouts
+    assert sum(1 for span in found if span["name"].startswith("chat ")) == calls
+
+
+@pytest.mark.integration
+@pytest.mark.phoenix
 def test_an_unreachable_phoenix_port_sends_nothing(phoenix: Phoenix, corpus: Corpus) -> None:
     with pytest.raises(OtlpEndpointError, match="unreachable"):
         export_traces(corpus.plain, f"http://127.0.0.1:{_free_port()}", project="never-created")
