@@ -463,14 +463,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 SLOWEST_FIRST = (
-    "test_journal.py",
-    "test_follow.py",
-    "test_install.py",
-    "test_cli.py",
-    "test_cli_outputs.py",
+    "test_deployments.py",
+    "test_clusters.py",
     "test_s3_reads.py",
+    "test_follow.py",
+    "test_traces_endpoint.py",
     "test_traces.py",
+    "test_journal.py",
+    "test_cli.py",
+    "test_install.py",
+    "test_production.py",
+    "test_stores.py",
+    "test_cli_enrich.py",
     "test_run_folders.py",
+    "test_producer_hold.py",
 )
 """The files that take longest (measured: ``--durations``), run first so that the two workers of
 ``make test``, each taking a file at a time (``--dist loadfile --no-loadscope-reorder``), end
