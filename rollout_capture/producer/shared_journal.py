@@ -28,12 +28,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from rollout_capture.journal import STREAMS, Entry, JournalCommitter, JournalWriter, Stream
 from rollout_capture.store import CaptureStore
 
 logger = logging.getLogger("rollout_capture.producer")
+
+T = TypeVar("T")
 
 _LOOKS_KEPT = 4096  # looks a host keeps for the rows still to come (a call that failed never sends one)
 
@@ -48,6 +50,49 @@ class SharedJournalError(ConnectionError):
 
 def _tuning(writer: JournalCommitter) -> Tuning:
     return writer.in_flight, writer.look_delay_s, writer.look_in_flight
+
+
+def _retune(writer: JournalCommitter, tuning: Tuning) -> None:
+    writer.in_flight, writer.look_delay_s, writer.look_in_flight = tuning
+
+
+class _Outbox(Generic[T]):
+    """What many threads queue for one sender, taken in batches: many messages a frame (each end
+    of a link has one: the worker's messages, the parent's answers)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._items: list[T] = []
+        self._closed = False
+
+    def put(self, item: T) -> bool:
+        """Queue ``item``; False once closed (nothing will send it)."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._items.append(item)
+            if len(self._items) == 1:
+                self._wake.notify()
+            return True
+
+    def take(self) -> list[T] | None:
+        """Everything queued, once something is; None once closed."""
+        with self._lock:
+            while not self._items and not self._closed:
+                self._wake.wait()
+            if self._closed:
+                return None
+            batch, self._items = self._items, []
+            return batch
+
+    def close(self) -> list[T]:
+        """Stop taking (the sender's :meth:`take` returns None); what was queued and not taken."""
+        with self._lock:
+            self._closed = True
+            left, self._items = self._items, []
+            self._wake.notify_all()
+            return left
 
 
 # ---------------------------------------------------------------------------------------- the worker
@@ -66,7 +111,7 @@ class _Out:
     """Something to send: a submission, a look, or a stream's tuning."""
 
     kind: str
-    stream: Stream
+    own: JournalWriter  # the worker's own writer of the stream
     future: concurrent.futures.Future[int] | None = None
     entries: Sequence[Entry] = ()
     look: concurrent.futures.Future[int] | None = None
@@ -83,68 +128,58 @@ class SharedJournal:
     def __init__(self, link: socket.socket) -> None:
         self._conn = Connection(link.detach())  # ours alone: nothing else reads or writes it
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._outbox: list[_Out] = []
+        self._outbox: _Outbox[_Out] = _Outbox()
         self._waiting: dict[int, concurrent.futures.Future[int]] = {}
         self._ids = itertools.count()
         self._broken: str | None = None
         self._started = False
-        self._own: dict[Stream, JournalWriter] = {}
         self._committers: dict[Stream, _Committer] = {}
 
     def committer(self, own: JournalWriter) -> JournalCommitter:
-        """The stand-in for ``own`` (this process's writer of its stream, used once the parent is gone)."""
+        """The stand-in for ``own``, this process's writer of its stream: it keeps the stream's
+        pacing, and commits once the parent is gone."""
         with self._lock:
-            self._own[own.stream] = own
             found = self._committers.get(own.stream)
             if found is None:
-                found = self._committers[own.stream] = _Committer(self, own.stream, _tuning(own))
+                found = self._committers[own.stream] = _Committer(self, own)
             return found
 
     # -- what the committers send
 
-    def _send(self, out: _Out) -> concurrent.futures.Future[int] | None:
-        """Queue ``out``; None when the parent is gone (the caller goes to its own writer)."""
+    def _send(self, out: _Out) -> bool:
+        """Queue ``out``; False when the parent is gone (the caller goes to its own writer)."""
+        if not self._outbox.put(out):
+            return False
         with self._lock:
-            if self._broken is not None:
-                return None
-            self._outbox.append(out)
-            if len(self._outbox) == 1:
-                self._wake.notify()
-            if not self._started:
-                self._started = True
-                for target, name in ((self._sending, "shared-out"), (self._receiving, "shared-in")):
-                    threading.Thread(target=target, name=f"rollout-capture-{name}", daemon=True).start()
-        return out.future
+            if self._started:
+                return True
+            self._started = True
+        for target, name in ((self._sending, "shared-out"), (self._receiving, "shared-in")):
+            threading.Thread(target=target, name=f"rollout-capture-{name}", daemon=True).start()
+        return True
 
     def submit(
-        self, stream: Stream, entries: Sequence[Entry], look: concurrent.futures.Future[int] | None
+        self, own: JournalWriter, entries: Sequence[Entry], look: concurrent.futures.Future[int] | None
     ) -> concurrent.futures.Future[int]:
         future: concurrent.futures.Future[int] = concurrent.futures.Future()
-        if self._send(_Out("submit", stream, future, entries, look)) is None:
-            return self._own[stream].submit(entries, look=look)
+        if not self._send(_Out("submit", own, future, entries, look)):
+            return own.submit(entries, look=look)
         return future
 
-    def look(self, stream: Stream) -> concurrent.futures.Future[int]:
+    def look(self, own: JournalWriter) -> concurrent.futures.Future[int]:
         future = _Look(next(self._ids))
-        if self._send(_Out("look", stream, future)) is None:
-            return self._own[stream].look()
+        if not self._send(_Out("look", own, future)):
+            return own.look()
         return future
 
-    def tune(self, stream: Stream, tuning: Tuning) -> None:
-        if self._send(_Out("tune", stream, tuning=tuning)) is None:
-            _retune(self._own[stream], tuning)
+    def tune(self, own: JournalWriter) -> None:
+        """``own``'s pacing, as just set, told to the parent (nothing to tell once it is gone)."""
+        self._send(_Out("tune", own, tuning=_tuning(own)))
 
     # -- the threads
 
     def _sending(self) -> None:
-        while True:
-            with self._lock:
-                while not self._outbox and self._broken is None:
-                    self._wake.wait()
-                if self._broken is not None:
-                    return
-                batch, self._outbox = self._outbox, []
+        while (batch := self._outbox.take()) is not None:
             frame, framed = [], []
             for out in batch:
                 message = self._message(out)
@@ -158,15 +193,20 @@ class SharedJournal:
                 # entries go to this process's own writer with what was not sent yet.
                 self._lose(f"{type(exc).__name__}: {exc}", framed)
                 return
+            with self._lock:
+                why = self._broken
+            if why is not None:  # sent as the parent went: no answer will come
+                _fail([out.future for out in framed], why)
 
     def _message(self, out: _Out) -> tuple[Any, ...] | None:
         """The wire form of ``out`` (its future awaited from now on); None when it failed here."""
+        stream = out.own.stream
         if out.kind == "tune":
-            return ("tune", out.stream, out.tuning)
+            return ("tune", stream, out.tuning)
         assert out.future is not None
         message_id = out.future.look_id if isinstance(out.future, _Look) else next(self._ids)
         if out.kind == "look":
-            body: tuple[Any, ...] = ("look", message_id, out.stream)
+            body: tuple[Any, ...] = ("look", message_id, stream)
         else:
             try:  # a row built here, off the caller's loop; one that cannot be fails its own call only
                 out.entries = [
@@ -178,7 +218,7 @@ class SharedJournal:
                 return None
             wire = [(e.op, e.rollout_id, e.line, e.claim_id) for e in out.entries]
             look_id = out.look.look_id if isinstance(out.look, _Look) else None
-            body = ("submit", message_id, out.stream, wire, look_id)
+            body = ("submit", message_id, stream, wire, look_id)
         with self._lock:
             self._waiting[message_id] = out.future
         return body
@@ -202,39 +242,35 @@ class SharedJournal:
 
     def _lose(self, why: str, unsent: Sequence[_Out] = ()) -> None:
         """The parent is gone: what it took fails (it may or may not have landed); what it never
-        took (``unsent``, and what was still to send) goes to this process's own writers."""
+        took (``unsent``, and what was still to send) goes to this process's own writers, which
+        already hold each stream's pacing."""
+        never = {id(out.future) for out in unsent}
         with self._lock:
-            if self._broken is not None:
-                return
-            self._broken = why
-            never = {id(out.future) for out in unsent}
-            waiting = {k: f for k, f in self._waiting.items() if id(f) not in never}
+            first, self._broken = self._broken is None, self._broken or why
+            waiting = [f for f in self._waiting.values() if id(f) not in never]
             self._waiting = {}
-            unsent = [*unsent, *self._outbox]
-            self._outbox = []
-            self._wake.notify_all()
-        logger.warning(
-            "the proxy's parent process is gone (%s): this worker commits its journal entries itself; "
-            "%d in flight there may or may not have landed (their rollouts are marked incomplete)",
-            why,
-            sum(not isinstance(f, _Look) for f in waiting.values()),
-        )
-        for future in waiting.values():
-            if not future.done():
-                future.set_exception(SharedJournalError(f"the proxy's parent process is gone ({why})"))
+        unsent = [*unsent, *self._outbox.close()]
+        if first:
+            logger.warning(
+                "the proxy's parent process is gone (%s): this worker commits its journal entries "
+                "itself; %d in flight there may or may not have landed (their rollouts are marked "
+                "incomplete)",
+                why,
+                sum(not isinstance(f, _Look) for f in waiting),
+            )
+            self._conn.close()
+        _fail(waiting, why)
         for out in unsent:
-            own = self._own[out.stream]
-            if out.kind == "tune":
-                assert out.tuning is not None
-                _retune(own, out.tuning)
-            elif out.future is not None:
-                done = own.look() if out.kind == "look" else own.submit(out.entries, look=out.look)
+            if out.kind != "tune" and out.future is not None:
+                done = out.own.look() if out.kind == "look" else out.own.submit(out.entries, look=out.look)
                 done.add_done_callback(functools.partial(_copy, future=out.future))
-        with self._lock:
-            committers = list(self._committers.values())
-        for committer in committers:
-            _retune(self._own[committer.stream], committer.tuning)
-        self._conn.close()
+
+
+def _fail(futures: Sequence[concurrent.futures.Future[int] | None], why: str) -> None:
+    """Fail what the parent took and will never answer: it may or may not have landed."""
+    for future in futures:
+        if future is not None and not future.done():
+            future.set_exception(SharedJournalError(f"the proxy's parent process is gone ({why})"))
 
 
 def _copy(done: concurrent.futures.Future[int], future: concurrent.futures.Future[int]) -> None:
@@ -247,62 +283,56 @@ def _copy(done: concurrent.futures.Future[int], future: concurrent.futures.Futur
         future.set_result(done.result())
 
 
-def _retune(writer: JournalCommitter, tuning: Tuning) -> None:
-    writer.in_flight, writer.look_delay_s, writer.look_in_flight = tuning
-
-
 class _Committer:
-    """One stream's stand-in in a worker (:class:`~rollout_capture.journal.JournalCommitter`): its
-    pacing knobs go to the parent too, which paces by its busiest worker."""
+    """One stream's stand-in in a worker (:class:`~rollout_capture.journal.JournalCommitter`). Its
+    pacing is kept on the worker's own writer (idle while the parent commits, it needs that pacing
+    once the parent is gone) and each change is sent to the parent, which paces by its busiest
+    worker."""
 
-    def __init__(self, journal: SharedJournal, stream: Stream, tuning: Tuning) -> None:
+    def __init__(self, journal: SharedJournal, own: JournalWriter) -> None:
         self._journal = journal
-        self.stream: Stream = stream
-        self._tuning = tuning
+        self._own = own
+        self.stream: Stream = own.stream
 
-    @property
-    def tuning(self) -> Tuning:
-        return self._tuning
-
-    def _set(self, tuning: Tuning) -> None:
-        if tuning != self._tuning:
-            self._tuning = tuning
-            self._journal.tune(self.stream, tuning)
+    def _set(self, name: str, value: float) -> None:
+        if getattr(self._own, name) != value:
+            setattr(self._own, name, value)
+            self._journal.tune(self._own)
 
     @property
     def in_flight(self) -> int:
-        return self._tuning[0]
+        return self._own.in_flight
 
     @in_flight.setter
     def in_flight(self, value: int) -> None:
-        self._set((value, self._tuning[1], self._tuning[2]))
+        self._set("in_flight", value)
 
     @property
     def look_delay_s(self) -> float:
-        return self._tuning[1]
+        return self._own.look_delay_s
 
     @look_delay_s.setter
     def look_delay_s(self, value: float) -> None:
-        self._set((self._tuning[0], value, self._tuning[2]))
+        self._set("look_delay_s", value)
 
     @property
     def look_in_flight(self) -> int:
-        return self._tuning[2]
+        return self._own.look_in_flight
 
     @look_in_flight.setter
     def look_in_flight(self, value: int) -> None:
-        self._set((self._tuning[0], self._tuning[1], value))
+        self._set("look_in_flight", value)
 
     def submit(
         self, entries: Sequence[Entry], *, look: concurrent.futures.Future[int] | None = None
     ) -> concurrent.futures.Future[int]:
-        return self._journal.submit(self.stream, entries, look)
+        return self._journal.submit(self._own, entries, look)
 
     def write(self, entries: Sequence[Entry]) -> int:
         return self.submit(entries).result()
 
     def look(self) -> concurrent.futures.Future[int]:
-        return self._journal.look(self.stream)
+        return self._journal.look(self._own)
 
 
 # ---------------------------------------------------------------------------------------- the parent
@@ -331,9 +361,12 @@ class JournalHost:
         link_id = next(self._ids)
         served = _HostLink(self, link_id, ours)
         with self._lock:
+            unhanded = self._handing.pop(index, None)  # a start of this worker that failed
             self._handing[index] = theirs
             self._links[link_id] = served
             self._tunings[link_id] = dict(self._defaults)
+        if unhanded is not None:
+            unhanded.close()  # its link then ends as a dead worker's
         threading.Thread(target=served.run, name=f"rollout-capture-journal-host-{index}", daemon=True).start()
         return theirs
 
@@ -357,26 +390,30 @@ class JournalHost:
     def writer(self, stream: Stream) -> JournalCommitter:
         return self._writers[stream]
 
-    def tune(self, link_id: int, stream: Stream, tuning: Tuning | None) -> None:
-        """A worker's pacing of ``stream`` (None: the worker is gone); the writers follow the busiest."""
+    def tune(self, link_id: int, stream: Stream, tuning: Tuning) -> None:
+        """A worker's pacing of ``stream``; the writers follow the busiest worker."""
         with self._lock:
-            if tuning is None:
-                self._tunings.pop(link_id, None)
-            elif link_id in self._tunings:
+            if link_id in self._tunings:
                 self._tunings[link_id][stream] = tuning
-            for each in STREAMS:
-                asked = [t[each] for t in self._tunings.values() if each in t]
-                if not asked:
-                    continue
-                _retune(
-                    self._writers[each],
-                    (max(t[0] for t in asked), min(t[1] for t in asked), max(t[2] for t in asked)),
-                )
+            self._pace()
 
     def forget(self, link_id: int) -> None:
-        self.tune(link_id, STREAMS[0], None)
+        """A worker gone: its link, and its pacing, no longer count."""
         with self._lock:
+            self._tunings.pop(link_id, None)
             self._links.pop(link_id, None)
+            self._pace()
+
+    def _pace(self) -> None:
+        """Each writer as the busiest worker asks: the most commits and looks in flight, the
+        shortest look delay (under the lock)."""
+        for stream in STREAMS:
+            asked = [t[stream] for t in self._tunings.values() if stream in t]
+            if asked:
+                _retune(
+                    self._writers[stream],
+                    (max(t[0] for t in asked), min(t[1] for t in asked), max(t[2] for t in asked)),
+                )
 
 
 class _HostLink:
@@ -387,11 +424,8 @@ class _HostLink:
         self._id = link_id
         self._sock = sock  # shut down to wake the reading thread when the host closes
         self._conn = Connection(os.dup(sock.fileno()))
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._answers: list[tuple[str, int, Any]] = []
+        self._answers: _Outbox[tuple[str, int, Any]] = _Outbox()
         self._looks: OrderedDict[int, concurrent.futures.Future[int]] = OrderedDict()
-        self._closed = False
 
     def run(self) -> None:
         threading.Thread(target=self._answering, name="rollout-capture-journal-answers", daemon=True).start()
@@ -438,21 +472,10 @@ class _HostLink:
             answer = ("error", message_id, f"{type(error).__name__}: {error}")
         else:
             answer = ("ok", message_id, done.result())
-        with self._lock:
-            if self._closed:
-                return
-            self._answers.append(answer)
-            if len(self._answers) == 1:
-                self._wake.notify()
+        self._answers.put(answer)  # dropped once the link is closed
 
     def _answering(self) -> None:
-        while True:
-            with self._lock:
-                while not self._answers and not self._closed:
-                    self._wake.wait()
-                if self._closed:
-                    return
-                batch, self._answers = self._answers, []
+        while (batch := self._answers.take()) is not None:
             try:
                 self._conn.send_bytes(pickle.dumps(batch, pickle.HIGHEST_PROTOCOL))
             except (OSError, ValueError):
@@ -460,11 +483,8 @@ class _HostLink:
                 return
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._wake.notify_all()
+        """Stop answering and wake the reading thread (twice is harmless)."""
+        self._answers.close()
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
