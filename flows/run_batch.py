@@ -227,12 +227,15 @@ class RunRefused(FileNotFoundError):
     (its ``_REFUSED``), so one such run does not fail every tick over the root."""
 
 
-def _check_capture_dir(captures: Location, allow_empty: bool) -> None:
-    """``check_capture_dir``'s refusal, without its task run."""
+def _check_capture_dir(captures: Location, allow_empty: bool, shared: bool) -> None:
+    """``check_capture_dir``'s refusal, without its task run. The run's own capture root missing
+    is its input's fault (the run held); the job's ``capture_dir`` (``shared``) missing is the
+    tick's (a plain failure: held, every run would wait for a ``--recheck`` once it is mended)."""
     with credentials_for(captures) as credentials:
         found = captures.capture_store(credentials).root_found()
     if not found and not allow_empty:
-        raise RunRefused(missing_capture_dir(captures.url, "allow_empty=True / --allow-empty"))
+        refusal = missing_capture_dir(captures.url, "allow_empty=True / --allow-empty")
+        raise FileNotFoundError(refusal) if shared else RunRefused(refusal)
 
 
 def _staged(run: RunFolder, rollouts: Location) -> StagedRollouts:
@@ -251,7 +254,7 @@ def _enrich_under_lease(
     options = job.options
     rollouts, output = job.runs_root.at(run.rollouts), job.runs_root.at(run.output)
     captures = job.captures_of(run)
-    _check_capture_dir(captures, options.allow_empty)
+    _check_capture_dir(captures, options.allow_empty, shared=job.capture_dir is not None)
     refuse_unsafe_output(output.url, output.storage_options)
     staged = _staged(run, rollouts)
     try:

@@ -420,3 +420,25 @@ def test_a_run_with_no_captures_fails_one_tick_with_the_likely_causes_then_is_he
     assert rechecked.returncode == 0, rechecked.stderr
     assert orjson.loads(rechecked.stdout)["enriched"] == ["empty"]
     assert (empty / "_ENRICHED").exists() and not (empty / "_REFUSED").exists()
+
+
+def test_a_missing_shared_capture_dir_fails_the_tick_and_holds_no_run(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """The job's one ``capture_dir`` missing (a deployment's parameter, not checked by the CLI's
+    pre-flight) is the tick's fault, not the runs': each tick fails naming it, no run is held, and
+    the first tick after it is mended enriches them (held, they would wait for ``--recheck``)."""
+    from rollout_capture.flows import enrich_completed_runs
+    from rollout_capture.flows.enrich_runs import RunsFailed
+
+    from .support.runs_helpers import make_run
+
+    root = tmp_path / "runs"
+    run = make_run(root, "r1", finished=True)
+    shared = tmp_path / "shared-captures"
+    for _ in range(2):
+        with pytest.raises(RunsFailed, match="shared-captures"):
+            enrich_completed_runs(str(root), capture_dir=str(shared))
+        assert not (run / "_REFUSED").exists() and not (run / "_ENRICHED").exists()
+    shutil.move(str(run / "captures"), str(shared))
+    assert enrich_completed_runs(str(root), capture_dir=str(shared)).enriched == ["r1"]
