@@ -25,7 +25,7 @@ from rollout_capture.evidence import gather_evidence
 from rollout_capture.journal import claim_entry, row_entry
 from rollout_capture.journal.compacted import QUIET_S
 
-from .conftest import CORPUS
+from .conftest import CORPUS, wait_for
 from .support.journal_runs import enriched, journal_run, rich_run
 from .support.stores import Store
 
@@ -409,3 +409,39 @@ def test_a_compaction_told_to_wait_waits_out_the_quiet_period_once(tmp_path: Pat
     )
     refused = compact_root(CaptureStore(live)._backend, wait_quiet=True, sleep=sleep)
     assert refused.status == "refused" and "live" in str(refused.reason) and len(waits) == 1
+
+
+def test_a_part_read_whole_has_the_next_part_copied_behind_it() -> None:
+    """On an object store, a read needing much of a part copies it and then the next part in the
+    background (a whole run is read part after part): the next part's rows are then read from
+    the copy, even with the part gone from the store, and nothing is fetched twice."""
+    import uuid
+
+    from rollout_capture.journal.compacted import newest_manifest
+    from rollout_capture.journal.parts import PartsReader
+
+    store = CaptureStore(f"memory://parts-{uuid.uuid4().hex}", layout="journal")
+    journal_run(store, 60, 3)
+    backend = store._backend
+    done = compact_root(backend, remove_after_s=0, now=_later, part_bytes=4096)
+    manifest = newest_manifest(backend)
+    assert done.status == "compacted" and manifest is not None and len(manifest.parts) >= 3
+
+    def whole(part: int) -> list[tuple[int, int, int]]:
+        return [(part, placed.offset, placed.length) for placed in manifest.parts[part].rollouts]
+
+    def stored(part: int) -> list[bytes]:
+        data = backend.fs.cat_file(manifest.part_path(backend, part))
+        return [data[offset : offset + length] for _, offset, length in whole(part)]
+
+    expected = stored(1)
+    reader = PartsReader(backend, manifest)
+    try:
+        assert reader.read(whole(0)) == stored(0)
+        wait_for(lambda: 1 in reader._copies, what="the next part's copy")
+        assert reader.requests == 2  # a part of 4 kB: one ranged GET each
+        backend.fs.rm_file(manifest.part_path(backend, 1))
+        assert reader.read(whole(1)) == expected  # from the copy made ahead
+        assert reader.requests == 3  # part 1 not fetched again; part 2 now copied behind it
+    finally:
+        reader.clear()

@@ -2,7 +2,9 @@
 a small read needs (one rollout's rows: ``inspect``) by ranged GETs, or, once a read needs much
 of a part, the whole part copied in a few large ranged GETs to an unlinked temporary file of this
 host and read there until the enrichment ends. So a part is fetched once per enrichment however
-many batches read its rollouts, with memory flat; a local disk's parts are read in place."""
+many batches read its rollouts, with memory flat; a local disk's parts are read in place. A part
+read whole has the next one copied behind it (a whole run's enrichment reads them in order: their
+downloads overlap its work)."""
 
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ class PartsReader:
         self._copying: dict[int, threading.Event] = {}
         self._file: IO[bytes] | None = None
         self._end = 0
+        self._epoch = 0  # advanced by clear(): a copy begun before writes nothing after
         self._lock = threading.Lock()
         self.requests = 0  # ranged GETs sent (for tests and benchmarks)
 
@@ -66,6 +69,7 @@ class PartsReader:
     def _read_part(self, part: int, spans: list[tuple[int, int]]) -> list[bytes | None]:
         base = self._copy_of(part, spans)
         if base is not None:
+            self._read_ahead(part + 1)
             with self._lock:
                 handle = self._file
             assert handle is not None
@@ -104,8 +108,29 @@ class PartsReader:
             event.wait()
             with self._lock:
                 return self._copies.get(part)
+        return self._copy_then_say(part, event)
+
+    def _read_ahead(self, part: int) -> None:
+        """Copy ``part`` in the background unless it is (being) copied; at most one part beyond
+        what was read is fetched for nothing, when the reads stop there."""
+        with self._lock:
+            if part >= len(self._manifest.parts) or part in self._copies or part in self._copying:
+                return
+            event = self._copying[part] = threading.Event()
+        threading.Thread(
+            target=self._copy_ahead, args=(part, event), name="rollout-capture-part-ahead", daemon=True
+        ).start()
+
+    def _copy_ahead(self, part: int, event: threading.Event) -> None:
+        # A copy ahead that fails leaves the part uncopied: the read that needs it copies it
+        # (or reads its ranges) itself, and meets the store's error there, where it is reported.
+        with contextlib.suppress(Exception):
+            self._copy_then_say(part, event)
+
+    def _copy_then_say(self, part: int, event: threading.Event) -> int | None:
+        """Copy ``part``, then wake the readers waiting on ``event`` for it."""
         try:
-            return self._copy(part, size)
+            return self._copy(part, self._manifest.parts[part].size)
         finally:
             with self._lock:
                 self._copying.pop(part, None)
@@ -119,20 +144,26 @@ class PartsReader:
                 # unlinked at once: nothing is left behind, whatever ends this process
                 self._file = tempfile.TemporaryFile(prefix="rollout-capture-parts-")  # noqa: SIM115
             base, self._end = self._end, self._end + size
-            handle = self._file
+            handle, epoch = self._file, self._epoch
         self.requests += len(chunks)
         with contextlib.closing(self._backend.read_ranges(chunks, CHUNKS_IN_FLIGHT)) as pieces:
             for (_, start, end), data in zip(chunks, pieces, strict=True):
                 if data is None or len(data) != end - start:
                     return None  # gone (or not what the manifest says): read from the store, which tells
-                os.pwrite(handle.fileno(), data, base + start)
+                with self._lock:  # never into a file clear() closed (its number may be another's now)
+                    if self._epoch != epoch:
+                        return None
+                    os.pwrite(handle.fileno(), data, base + start)
         with self._lock:
+            if self._epoch != epoch:
+                return None
             self._copies[part] = base
         return base
 
     def clear(self) -> None:
         """Let every copy go (the enrichment is over)."""
         with self._lock:
+            self._epoch += 1
             self._copies.clear()
             self._end = 0
             if self._file is not None:
