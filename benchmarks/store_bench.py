@@ -96,6 +96,7 @@ class CountingProxy:
     """A FaultProxy in front of moto, in its own process: requests counted by method, ``latency_ms`` each."""
 
     def __init__(self, target_port: int, latency_ms: float) -> None:
+        self.latency_ms = latency_ms
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--target-port", str(target_port), "--latency-ms", str(latency_ms)],
             stdin=subprocess.PIPE,
