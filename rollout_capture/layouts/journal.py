@@ -39,6 +39,7 @@ class StoreJournal:
         self._reader: JournalReader | None = None
         self._writers: dict[Stream, JournalWriter] = {}
         self._through: Callable[[JournalWriter], JournalCommitter] | None = None
+        self._committers: dict[Stream, JournalCommitter] = {}  # ``_through``'s, one a stream
         self._generation: Manifest | None = None  # the newest compacted generation a writer looked up
 
     @property
@@ -64,12 +65,17 @@ class StoreJournal:
                 writer = self._writers[stream] = JournalWriter(
                     self._backend, stream, tail_hint=lambda: self._tail(stream)
                 )
-            return writer if self._through is None else self._through(writer)
+            if self._through is None:
+                return writer
+            committer = self._committers.get(stream)
+            if committer is None:
+                committer = self._committers[stream] = self._through(writer)
+            return committer
 
     def commit_through(self, through: Callable[[JournalWriter], JournalCommitter]) -> None:
         """Commit every stream through ``through(own writer)`` from now on (a proxy's worker: its
-        parent's writers, its own the fallback); before the first entry. ``through`` is asked at
-        each entry and keeps its stand-in a stream itself."""
+        parent's writers, its own the fallback); before the first entry (``through`` is asked
+        once a stream)."""
         with self._lock:
             self._through = through
 

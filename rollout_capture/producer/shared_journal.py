@@ -133,16 +133,11 @@ class SharedJournal:
         self._ids = itertools.count()
         self._broken: str | None = None
         self._started = False
-        self._committers: dict[Stream, _Committer] = {}
 
     def committer(self, own: JournalWriter) -> JournalCommitter:
         """The stand-in for ``own``, this process's writer of its stream: it keeps the stream's
-        pacing, and commits once the parent is gone."""
-        with self._lock:
-            found = self._committers.get(own.stream)
-            if found is None:
-                found = self._committers[own.stream] = _Committer(self, own)
-            return found
+        pacing, and commits once the parent is gone (asked once a stream: ``commit_through``)."""
+        return _Committer(self, own)
 
     # -- what the committers send
 
