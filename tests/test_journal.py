@@ -23,7 +23,7 @@ from rollout_capture.batch import enrich_lines
 from rollout_capture.journal import JOURNAL_DIR, clear_entry, commit_name, decode_commit, row_entry
 from rollout_capture.producer.middleware import CaptureMiddleware
 
-from .conftest import FAST_FAIL, S3
+from .conftest import FAST_FAIL, S3, wait_for
 from .support.producer_calls import body_then_silence, post_scope
 from .support.scripted_upstream import ScriptedUpstream
 from .test_concurrency import run_writers
@@ -816,3 +816,64 @@ def test_a_hole_in_a_jobs_listing_is_filled_once_old_and_read_past(
     batch = enrich_lines(lines, [store], scope=ListingScope("old", 40), quiescence_timeout_s=0)
     assert orjson.loads(batch.lines[0])["ng_model_call_capture"]["metrics"]["num_calls"] == 2
     assert decode_commit(1, backend.read_many([backend.path(commit_name(1))])[0] or b"").headers == []
+
+
+def test_a_second_look_goes_beside_one_on_the_wire_only_while_rows_wait_for_their_looks(
+    flaky_s3: tuple[S3, Any],
+) -> None:
+    """Two looks at once are allowed (undelayed, as producers set them while answers wait): while
+    rows have waited for their looks, a look asked while another's listing is held on the wire goes
+    beside it and is answered first; a writer whose rows never waited (a fresh one) keeps one
+    listing at a time, the second sent once the first is answered (issue 48: a second look mostly
+    doubled the listings on an agent's calls); producers behind a slow store set
+    ``rows_wait_share`` below 0: two at once whatever rows waited."""
+    via, wire = flaky_s3
+    listing = b"list-type="
+
+    def writer_of(root: str) -> Any:
+        writer = journal(via.url(root), via.storage_options).journal_writer_of("rows")
+        writer.look_delay_s, writer.look_in_flight = 0.0, 2
+        return writer
+
+    def held_look(writer: Any) -> Any:
+        held = wire.held
+        wire.hold_on(listing)
+        first = writer.look()
+        wait_for(lambda: wire.held == held + 1, 10, "a look's listing held on the wire")
+        return first
+
+    waited = writer_of("looks-waited")
+    for n in range(4):  # rows submitted as their looks start, the listings held: they wait for them
+        wire.hold_on(listing)
+        look = waited.look()
+        row = waited.submit([row_entry("r-0", {**ROW, "model_call_id": f"c{n}"})], look=look)
+        wait_for(lambda n=n: wire.held == n + 1, 10, "a look's listing held on the wire")
+        wire.release_held()
+        row.result(30)
+    first = held_look(waited)
+    second = waited.look()
+    wait_for(second.done, 10, "the second look, beside the held one")
+    assert not first.done()
+    wire.release_held()
+    first.result(30)
+
+    fresh = writer_of("looks-fresh")
+    fresh.look().result(30)  # its tail found: a look is one listing from here
+    first = held_look(fresh)
+    second = fresh.look()
+    lists_when_answered: list[int] = []
+    first.add_done_callback(lambda _: lists_when_answered.append(wire.requests.get("LIST", 0)))
+    lists = wire.requests.get("LIST", 0)
+    wire.release_held()
+    first.result(30), second.result(30)
+    # The held listing is counted once forwarded: the second's was not sent while it was out.
+    assert lists_when_answered == [lists + 1]
+    assert wire.requests.get("LIST", 0) == lists + 2
+
+    fresh.rows_wait_share = -1.0
+    first = held_look(fresh)
+    second = fresh.look()
+    wait_for(second.done, 10, "the second look, beside the held one")
+    assert not first.done()
+    wire.release_held()
+    first.result(30)

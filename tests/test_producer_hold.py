@@ -308,10 +308,12 @@ def test_a_claim_is_put_while_another_calls_claim_is_on_the_wire(
 
 
 def test_claims_are_grouped_while_answers_do_not_wait_for_them(flaky_s3: tuple[S3, FaultProxy]) -> None:
-    """Claims pacing (issue 37): while almost no answer waits for its claim (the upstream slower
-    than a claim commit), claims (and rows) keep one commit in flight, so the claims of calls that
-    start while one is on the wire ride in one put; once answers wait, they go at once again (up
-    to 4 claims, 2 rows)."""
+    """Claims pacing (issues 37, 48): while almost no answer waits for its claim (the upstream
+    slower than a claim commit), claims (and rows) keep one commit in flight, so the claims of calls
+    that start while one is on the wire ride in one put; once answers wait long beside the
+    upstream's time (a slow store), they go at once again (up to 4 claims, 2 rows, two looks); while
+    they wait less, 2 claims commits and a second look only while rows wait for theirs."""
+    from rollout_capture.journal.writer import ROWS_WAIT_SHARE
     from rollout_capture.producer.writer import CaptureWriter
 
     via, wire = flaky_s3
@@ -337,16 +339,22 @@ def test_claims_are_grouped_while_answers_do_not_wait_for_them(flaky_s3: tuple[S
             future.result(30)
         return wire.requests.get("PUT", 0) - before
 
-    for _ in range(200):
-        writer.answer_waited(False)
     rows = store.journal_writer_of("rows")
+    assert (claims.in_flight, rows.rows_wait_share) == (4, -1.0)  # until answers show otherwise
+    for _ in range(200):
+        writer.answer_held(0.0, 0.02)
     assert claims.in_flight == 1 and rows.in_flight == 1 and rows.look_delay_s > 0  # grouped, shared
     assert claim_puts_while_one_is_held(4) == 2  # the held one; the three that started meanwhile: one
     for _ in range(10):
-        writer.answer_waited(True)
+        writer.answer_held(0.5, 0.02)  # the store far slower than the upstream
     assert claims.in_flight == 4 and rows.in_flight == 2  # at once, beside those on the wire
-    assert (rows.look_delay_s, rows.look_in_flight) == (0, 2)  # looks at once
+    assert (rows.look_delay_s, rows.look_in_flight, rows.rows_wait_share) == (0, 2, -1.0)  # looks at once
     assert claim_puts_while_one_is_held(4) == 4  # each at once, beside the one on the wire
+    for _ in range(100):
+        writer.answer_held(0.01, 0.02)  # answers wait, less than the upstream's time
+    assert claims.in_flight == 2 and rows.in_flight == 2
+    # a second look only while rows wait for theirs: tests/test_journal.py
+    assert (rows.look_delay_s, rows.look_in_flight, rows.rows_wait_share) == (0, 2, ROWS_WAIT_SHARE)
     writer.close()
 
 

@@ -6,6 +6,7 @@ lands above what existed then with one put (issue 37)."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -41,8 +42,9 @@ a quick fsync). Rows: 2, since a row finishing just after a commit started then 
 instead of waiting for it, and more only add PUTs that slow the store (measured, see
 docs/benchmarks.md); claims: 4, since the answer's first byte waits for its claim, and a claim
 submitted while another's commit is in flight then goes at once: one commit, not a queue of them
-(4 measured best of 1, 2, 4, 8; a commit of claims alone is one put, with no look above it);
-producers pace claims between 1 and this by whether answers wait for them (issue 37).
+(4 measured best of 1, 2, 4, 8 behind a store slower than the upstream; a commit of claims alone
+is one put, with no look above it); producers pace claims between 1 and this by how long answers
+wait for them (issues 37, 48).
 ``ROLLOUT_CAPTURE_JOURNAL_IN_FLIGHT`` overrides it: ``N`` for both streams, or ``ROWS/CLAIMS``
 (each 1 to :data:`~.commits.LOOK_AHEAD`: a dead writer's commits stand at most that far above the
 hole it left, and writers and readers look that far)."""
@@ -78,6 +80,14 @@ LOOK_DELAY_S = 0.06
 """How long a call's look (:meth:`JournalWriter.look`) may wait for others to share it: looks
 start one at a time, each serving every call that asked before it started, at the latest this
 long after the oldest asked, or at once when a row waits for one (the upstream was quick)."""
+ROWS_WAIT_SHARE = 0.5
+"""More than one look may be in flight (:attr:`JournalWriter.look_in_flight`) only while rows wait
+for their looks, on average, longer than this share of a look's own time: a call starting while a
+look is out then waits for two, which a second look spares it (a slow store, few clients: issue
+37). Otherwise rows wait for their claims' commits about as long, and a second look would mostly
+double the listings (0.17-0.20 a call against 0.12-0.13 on an agent's calls at 32 clients on
+a 20 ms store, issue 48)."""
+_WEIGHT = 1 / 16  # how much one row's wait, or one look's time, moves their recent averages
 _LOOK_WINDOW = 2 * commits.LOOK_AHEAD  # numbers one look's listing covers
 
 
@@ -90,6 +100,7 @@ class JournalCommitter(Protocol):
     in_flight: int
     look_delay_s: float
     look_in_flight: int
+    rows_wait_share: float
 
     def submit(
         self, entries: Sequence[Entry], *, look: concurrent.futures.Future[int] | None = None
@@ -156,6 +167,9 @@ class JournalWriter:
         self.looks = 0  # looks at calls' starts done (each shared by the calls that asked)
         self.look_delay_s = LOOK_DELAY_S  # producers set 0 while answers wait for the store
         self.look_in_flight = 1  # looks at once at most (producers raise it with the delay at 0)
+        self.look_s = 0.0  # a look's recent time, on average
+        self.rows_wait_share = ROWS_WAIT_SHARE  # producers set -1 behind a slow store (looks at once)
+        self.row_wait_s = 0.0  # a row's recent wait for its look (none: 0), on average
         self.peak_in_flight = 0  # the most commits this writer had in flight at once
 
     def _reset(self) -> None:
@@ -209,7 +223,9 @@ class JournalWriter:
             self._queue.append(submission)
             if look is not None and not look.done():
                 self._look_hurry = True  # the row is ready: its look goes now
-                look.add_done_callback(self._looked)
+                look.add_done_callback(functools.partial(self._looked, self._clock.monotonic()))
+            elif look is not None:
+                self.row_wait_s -= self.row_wait_s * _WEIGHT  # a row that waits for no look
             self._cond.notify_all()
             if self._idle == 0 and self._workers < self.in_flight:
                 self._workers += 1
@@ -233,15 +249,22 @@ class JournalWriter:
             if self._pid != os.getpid():
                 self._reset()
             self._looks.append((future, self._clock.monotonic()))
-            if self._looks_idle == 0 and self._lookers < self.look_in_flight:
+            if self._looks_idle == 0 and self._lookers < self._looks_allowed():
                 self._lookers += 1
                 self._clock.start_thread(self._look_run, "rollout-capture-journal-look")
             elif self._looks_idle:  # a busy one finds it when done: wake no thread for nothing
                 self._cond.notify_all()
         return future
 
-    def _looked(self, _: concurrent.futures.Future[int]) -> None:
+    def _looks_allowed(self) -> int:
+        """Looks at once now: :attr:`look_in_flight` while rows wait long for theirs
+        (:attr:`rows_wait_share` of a look, :data:`ROWS_WAIT_SHARE`; below 0: always), else one."""
+        waited = self.rows_wait_share < 0 or self.row_wait_s > self.rows_wait_share * self.look_s
+        return self.look_in_flight if waited else 1
+
+    def _looked(self, since: float, _: concurrent.futures.Future[int]) -> None:
         with self._cond:
+            self.row_wait_s += (self._clock.monotonic() - since - self.row_wait_s) * _WEIGHT
             self._cond.notify_all()  # a row held for its look may go
 
     def _look_run(self) -> None:
@@ -250,7 +273,7 @@ class JournalWriter:
                 self._looks_idle += 1
                 try:
                     while True:
-                        if not self._looks or self._looks_active >= self.look_in_flight:
+                        if not self._looks or self._looks_active >= self._looks_allowed():
                             if not self._cond.wait(timeout=30.0) and not self._looks:
                                 self._lookers -= 1  # idle: a later look starts a fresh thread
                                 return
@@ -264,6 +287,7 @@ class JournalWriter:
                     self._looks_idle -= 1
                 taken, self._looks, self._look_hurry = self._looks, [], False
                 self._looks_active += 1
+            started = self._clock.monotonic()
             try:
                 mark = self._look_once()
             except Exception as exc:  # the rows commit then looks itself
@@ -275,6 +299,7 @@ class JournalWriter:
                     future.set_result(mark)
             finally:
                 with self._cond:
+                    self.look_s += (self._clock.monotonic() - started - self.look_s) * _WEIGHT
                     self._looks_active -= 1
                     self._cond.notify_all()
 

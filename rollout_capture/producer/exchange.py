@@ -98,6 +98,8 @@ class Exchange:
         self._paused_at_first = 0.0  # of which before its first byte
         self._writer: CaptureWriter | None = None  # whose claim pacing hears if the answer waited
         self._claim_settled: float | None = None  # when the claim written meanwhile was durable
+        self._claim_began = 0.0  # when it was submitted (the call forwarded meanwhile)
+        self._hold_told = False  # the writer's pacing heard how long the answer waited for it
         self._raw_too = False  # an answer an exception carried: its body kept as text besides
         self._answer: HeldAnswer | None = None  # the client's side, when it waits for the claim
         # Who answered (NeMo Gym 0.7's execution facts, spec 5): said by the proxy, which knows,
@@ -278,13 +280,23 @@ class Exchange:
         if writer.claims_in_background:
             self._gated = True
             self._writer = writer
+            self._claim_began = time.perf_counter()
             self._claiming = asyncio.ensure_future(writer.claim(self.rollout_id, self.model_call_id))
             self._claiming.add_done_callback(self._settled)
         else:
             self._claim = await writer.claim(self.rollout_id, self.model_call_id)
 
     def _settled(self, _: asyncio.Future[ClaimContext | None]) -> None:
-        self._claim_settled = time.perf_counter()
+        self._claim_settled = settled = time.perf_counter()
+        ready = self._answer_ready
+        if ready is not None and not self._hold_told:  # the answer waited for it: told now
+            self._tell_hold(settled - ready)
+
+    def _tell_hold(self, hold_s: float) -> None:
+        """The claims pacing hears how long the answer waited, beside the upstream's time to it."""
+        self._hold_told = True
+        if self._writer is not None and self._answer_ready is not None:
+            self._writer.answer_held(hold_s, self._answer_ready - self._claim_began)
 
     @property
     def claim_pending(self) -> bool:
@@ -295,8 +307,8 @@ class Exchange:
         """The answer's first message is ready for the client (what waits from here is the hold)."""
         if self._answer_ready is None:
             self._answer_ready = time.perf_counter()
-            if self._writer is not None:
-                self._writer.answer_waited(self.claim_pending)
+            if not self.claim_pending:  # else told once it settles
+                self._tell_hold(0.0)
 
     def paused(self, seconds: float) -> None:
         """The upstream went unread this long (what came past the body cap waited for the claim, or

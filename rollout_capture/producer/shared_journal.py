@@ -39,8 +39,9 @@ T = TypeVar("T")
 
 _LOOKS_KEPT = 4096  # looks a host keeps for the rows still to come (a call that failed never sends one)
 
-Tuning = tuple[int, float, int]
-"""A stream's pacing as a worker's producer sets it: commits in flight, look delay, looks at once."""
+Tuning = tuple[int, float, int, float]
+"""A stream's pacing as a worker's producer sets it: commits in flight, look delay, looks at once,
+and how long rows must wait for their looks before a second goes at once."""
 
 
 class SharedJournalError(ConnectionError):
@@ -49,11 +50,11 @@ class SharedJournalError(ConnectionError):
 
 
 def _tuning(writer: JournalCommitter) -> Tuning:
-    return writer.in_flight, writer.look_delay_s, writer.look_in_flight
+    return writer.in_flight, writer.look_delay_s, writer.look_in_flight, writer.rows_wait_share
 
 
 def _retune(writer: JournalCommitter, tuning: Tuning) -> None:
-    writer.in_flight, writer.look_delay_s, writer.look_in_flight = tuning
+    writer.in_flight, writer.look_delay_s, writer.look_in_flight, writer.rows_wait_share = tuning
 
 
 class _Outbox(Generic[T]):
@@ -318,6 +319,14 @@ class _Committer:
     def look_in_flight(self, value: int) -> None:
         self._set("look_in_flight", value)
 
+    @property
+    def rows_wait_share(self) -> float:
+        return self._own.rows_wait_share
+
+    @rows_wait_share.setter
+    def rows_wait_share(self, value: float) -> None:
+        self._set("rows_wait_share", value)
+
     def submit(
         self, entries: Sequence[Entry], *, look: concurrent.futures.Future[int] | None = None
     ) -> concurrent.futures.Future[int]:
@@ -401,13 +410,18 @@ class JournalHost:
 
     def _pace(self) -> None:
         """Each writer as the busiest worker asks: the most commits and looks in flight, the
-        shortest look delay (under the lock)."""
+        shortest look delay and row wait for a second look (under the lock)."""
         for stream in STREAMS:
             asked = [t[stream] for t in self._tunings.values() if stream in t]
             if asked:
                 _retune(
                     self._writers[stream],
-                    (max(t[0] for t in asked), min(t[1] for t in asked), max(t[2] for t in asked)),
+                    (
+                        max(t[0] for t in asked),
+                        min(t[1] for t in asked),
+                        max(t[2] for t in asked),
+                        min(t[3] for t in asked),
+                    ),
                 )
 
 

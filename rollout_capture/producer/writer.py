@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from rollout_capture.backends import capabilities_of
 from rollout_capture.journal import in_flight_setting
-from rollout_capture.journal.writer import LOOK_DELAY_S
+from rollout_capture.journal.writer import LOOK_DELAY_S, ROWS_WAIT_SHARE
 from rollout_capture.layouts import ClaimsMode, producer_layout
 from rollout_capture.producer.settings import ProducerSettings
 from rollout_capture.store import CaptureStore, ClaimContext, finish_shielded
@@ -41,7 +41,15 @@ HELD_SHARE = 0.05
 """Claims pacing (journal layout): while more than this share of recent answers waited for their
 claim, claims keep every commit in flight they may (one put each, at once); below it a claim waits
 for the commit on the wire and rides in the next (fewer puts): the upstream hides it."""
-_HELD_WEIGHT = 1 / 32  # how much one call moves the recent share
+_HELD_WEIGHT = 1 / 32  # how much one call moves the recent share and waits
+SLOW_STORE = 2.0
+"""Claims pacing: while answers wait for their claims, on average, more than this many times the
+upstream's own time to the answer (a store much slower than the upstream), every claims commit in
+flight allowed goes at once and looks go two at a time: the answer's latency is the store's. Below
+it :data:`CLAIMS_WAITED` commits and a second look only while rows wait for theirs cost fewer puts
+and listings, their wait mostly behind the upstream's (issue 48: 0.41-0.50 store requests a call
+against 0.53-0.65 on an agent's calls at 20 ms a request; behind 120 ms, the claim's hold doubled)."""
+CLAIMS_WAITED = 2
 LOOKS_WAITED = 2
 """Looks in flight while answers wait for the store: one more beside the one on the wire, so a
 call starting meanwhile rarely waits for two; more cost listings that queue the store's
@@ -203,9 +211,12 @@ class CaptureWriter:
         if self._journal and in_flight_setting() is None and not store.writes_in_place:
             self._claims_top = store.journal_writer_of("claims").in_flight
             self._rows_top = store.journal_writer_of("rows").in_flight
-            rows = store.journal_writer_of("rows")  # as answers wait, until they show otherwise:
-            rows.look_delay_s, rows.look_in_flight = 0.0, LOOKS_WAITED  # looks at once
         self._held_share = 1.0  # until answers show otherwise, claims go at once
+        self._hold_s: float | None = None  # an answer's recent wait for its claim, on average
+        self._upstream_s: float | None = None  # and the upstream's time to it
+        self._pace = 0
+        if self._claims_top is not None:
+            self._paced(self._claims_top)
         self._threads = _Threads(io_threads, "rollout-capture")
         self._wakes: _Wakes | None = None  # the serving loop's (journal acknowledgements)
         self._pending = 0
@@ -337,26 +348,47 @@ class CaptureWriter:
         while its claim is written, and only the answer's first byte waits for it (spec 11)."""
         return not self._local
 
-    def answer_waited(self, waited: bool) -> None:
-        """An answer's first message was ready: whether it had to wait for its claim. Claims and
-        rows are grouped again (one commit in flight each) while almost none wait, and go at once
-        (every commit in flight allowed) while more than :data:`HELD_SHARE` do: a slow store, a
-        quick upstream."""
+    def answer_held(self, hold_s: float, upstream_s: float) -> None:
+        """An answer's first message was ready ``upstream_s`` after its call was forwarded and went
+        to the client ``hold_s`` later, once its claim was durable (0: it was already). Claims and
+        rows are grouped (one commit in flight each) while almost no answer waits
+        (:data:`HELD_SHARE`); while answers wait, but for less than :data:`SLOW_STORE` times the
+        upstream's own time, claims keep :data:`CLAIMS_WAITED` commits in flight and a second look
+        goes only while rows wait for theirs (fewer puts and listings, the wait mostly behind the
+        upstream); while they wait longer, every commit and look in flight allowed goes at once."""
         top = self._claims_top
         if top is None:
             return
-        self._held_share += ((1.0 if waited else 0.0) - self._held_share) * _HELD_WEIGHT
-        bound = top if self._held_share > HELD_SHARE else 1
-        writer = self.store.journal_writer_of("claims")
-        if writer.in_flight != bound:
-            writer.in_flight = bound
-            # Answers that wait for the store (an upstream quicker than it) would wait for a
-            # row's look too: looks then go at once, unshared by calls starting just after.
-            rows = self.store.journal_writer_of("rows")
-            rows.look_delay_s, rows.look_in_flight = (LOOK_DELAY_S, 1) if bound == 1 else (0.0, LOOKS_WAITED)
-            # Rows alike: one commit in flight while the store is quick beside the upstream (a
-            # row then rarely finds one on the wire, and the rest ride together: fewer puts).
-            rows.in_flight = 1 if bound == 1 else self._rows_top
+        weight = _HELD_WEIGHT
+        self._held_share += ((1.0 if hold_s > 0 else 0.0) - self._held_share) * weight
+        if self._hold_s is None or self._upstream_s is None:
+            self._hold_s, self._upstream_s = hold_s, upstream_s
+        else:
+            self._hold_s += (hold_s - self._hold_s) * weight
+            self._upstream_s += (upstream_s - self._upstream_s) * weight
+        if self._held_share <= HELD_SHARE:
+            pace = 1
+        elif self._hold_s > SLOW_STORE * self._upstream_s:
+            pace = top
+        else:
+            pace = min(CLAIMS_WAITED, top)
+        if pace != self._pace:
+            self._paced(pace)
+
+    def _paced(self, pace: int) -> None:
+        """Claims commits in flight at ``pace``, the rows' commits and looks with them."""
+        self._pace = pace
+        top = self._claims_top
+        self.store.journal_writer_of("claims").in_flight = pace
+        rows = self.store.journal_writer_of("rows")
+        # Rows alike: one commit in flight while the store is quick beside the upstream (a row then
+        # rarely finds one on the wire, and the rest ride together: fewer puts).
+        rows.in_flight = 1 if pace == 1 else self._rows_top
+        # Answers that wait for the store would wait for a row's look too: looks then go at once,
+        # unshared by calls starting just after; a second beside one on the wire always behind a
+        # slow store, else only while rows wait for theirs.
+        rows.look_delay_s, rows.look_in_flight = (LOOK_DELAY_S, 1) if pace == 1 else (0.0, LOOKS_WAITED)
+        rows.rows_wait_share = -1.0 if pace == top else ROWS_WAIT_SHARE
 
     async def _committed(self, future: concurrent.futures.Future[int]) -> None:
         """Wait for a journal submission (a write in flight like any other)."""

@@ -618,6 +618,10 @@ def simulate(scenario: Scenario) -> Outcome:
         )
         process.writer.look_delay_s = rng.choice((0.0, writer_module.LOOK_DELAY_S))  # paced by answers
         process.writer.look_in_flight = rng.choice((1, 1, 2, 3))
+        # Below 0: more than one look at once whatever rows wait (after a writer's first look), as
+        # producers set it behind a slow store; drawn apart, leaving the schedules' draws as they were.
+        pacing = random.Random(f"{scenario.seed}:{process.name}")
+        process.writer.rows_wait_share = pacing.choice((writer_module.ROWS_WAIT_SHARE, -1.0))
         processes.append(process)
         return process
 
@@ -807,8 +811,10 @@ def check(outcome: Outcome) -> list[str]:
             problems.append(
                 f"after the last compaction the journal holds {outcome.left}, not its generation alone"
             )
-        if not outcome.compactions[-1].startswith("last: ") or "compacted" not in outcome.compactions[-1]:
-            problems.append(f"the last compaction did not finish: {outcome.compactions[-1]}")
+        last = outcome.compactions[-1]
+        empty = last == "last: no journal" and not any(True for _ in outcome.store.commits())
+        if not empty and (not last.startswith("last: ") or "compacted" not in last):
+            problems.append(f"the last compaction did not finish: {last}")  # (every write lost: none)
     landed = _landed(outcome.store)
     clears = [c for c in outcome.calls if c.op == "clear"]
     for rollout_id, keys in outcome.final.items():
