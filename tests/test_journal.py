@@ -818,15 +818,17 @@ def test_a_hole_in_a_jobs_listing_is_filled_once_old_and_read_past(
     assert decode_commit(1, backend.read_many([backend.path(commit_name(1))])[0] or b"").headers == []
 
 
-def test_a_second_look_goes_beside_one_on_the_wire_only_while_rows_wait_for_their_looks(
+def test_a_second_look_goes_beside_one_on_the_wire_only_while_rows_wait_or_looks_are_not_shared(
     flaky_s3: tuple[S3, Any],
 ) -> None:
     """Two looks at once are allowed (undelayed, as producers set them while answers wait): while
     rows have waited for their looks, a look asked while another's listing is held on the wire goes
-    beside it and is answered first; a writer whose rows never waited (a fresh one) keeps one
-    listing at a time, the second sent once the first is answered (issue 48: a second look mostly
-    doubled the listings on an agent's calls); producers behind a slow store set
-    ``rows_wait_share`` below 0: two at once whatever rows waited."""
+    beside it and is answered first; a writer whose rows never waited and whose looks each served
+    several calls keeps one listing at a time, the second sent once the first is answered (issue
+    48: a second look mostly doubled the listings on an agent's calls at 32 clients); one whose
+    looks served a call each (a few clients) sends it beside (it costs no listing a call would
+    have shared); producers behind a slow store set ``rows_wait_share`` below 0: two at once
+    whatever rows waited."""
     via, wire = flaky_s3
     listing = b"list-type="
 
@@ -859,6 +861,15 @@ def test_a_second_look_goes_beside_one_on_the_wire_only_while_rows_wait_for_thei
 
     fresh = writer_of("looks-fresh")
     fresh.look().result(30)  # its tail found: a look is one listing from here
+    assert fresh.look_calls == 1
+    first = held_look(fresh)  # a look served one call: the next goes beside it
+    second = fresh.look()
+    wait_for(second.done, 10, "the second look, beside the held one")
+    assert not first.done()
+    wire.release_held()
+    first.result(30)
+
+    fresh.look_calls = 8.0  # looks served 8 calls each, lately (as at 32 clients)
     first = held_look(fresh)
     second = fresh.look()
     lists_when_answered: list[int] = []

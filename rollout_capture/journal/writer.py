@@ -87,7 +87,12 @@ look is out then waits for two, which a second look spares it (a slow store, few
 37). Otherwise rows wait for their claims' commits about as long, and a second look would mostly
 double the listings (0.17-0.20 a call against 0.12-0.13 on an agent's calls at 32 clients on
 a 20 ms store, issue 48)."""
-_WEIGHT = 1 / 16  # how much one row's wait, or one look's time, moves their recent averages
+LOOK_SHARED_BY = 2.0
+"""...or while recent looks served fewer calls each than this, on average: few calls start while
+a look is out (a few clients), so a second look beside it costs hardly a listing the calls would
+have shared, and spares a call the wait for two (issue 48: 8-12 ms of the last byte at 4 clients
+on a 20 ms store)."""
+_WEIGHT = 1 / 16  # how much one row's wait, one look's time or calls move their recent averages
 _LOOK_WINDOW = 2 * commits.LOOK_AHEAD  # numbers one look's listing covers
 
 
@@ -170,6 +175,7 @@ class JournalWriter:
         self.look_s = 0.0  # a look's recent time, on average
         self.rows_wait_share = ROWS_WAIT_SHARE  # producers set -1 behind a slow store (looks at once)
         self.row_wait_s = 0.0  # a row's recent wait for its look (none: 0), on average
+        self.look_calls: float | None = None  # the calls a recent look served, on average
         self.peak_in_flight = 0  # the most commits this writer had in flight at once
 
     def _reset(self) -> None:
@@ -258,9 +264,12 @@ class JournalWriter:
 
     def _looks_allowed(self) -> int:
         """Looks at once now: :attr:`look_in_flight` while rows wait long for theirs
-        (:attr:`rows_wait_share` of a look, :data:`ROWS_WAIT_SHARE`; below 0: always), else one."""
-        waited = self.rows_wait_share < 0 or self.row_wait_s > self.rows_wait_share * self.look_s
-        return self.look_in_flight if waited else 1
+        (:attr:`rows_wait_share` of a look, :data:`ROWS_WAIT_SHARE`; below 0: always) or while
+        looks serve fewer than :data:`LOOK_SHARED_BY` calls each, else one."""
+        more = self.rows_wait_share < 0 or self.row_wait_s > self.rows_wait_share * self.look_s
+        if not more and self.look_calls is not None and self.look_calls < LOOK_SHARED_BY:
+            more = True  # looks are hardly shared: one more costs no listing a call would share
+        return self.look_in_flight if more else 1
 
     def _looked(self, since: float, _: concurrent.futures.Future[int]) -> None:
         with self._cond:
@@ -286,6 +295,8 @@ class JournalWriter:
                 finally:
                     self._looks_idle -= 1
                 taken, self._looks, self._look_hurry = self._looks, [], False
+                shared = self.look_calls
+                self.look_calls = len(taken) if shared is None else shared + (len(taken) - shared) * _WEIGHT
                 self._looks_active += 1
             started = self._clock.monotonic()
             try:
