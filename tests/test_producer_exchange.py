@@ -225,3 +225,54 @@ async def test_a_send_that_failed_while_waiting_is_raised_at_the_next_and_a_canc
     await held.answer_settled()
     await turns()
     assert slow.taken == [b"start"]  # the call was cancelled: what waited is dropped
+
+
+class _PacedWriter:
+    """What an exchange tells a producer's claims pacing (a CaptureWriter's ``answer_held``), with
+    a claim that lands when the test says."""
+
+    claims_in_background = True
+
+    def __init__(self) -> None:
+        self.told: list[tuple[float, float]] = []
+        self.landed: asyncio.Future[None] | None = None
+
+    async def claim(self, rollout_id: str, model_call_id: str) -> None:
+        self.landed = asyncio.get_running_loop().create_future()
+        await self.landed
+
+    def answer_held(self, hold_s: float, upstream_s: float) -> None:
+        self.told.append((hold_s, upstream_s))
+
+
+@pytest.mark.parametrize("claim_first", [True, False])
+def test_the_pacing_hears_once_how_long_the_answer_waited_for_its_claim(claim_first: bool) -> None:
+    """Issue 48: the claims pacing weighs each answer's wait for its claim against the upstream's
+    time to it. Told once an answer: at once when the claim landed before the answer was ready
+    (a wait of 0), else once the claim lands (the wait it caused), never twice."""
+
+    async def run() -> list[tuple[float, float]]:
+        call, writer = exchange(), _PacedWriter()
+        await call.claim(writer)  # type: ignore[arg-type]
+        await asyncio.sleep(0)
+        assert writer.landed is not None
+        if claim_first:
+            writer.landed.set_result(None)
+            await asyncio.sleep(0.01)
+            call.answer_ready()
+        else:
+            await asyncio.sleep(0.01)
+            call.answer_ready()
+            assert writer.told == []  # not yet: the answer waits
+            await asyncio.sleep(0.02)
+            writer.landed.set_result(None)
+        await call.claim_settled()
+        await asyncio.sleep(0)
+        call.answer_ready()  # a later message: nothing more to tell
+        return writer.told
+
+    told = asyncio.run(run())
+    assert len(told) == 1
+    hold_s, upstream_s = told[0]
+    assert upstream_s > 0
+    assert hold_s == 0.0 if claim_first else hold_s > 0
