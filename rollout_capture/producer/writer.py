@@ -39,16 +39,18 @@ T = TypeVar("T")
 
 HELD_SHARE = 0.05
 """Claims pacing (journal layout): while more than this share of recent answers waited for their
-claim, claims keep every commit in flight they may (one put each, at once); below it a claim waits
-for the commit on the wire and rides in the next (fewer puts): the upstream hides it."""
+claim, claims keep several commits in flight (a claim goes at once beside one on the wire: see
+:data:`SLOW_STORE`); below it a claim waits for the commit on the wire and rides in the next (fewer
+puts): the upstream hides it."""
 _HELD_WEIGHT = 1 / 32  # how much one call moves the recent share and waits
 SLOW_STORE = 2.0
 """Claims pacing: while answers wait for their claims, on average, more than this many times the
 upstream's own time to the answer (a store much slower than the upstream), every claims commit in
 flight allowed goes at once and looks go two at a time: the answer's latency is the store's. Below
-it :data:`CLAIMS_WAITED` commits and a second look only while rows wait for theirs cost fewer puts
-and listings, their wait mostly behind the upstream's (issue 48: 0.41-0.50 store requests a call
-against 0.53-0.65 on an agent's calls at 20 ms a request; behind 120 ms, the claim's hold doubled)."""
+it :data:`CLAIMS_WAITED` commits and a second look only while rows wait for theirs (or looks go
+unshared) cost fewer puts and listings, their wait mostly behind the upstream's (issue 48: 0.38-0.46
+store requests a call against 0.55-0.65 on an agent's calls at 20 ms a request, a lower p99; behind
+a 120 ms store that pace doubled the claim's hold, so there it is not taken)."""
 CLAIMS_WAITED = 2
 LOOKS_WAITED = 2
 """Looks in flight while answers wait for the store: one more beside the one on the wire, so a
@@ -354,18 +356,18 @@ class CaptureWriter:
         rows are grouped (one commit in flight each) while almost no answer waits
         (:data:`HELD_SHARE`); while answers wait, but for less than :data:`SLOW_STORE` times the
         upstream's own time, claims keep :data:`CLAIMS_WAITED` commits in flight and a second look
-        goes only while rows wait for theirs (fewer puts and listings, the wait mostly behind the
-        upstream); while they wait longer, every commit and look in flight allowed goes at once."""
+        goes only while rows wait for theirs or looks go unshared (fewer puts and listings, the wait
+        mostly behind the upstream); while they wait longer, every commit and look in flight allowed
+        goes at once."""
         top = self._claims_top
         if top is None:
             return
-        weight = _HELD_WEIGHT
-        self._held_share += ((1.0 if hold_s > 0 else 0.0) - self._held_share) * weight
+        self._held_share += ((1.0 if hold_s > 0 else 0.0) - self._held_share) * _HELD_WEIGHT
         if self._hold_s is None or self._upstream_s is None:
             self._hold_s, self._upstream_s = hold_s, upstream_s
         else:
-            self._hold_s += (hold_s - self._hold_s) * weight
-            self._upstream_s += (upstream_s - self._upstream_s) * weight
+            self._hold_s += (hold_s - self._hold_s) * _HELD_WEIGHT
+            self._upstream_s += (upstream_s - self._upstream_s) * _HELD_WEIGHT
         if self._held_share <= HELD_SHARE:
             pace = 1
         elif self._hold_s > SLOW_STORE * self._upstream_s:
@@ -386,7 +388,7 @@ class CaptureWriter:
         rows.in_flight = 1 if pace == 1 else self._rows_top
         # Answers that wait for the store would wait for a row's look too: looks then go at once,
         # unshared by calls starting just after; a second beside one on the wire always behind a
-        # slow store, else only while rows wait for theirs.
+        # slow store, else only while rows wait for theirs or looks go unshared (journal.writer).
         rows.look_delay_s, rows.look_in_flight = (LOOK_DELAY_S, 1) if pace == 1 else (0.0, LOOKS_WAITED)
         rows.rows_wait_share = -1.0 if pace == top else ROWS_WAIT_SHARE
 
