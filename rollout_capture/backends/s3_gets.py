@@ -79,9 +79,9 @@ class ObstoreGets:
                 except (FileNotFoundError, NotFoundError):
                     raise
                 except Exception:  # an empty object has no range (416), or the store refused it
-                    data = await self._plain(store, key)
-                    self._range_refused(data)
-                    return data
+                    whole = await self._plain(store, key)
+                    self._range_refused(whole)
+                    return whole
             return await self._plain(store, key)
         except (FileNotFoundError, NotFoundError):  # obstore raises the built-in one for a GET
             return None
