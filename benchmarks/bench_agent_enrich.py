@@ -162,8 +162,10 @@ def enrich(
 def presigned(endpoint: str, keys: list[str]) -> list[str]:
     """A GET URL for each key, signed beforehand (the floor pays no signing)."""
     import boto3
+    from botocore.config import Config
 
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **_boto_keys())
+    signed = Config(signature_version="s3v4")  # rclone serve s3 refuses SigV2's query form
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", config=signed, **_boto_keys())
     return [
         client.generate_presigned_url(
             "get_object", Params={"Bucket": BUCKET, "Key": key.split("/", 1)[1]}, ExpiresIn=7200
