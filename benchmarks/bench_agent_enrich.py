@@ -20,6 +20,10 @@ counting proxy at 32 in flight, in this process. ``--clients`` also reads every 
 client measured for issue 48 (s3fs as this tree's backend reads, obstore, aiohttp signing with
 botocore's SigV4, the plain GETs): time and CPU a request in this process.
 
+Then the same objects served by ``rclone serve s3`` (a Go server that keeps its connections open,
+as S3 does; moto closes each) behind the same counting proxy and latency: enriched there, and the
+floor's plain GETs there (its CPU against the round's mirror).
+
 Last, the S3 run compacted (``rollout-capture compact``, as a run long over) and enriched on S3
 again: the objects a run before and after, the compaction's requests, and that enrichment's time
 against the round's local disk (issue 48: within 1.5x); then the same compacted objects served by
@@ -158,8 +162,10 @@ def enrich(
 def presigned(endpoint: str, keys: list[str]) -> list[str]:
     """A GET URL for each key, signed beforehand (the floor pays no signing)."""
     import boto3
+    from botocore.config import Config
 
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **_boto_keys())
+    signed = Config(signature_version="s3v4")  # rclone serve s3 refuses SigV2's query form
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", config=signed, **_boto_keys())
     return [
         client.generate_presigned_url(
             "get_object", Params={"Bucket": BUCKET, "Key": key.split("/", 1)[1]}, ExpiresIn=7200
@@ -403,6 +409,15 @@ def main() -> None:
                 this["floor"] = floor
                 rounds.append(this)
             report["rounds"] = rounds
+            last = rounds[-1]
+            served = served_by_rclone(
+                s3_fs(moto.endpoint), rollouts, work, enrich_env, args.store_latency_ms, floor=True
+            )
+            report["rclone"] = served | {
+                "over_floor": ratio(served["seconds"], served["floor"]["seconds"]),
+                "cpu_over_mirror": ratio(served["cpu_s"], last["mirror"]["cpu_s"]),
+                "same_output_as_mirror": served["sha256"] == last["mirror"]["sha256"],
+            }
             report["compaction"] = compaction(counter, moto.endpoint, rollouts, work, enrich_env, rounds[-1])
         if args.clients:
             report["clients"] = clients(counter, keys, stored)
@@ -423,6 +438,13 @@ def main() -> None:
     print(table(report), file=sys.stderr)
 
 
+def s3_fs(endpoint: str) -> Any:
+    """s3fs on ``endpoint`` directly (moto's own), uncached."""
+    import fsspec
+
+    return fsspec.filesystem("s3", client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+
+
 def compaction(
     counter: CountingProxy,
     endpoint: str,
@@ -434,9 +456,7 @@ def compaction(
     """``rollout-capture compact`` of the S3 run (as a run long over: ``--quiet 0``), through the
     counting proxy; the objects a run before and after; then ``enrich`` on S3 again, its output the
     same bytes as before, its time against the same round's local disk and mirror."""
-    import fsspec
-
-    fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+    fs = s3_fs(endpoint)
     before = len(fs.find(f"{BUCKET}/{PREFIX}"))
     counter.reset()
     started = time.perf_counter()
@@ -478,11 +498,13 @@ def compaction(
 
 
 def served_by_rclone(
-    fs: Any, rollouts: Path, work: Path, env: dict[str, str], latency_ms: float
+    fs: Any, rollouts: Path, work: Path, env: dict[str, str], latency_ms: float, *, floor: bool = False
 ) -> dict[str, Any]:
-    """The compacted objects served by ``rclone serve s3`` (a Go server reading a local folder)
-    behind the same counting proxy and latency, and enriched there: moto copies a part's whole
-    value for each ranged GET, so there its bandwidth, not our client, sets the time."""
+    """The run's objects served by ``rclone serve s3`` (a Go server reading a local folder, keeping
+    its connections open as S3 does, where moto closes each) behind the same counting proxy and
+    latency, and enriched there: after compaction, moto copies a part's whole value for each ranged
+    GET, so there its bandwidth, not our client, sets the time; before it, each of moto's GETs is a
+    new connection. ``floor``: the plain GETs of the same objects through the same proxy too."""
     from tests.support.stores import start_rclone
 
     folder = work / "rclone"
@@ -491,16 +513,21 @@ def served_by_rclone(
     server, endpoint = start_rclone(str(folder))
     proxy = None
     try:
-        for key in fs.find(f"{BUCKET}/{PREFIX}"):
+        keys = fs.find(f"{BUCKET}/{PREFIX}")
+        stored = 0
+        for key in keys:
             target = folder / "data" / key
             target.parent.mkdir(parents=True, exist_ok=True)
             fs.get_file(key, str(target))
+            stored += target.stat().st_size
         proxy = CountingProxy(int(endpoint.rsplit(":", 1)[1]), latency_ms)
         out = enrich(
             ROOT, rollouts, f"s3://{BUCKET}/{PREFIX}", work / "out-rclone.jsonl",
             {**env, "AWS_ENDPOINT_URL": proxy.endpoint},
         )  # fmt: skip
         out["requests"] = proxy.reset()
+        if floor:
+            out["floor"] = measured_read(proxy, floor_reader(proxy, keys), stored, len(keys))
         return out
     finally:
         if proxy is not None:
@@ -542,6 +569,18 @@ def summary(report: dict[str, Any], names: list[str], stored: int) -> dict[str, 
                 per.setdefault(key, []).append(value)
         out[name or "this"] = per
     out["objects"] = objects
+    if "rclone" in report:
+        served = report["rclone"]
+        out["rclone"] = {
+            "s": served["seconds"],
+            "cpu_s": served["cpu_s"],
+            "requests": served["requests"],
+            "floor_s": served["floor"]["seconds"],
+            "floor_cpu_s": served["floor"]["cpu_s"],
+            "over_floor": served["over_floor"],
+            "cpu_over_mirror": served["cpu_over_mirror"],
+            "same_output_as_mirror": served["same_output_as_mirror"],
+        }
     if "compaction" in report:
         done = report["compaction"]
         out["compaction"] = {k: v for k, v in done.items() if k not in ("enrich_s3", "enrich_rclone")} | {
@@ -555,9 +594,9 @@ def summary(report: dict[str, Any], names: list[str], stored: int) -> dict[str, 
 def table(report: dict[str, Any]) -> str:
     lines = [f"load {report['load']}; {report['objects']} objects, {report['stored_mb']} MB"]
     for name, figures in report["summary"].items():
-        if name in ("objects", "compaction"):
-            if name == "compaction":
-                lines.append("[compaction]")
+        if name in ("objects", "compaction", "rclone"):
+            if name != "objects":
+                lines.append(f"[{name}]")
                 lines += [f"  {key}: {value}" for key, value in figures.items()]
             continue
         lines.append(f"[{name}]")

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from rollout_capture import CaptureStore
-from rollout_capture.backends import ListingScope
+from rollout_capture.backends import ListingScope, open_backend
 from rollout_capture.batch import enrich_lines
 from rollout_capture.journal import bodies
 
@@ -185,3 +185,31 @@ def test_a_refresh_after_a_wait_reads_no_number_past_the_end(flaky_s3: tuple[S3,
     assert proxy.reset_counts() == {"GET": 2, "HEAD": 2, "LIST": 1}
     assert proxy.reset_answers()["statuses"] == {200: 3, 404: 2}  # the HEADs, the LIST; the GETs past the end
     assert fetched.snapshot("21-0").rows
+
+
+def test_a_store_that_answers_ranges_whole_is_read_by_one_plain_get_an_object(
+    request: pytest.FixtureRequest,
+) -> None:
+    """``rclone serve s3`` answers a ranged GET with 200 (the range's bytes): obstore refuses it,
+    and a whole object asked as a range then costs two GETs. After three such objects the reader
+    asks whole objects by plain GETs: one a object, the bytes the same (issue 48)."""
+    from .conftest import open_store
+    from .support.fault_proxy import FaultProxy
+
+    rclone = open_store(request, "rclone")
+    bodies = {f"{rclone.bucket}/objs/{n:03d}": f"object {n} ".encode() * (n + 1) for n in range(10)}
+    rclone.fs().pipe(bodies)
+    host, port = rclone.endpoint.removeprefix("http://").split(":")
+    proxy = FaultProxy(host, int(port))
+    try:
+        backend = open_backend(
+            f"s3://{rclone.bucket}/objs",
+            {"client_kwargs": {"endpoint_url": proxy.endpoint}},
+            concurrency=1,  # one at a time: the switch comes after exactly three
+        )
+        assert backend.read_many(list(bodies)) == list(bodies.values())
+        assert proxy.reset_counts() == {"GET": 3 * 2 + 7}
+        assert backend.read_many(list(bodies)) == list(bodies.values())
+        assert proxy.reset_counts() == {"GET": 10}
+    finally:
+        proxy.close()

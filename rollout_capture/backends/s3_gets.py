@@ -53,6 +53,8 @@ class ObstoreGets:
         self._stores: dict[str, Any] = {}
         self._credential: dict[str, Any] | None = None
         self._failed = 0
+        self._whole_by_range = True  # a whole object asked as a range: one wait for its body
+        self._refused_ranges = 0
         self._lock = threading.Lock()
         self.active = _obstore_installed()
         _LIVE.add(self)
@@ -71,13 +73,16 @@ class ObstoreGets:
         bucket, key, _ = self._fs.split_path(path)
         try:
             store = await self._store(bucket)
-            try:  # the range answer is the body itself: one wait instead of two
-                return bytes(await obstore.get_range_async(store, key, start=0, length=_WHOLE))
-            except (FileNotFoundError, NotFoundError):
-                raise
-            except Exception:  # an empty object has no range (416): a plain GET
-                got = await obstore.get_async(store, key)
-                return bytes(await got.bytes_async())
+            if self._whole_by_range:
+                try:  # the range answer is the body itself: one wait instead of two
+                    return bytes(await obstore.get_range_async(store, key, start=0, length=_WHOLE))
+                except (FileNotFoundError, NotFoundError):
+                    raise
+                except Exception:  # an empty object has no range (416), or the store refused it
+                    whole = await self._plain(store, key)
+                    self._range_refused(whole)
+                    return whole
+            return await self._plain(store, key)
         except (FileNotFoundError, NotFoundError):  # obstore raises the built-in one for a GET
             return None
         except Exception as exc:
@@ -85,6 +90,24 @@ class ObstoreGets:
         data = await self._fallback(path)  # s3fs's own answer, or its own error
         self._note(failure)
         return data
+
+    @staticmethod
+    async def _plain(store: Any, key: str) -> bytes:
+        import obstore
+
+        got = await obstore.get_async(store, key)
+        return bytes(await got.bytes_async())
+
+    def _range_refused(self, data: bytes) -> None:
+        """A whole object's range read failed where a plain GET of it gave bytes: a store that does
+        not answer ranges as asked (``rclone serve s3`` answers 200 with the range's bytes). After
+        :data:`SWITCH_AFTER` such, whole objects are read by plain GETs (one request each, not two)."""
+        if data:
+            with self._lock:
+                self._refused_ranges += 1
+                if self._refused_ranges >= SWITCH_AFTER and self._whole_by_range:
+                    self._whole_by_range = False
+                    logger.info("the store refuses ranged GETs of whole objects: reading them by plain GETs")
 
     async def get_range(
         self, path: str, start: int, end: int, fallback: Callable[[], Awaitable[bytes | None]]
