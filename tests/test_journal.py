@@ -844,6 +844,14 @@ def test_a_second_look_goes_beside_one_on_the_wire_only_while_rows_wait_or_looks
         wait_for(lambda: wire.held == held + 1, 10, "a look's listing held on the wire")
         return first
 
+    def second_goes_beside(writer: Any) -> None:
+        first = held_look(writer)
+        second = writer.look()
+        wait_for(second.done, 10, "the second look, beside the held one")
+        assert not first.done()
+        wire.release_held()
+        first.result(30)
+
     waited = writer_of("looks-waited")
     for n in range(4):  # rows submitted as their looks start, the listings held: they wait for them
         wire.hold_on(listing)
@@ -852,22 +860,12 @@ def test_a_second_look_goes_beside_one_on_the_wire_only_while_rows_wait_or_looks
         wait_for(lambda n=n: wire.held == n + 1, 10, "a look's listing held on the wire")
         wire.release_held()
         row.result(30)
-    first = held_look(waited)
-    second = waited.look()
-    wait_for(second.done, 10, "the second look, beside the held one")
-    assert not first.done()
-    wire.release_held()
-    first.result(30)
+    second_goes_beside(waited)
 
     fresh = writer_of("looks-fresh")
     fresh.look().result(30)  # its tail found: a look is one listing from here
     assert fresh.look_calls == 1
-    first = held_look(fresh)  # a look served one call: the next goes beside it
-    second = fresh.look()
-    wait_for(second.done, 10, "the second look, beside the held one")
-    assert not first.done()
-    wire.release_held()
-    first.result(30)
+    second_goes_beside(fresh)  # a look served one call: the next goes beside it
 
     fresh.look_calls = 8.0  # looks served 8 calls each, lately (as at 32 clients)
     first = held_look(fresh)
@@ -882,9 +880,4 @@ def test_a_second_look_goes_beside_one_on_the_wire_only_while_rows_wait_or_looks
     assert wire.requests.get("LIST", 0) == lists + 2
 
     fresh.rows_wait_share = -1.0
-    first = held_look(fresh)
-    second = fresh.look()
-    wait_for(second.done, 10, "the second look, beside the held one")
-    assert not first.done()
-    wire.release_held()
-    first.result(30)
+    second_goes_beside(fresh)

@@ -36,6 +36,7 @@ from rollout_capture.store import CaptureStore
 logger = logging.getLogger("rollout_capture.producer")
 
 T = TypeVar("T")
+K = TypeVar("K", int, float)
 
 _LOOKS_KEPT = 4096  # looks a host keeps for the rows still to come (a call that failed never sends one)
 
@@ -279,6 +280,21 @@ def _copy(done: concurrent.futures.Future[int], future: concurrent.futures.Futur
         future.set_result(done.result())
 
 
+class _Knob(Generic[K]):
+    """A pacing knob of a worker's stand-in: read from the worker's own writer, each change told
+    to the parent (:meth:`_Committer._set`)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, committer: _Committer, owner: type | None = None) -> K:
+        value: K = getattr(committer._own, self._name)
+        return value
+
+    def __set__(self, committer: _Committer, value: K) -> None:
+        committer._set(self._name, value)
+
+
 class _Committer:
     """One stream's stand-in in a worker (:class:`~rollout_capture.journal.JournalCommitter`). Its
     pacing is kept on the worker's own writer (idle while the parent commits, it needs that pacing
@@ -290,42 +306,15 @@ class _Committer:
         self._own = own
         self.stream: Stream = own.stream
 
-    def _set(self, name: str, value: float) -> None:
+    def _set(self, name: str, value: object) -> None:
         if getattr(self._own, name) != value:
             setattr(self._own, name, value)
             self._journal.tune(self._own)
 
-    @property
-    def in_flight(self) -> int:
-        return self._own.in_flight
-
-    @in_flight.setter
-    def in_flight(self, value: int) -> None:
-        self._set("in_flight", value)
-
-    @property
-    def look_delay_s(self) -> float:
-        return self._own.look_delay_s
-
-    @look_delay_s.setter
-    def look_delay_s(self, value: float) -> None:
-        self._set("look_delay_s", value)
-
-    @property
-    def look_in_flight(self) -> int:
-        return self._own.look_in_flight
-
-    @look_in_flight.setter
-    def look_in_flight(self, value: int) -> None:
-        self._set("look_in_flight", value)
-
-    @property
-    def rows_wait_share(self) -> float:
-        return self._own.rows_wait_share
-
-    @rows_wait_share.setter
-    def rows_wait_share(self, value: float) -> None:
-        self._set("rows_wait_share", value)
+    in_flight: _Knob[int] = _Knob()
+    look_delay_s: _Knob[float] = _Knob()
+    look_in_flight: _Knob[int] = _Knob()
+    rows_wait_share: _Knob[float] = _Knob()
 
     def submit(
         self, entries: Sequence[Entry], *, look: concurrent.futures.Future[int] | None = None
