@@ -499,7 +499,14 @@ _LISTENING: list[str] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Count listening sockets in a run that leaves the integration tests out."""
+    """Count listening sockets in a run that leaves the integration tests out; Ctrl-C reaches the
+    processes the tests start and stop with SIGINT (serve, workers) however the suite was started:
+    a shell's background job ignores SIGINT, and its children would inherit that (a serve stopped
+    by SIGINT then polled on until the test timed out)."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # children start with SIGINT's default
     if "not integration" not in (config.getoption("markexpr", "") or ""):
         return
     original = socket.socket.listen
