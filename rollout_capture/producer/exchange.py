@@ -99,7 +99,6 @@ class Exchange:
         self._writer: CaptureWriter | None = None  # whose claim pacing hears if the answer waited
         self._claim_settled: float | None = None  # when the claim written meanwhile was durable
         self._claim_began = 0.0  # when it was submitted (the call forwarded meanwhile)
-        self._hold_told = False  # the writer's pacing heard how long the answer waited for it
         self._raw_too = False  # an answer an exception carried: its body kept as text besides
         self._answer: HeldAnswer | None = None  # the client's side, when it waits for the claim
         # Who answered (NeMo Gym 0.7's execution facts, spec 5): said by the proxy, which knows,
@@ -287,16 +286,15 @@ class Exchange:
             self._claim = await writer.claim(self.rollout_id, self.model_call_id)
 
     def _settled(self, _: asyncio.Future[ClaimContext | None]) -> None:
-        self._claim_settled = settled = time.perf_counter()
-        ready = self._answer_ready
-        if ready is not None and not self._hold_told:  # the answer waited for it: told now
-            self._tell_hold(settled - ready)
+        self._claim_settled = time.perf_counter()
+        self._tell_hold()
 
-    def _tell_hold(self, hold_s: float) -> None:
-        """The claims pacing hears how long the answer waited, beside the upstream's time to it."""
-        self._hold_told = True
-        if self._writer is not None and self._answer_ready is not None:
-            self._writer.answer_held(hold_s, self._answer_ready - self._claim_began)
+    def _tell_hold(self) -> None:
+        """Once both are known (asked at each, on the loop: the second tells), the claims pacing
+        hears how long the answer waited for its claim, beside the upstream's time to it."""
+        ready, settled = self._answer_ready, self._claim_settled
+        if self._writer is not None and ready is not None and settled is not None:
+            self._writer.answer_held(max(0.0, settled - ready), ready - self._claim_began)
 
     @property
     def claim_pending(self) -> bool:
@@ -307,8 +305,7 @@ class Exchange:
         """The answer's first message is ready for the client (what waits from here is the hold)."""
         if self._answer_ready is None:
             self._answer_ready = time.perf_counter()
-            if not self.claim_pending:  # else told once it settles
-                self._tell_hold(0.0)
+            self._tell_hold()
 
     def paused(self, seconds: float) -> None:
         """The upstream went unread this long (what came past the body cap waited for the claim, or
