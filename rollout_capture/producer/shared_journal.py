@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from rollout_capture.journal import STREAMS, Entry, JournalCommitter, JournalWriter, Stream
 from rollout_capture.store import CaptureStore
@@ -43,6 +43,10 @@ _LOOKS_KEPT = 4096  # looks a host keeps for the rows still to come (a call that
 Tuning = tuple[int, float, int, float]
 """A stream's pacing as a worker's producer sets it: commits in flight, look delay, looks at once,
 and how long rows must wait for their looks before a second goes at once."""
+
+
+_BUSIEST = (max, min, max, min)
+"""How the host joins its workers' :data:`Tuning`, knob by knob: the busiest worker's."""
 
 
 class SharedJournalError(ConnectionError):
@@ -403,15 +407,8 @@ class JournalHost:
         for stream in STREAMS:
             asked = [t[stream] for t in self._tunings.values() if stream in t]
             if asked:
-                _retune(
-                    self._writers[stream],
-                    (
-                        max(t[0] for t in asked),
-                        min(t[1] for t in asked),
-                        max(t[2] for t in asked),
-                        min(t[3] for t in asked),
-                    ),
-                )
+                busiest = tuple(pick(t[i] for t in asked) for i, pick in enumerate(_BUSIEST))
+                _retune(self._writers[stream], cast(Tuning, busiest))
 
 
 class _HostLink:
