@@ -106,9 +106,7 @@ def write_run(upstream: str, capture_dir: str, rollouts: int, env: dict[str, str
 def mirror(endpoint: str, local: Path) -> tuple[list[str], int]:
     """Every object under the run's prefix copied to ``local`` (straight from moto, uncounted):
     the keys and the bytes stored."""
-    import fsspec
-
-    fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+    fs = s3_fs(endpoint)
     found = fs.find(f"{BUCKET}/{PREFIX}", detail=True)
     keys = sorted(found)
     fs.get(keys, [str(local / key.removeprefix(f"{BUCKET}/{PREFIX}/")) for key in keys])
@@ -247,10 +245,9 @@ def clients(counter: CountingProxy, keys: list[str], stored: int) -> dict[str, A
     n = len(keys)
 
     def s3fs_backend() -> int:
-        import fsspec
-
-        fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
         from fsspec.asyn import sync
+
+        fs = s3_fs(endpoint)
 
         async def all_of() -> int:
             gate = asyncio.Semaphore(CLIENTS)
@@ -411,14 +408,14 @@ def main() -> None:
             report["rounds"] = rounds
             last = rounds[-1]
             served = served_by_rclone(
-                s3_fs(moto.endpoint), rollouts, work, enrich_env, args.store_latency_ms, floor=True
+                mirrored, keys, stored, rollouts, work, enrich_env, args.store_latency_ms, floor=True
             )
             report["rclone"] = served | {
                 "over_floor": ratio(served["seconds"], served["floor"]["seconds"]),
                 "cpu_over_mirror": ratio(served["cpu_s"], last["mirror"]["cpu_s"]),
                 "same_output_as_mirror": served["sha256"] == last["mirror"]["sha256"],
             }
-            report["compaction"] = compaction(counter, moto.endpoint, rollouts, work, enrich_env, rounds[-1])
+            report["compaction"] = compaction(counter, moto.endpoint, rollouts, work, enrich_env, last)
         if args.clients:
             report["clients"] = clients(counter, keys, stored)
     finally:
@@ -478,7 +475,9 @@ def compaction(
     s3 = enrich(ROOT, rollouts, f"s3://{BUCKET}/{PREFIX}", work / "out-compacted.jsonl", env)
     s3["requests"] = counter.reset()
     s3.update(counter.answers())
-    served = served_by_rclone(fs, rollouts, work, env, counter.latency_ms)
+    compacted = work / "compacted"
+    keys, stored = mirror(endpoint, compacted)
+    served = served_by_rclone(compacted, keys, stored, rollouts, work, env, counter.latency_ms)
     return {
         "objects_before": before,
         "objects_after": after,
@@ -498,13 +497,22 @@ def compaction(
 
 
 def served_by_rclone(
-    fs: Any, rollouts: Path, work: Path, env: dict[str, str], latency_ms: float, *, floor: bool = False
+    local: Path,
+    keys: list[str],
+    stored: int,
+    rollouts: Path,
+    work: Path,
+    env: dict[str, str],
+    latency_ms: float,
+    *,
+    floor: bool = False,
 ) -> dict[str, Any]:
-    """The run's objects served by ``rclone serve s3`` (a Go server reading a local folder, keeping
-    its connections open as S3 does, where moto closes each) behind the same counting proxy and
-    latency, and enriched there: after compaction, moto copies a part's whole value for each ranged
-    GET, so there its bandwidth, not our client, sets the time; before it, each of moto's GETs is a
-    new connection. ``floor``: the plain GETs of the same objects through the same proxy too."""
+    """The run's objects (``local``, a :func:`mirror` of them, its ``keys`` and bytes ``stored``)
+    served by ``rclone serve s3`` (a Go server reading a local folder, keeping its connections open
+    as S3 does, where moto closes each) behind the same counting proxy and latency, and enriched
+    there: after compaction, moto copies a part's whole value for each ranged GET, so there its
+    bandwidth, not our client, sets the time; before it, each of moto's GETs is a new connection.
+    ``floor``: the plain GETs of the same objects through the same proxy too."""
     from tests.support.stores import start_rclone
 
     folder = work / "rclone"
@@ -513,13 +521,7 @@ def served_by_rclone(
     server, endpoint = start_rclone(str(folder))
     proxy = None
     try:
-        keys = fs.find(f"{BUCKET}/{PREFIX}")
-        stored = 0
-        for key in keys:
-            target = folder / "data" / key
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fs.get_file(key, str(target))
-            stored += target.stat().st_size
+        shutil.copytree(local, folder / "data" / BUCKET / PREFIX, copy_function=os.link)  # no copy
         proxy = CountingProxy(int(endpoint.rsplit(":", 1)[1]), latency_ms)
         out = enrich(
             ROOT, rollouts, f"s3://{BUCKET}/{PREFIX}", work / "out-rclone.jsonl",
@@ -594,10 +596,7 @@ def summary(report: dict[str, Any], names: list[str], stored: int) -> dict[str, 
 def table(report: dict[str, Any]) -> str:
     lines = [f"load {report['load']}; {report['objects']} objects, {report['stored_mb']} MB"]
     for name, figures in report["summary"].items():
-        if name in ("objects", "compaction", "rclone"):
-            if name != "objects":
-                lines.append(f"[{name}]")
-                lines += [f"  {key}: {value}" for key, value in figures.items()]
+        if name == "objects":
             continue
         lines.append(f"[{name}]")
         lines += [f"  {key}: {value}" for key, value in figures.items()]
