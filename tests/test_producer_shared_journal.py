@@ -134,12 +134,15 @@ def test_a_worker_whose_parent_is_gone_commits_on_its_own(
     look = store.journal_writer_of("rows").look()
     look.result(timeout=30)
     parent.host.close()  # the parent's end goes, as when it is killed
-    after = [submit_row(store, "r-0", f"after-{n}") for n in range(3)]
+    racing = [submit_row(store, "r-0", f"racing-{n}") for n in range(3)]
     landed = []
-    for future in after:  # one sent before the worker saw its parent gone may fail, never hang
+    for future in racing:  # sent before the worker saw its parent gone: they may fail, never hang
         with contextlib.suppress(SharedJournalError):
             landed.append(future.result(timeout=30))
-    assert landed and "this worker commits its journal entries itself" in caplog.text
+    said = "this worker commits its journal entries itself"
+    wait_for(lambda: said in caplog.text, 30, "the worker to see its parent gone")
+    landed.append(submit_row(store, "r-0", "after").result(timeout=30))  # its own writer's now
+    assert landed and said in caplog.text
     later = store.journal_writer_of("rows").submit(
         [row_entry("r-0", {**ROW, "model_call_id": "later"})],
         look=look,  # a look the parent took
