@@ -51,15 +51,15 @@ def test_what_obstore_fails_on_s3fs_reads_and_after_a_few_s3fs_reads_alone(
 ) -> None:
     import obstore
 
-    async def refused(*args: Any, **kwargs: Any) -> Any:
+    def refused(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("PermanentRedirect: the bucket is in another region")
 
     backend = _backend(s3)
     paths = [backend.path(f"y/{n}.json") for n in range(10)]
     for n, path in enumerate(paths):
         backend.put(path, b"row %d" % n)
-    monkeypatch.setattr(obstore, "get_range_async", refused)
-    monkeypatch.setattr(obstore, "get_async", refused)
+    monkeypatch.setattr(obstore, "get_range", refused)
+    monkeypatch.setattr(obstore, "get", refused)
     with caplog.at_level("WARNING"):
         assert backend.read_many(paths) == [b"row %d" % n for n in range(10)]
     assert backend._gets is not None and not backend._gets.active
@@ -98,3 +98,31 @@ def test_obstore_retries_as_often_as_s3fs_was_told(retries: dict[str, Any] | Non
     )
     client = sync(fs.loop, fs.set_session)
     assert s3_gets._retries_of(client) == expected
+
+
+def test_a_pipelined_read_hands_an_error_over_in_its_place_and_asks_nothing_once_closed(
+    flaky_s3: tuple[S3, Any],
+) -> None:
+    """GETs run on threads of their own (obstore's blocking GET): the bodies before a refused
+    object are handed over, then its error; a read closed early has asked at most its window
+    ahead (``READ_AHEAD`` a request in flight, counted on the wire) and asks nothing more."""
+    from rollout_capture.backends.object_store import READ_AHEAD
+
+    via, proxy = flaky_s3
+    backend = open_backend(via.url("piped"), via.storage_options, concurrency=2)
+    paths = [backend.path(f"p/{n:03d}.json") for n in range(100)]
+    for n, path in enumerate(paths):
+        backend.put(path, b"%d" % n)
+    proxy.deny_on(b"p/005.json")
+    stream = backend.read_iter(paths)
+    assert [next(stream) for _ in range(5)] == [b"%d" % n for n in range(5)]
+    with pytest.raises(PermissionError):
+        next(stream)
+    proxy.deny_on(None)
+    proxy.reset_counts()
+    stream = backend.read_iter(paths)
+    assert next(stream) == b"0"
+    stream.close()  # waits for the requests in flight
+    asked = proxy.reset_counts().get("GET", 0)
+    assert 1 <= asked <= READ_AHEAD * 2 + 1
+    assert proxy.reset_counts() == {}

@@ -282,6 +282,12 @@ class ObjectStoreBackend(Backend):
     def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
         if not paths:
             return []
+        blocking = self._blocking_get()
+        if blocking is not None:
+            fsspec_sync(self.fs.loop, self._before_reads)
+            if len(paths) == 1:  # in the caller's thread: no thread to start for one request
+                return [blocking(paths[0])]
+            return list(_threaded_pipeline(blocking, list(paths), self.concurrency))
         if _reads_async(self.fs):
             result: list[bytes | None] = fsspec_sync(self.fs.loop, self._read_many_async, list(paths))
             return result
@@ -295,6 +301,12 @@ class ObjectStoreBackend(Backend):
 
     async def _before_reads(self) -> None:
         """A hook run on the filesystem's loop before a pass of reads (credentials taken afresh)."""
+
+    def _blocking_get(self) -> Callable[[str], bytes | None] | None:
+        """The store's own GET as a call that blocks its thread, ``None`` when it has none (a hook):
+        reads then run on threads of their own, handing no future between threads (0.25 against
+        0.43 ms of CPU a GET through obstore), else as coroutines of the filesystem's loop."""
+        return None
 
     async def _get(self, path: str) -> bytes | None:
         """One object's bytes, ``None`` when it is missing (a hook: the store's own GET)."""
@@ -320,6 +332,11 @@ class ObjectStoreBackend(Backend):
         """Concurrent GETs (``concurrency`` in flight, at most :data:`READ_AHEAD` times that read
         ahead of the caller), handed over in order as they complete: a pipeline never drained
         between batches of requests, and never more than a window of bodies in memory."""
+        blocking = self._blocking_get()
+        if blocking is not None and len(paths) > 1:
+            fsspec_sync(self.fs.loop, self._before_reads)
+            yield from _threaded_pipeline(blocking, list(paths), self.concurrency)
+            return
         if not _reads_async(self.fs) or len(paths) <= self.concurrency:
             yield from super().read_iter(paths)
             return
@@ -520,6 +537,56 @@ def _ordered_pipeline(
             yield body
     finally:
         producing.cancel()
+
+
+def _threaded_pipeline(
+    get: Callable[[T], bytes | None], paths: list[T], concurrency: int
+) -> Generator[bytes | None]:
+    """``get`` of each path by ``concurrency`` threads of its own, yielded in order; a request
+    starts only while fewer than ``READ_AHEAD * concurrency`` bodies wait for the consumer.
+    Closed early, it starts no more requests and waits for those in flight (a thread's one)."""
+    answers: queue.SimpleQueue[tuple[int, bytes | None, BaseException | None]] = queue.SimpleQueue()
+    room = threading.Semaphore(READ_AHEAD * concurrency)
+    todo = iter(enumerate(paths))
+    taking = threading.Lock()
+    stopped = False
+
+    def worker() -> None:
+        while True:
+            room.acquire()
+            with taking:
+                item = None if stopped else next(todo, None)
+            if item is None:
+                return
+            index, path = item
+            try:
+                answers.put((index, get(path), None))
+            except BaseException as exc:  # handed to the consumer, raised there
+                answers.put((index, None, exc))
+
+    threads = [
+        threading.Thread(target=worker, name="rollout-capture-get", daemon=True)
+        for _ in range(min(concurrency, len(paths)))
+    ]
+    for thread in threads:
+        thread.start()
+    waiting: dict[int, tuple[bytes | None, BaseException | None]] = {}
+    try:
+        for want in range(len(paths)):
+            while want not in waiting:
+                index, body, error = answers.get()
+                waiting[index] = (body, error)
+            body, error = waiting.pop(want)
+            room.release()
+            if error is not None:
+                raise error
+            yield body
+    finally:
+        with taking:
+            stopped = True
+        room.release(len(threads))  # a worker waiting for room wakes, sees the stop and ends
+        for thread in threads:
+            thread.join()
 
 
 class ProcessLocalBackend(ObjectStoreBackend):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from fsspec.asyn import sync as fsspec_sync
@@ -40,8 +40,9 @@ class S3Backend(ObjectStoreBackend):
     async def _before_reads(self) -> None:
         await self._obstore().refresh()
 
-    async def _get(self, path: str) -> bytes | None:
-        return await self._obstore().get(path)
+    def _blocking_get(self) -> Callable[[str], bytes | None] | None:
+        gets = self._obstore()
+        return gets.get if gets.active else None  # else s3fs's coroutines (obstore failed, or is absent)
 
     async def _get_range(self, path: str, start: int, end: int) -> bytes | None:
         async def by_s3fs() -> bytes | None:
