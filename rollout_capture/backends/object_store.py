@@ -479,6 +479,27 @@ READ_AHEAD = 4
 """Windows of concurrent requests a pipelined read may run ahead of its consumer."""
 
 
+_Answer = tuple[int, bytes | None, BaseException | None]
+"""A request's end: the index of its path, its body, the error it raised."""
+
+
+def _in_order(
+    count: int, next_answer: Callable[[], _Answer], handed: Callable[[], None]
+) -> Generator[bytes | None]:
+    """The bodies of requests ``0 .. count - 1``, whose answers come in any order, handed over in
+    index order (an error raised in its place); ``handed`` after each (room for one more)."""
+    waiting: dict[int, tuple[bytes | None, BaseException | None]] = {}
+    for want in range(count):
+        while want not in waiting:
+            index, body, error = next_answer()
+            waiting[index] = (body, error)
+        body, error = waiting.pop(want)
+        handed()
+        if error is not None:
+            raise error
+        yield body
+
+
 def _ordered_pipeline(
     loop: asyncio.AbstractEventLoop,
     before: Callable[[], Awaitable[None]],
@@ -489,7 +510,7 @@ def _ordered_pipeline(
     """``get`` of each path on ``loop`` (another thread's) by ``concurrency`` workers, yielded in
     order; a request starts only while fewer than ``READ_AHEAD * concurrency`` bodies wait for the
     consumer. Closing the generator early stops the requests not yet started."""
-    answers: queue.SimpleQueue[tuple[int, bytes | None, BaseException | None]] = queue.SimpleQueue()
+    answers: queue.SimpleQueue[_Answer] = queue.SimpleQueue()
     window = READ_AHEAD * concurrency
     step = max(1, concurrency // 2)  # consumed bodies handed back as room at once: fewer wake-ups
     room: list[asyncio.Semaphore] = []
@@ -515,26 +536,26 @@ def _ordered_pipeline(
             room[0].release()
 
     producing = asyncio.run_coroutine_threadsafe(produce(), loop)
-    waiting: dict[int, tuple[bytes | None, BaseException | None]] = {}
+
+    def next_answer() -> _Answer:
+        while True:
+            try:
+                return answers.get(timeout=1.0)
+            except queue.Empty:
+                if producing.done():
+                    producing.result()  # raises what stopped it
+
     taken = 0
+
+    def handed() -> None:
+        nonlocal taken
+        taken += 1
+        if taken == step:
+            loop.call_soon_threadsafe(give_back, taken)
+            taken = 0
+
     try:
-        for want in range(len(paths)):
-            while want not in waiting:
-                try:
-                    index, body, error = answers.get(timeout=1.0)
-                except queue.Empty:
-                    if producing.done():
-                        producing.result()  # raises what stopped it
-                    continue
-                waiting[index] = (body, error)
-            body, error = waiting.pop(want)
-            taken += 1
-            if taken == step:
-                loop.call_soon_threadsafe(give_back, taken)
-                taken = 0
-            if error is not None:
-                raise error
-            yield body
+        yield from _in_order(len(paths), next_answer, handed)
     finally:
         producing.cancel()
 
@@ -545,7 +566,7 @@ def _threaded_pipeline(
     """``get`` of each path by ``concurrency`` threads of its own, yielded in order; a request
     starts only while fewer than ``READ_AHEAD * concurrency`` bodies wait for the consumer.
     Closed early, it starts no more requests and waits for those in flight (a thread's one)."""
-    answers: queue.SimpleQueue[tuple[int, bytes | None, BaseException | None]] = queue.SimpleQueue()
+    answers: queue.SimpleQueue[_Answer] = queue.SimpleQueue()
     room = threading.Semaphore(READ_AHEAD * concurrency)
     todo = iter(enumerate(paths))
     taking = threading.Lock()
@@ -570,17 +591,8 @@ def _threaded_pipeline(
     ]
     for thread in threads:
         thread.start()
-    waiting: dict[int, tuple[bytes | None, BaseException | None]] = {}
     try:
-        for want in range(len(paths)):
-            while want not in waiting:
-                index, body, error = answers.get()
-                waiting[index] = (body, error)
-            body, error = waiting.pop(want)
-            room.release()
-            if error is not None:
-                raise error
-            yield body
+        yield from _in_order(len(paths), answers.get, room.release)
     finally:
         with taking:
             stopped = True
