@@ -126,3 +126,30 @@ def test_a_pipelined_read_hands_an_error_over_in_its_place_and_asks_nothing_once
     asked = proxy.reset_counts().get("GET", 0)
     assert 1 <= asked <= READ_AHEAD * 2 + 1
     assert proxy.reset_counts() == {}
+
+
+def test_credentials_are_taken_afresh_once_they_are_a_while_old_not_each_get(
+    s3: S3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blocking GET asks s3fs for the credentials again (a round trip to its loop) only once the
+    last were taken ``REFRESH_EVERY_S`` ago: reads go on with rotating credentials at no cost a GET."""
+    backend = _backend(s3)
+    paths = [backend.path(f"c/{n}.json") for n in range(5)]
+    for path in paths:
+        backend.put(path, b"{}")
+    taken: list[int] = []
+    original = s3_gets.credentials_of
+
+    async def counted(fs: Any) -> dict[str, Any]:
+        taken.append(1)
+        return await original(fs)
+
+    monkeypatch.setattr(s3_gets, "credentials_of", counted)
+    for path in paths:
+        assert backend.read_many([path]) == [b"{}"]
+    assert list(backend.read_iter(paths)) == [b"{}"] * 5
+    assert len(taken) == 1
+    monkeypatch.setattr(s3_gets, "REFRESH_EVERY_S", 0.0)  # every take is old at once
+    for path in paths:
+        assert backend.read_many([path]) == [b"{}"]
+    assert len(taken) == 1 + 5

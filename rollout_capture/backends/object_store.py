@@ -25,11 +25,14 @@ import asyncio
 import contextlib
 import errno
 import inspect
+import itertools
 import math
 import queue
 import threading
+from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Generator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -139,6 +142,7 @@ class ObjectStoreBackend(Backend):
         # store in parallel (runs enriched side by side) each keep theirs.
         self._scoped: dict[str, dict[str, RolloutListing] | None] = {}
         self._scope_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None  # for blocking GETs (_get_pool)
 
     @classmethod
     def from_filesystem(
@@ -284,10 +288,9 @@ class ObjectStoreBackend(Backend):
             return []
         blocking = self._blocking_get()
         if blocking is not None:
-            fsspec_sync(self.fs.loop, self._before_reads)
             if len(paths) == 1:  # in the caller's thread: no thread to start for one request
                 return [blocking(paths[0])]
-            return list(_threaded_pipeline(blocking, list(paths), self.concurrency))
+            return list(_threaded_pipeline(blocking, list(paths), self._get_pool(), self.concurrency))
         if _reads_async(self.fs):
             result: list[bytes | None] = fsspec_sync(self.fs.loop, self._read_many_async, list(paths))
             return result
@@ -300,7 +303,16 @@ class ObjectStoreBackend(Backend):
         return out
 
     async def _before_reads(self) -> None:
-        """A hook run on the filesystem's loop before a pass of reads (credentials taken afresh)."""
+        """A hook run on the filesystem's loop before a pass of coroutine reads (credentials taken
+        afresh; a blocking GET takes care of its own)."""
+
+    def _get_pool(self) -> ThreadPoolExecutor:
+        """The threads this backend's blocking GETs run on (``concurrency`` of them, started as
+        needed and kept for the next read: a short read starts none)."""
+        with self._scope_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="rollout-capture-get")
+            return self._pool
 
     def _blocking_get(self) -> Callable[[str], bytes | None] | None:
         """The store's own GET as a call that blocks its thread, ``None`` when it has none (a hook):
@@ -334,8 +346,7 @@ class ObjectStoreBackend(Backend):
         between batches of requests, and never more than a window of bodies in memory."""
         blocking = self._blocking_get()
         if blocking is not None and len(paths) > 1:
-            fsspec_sync(self.fs.loop, self._before_reads)
-            yield from _threaded_pipeline(blocking, list(paths), self.concurrency)
+            yield from _threaded_pipeline(blocking, list(paths), self._get_pool(), self.concurrency)
             return
         if not _reads_async(self.fs) or len(paths) <= self.concurrency:
             yield from super().read_iter(paths)
@@ -479,27 +490,6 @@ READ_AHEAD = 4
 """Windows of concurrent requests a pipelined read may run ahead of its consumer."""
 
 
-_Answer = tuple[int, bytes | None, BaseException | None]
-"""A request's end: the index of its path, its body, the error it raised."""
-
-
-def _in_order(
-    count: int, next_answer: Callable[[], _Answer], handed: Callable[[], None]
-) -> Generator[bytes | None]:
-    """The bodies of requests ``0 .. count - 1``, whose answers come in any order, handed over in
-    index order (an error raised in its place); ``handed`` after each (room for one more)."""
-    waiting: dict[int, tuple[bytes | None, BaseException | None]] = {}
-    for want in range(count):
-        while want not in waiting:
-            index, body, error = next_answer()
-            waiting[index] = (body, error)
-        body, error = waiting.pop(want)
-        handed()
-        if error is not None:
-            raise error
-        yield body
-
-
 def _ordered_pipeline(
     loop: asyncio.AbstractEventLoop,
     before: Callable[[], Awaitable[None]],
@@ -510,7 +500,7 @@ def _ordered_pipeline(
     """``get`` of each path on ``loop`` (another thread's) by ``concurrency`` workers, yielded in
     order; a request starts only while fewer than ``READ_AHEAD * concurrency`` bodies wait for the
     consumer. Closing the generator early stops the requests not yet started."""
-    answers: queue.SimpleQueue[_Answer] = queue.SimpleQueue()
+    answers: queue.SimpleQueue[tuple[int, bytes | None, BaseException | None]] = queue.SimpleQueue()
     window = READ_AHEAD * concurrency
     step = max(1, concurrency // 2)  # consumed bodies handed back as room at once: fewer wake-ups
     room: list[asyncio.Semaphore] = []
@@ -536,69 +526,51 @@ def _ordered_pipeline(
             room[0].release()
 
     producing = asyncio.run_coroutine_threadsafe(produce(), loop)
-
-    def next_answer() -> _Answer:
-        while True:
-            try:
-                return answers.get(timeout=1.0)
-            except queue.Empty:
-                if producing.done():
-                    producing.result()  # raises what stopped it
-
+    waiting: dict[int, tuple[bytes | None, BaseException | None]] = {}
     taken = 0
-
-    def handed() -> None:
-        nonlocal taken
-        taken += 1
-        if taken == step:
-            loop.call_soon_threadsafe(give_back, taken)
-            taken = 0
-
     try:
-        yield from _in_order(len(paths), next_answer, handed)
+        for want in range(len(paths)):
+            while want not in waiting:
+                try:
+                    index, body, error = answers.get(timeout=1.0)
+                except queue.Empty:
+                    if producing.done():
+                        producing.result()  # raises what stopped it
+                    continue
+                waiting[index] = (body, error)
+            body, error = waiting.pop(want)
+            taken += 1
+            if taken == step:
+                loop.call_soon_threadsafe(give_back, taken)
+                taken = 0
+            if error is not None:
+                raise error
+            yield body
     finally:
         producing.cancel()
 
 
 def _threaded_pipeline(
-    get: Callable[[T], bytes | None], paths: list[T], concurrency: int
+    get: Callable[[T], bytes | None], paths: list[T], pool: ThreadPoolExecutor, concurrency: int
 ) -> Generator[bytes | None]:
-    """``get`` of each path by ``concurrency`` threads of its own, yielded in order; a request
-    starts only while fewer than ``READ_AHEAD * concurrency`` bodies wait for the consumer.
-    Closed early, it starts no more requests and waits for those in flight (a thread's one)."""
-    answers: queue.SimpleQueue[_Answer] = queue.SimpleQueue()
-    room = threading.Semaphore(READ_AHEAD * concurrency)
-    todo = iter(enumerate(paths))
-    taking = threading.Lock()
-    stopped = False
-
-    def worker() -> None:
-        while True:
-            room.acquire()
-            with taking:
-                item = None if stopped else next(todo, None)
-            if item is None:
-                return
-            index, path = item
-            try:
-                answers.put((index, get(path), None))
-            except BaseException as exc:  # handed to the consumer, raised there
-                answers.put((index, None, exc))
-
-    threads = [
-        threading.Thread(target=worker, name="rollout-capture-get", daemon=True)
-        for _ in range(min(concurrency, len(paths)))
-    ]
-    for thread in threads:
-        thread.start()
+    """``get`` of each path on ``pool``'s threads, yielded in order; a request is asked only while
+    fewer than ``READ_AHEAD * concurrency`` bodies wait for the consumer. Closed early, it asks
+    no more and waits for those in flight (their answers dropped)."""
+    window = READ_AHEAD * concurrency
+    todo = iter(paths)
+    asked: deque[Future[bytes | None]] = deque(
+        pool.submit(get, path) for path in itertools.islice(todo, window)
+    )
     try:
-        yield from _in_order(len(paths), answers.get, room.release)
+        while asked:
+            body = asked.popleft().result()  # a request's error raised in its place
+            for path in itertools.islice(todo, 1):
+                asked.append(pool.submit(get, path))
+            yield body
     finally:
-        with taking:
-            stopped = True
-        room.release(len(threads))  # a worker waiting for room wakes, sees the stop and ends
-        for thread in threads:
-            thread.join()
+        for request in asked:
+            request.cancel()
+        futures_wait(asked)
 
 
 class ProcessLocalBackend(ObjectStoreBackend):

@@ -20,6 +20,7 @@ import atexit
 import gc
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
@@ -34,6 +35,9 @@ SWITCH_AFTER = 3
 _STATIC_FOR = timedelta(
     hours=12
 )  # how long obstore may keep credentials that never expire before asking again
+REFRESH_EVERY_S = 60.0
+"""How old the credentials handed to obstore may get while reads go on (botocore renews expiring
+ones well before they lapse, obstore asks for them 5 minutes before): not a round trip a GET."""
 _WHOLE = 1 << 50  # a range from 0 this long is the whole object: one future, where a plain GET takes two
 
 
@@ -61,6 +65,8 @@ class ObstoreGets:
         self._whole_by_range = True  # a whole object asked as a range: one wait for its body
         self._refused_ranges = 0
         self._lock = threading.Lock()
+        self._refreshing = threading.Lock()
+        self._refreshed = float("-inf")  # monotonic time of the last refresh()
         self.active = _obstore_installed()
         _LIVE.add(self)
 
@@ -76,6 +82,7 @@ class ObstoreGets:
         import obstore
         from obstore.exceptions import NotFoundError
 
+        self._fresh()
         bucket, key, _ = self._fs.split_path(path)
         try:
             store = self._stores.get(bucket) or fsspec_sync(self._fs.loop, self._store, bucket)
@@ -180,10 +187,19 @@ class ObstoreGets:
         """Take the credentials s3fs's client signs with now (botocore refreshes expiring ones); a
         failure leaves the last ones (obstore's requests then fail over to s3fs, which says why)."""
         if self.active:
+            self._refreshed = time.monotonic()
             try:
                 self._credential = await credentials_of(self._fs)
             except Exception as exc:
                 logger.debug("credentials not taken afresh for obstore: %s", exc)
+
+    def _fresh(self) -> None:
+        """:meth:`refresh` once the last is :data:`REFRESH_EVERY_S` old (from a thread not the loop's)."""
+        if time.monotonic() - self._refreshed < REFRESH_EVERY_S:
+            return
+        with self._refreshing:
+            if time.monotonic() - self._refreshed >= REFRESH_EVERY_S:
+                fsspec_sync(self._fs.loop, self.refresh)
 
     def _provide(self) -> dict[str, Any]:
         """The credentials, until when they hold (obstore asks again 5 minutes before; asked each
