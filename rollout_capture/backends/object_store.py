@@ -142,7 +142,8 @@ class ObjectStoreBackend(Backend):
         # store in parallel (runs enriched side by side) each keep theirs.
         self._scoped: dict[str, dict[str, RolloutListing] | None] = {}
         self._scope_lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None  # for blocking GETs (_get_pool)
+        # The threads blocking GETs run on, started as needed and kept for the next read.
+        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="rollout-capture-get")
 
     @classmethod
     def from_filesystem(
@@ -288,9 +289,9 @@ class ObjectStoreBackend(Backend):
             return []
         blocking = self._blocking_get()
         if blocking is not None:
-            if len(paths) == 1:  # in the caller's thread: no thread to start for one request
+            if len(paths) == 1:  # in the caller's thread: no hop to another for one request
                 return [blocking(paths[0])]
-            return list(_threaded_pipeline(blocking, list(paths), self._get_pool(), self.concurrency))
+            return list(self.read_iter(paths))
         if _reads_async(self.fs):
             result: list[bytes | None] = fsspec_sync(self.fs.loop, self._read_many_async, list(paths))
             return result
@@ -305,14 +306,6 @@ class ObjectStoreBackend(Backend):
     async def _before_reads(self) -> None:
         """A hook run on the filesystem's loop before a pass of coroutine reads (credentials taken
         afresh; a blocking GET takes care of its own)."""
-
-    def _get_pool(self) -> ThreadPoolExecutor:
-        """The threads this backend's blocking GETs run on (``concurrency`` of them, started as
-        needed and kept for the next read: a short read starts none)."""
-        with self._scope_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="rollout-capture-get")
-            return self._pool
 
     def _blocking_get(self) -> Callable[[str], bytes | None] | None:
         """The store's own GET as a call that blocks its thread, ``None`` when it has none (a hook):
@@ -346,7 +339,7 @@ class ObjectStoreBackend(Backend):
         between batches of requests, and never more than a window of bodies in memory."""
         blocking = self._blocking_get()
         if blocking is not None and len(paths) > 1:
-            yield from _threaded_pipeline(blocking, list(paths), self._get_pool(), self.concurrency)
+            yield from _threaded_pipeline(blocking, list(paths), self._pool, self.concurrency)
             return
         if not _reads_async(self.fs) or len(paths) <= self.concurrency:
             yield from super().read_iter(paths)

@@ -38,7 +38,7 @@ _STATIC_FOR = timedelta(
 REFRESH_EVERY_S = 60.0
 """How old the credentials handed to obstore may get while reads go on (botocore renews expiring
 ones well before they lapse, obstore asks for them 5 minutes before): not a round trip a GET."""
-_WHOLE = 1 << 50  # a range from 0 this long is the whole object: one future, where a plain GET takes two
+_WHOLE = 1 << 50  # a range from 0 this long is the whole object: one call, where a plain GET takes two
 
 
 def _let_stores_go() -> None:
@@ -92,10 +92,10 @@ class ObstoreGets:
                 except (FileNotFoundError, NotFoundError):
                     raise
                 except Exception:  # an empty object has no range (416), or the store refused it
-                    whole = bytes(obstore.get(store, key).bytes())
+                    whole = _plain(store, key)
                     self._range_refused(whole)
                     return whole
-            return bytes(obstore.get(store, key).bytes())
+            return _plain(store, key)
         except (FileNotFoundError, NotFoundError):  # obstore raises the built-in one for a GET
             return None
         except Exception as exc:
@@ -235,6 +235,13 @@ class ObstoreGets:
         else:
             options["credential_provider"] = self._provide
         return S3Store(bucket, **options)
+
+
+def _plain(store: Any, key: str) -> bytes:
+    """A whole object by a plain GET (two calls: the answer, then its body)."""
+    import obstore
+
+    return bytes(obstore.get(store, key).bytes())
 
 
 _LIVE: weakref.WeakSet[ObstoreGets] = weakref.WeakSet()
