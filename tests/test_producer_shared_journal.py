@@ -134,22 +134,25 @@ def test_a_worker_whose_parent_is_gone_commits_on_its_own(
     look = store.journal_writer_of("rows").look()
     look.result(timeout=30)
     parent.host.close()  # the parent's end goes, as when it is killed
-    racing = [submit_row(store, "r-0", f"racing-{n}") for n in range(3)]
-    landed = []
-    for future in racing:  # sent before the worker saw its parent gone: they may fail, never hang
-        with contextlib.suppress(SharedJournalError):
-            landed.append(future.result(timeout=30))
+    racing = {f"racing-{n}": submit_row(store, "r-0", f"racing-{n}") for n in range(3)}
+    answered = set()
+    for call, future in racing.items():  # sent before the worker saw its parent gone: they may
+        with contextlib.suppress(SharedJournalError):  # fail (landed or not), never hang
+            assert isinstance(future.result(timeout=30), int)
+            answered.add(call)
     said = "this worker commits its journal entries itself"
     wait_for(lambda: said in caplog.text, 30, "the worker to see its parent gone")
-    landed.append(submit_row(store, "r-0", "after").result(timeout=30))  # its own writer's now
-    assert landed and said in caplog.text
+    assert isinstance(submit_row(store, "r-0", "after").result(timeout=30), int)  # its own writer's
     later = store.journal_writer_of("rows").submit(
         [row_entry("r-0", {**ROW, "model_call_id": "later"})],
         look=look,  # a look the parent took
     )
     assert isinstance(later.result(timeout=30), int)
     calls = [row["model_call_id"] for row in CaptureStore(parent.url).read("r-0")]
-    assert calls[0] == "before" and calls[-1] == "later" and len(calls) == len(landed) + 2
+    assert calls[0] == "before" and calls[-1] == "later" and "after" in calls
+    assert len(calls) == len(set(calls))  # nothing landed twice
+    # what was answered landed; what failed may or may not have: nothing else is there
+    assert answered <= set(calls) <= {"before", "after", "later", *racing}
     writers = parent.writers()
     assert writers[0] == parent.writer_id() != writers[-1]  # the worker's own writer took over
 
