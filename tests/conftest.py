@@ -21,6 +21,10 @@ os.environ["PREFECT_LOGGING_LEVEL"] = os.environ.get("PREFECT_LOGGING_LEVEL", "W
 os.environ.pop("PREFECT_API_URL", None)
 # Events reach the API's feed within half a second instead of five (the persister's batches).
 os.environ["PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL"] = "0.5"
+# Workers and serve look for flow runs to start every second instead of ten (the same polling,
+# on a test-sized clock): a triggered run starts when it is due, not up to ten seconds later.
+os.environ["PREFECT_WORKER_QUERY_SECONDS"] = "1"
+os.environ["PREFECT_RUNNER_POLL_FREQUENCY"] = "1"
 # Core log records sent to the API outside a flow run are dropped quietly, not warned about.
 os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"
 # Task retries on the same policy as production, on a test-sized clock.
