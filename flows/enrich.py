@@ -178,15 +178,22 @@ def _merge_batches(
         make_task_runner(runner, workers, options.dask_address, options.ray_address) as task_runner,
     ):
         in_flight: deque[tuple[int, PrefectFuture[BatchOutput]]] = deque()
-        for piece in ranges:
-            # Workers elsewhere (Dask, Ray) cannot read this machine's files: they get the bytes.
-            blob = piece.read() if runner in REMOTE else None
-            batch = {"batch": BatchInput(lines=piece, blob=blob), **parameters}
-            in_flight.append((piece.length, task_runner.submit(merge_batch, batch)))
-            while len(in_flight) > workers:  # bounded: memory stays flat as input grows
+        try:
+            for piece in ranges:
+                # Workers elsewhere (Dask, Ray) cannot read this machine's files: they get the bytes.
+                blob = piece.read() if runner in REMOTE else None
+                batch = {"batch": BatchInput(lines=piece, blob=blob), **parameters}
+                in_flight.append((piece.length, task_runner.submit(merge_batch, batch)))
+                while len(in_flight) > workers:  # bounded: memory stays flat as input grows
+                    filler.take(*in_flight.popleft())
+            while in_flight:
                 filler.take(*in_flight.popleft())
-        while in_flight:
-            filler.take(*in_flight.popleft())
+        except Exception:
+            # A cluster's runner cancels what is left when it closes: the batches in flight would
+            # stay "Running" in the UI for ever. They end first (at most ``workers``), then the error.
+            for _, future in in_flight:
+                future.wait()
+            raise
 
 
 def enrich_to_spool(
