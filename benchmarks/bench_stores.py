@@ -60,9 +60,9 @@ logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's line per request
 
 
 def start_moto(folder: str) -> tuple[Any, str]:
-    from moto.server import ThreadedMotoServer
+    from tests.support.moto_s3 import AtomicMotoServer  # its conditional writes atomic, as S3's
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = AtomicMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     return server, f"http://{host}:{port}"

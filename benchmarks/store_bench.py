@@ -56,7 +56,8 @@ class Moto:
     def __init__(self) -> None:
         self.host, self.port = "127.0.0.1", free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)],
+            [sys.executable, "-m", "tests.support.moto_s3", "-H", self.host, "-p", str(self.port)],
+            cwd=ROOT,  # its conditional writes atomic, as S3's (tests/support/moto_s3.py)
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env={**os.environ, **DUMMY_CREDENTIALS},

@@ -135,9 +135,9 @@ def corpus_dir() -> Path:
 @pytest.fixture(scope="session")
 def moto_endpoint() -> Iterator[str]:
     """A real S3 HTTP endpoint on 127.0.0.1 (moto server mode), for the whole session."""
-    from moto.server import ThreadedMotoServer
+    from .support.moto_s3 import AtomicMotoServer  # its conditional writes atomic, as S3's
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = AtomicMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     try:
@@ -331,6 +331,7 @@ STARTERS = frozenset(
     {
         "ThreadedServer",  # uvicorn on a loopback port (tests/support/servers.py)
         "ThreadedMotoServer",
+        "AtomicMotoServer",
         "start_fake_gcs",  # the stores' servers (tests/support/stores.py)
         "start_azurite",
         "start_rclone",

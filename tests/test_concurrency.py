@@ -36,7 +36,10 @@ def run_writers(
 def check(store: CaptureStore) -> None:
     rows, damaged = store.read_available("c-0")
     assert damaged == 0  # no torn or interleaved row
-    assert len(rows) == WRITERS * ROWS  # nothing lost
+    missing = {(w, n) for w in range(WRITERS) for n in range(ROWS)} - {(r["writer"], r["n"]) for _, r in rows}
+    objects = len(store.listing("c-0").objects) if store.layout == "objects" else None
+    lost = f"lost (writer, n): {sorted(missing)}; objects: {objects}"
+    assert not missing and len(rows) == WRITERS * ROWS, lost  # nothing lost
     for writer in range(WRITERS):
         mine = [row for _, row in rows if row["writer"] == writer]
         assert [row["n"] for row in mine] == list(range(ROWS))  # each writer's own order kept
