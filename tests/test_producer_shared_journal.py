@@ -149,8 +149,11 @@ def test_a_worker_whose_parent_is_gone_commits_on_its_own(
     )
     assert isinstance(later.result(timeout=30), int)
     calls = [row["model_call_id"] for row in CaptureStore(parent.url).read("r-0")]
-    assert calls[0] == "before" and calls[-1] == "later" and "after" in calls
     assert len(calls) == len(set(calls))  # nothing landed twice
+    # what was answered is in the order it was answered; an entry that failed may still land,
+    # at any time after (the parent's writer had it in flight): its rollout is marked incomplete
+    acknowledged = [call for call in calls if call in {"before", "after", "later", *answered}]
+    assert acknowledged[0] == "before" and acknowledged[-2:] == ["after", "later"]
     # what was answered landed; what failed may or may not have: nothing else is there
     assert answered <= set(calls) <= {"before", "after", "later", *racing}
     writers = parent.writers()
