@@ -24,7 +24,7 @@ from rollout_capture.backends import ListingScope
 from rollout_capture.batch import BatchStats, DuplicateIds
 from rollout_capture.enrich_options import DEFAULT_BATCH_SIZE, DEFAULT_MAX_WORKERS, EnrichOptions, Runner
 from rollout_capture.faults import NO_CAPTURE_CAUSES
-from rollout_capture.filesystem import absolute_location
+from rollout_capture.filesystem import absolute_location, is_local
 from rollout_capture.flows.events import emit_completed, emit_failed
 from rollout_capture.flows.guard import StorageOptions, guarded_flow
 from rollout_capture.flows.report import (
@@ -39,6 +39,7 @@ from rollout_capture.flows.report import (
 )
 from rollout_capture.flows.runners import (
     REMOTE,
+    SHARED_READS_WORKERS,
     api_shared_with_workers,
     check_runner,
     effective_workers,
@@ -78,6 +79,25 @@ def listed_capture_ids(captures: Location, scope: ListingScope) -> set[str] | No
     batches listed rollout by rollout instead (or in other processes), so none exists here.
     """
     return capture_store(captures).listed_rollout_ids(scope)
+
+
+def batches_in_flight(workers: int, options: EnrichOptions, captures: Location, scope: ListingScope) -> int:
+    """Fewer batches at once where they all read one journal (the root holds it alone): the first
+    batch reads every commit for all, so more in flight hold more records and buy no time
+    (measured at 10,000 rollouts on a store: 8 as quick as 2, with 871-882 MB peak RSS against
+    461-475). Threads only: the job's listing, taken here, is the one its batches share.
+    A listing that fails here is left to the batches, which list again, retried as tasks are."""
+    if options.runner != "threads" or workers <= SHARED_READS_WORKERS or is_local(captures.url):
+        return workers
+    try:
+        alone = capture_store(captures).journal_alone(scope)
+    except Exception as exc:
+        logger.info("listing %s before its batches failed (%s): they list it themselves", captures, exc)
+        return workers
+    if not alone:
+        return workers
+    logger.info("%s holds a journal alone: %d batches in flight", captures, SHARED_READS_WORKERS)
+    return SHARED_READS_WORKERS
 
 
 def count_orphans(
@@ -229,6 +249,7 @@ def enrich_to_spool(
     scope = ListingScope(key=f"{flow_run.id or 'local'}-{uuid.uuid4().hex}", rollouts=0)
     try:
         ranges, scope = _cut(staged, options.batch_size, scope.key)
+        workers = batches_in_flight(workers, options, captures, scope)
         parameters = {
             "capture_dir": captures,
             "include_payloads": options.include_payloads,
@@ -440,7 +461,8 @@ def enrich_rollouts(
         include_payloads: Keep each call's request and response in the output.
         quiescence_timeout_s: Seconds to wait, per batch, for calls still being written (live claims).
         batch_size: Rollout lines per batch task.
-        max_workers: Batches running at once.
+        max_workers: Batches running at once, at most (threads: 2 on a local disk, and on an
+            object store where they all read one journal).
         runner: Where batches run: threads, processes (all cores), dask or ray.
         dask_address: The Dask scheduler for runner=dask; default a local cluster.
         ray_address: The Ray cluster for runner=ray (head:6379, ray://head:10001); default RAY_ADDRESS.

@@ -20,6 +20,8 @@ REMOTE: tuple[Runner, ...] = ("dask", "ray")
 
 
 LOCAL_THREADS = 2
+SHARED_READS_WORKERS = 2
+"""Threads for a job whose batches all read one journal on an object store (``flows.enrich``)."""
 
 
 def effective_workers(runner: Runner, max_workers: int, capture_dir: str) -> int:

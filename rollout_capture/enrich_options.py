@@ -39,7 +39,8 @@ class EnrichOptions(BaseModel):
     batch_size: Annotated[int, Field(ge=1)] = DEFAULT_BATCH_SIZE
     """Rollout lines per batch task."""
     max_workers: Annotated[int, Field(ge=1)] = DEFAULT_MAX_WORKERS
-    """Batches running at once."""
+    """Batches running at once, at most (threads: 2 on a local disk, and on an object store where
+    they all read one journal, which the first reads for all)."""
     runner: Runner = "threads"
     dask_address: str | None = None
     ray_address: str | None = None

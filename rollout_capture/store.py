@@ -354,6 +354,12 @@ class CaptureStore:
                 self._no_journal_scopes[scope.key] = None
         return JournalReadBatch(fetched, reader, ids) if reader.exists else fetched
 
+    def journal_alone(self, scope: ListingScope) -> bool:
+        """Whether a job's batches all read one journal (the root holds its commits and no
+        rollout's own file), by the listing they share, taken now if no batch took it: the first
+        batch reads every commit, the others wait on none, so more of them in flight buy no time."""
+        return self._backend.journal_alone(scope)
+
     def listed_rollout_ids(self, scope: ListingScope) -> set[str] | None:
         """The rollout ids under the root from what a job's listing already holds (orphan captures)."""
         listed = self._backend.listed_rollout_ids(scope.key)

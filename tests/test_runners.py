@@ -215,3 +215,43 @@ def test_the_scheduled_deployment_takes_a_cluster_address(prefect_api: str, tmp_
     assert "ray" in schema["runner"]["enum"]
     mixed = deploy(prefect_api, "--runs-root", "/data/runs", "--dask-address", "tcp://s:8786", cwd=tmp_path)
     assert mixed.returncode == 2 and "--dask-address is for --runner dask" in mixed.stderr, mixed.stderr
+
+
+def test_batches_reading_a_journal_alone_on_a_store_go_two_at_a_time(
+    s3: S3, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A root holding the journal alone: the first batch reads every commit for all, so the
+    threads runner keeps 2 batches in flight, not 8 (as quick, half the memory: docs/benchmarks.md);
+    a root with a rollout's own objects, a local disk, or a cluster keeps what it had."""
+    from rollout_capture.backends import ListingScope
+    from rollout_capture.enrich_options import EnrichOptions
+    from rollout_capture.flows.enrich import batches_in_flight
+    from rollout_capture.location import Location
+
+    from .support.journal_runs import journal_run
+
+    captures = Location(url=s3.url("caps"), storage_options=s3.storage_options)
+    lines = journal_run(CaptureStore(captures.url, storage_options=s3.storage_options), 40, 2)
+    threads, dask = EnrichOptions(), EnrichOptions(runner="dask")
+    assert batches_in_flight(8, threads, captures, ListingScope("alone", 40)) == 2
+    assert batches_in_flight(8, dask, captures, ListingScope("on-a-cluster", 40)) == 8
+
+    (tmp_path / "rollouts.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    with caplog.at_level("INFO", logger="rollout_capture.flows.enrich"):
+        summary = enrich_rollouts(
+            str(tmp_path / "rollouts.jsonl"),
+            captures.url,
+            output=str(tmp_path / "out.jsonl"),
+            storage_options=s3.storage_options,
+            batch_size=5,
+        )
+    assert "holds a journal alone: 2 batches in flight" in caplog.text
+    records = [orjson.loads(line) for line in (tmp_path / "out.jsonl").read_bytes().splitlines()]
+    assert summary.batches == 8 and [len(r["ng_model_call_capture"]["calls"]) for r in records] == [2] * 40
+
+    objects = CaptureStore(captures.url, storage_options=s3.storage_options, layout="objects")
+    objects.record("0-0", {"model_call_id": "an object of its own", "dialect": "chat"})
+    assert batches_in_flight(8, threads, captures, ListingScope("beside-objects", 40)) == 8
+    local = Location(url=str(tmp_path / "local"))
+    journal_run(CaptureStore(local.url, layout="journal"), 40, 1)
+    assert batches_in_flight(8, threads, local, ListingScope("local", 40)) == 8

@@ -170,6 +170,11 @@ class Backend(ABC):
     def end_scope(self, key: str) -> None:  # noqa: B027 - nothing to forget unless a backend shares listings
         """Forget what was kept for the batches of a finished job."""
 
+    def journal_alone(self, scope: ListingScope) -> bool:
+        """Whether the root holds journal commits and no rollout's own file, by the listing the
+        job's batches share (taken now if none took it yet); False when that is not known."""
+        return False
+
     def listed_rollout_ids(self, scope_key: str) -> set[str] | None:
         """The rollout ids under the root, from what is cheap here (orphan captures are counted
         from it): a listing the job's batches shared, or one look at a local folder; ``None``

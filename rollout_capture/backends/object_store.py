@@ -43,7 +43,14 @@ from rollout_capture.backends.base import Backend, ListedReadBatch, ListingScope
 from rollout_capture.backends.capabilities import ONE_PROCESS, READ_ONLY_STORE, Capabilities
 from rollout_capture.filesystem import DEFAULT_READ_CONCURRENCY, join, protocol_of
 from rollout_capture.identity import validate_rollout_id
-from rollout_capture.names import Entry, RolloutListing, group_entries, journal_numbers, objects_dir
+from rollout_capture.names import (
+    COMPACTED,
+    Entry,
+    RolloutListing,
+    group_entries,
+    journal_numbers,
+    objects_dir,
+)
 
 if TYPE_CHECKING:
     from rollout_capture.layouts import Layout
@@ -248,18 +255,36 @@ class ObjectStoreBackend(Backend):
             return self._one_by_one(ids), None
         return {r: flat.get(r) or RolloutListing() for r in ids}, flat
 
+    def _scope_listing(
+        self, ids: list[str], scope: ListingScope, *, decide: bool = True
+    ) -> dict[str, RolloutListing] | None:
+        """The job's one flat listing of the root, taken by the first to ask; None when listing its
+        rollouts one by one is quicker (remembered for the job's batches unless not ``decide``:
+        a batch's own rollouts may tip it)."""
+        with self._scope_lock:  # batches of one job run in threads: one of them lists
+            if scope.key in self._scoped:
+                return self._scoped[scope.key]
+            flat = self._listings(ids, max(scope.rollouts, len(ids)))
+            if flat is None and not decide:
+                return None
+            while len(self._scoped) >= _SCOPES_KEPT:
+                del self._scoped[next(iter(self._scoped))]  # the oldest job's
+            self._scoped[scope.key] = flat
+            return flat
+
+    def journal_alone(self, scope: ListingScope) -> bool:
+        flat = self._scope_listing([], scope, decide=False)
+        if not isinstance(flat, RootListing) or flat:
+            return False
+        # A compacted generation's parts are read in ranges, each batch its own: not counted here.
+        commits = flat.commits
+        return bool(commits.get("rows") or commits.get("claims")) and not commits.get(COMPACTED)
+
     def _scoped_listings(
         self, ids: list[str], scope: ListingScope
     ) -> tuple[dict[str, RolloutListing], dict[str, RolloutListing] | None]:
         """Listings for a batch of a job, from the job's one flat listing when it has (or takes) one."""
-        with self._scope_lock:  # batches of one job run in threads: one of them lists
-            if scope.key in self._scoped:
-                flat = self._scoped[scope.key]
-            else:
-                flat = self._listings(ids, max(scope.rollouts, len(ids)))
-                while len(self._scoped) >= _SCOPES_KEPT:
-                    del self._scoped[next(iter(self._scoped))]  # the oldest job's
-                self._scoped[scope.key] = flat
+        flat = self._scope_listing(ids, scope)
         if flat is None:
             return self._one_by_one(ids), None
         return {r: flat.get(r) or RolloutListing() for r in ids}, flat
