@@ -24,7 +24,7 @@ from rollout_capture.backends import ListingScope
 from rollout_capture.batch import BatchStats, DuplicateIds
 from rollout_capture.enrich_options import DEFAULT_BATCH_SIZE, DEFAULT_MAX_WORKERS, EnrichOptions, Runner
 from rollout_capture.faults import NO_CAPTURE_CAUSES
-from rollout_capture.filesystem import absolute_location, is_local
+from rollout_capture.filesystem import absolute_location
 from rollout_capture.flows.events import emit_completed, emit_failed
 from rollout_capture.flows.guard import StorageOptions, guarded_flow
 from rollout_capture.flows.report import (
@@ -87,7 +87,7 @@ def batches_in_flight(workers: int, options: EnrichOptions, captures: Location, 
     (measured at 10,000 rollouts on a store: 8 as quick as 2, with 871-882 MB peak RSS against
     461-475). Threads only: the job's listing, taken here, is the one its batches share.
     A listing that fails here is left to the batches, which list again, retried as tasks are."""
-    if options.runner != "threads" or workers <= SHARED_READS_WORKERS or is_local(captures.url):
+    if options.runner != "threads" or workers <= SHARED_READS_WORKERS:  # a local disk's are 2 already
         return workers
     try:
         alone = capture_store(captures).journal_alone(scope)

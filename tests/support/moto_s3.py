@@ -25,7 +25,7 @@ from moto.moto_server.werkzeug_app import (
     MotoRequestHandler,
     create_backend_app,
 )
-from werkzeug.serving import make_server
+from werkzeug.serving import BaseWSGIServer, make_server
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 _CONDITIONS = ("HTTP_IF_NONE_MATCH", "HTTP_IF_MATCH")
@@ -53,13 +53,16 @@ def moto_app() -> WsgiApp:
     return AtomicConditionalWrites(DomainDispatcherApplication(create_backend_app))
 
 
+def moto_server(host: str, port: int) -> BaseWSGIServer:
+    """A threaded HTTP server of :func:`moto_app` on ``host:port`` (0: a free port), not serving yet."""
+    return make_server(host, port, moto_app(), True, request_handler=MotoRequestHandler)
+
+
 class AtomicMotoServer(ThreadedMotoServer):
     """moto's threaded server (a thread of this process) serving :func:`moto_app`."""
 
     def _server_entry(self) -> None:
-        self._server = make_server(
-            self._ip_address, self._port, moto_app(), True, request_handler=MotoRequestHandler
-        )
+        self._server = moto_server(self._ip_address, self._port)
         self._server_ready_event.set()
         self._server.serve_forever()
 
@@ -70,8 +73,7 @@ def main() -> None:
     parser.add_argument("-p", "--port", type=int, default=5000)
     args = parser.parse_args()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = make_server(args.host, args.port, moto_app(), True, request_handler=MotoRequestHandler)
-    server.serve_forever()
+    moto_server(args.host, args.port).serve_forever()
 
 
 if __name__ == "__main__":
